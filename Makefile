@@ -1,0 +1,88 @@
+# rlpipe — the front door. `make help` lists every target.
+# Targets that need the environment create it themselves (uv in .tools/, project env in .venv/).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+UV := .tools/bin/uv
+VENV := .venv
+PY := $(VENV)/bin/python
+RUN ?= runs/demo
+CONFIG ?= configs/demo_cats.yaml
+ARGS ?=
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export JAX_PLATFORMS ?= cpu
+export PYTHONHASHSEED := 0
+
+.DEFAULT_GOAL := help
+
+.PHONY: help setup demo test test-fast test-slow lint format typecheck bench bench-gpu rollout batches learn evaluate report run export clean
+
+help: ## List every target with a one-line description
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(UV):
+	$(PYTHON) -m venv .tools
+	.tools/bin/python -m pip install -q --disable-pip-version-check uv==0.13.9
+
+$(VENV)/.synced: pyproject.toml uv.lock | $(UV)
+	$(UV) sync --frozen --python $(PYTHON) --quiet
+	@# torch (CPU) only for the HF-export test: pip takes the CPU wheel from this machine's local index.
+	-$(PYTHON) -m pip --python $(PY) install -q --disable-pip-version-check torch==2.13.0 2>/dev/null || \
+	  $(PY) -c "import torch" 2>/dev/null || echo "note: torch CPU not installed; the HF export test needs it"
+	touch $@
+
+setup: $(VENV)/.synced ## Create the environment (uv, pinned by uv.lock)
+
+demo: setup ## Run the cats demo job on a local run root (RUN=runs/demo), print rewards, write the report
+	$(PY) -m steps.demo --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+
+test: setup ## Run the whole test suite (what CI runs)
+	$(PY) -m pytest -q -n 2 --dist loadfile --timeout 900 tests $(ARGS)
+
+test-fast: setup ## Run the tests not marked slow
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests $(ARGS)
+
+test-slow: setup ## Run only the tests marked slow (crash suites)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow tests $(ARGS)
+
+lint: setup ## ruff check + format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup ## Apply ruff format and autofixes
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+typecheck: setup ## mypy on pipeline/ and schemas/
+	$(VENV)/bin/mypy pipeline schemas
+
+bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo
+	$(PY) -m bench.run_all $(ARGS)
+
+bench-gpu: ## GPU benchmark (run on the GPU machine; see docs/benchmarks.md)
+	PYTHONPATH=/tmp/site:.device:$$PYTHONPATH JAX_PLATFORMS= python3 -m bench.bench_gpu --device-compat $(ARGS)
+
+run: setup ## Run a whole job (CONFIG=configs/….yaml RUN=…): learner, BatchMaker, rollout workers, evaluator
+	$(PY) -m steps.run --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+
+rollout: setup ## One rollout worker on RUN (bounded with ARGS="--max_rollouts N")
+	$(PY) -m steps.run step rollout --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+
+batches: setup ## The BatchMaker on RUN (ARGS="--follow true" or "--max_batches N")
+	$(PY) -m steps.run step batches --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+
+learn: setup ## The learner on RUN (bounded with ARGS="--max_steps N")
+	$(PY) -m steps.run step learn --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+
+evaluate: setup ## Evaluate committed policies of RUN (ARGS="--all true", "--follow true", "--steps [3,5]")
+	$(PY) -m steps.run step evaluate --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+
+export: setup ## Export policy STEP of RUN as a Hugging Face folder OUT
+	$(PY) -m steps.learn export --run_root $(RUN) --step $(STEP) --out $(OUT)
+
+report: setup ## Write the HTML report of RUN (RUN=runs/demo) from the run root alone
+	$(PY) -m pipeline.report $(RUN)
+
+clean: ## Remove the environment and local runs
+	rm -rf .venv .tools runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,414 @@
+"""GPU benchmark (issue 8): rollout tokens/s vs the decode roofline, learner tokens/s and MFU.
+
+What it measures, per model shape (random weights):
+
+- HBM bandwidth: a jitted `x * a + b` over a large float32 buffer (read + write) -> bytes/s.
+- Matmul peak: a bf16 [N, N] @ [N, N] matmul -> FLOP/s (for context; MFU is against 989 TFLOP/s).
+- Rollout: the dense backend (steps.inference / steps.dense_sampler), bf16 weights and KV cache,
+  `--batch` sequences x `--new-tokens` new tokens after `--prompt-len`-token prompts, temperature 1,
+  no stop token. The first call (compile) is reported apart; the figure is the median of `--repeats` calls.
+  Decode roofline: per step the weights (embedding gather excluded unless tied) plus the KV cache of the
+  valid context (average over the steps) must be read once:
+  `roofline tok/s = batch / ((weight bytes + mean KV bytes) / measured bandwidth)`; ratio = measured / roofline.
+  `--engine` also times levanter's InferenceEngine (slow: ~70 s per call for the 1B shape on an H100).
+- Learner: one AdamW step (optax) of a levanter Llama on `--learner-batch` x `--seq-len` tokens, float32
+  params, bf16 compute (params cast inside the loss), levanter's (blockwise when `--ce-block`) next-token
+  loss; attention backend `--attn` (`cudnn` routes causal attention through
+  `jax.nn.dot_product_attention(implementation="cudnn")`), remat `--remat`. MFU = 3 x levanter's
+  forward FLOPs/token x tokens/s / 989e12.
+
+Shapes: `1b` = Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, vocab 128256, tied); `8b-l4` = Llama-3-8B
+layer shape with 4 layers (per-layer efficiency of the 8B shape within one GPU's memory); `--tiny` runs a
+small shape on CPU as a smoke test.
+
+Run on the GPU machine (JAX with CUDA, no levanter, no network), from the project root, after
+`bash ../shared/device/fetch-wheels.sh .whl` and `cp -r ../shared/device .device` here (both travel with
+the working tree):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:.device:$PYTHONPATH JAX_PLATFORMS= python3 -m bench.bench_gpu --device-compat
+    # or: make bench-gpu ARGS="--shapes 1b,8b-l4 --json docs/bench_gpu.json"
+
+CPU smoke test: `JAX_PLATFORMS=cpu python -m bench.bench_gpu --tiny`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PEAK_BF16_FLOPS = 989e12  # H100 SXM dense bf16
+
+
+def _timeit(fn: Any, repeats: int) -> float:
+    """Median seconds of `fn()` (which must block until its result is ready)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(nbytes: int, repeats: int = 10) -> float:
+    """Device memory bandwidth in bytes/s: a jitted elementwise pass over `nbytes` of float32 (read + write)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x * 1.0001 + 1.0)
+    f(x).block_until_ready()
+    t = _timeit(lambda: f(x).block_until_ready(), repeats)
+    return 2 * nbytes / t
+
+
+def measure_matmul(n: int, repeats: int = 10) -> float:
+    """bf16 matmul FLOP/s of an [n, n] @ [n, n] product."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    return 2 * n**3 / _timeit(lambda: f(a).block_until_ready(), repeats)
+
+
+def model_config(shape: str, seq_len: int) -> tuple[Any, int]:
+    """(levanter LlamaConfig, vocab size) of a named shape."""
+    from levanter.layers.rotary import Llama3RotaryEmbeddingsConfig
+    from levanter.models.llama import LlamaConfig
+
+    rope = Llama3RotaryEmbeddingsConfig(theta=500000.0, factor=32.0, original_max_position_embeddings=8192)
+    if shape == "tiny":
+        return LlamaConfig(
+            seq_len=seq_len,
+            hidden_dim=64,
+            intermediate_dim=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            rope=rope,
+            tie_word_embeddings=True,
+        ), 512
+    if shape == "1b":
+        return LlamaConfig(
+            seq_len=seq_len,
+            hidden_dim=2048,
+            intermediate_dim=8192,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            rope=rope,
+            tie_word_embeddings=True,
+        ), 128256
+    if shape.startswith("8b-l"):
+        rope8 = dataclasses.replace(rope, factor=8.0)
+        return LlamaConfig(
+            seq_len=seq_len,
+            hidden_dim=4096,
+            intermediate_dim=14336,
+            num_layers=int(shape[4:]),
+            num_heads=32,
+            num_kv_heads=8,
+            rope=rope8,
+            tie_word_embeddings=False,
+        ), 128256
+    raise ValueError(f"unknown shape {shape!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    import haliax as hax
+    import jax
+    import numpy as np
+
+    from pipeline.config import InferenceConfig
+    from steps.inference import make_backend
+
+    P, T, B = args.prompt_len, args.new_tokens, args.batch
+    config, vocab = model_config(shape, seq_len=max(P + T, 256))
+    model = config.build(hax.Axis("vocab", vocab), key=jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, vocab, P).tolist() for _ in range(B)]
+    row: dict[str, Any] = {"shape": shape, "batch": B, "prompt_len": P, "new_tokens": T}
+    backends = ["dense"] + (["levanter"] if args.engine else [])
+    for name in backends:
+        be = make_backend(InferenceConfig(backend=name, max_seqs=B), model, None, P + T, compute_dtype=args.dtype)
+        kwargs = dict(n=1, temperature=1.0, max_tokens=T, stop_tokens=[])
+        t0 = time.perf_counter()
+        be.generate(prompts, seed=0, **kwargs)
+        first = time.perf_counter() - t0
+        times, toks = [], 0
+        for r in range(args.repeats):
+            t0 = time.perf_counter()
+            out = be.generate(prompts, seed=r + 1, **kwargs)
+            times.append(time.perf_counter() - t0)
+            toks = sum(len(c.tokens) for g in out for c in g)
+        med = statistics.median(times)
+        row[f"{name}_first_call_s"] = first
+        row[f"{name}_call_s"] = med
+        row[f"{name}_tokens_per_s"] = toks / med
+        if name == "dense":
+            params = be.sampler.params  # type: ignore[attr-defined]
+            leaves = jax.tree_util.tree_leaves(params)
+            weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+            if params["lm_head"] is not None:  # an untied embedding is only gathered (B rows per step)
+                weight_bytes -= params["embed"].size * params["embed"].dtype.itemsize
+            a = be.sampler.arch  # type: ignore[attr-defined]
+            itemsize = np.dtype(a.compute_dtype).itemsize
+            kv_per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * itemsize
+            kv_mean = B * kv_per_token * (P + (T + 1) / 2)
+            step_floor = (weight_bytes + kv_mean) / bandwidth
+            roofline = B / step_floor
+            row.update(
+                weight_gb=weight_bytes / 1e9,
+                kv_mean_gb=kv_mean / 1e9,
+                roofline_tokens_per_s=roofline,
+                roofline_ratio=row["dense_tokens_per_s"] / roofline,
+            )
+        be.shutdown()
+    del model
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# learner
+# ---------------------------------------------------------------------------------------------
+
+
+def install_cudnn_attention(implementation: str = "cudnn") -> None:
+    """Route levanter's causal attention (no segments, no bias) through `jax.nn.dot_product_attention`."""
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+    import levanter.layers.attention as A
+
+    original = A.dot_product_attention
+
+    def patched(QPos, KPos, Key, query, key, value, mask=None, bias=None, *a: Any, **kw: Any):
+        simple = (
+            isinstance(mask, A.AttentionMask)
+            and mask.is_causal
+            and mask.causal_offset is None
+            and mask.explicit_mask is None
+            and mask.segment_ids is None
+            and mask.sliding_window is None
+            and bias is None
+            and kw.get("logits_soft_cap") is None
+            and QPos == "position"
+            and KPos == "key_position"
+            and Key == "head_size"
+            and {a.name for a in query.axes} == {"batch", "kv_head", "q_heads_per_group", "position", "head_size"}
+        )
+        if not simple:
+            return original(QPos, KPos, Key, query, key, value, mask, bias, *a, **kw)
+        q = query.rearrange(("batch", "position", "kv_head", "q_heads_per_group", "head_size"))
+        k = key.rearrange(("batch", "key_position", "kv_head", "head_size")).array
+        v = value.rearrange(("batch", "key_position", "kv_head", "head_size")).array
+        Bs, S, K, G, H = q.array.shape
+        dtype = jnp.bfloat16 if q.dtype == jnp.float32 and implementation == "cudnn" else q.dtype
+        out = jax.nn.dot_product_attention(
+            q.array.reshape(Bs, S, K * G, H).astype(dtype),
+            k.astype(dtype),
+            v.astype(dtype),
+            is_causal=True,
+            scale=kw.get("scaling_factor"),
+            implementation=implementation,
+        )
+        return hax.named(out.reshape(Bs, S, K, G, H).astype(q.dtype), q.axes)
+
+    A.dot_product_attention = patched
+
+
+def bench_learner(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from levanter.layers.attention import AttentionBackend, AttentionMask
+    from levanter.models.loss import maybe_fused_next_token_loss
+
+    B, S = args.learner_batch, args.seq_len
+    config, vocab = model_config(shape, seq_len=S)
+    remat: Any = {"none": False, "full": True}.get(args.remat, args.remat)
+    attn = None if args.attn in ("default", "cudnn", "xla") else AttentionBackend(args.attn)
+    config = dataclasses.replace(
+        config, gradient_checkpointing=remat, attn_backend=attn, cross_entropy_block_size=args.ce_block
+    )
+    if args.attn in ("cudnn", "xla"):
+        install_cudnn_attention(args.attn)
+    Vocab = hax.Axis("vocab", vocab)
+    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    opt = optax.adamw(1e-4, weight_decay=0.0)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    cdt = jnp.dtype(args.dtype)
+
+    def loss_fn(m: Any, tokens: Any) -> Any:
+        m = jax.tree_util.tree_map(lambda x: x.astype(cdt) if eqx.is_inexact_array(x) else x, m)
+        ids = hax.named(tokens, ("batch", "position"))
+        act = m.activations(ids, AttentionMask.causal())
+        Pos = m.Pos.resize(S)
+        per_token = maybe_fused_next_token_loss(
+            Pos,
+            m.Embed,
+            m.Vocab,
+            act,
+            m.get_lm_head(),
+            ids,
+            reduction=None,
+            block_size=config.cross_entropy_block_size,
+            dtype=jnp.float32,
+        )
+        keep = (jnp.arange(S) < S - 1).astype(jnp.float32)  # no target after the last token
+        per_token = per_token.rearrange(("batch", "position")).array
+        return jnp.sum(per_token * keep) / (per_token.shape[0] * (S - 1))
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(tokens: Any, m: Any, st: Any) -> Any:
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(m, tokens)
+        updates, st = opt.update(grads, st, eqx.filter(m, eqx.is_array))
+        return loss, eqx.apply_updates(m, updates), st
+
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (B, S), 0, vocab, dtype=jnp.int32)
+    t0 = time.perf_counter()
+    loss, model, opt_state = step(tokens, model, opt_state)
+    loss.block_until_ready()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.learner_steps):
+        t0 = time.perf_counter()
+        loss, model, opt_state = step(tokens, model, opt_state)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    tps = B * S / med
+    flops_per_token = 3 * config.flops_per_token(vocab)
+    return {
+        "shape": shape,
+        "learner_batch": B,
+        "seq_len": S,
+        "attn": args.attn,
+        "remat": args.remat,
+        "ce_block": args.ce_block,
+        "first_step_s": first,
+        "step_s": med,
+        "learner_tokens_per_s": tps,
+        "mfu": flops_per_token * tps / PEAK_BF16_FLOPS,
+        "loss": float(loss),
+        "params": int(sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)))),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, small sizes")
+    ap.add_argument("--device-compat", action="store_true", help="device_compat.install() before levanter")
+    ap.add_argument("--shapes", default="1b")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine", action="store_true", help="also time levanter's InferenceEngine (slow)")
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype (rollout weights/KV, learner activations)")
+    ap.add_argument("--learner-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--learner-steps", type=int, default=5)
+    ap.add_argument("--attn", default="cudnn", help="default | vanilla | jax_flash | nvte | cudnn | xla")
+    ap.add_argument("--remat", default="none", help="none | full | a haliax ScanCheckpointPolicy string")
+    ap.add_argument("--ce-block", type=int, default=None, help="blockwise cross-entropy vocab block (None: fused)")
+    ap.add_argument("--skip-rollout", action="store_true")
+    ap.add_argument("--skip-learner", action="store_true")
+    ap.add_argument("--bandwidth-mb", type=int, default=2048)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.shapes, args.batch, args.prompt_len, args.new_tokens = "tiny", 8, 16, 16
+        args.learner_batch, args.seq_len, args.learner_steps, args.repeats = 2, 128, 2, 2
+        args.bandwidth_mb = min(args.bandwidth_mb, 64)
+        if args.attn == "cudnn":
+            args.attn = "xla"  # the same code path with XLA's implementation (no cuDNN on CPU)
+    if args.device_compat:
+        import device_compat
+
+        device_compat.install()
+    import jax
+
+    dev = jax.devices()[0]
+    device = f"{dev.device_kind} ({dev.platform}) x{jax.device_count()}"
+    bandwidth = measure_bandwidth(args.bandwidth_mb << 20)
+    matmul = measure_matmul(512 if args.tiny else 8192)
+    rows: list[dict[str, Any]] = []
+    for shape in args.shapes.split(","):
+        row: dict[str, Any] = {"shape": shape}
+        if not args.skip_rollout:
+            row.update(bench_rollout(shape, args, bandwidth))
+        if not args.skip_learner:
+            row.update(bench_learner(shape, args))
+        rows.append(row)
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\nbench_gpu  {when}  device: {device}  jax {jax.__version__}")
+    print(
+        f"measured bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
+        f"MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s"
+    )
+    hdr = (
+        f"{'shape':<7} {'rollout B x new':>15} {'tok/s':>9} {'roofline':>9} {'ratio':>6} {'1st s':>6} "
+        f"{'learner BxS':>11} {'tok/s':>8} {'MFU':>6} {'attn':>8} {'remat':>6}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        ro = (
+            f"{r['batch']:>9} x {r['new_tokens']:<3} {r['dense_tokens_per_s']:>9.0f} "
+            f"{r['roofline_tokens_per_s']:>9.0f} {r['roofline_ratio']:>6.1%} {r['dense_first_call_s']:>6.1f}"
+            if "dense_tokens_per_s" in r
+            else f"{'-':>15} {'':>9} {'':>9} {'':>6} {'':>6}"
+        )
+        le = (
+            f"{r['learner_batch']:>6}x{r['seq_len']:<4} {r['learner_tokens_per_s']:>8.0f} {r['mfu']:>6.1%} "
+            f"{r['attn']:>8} {r['remat']:>6}"
+            if "mfu" in r
+            else "-"
+        )
+        print(f"{r['shape']:<7} {ro} {le}")
+        if "levanter_tokens_per_s" in r:
+            print(
+                f"        levanter InferenceEngine: {r['levanter_tokens_per_s']:.0f} tok/s "
+                f"(first call {r['levanter_first_call_s']:.0f} s)"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "date": when,
+                    "device": device,
+                    "bandwidth_Bps": bandwidth,
+                    "matmul_flops": matmul,
+                    "args": vars(args),
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

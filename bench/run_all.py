@@ -1,0 +1,303 @@
+"""`make bench`: every CPU benchmark in one run, then one summary table of ratios and absolute figures.
+
+Each part runs in its own process (so one part's memory and JIT caches do not colour the next) and writes
+JSON; this program prints each part's own table as it finishes, then the summary:
+
+- storage: RunStore commit/read of rollout files vs raw pyarrow on the same tables (goal >= 0.9);
+- BatchMaker: >= 200k synthetic rollouts, unpacked and packed, vs raw pyarrow read+write of the same
+  bytes (goal >= 0.7), and memory at 1/4 and at the end of the files (bounded by the window);
+- learner: tokens/s of a levanter train step, tiny and ~50M-parameter models;
+- rollout: generation tokens/s, our dense sampler vs levanter's InferenceEngine (the peer), both sizes;
+- end to end: the demo job (`configs/demo_cats.yaml`) on a fresh run root: learner steps/min, fraction of
+  learner wall time spent waiting for batches, rollouts/s, reward at the first and last batch.
+
+    python -m bench.run_all                      # everything (~15-25 min on 2 cores)
+    python -m bench.run_all --quick              # smaller sizes, for a smoke check (~5 min)
+    python -m bench.run_all --only storage,e2e   # some parts
+Results: `<out>/bench-<time>.json` (default out: runs/bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine_name
+
+logger = logging.getLogger("rlpipe.bench")
+
+PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e")
+
+
+def _run(cmd: list[str], timeout_s: float) -> float:
+    """Run a benchmark process with its output shown; raise if it fails. Returns its wall seconds."""
+    logger.info("$ %s", " ".join(cmd))
+    t0 = time.perf_counter()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    subprocess.run(cmd, check=True, timeout=timeout_s, env=env)
+    return time.perf_counter() - t0
+
+
+def part_storage(tmp: Path, quick: bool) -> dict[str, Any]:
+    out = tmp / "storage.json"
+    rows = "5000" if quick else "20000"
+    _run([sys.executable, "-m", "bench.bench_storage", "--rows", rows, "--repeats", "3", "--json", str(out)], 1800)
+    res = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    fig = {}
+    for op in ("write", "read"):
+        raw = res[f"{op} raw pyarrow (default snappy)"]
+        ours = res[f"{op} RunStore commit_data/read_committed"]
+        fig[op] = {"ours_mb_s": ours["mb_s"], "raw_mb_s": raw["mb_s"], "ratio": raw["seconds"] / ours["seconds"]}
+    return fig
+
+
+def part_batchmaker(tmp: Path, quick: bool) -> list[dict[str, Any]]:
+    out = tmp / "batchmaker.json"
+    n = "25600" if quick else "204800"
+    cmd = [sys.executable, "-m", "bench.bench_batch_maker", "--rollouts", n, "--both", "--repeats", "2"]
+    _run([*cmd, "--tmp", str(tmp), "--json", str(out)], 3600)
+    return list(json.loads(out.read_text()))
+
+
+def part_learner(tmp: Path, quick: bool) -> list[dict[str, Any]]:
+    out = tmp / "learner.json"
+    sizes = "tiny" if quick else "tiny,50m"
+    _run([sys.executable, "-m", "bench.bench_learner", "--sizes", sizes, "--steps", "3", "--json", str(out)], 3600)
+    return list(json.loads(out.read_text())["rows"])
+
+
+def part_rollout(tmp: Path, quick: bool) -> list[dict[str, Any]]:
+    out = tmp / "rollout.json"
+    sizes = "tiny" if quick else "tiny,50m"
+    cmd = [sys.executable, "-m", "bench.bench_rollout", "--sizes", sizes, "--backends", "dense,levanter"]
+    _run([*cmd, "--json", str(out)], 3600)
+    return list(json.loads(out.read_text())["rows"])
+
+
+def e2e_figures(run_root: str, wall_s: float) -> dict[str, Any]:
+    """Learner steps/min, learner waiting fraction, rollouts/s and reward from a finished run's metrics."""
+    from pipeline.report import load_run
+
+    data = load_run(run_root)
+    learner = sorted(
+        (r for r in data.metrics.get("learner", []) if "step" in r and "train_s" in r), key=lambda r: r["step"]
+    )
+    writes = [r for r in data.metrics.get("rollout", []) if r.get("event") == "write"]
+    bm = sorted((r for r in data.metrics.get("batchmaker", []) if "mean_reward" in r), key=lambda r: r["slot"])
+    if not learner or not writes:
+        raise RuntimeError(f"{run_root}: no learner or rollout metrics; did the job run?")
+    wait = sum(float(r.get("wait_s", 0.0)) for r in learner)
+    train = sum(float(r["train_s"]) for r in learner)
+    # Steady state: from the end of the first step (which includes JIT compilation) to the last step.
+    span = learner[-1]["time"] - learner[0]["time"]
+    steps_per_min = 60.0 * (len(learner) - 1) / span if len(learner) > 1 and span > 0 else None
+    t_first = min(r["time"] for r in writes)
+    t_last = max(r["time"] for r in writes)
+    rows = sum(float(r.get("rows", 0.0)) for r in writes)
+    return {
+        "wall_s": wall_s,
+        "learner_steps": len(learner),
+        "learner_steps_per_min": steps_per_min,
+        "learner_wait_fraction": wait / (wait + train) if wait + train > 0 else None,
+        "learner_wait_fraction_after_first_step": (
+            sum(float(r.get("wait_s", 0.0)) for r in learner[1:])
+            / max(1e-9, sum(float(r.get("wait_s", 0.0)) + float(r["train_s"]) for r in learner[1:]))
+            if len(learner) > 1
+            else None
+        ),
+        "rollouts": rows,
+        "rollouts_per_s": rows / (t_last - t_first) if t_last > t_first else None,
+        "first_batch_reward": bm[0]["mean_reward"] if bm else None,
+        "last_batch_reward": bm[-1]["mean_reward"] if bm else None,
+    }
+
+
+def part_e2e(tmp: Path, quick: bool) -> dict[str, Any]:
+    config = "configs/test_cats.yaml" if quick else "configs/demo_cats.yaml"
+    run_root = str(tmp / "e2e-run")
+    wall = _run([sys.executable, "-m", "steps.run", "--config_path", config, "--run_root", run_root], 3600)
+    figs = e2e_figures(run_root, wall)
+    figs["config"] = config
+    return figs
+
+
+def _f(x: Any, fmt: str = ".3g") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(figure, ours, reference, ratio, goal) rows for whatever parts ran."""
+    rows: list[tuple[str, str, str, str, str]] = []
+    st = results.get("storage")
+    if st:
+        for op in ("write", "read"):
+            f = st[op]
+            rows.append(
+                (
+                    f"storage {op} (rollout files)",
+                    f"{f['ours_mb_s']:.0f} MB/s",
+                    f"raw pyarrow {f['raw_mb_s']:.0f} MB/s",
+                    f"{f['ratio']:.2f}",
+                    ">= 0.9",
+                )
+            )
+    for r in results.get("batchmaker") or []:
+        rows.append(
+            (
+                f"BatchMaker {r['mode']} ({r['rollouts']:,} rollouts)",
+                f"{r['pipeline_rollouts_per_s']:,} rollouts/s",
+                f"raw I/O same bytes {r['raw_same_bytes_rollouts_per_s']:,}/s",
+                f"{r['ratio_pipeline_to_raw_same_bytes']:.2f}",
+                ">= 0.7",
+            )
+        )
+        q, e = r["memory"].get("quarter", {}), r["memory"].get("end", {})
+        rows.append(
+            (
+                f"BatchMaker {r['mode']} memory (arrays peak)",
+                f"{e.get('batchmaker_arrays_peak_mib', 0):.0f} MiB at end",
+                f"{q.get('batchmaker_arrays_peak_mib', 0):.0f} MiB at 1/4 of files",
+                f"{e.get('batchmaker_arrays_peak_mib', 0) / max(q.get('batchmaker_arrays_peak_mib', 0), 1e-9):.2f}",
+                "~1 (bounded)",
+            )
+        )
+    for r in results.get("learner") or []:
+        rows.append(
+            (
+                f"learner train step, {r['model']} ({r['params'] / 1e6:.1f}M params)",
+                f"{r['tokens_per_s']:,.0f} tokens/s",
+                f"batch {r['batch']}",
+                "-",
+                "-",
+            )
+        )
+    ro = results.get("rollout") or []
+    by = {(r["size"], r["backend"]): r for r in ro}
+    for size in dict.fromkeys(r["size"] for r in ro):
+        dense, lev = by.get((size, "dense")), by.get((size, "levanter"))
+        if dense and lev:
+            rows.append(
+                (
+                    f"rollout generation, {size} ({dense['params'] / 1e6:.1f}M params)",
+                    f"dense {dense['tokens_per_s']:,.0f} tokens/s",
+                    f"levanter engine {lev['tokens_per_s']:,.0f} tokens/s",
+                    f"{dense['tokens_per_s'] / lev['tokens_per_s']:.2f}",
+                    "> 1 (vs peer)",
+                )
+            )
+    e = results.get("e2e")
+    if e:
+        rows.append(
+            (
+                f"end to end ({e['config']}): learner",
+                f"{_f(e['learner_steps_per_min'])} steps/min",
+                f"{e['learner_steps']} steps in {e['wall_s']:.0f} s",
+                "-",
+                "-",
+            )
+        )
+        rows.append(
+            (
+                "end to end: learner waiting for batches",
+                f"{_f(e['learner_wait_fraction'], '.2f')} of time",
+                f"{_f(e['learner_wait_fraction_after_first_step'], '.2f')} after step 1",
+                "-",
+                "-",
+            )
+        )
+        rows.append(
+            ("end to end: rollouts", f"{_f(e['rollouts_per_s'])} rollouts/s", f"{e['rollouts']:.0f} rollouts", "-", "-")
+        )
+        rows.append(
+            (
+                "end to end: batch mean reward",
+                f"{_f(e['last_batch_reward'], '.2f')} last",
+                f"{_f(e['first_batch_reward'], '.2f')} first",
+                "-",
+                "-",
+            )
+        )
+    return rows
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    rows = summary_rows(results)
+    head = ("figure", "ours", "reference", "ratio", "goal")
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(5)]
+    print(f"\nrlpipe bench summary  {results['when']}  machine: {results['machine']}")
+    print(f"python {platform.python_version()}, {results['versions']}")
+    line = "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+    print("ratio: ours / reference measured in this run (storage, BatchMaker: time of raw / time of ours).")
+
+
+def _versions() -> str:
+    from importlib.metadata import version
+
+    return ", ".join(f"{p} {version(p)}" for p in ("pyarrow", "jax", "levanter", "haliax"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke check, not the stated goals)")
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
+    ap.add_argument("--out", default="runs/bench", help="folder for the results JSON")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    parts = [p for p in args.only.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"--only: unknown part(s) {bad}; choose from {PARTS}")
+    results: dict[str, Any] = {
+        "when": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_name(),
+        "node": platform.node(),
+        "versions": _versions(),
+        "quick": args.quick,
+    }
+    funcs = {
+        "storage": part_storage,
+        "batchmaker": part_batchmaker,
+        "learner": part_learner,
+        "rollout": part_rollout,
+        "e2e": part_e2e,
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
+    failed = []
+    try:
+        for p in parts:
+            try:
+                results[p] = funcs[p](tmp, args.quick)
+            except (subprocess.SubprocessError, RuntimeError, OSError, KeyError) as e:
+                logger.error("bench part %s failed: %s", p, e)
+                failed.append(p)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=2, default=str))
+    print_summary(results)
+    print(f"results: {path}")
+    if failed:
+        print(f"FAILED parts: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

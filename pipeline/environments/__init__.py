@@ -1,0 +1,44 @@
+"""Environments: the protocol (`base`) and the built-in environments.
+
+Built in (import by dotted path in `EnvConfig.env_class`):
+`pipeline.environments.cats.CatsEnv`, `pipeline.environments.arithmetic.ArithmeticEnv`,
+`pipeline.environments.exact_answer.ExactAnswerEnv`, `pipeline.environments.calculator.CalculatorEnv`.
+"""
+
+from pipeline.environments.base import (
+    Completion,
+    EnvGroup,
+    Environment,
+    EnvironmentLoadError,
+    EnvRollout,
+    Example,
+    ExampleFailure,
+    InferenceContext,
+    SampleResult,
+    Score,
+    ScriptedContext,
+    SingleTurnEnvironment,
+    Tokenizer,
+    load_environment,
+    rollout_from_completion,
+    token_rewards_for,
+)
+
+__all__ = [
+    "Completion",
+    "EnvGroup",
+    "EnvRollout",
+    "Environment",
+    "EnvironmentLoadError",
+    "Example",
+    "ExampleFailure",
+    "InferenceContext",
+    "SampleResult",
+    "Score",
+    "ScriptedContext",
+    "SingleTurnEnvironment",
+    "Tokenizer",
+    "load_environment",
+    "rollout_from_completion",
+    "token_rewards_for",
+]

@@ -1,0 +1,568 @@
+"""The environment protocol: sample prompts, ask the policy through an inference context, score, group.
+
+An `Environment` is named in config by a dotted class path plus keyword arguments (`EnvConfig`) and
+built by `load_environment`. `Environment.sample` returns a `SampleResult`: one `EnvGroup` per example
+that fully succeeded (all `n_generations` rollouts of one prompt, for RLOO/GRPO), one `ExampleFailure`
+per example that did not (with a reason; the caller may retry), and a flat metrics dict.
+
+Per-token contract of `EnvRollout` (it maps 1:1 onto `schemas.RolloutRow`): `response_tokens`,
+`response_logprobs`, `token_rewards` and `response_loss_mask` have one entry per response token;
+the loss mask is 1 on tokens the policy sampled and 0 on tokens the environment inserted (tool
+output), which carry logprob 0.0. Unless an environment gives per-token rewards, the episode reward
+sits on the last policy token (`token_rewards_for`).
+
+`SingleTurnEnvironment` implements `sample` for prompt -> one completion -> score tasks; subclasses
+provide the example streams and the scoring function. Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.config import EnvConfig
+
+logger = logging.getLogger(__name__)
+
+MODES = ("train", "eval")
+FINISH_REASONS = ("stop", "length")
+
+
+# ---------------------------------------------------------------------------------------
+# data types
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """One sampled continuation: tokens (a stop token, when hit, is kept), their logprobs, why it ended."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+class Tokenizer(Protocol):
+    """What environments need of a tokenizer (a transformers fast tokenizer satisfies it)."""
+
+    eos_token_id: Any
+    pad_token_id: Any
+
+    def encode(self, text: str, /) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], /) -> str: ...
+
+
+@runtime_checkable
+class InferenceContext(Protocol):
+    """The policy as environments see it: a tokenizer and batched sampling.
+
+    `generate` returns, for each prompt, exactly `n` completions (in order). `stop_tokens=None`
+    means the tokenizer's EOS. `seed` makes sampling reproducible where the backend can.
+    """
+
+    tokenizer: Any
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stop_tokens: Sequence[int] | None,
+        seed: int,
+    ) -> list[list[Completion]]: ...
+
+
+@dataclass
+class EnvRollout:
+    """One scored episode of one prompt (see the module docstring for the per-token contract)."""
+
+    env_name: str
+    example_id: str
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    response_logprobs: list[float]
+    token_rewards: list[float]
+    response_loss_mask: list[int]
+    episode_reward: float
+    truncated: bool
+    finish_reason: str
+    info: dict[str, float] = field(default_factory=dict)
+    """Environment-specific numbers about this episode (summed/averaged into metrics; not persisted)."""
+
+
+@dataclass
+class EnvGroup:
+    """All rollouts of one prompt; `key` is unique within a sample call and (64 random bits) across calls."""
+
+    key: str
+    rollouts: list[EnvRollout]
+
+
+@dataclass
+class ExampleFailure:
+    """An example that produced no group, and why (prompt too long, generation error, bad data row, ...)."""
+
+    example_id: str
+    reason: str
+
+
+@dataclass
+class SampleResult:
+    """What one `Environment.sample` call produced."""
+
+    groups: list[EnvGroup]
+    failures: list[ExampleFailure]
+    metrics: dict[str, float]
+
+
+class EnvironmentLoadError(ValueError):
+    """An environment named in config could not be built; the message names the class path and the cause."""
+
+    def __init__(self, class_path: str, why: str) -> None:
+        super().__init__(f"cannot load environment {class_path!r}: {why}")
+        self.class_path = class_path
+        self.why = why
+
+
+# ---------------------------------------------------------------------------------------
+# the protocol
+# ---------------------------------------------------------------------------------------
+
+
+class Environment(ABC):
+    """An RL environment. Subclasses set `name` and implement `sample`.
+
+    Promises of `sample`: deterministic given the same `rng` state and a deterministic context;
+    every example either yields one `EnvGroup` of exactly `n_generations` rollouts or one
+    `ExampleFailure`; it does not raise for per-example problems (bad data, generation errors).
+    `mode` is "train" or "eval" (eval may use a fixed held-out example stream).
+    """
+
+    name: str = "env"
+
+    @abstractmethod
+    def sample(
+        self,
+        ctx: InferenceContext,
+        *,
+        n_examples: int,
+        n_generations: int,
+        temperature: float,
+        max_tokens: int,
+        stop_tokens: Sequence[int] | None,
+        rng: np.random.Generator,
+        mode: str,
+    ) -> SampleResult:
+        """Sample `n_examples` examples, `n_generations` completions each, score them, and group them."""
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+
+
+def check_mode(mode: str) -> None:
+    """Raise ValueError unless mode is 'train' or 'eval'."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: must be one of {MODES}")
+
+
+def draw_seed(rng: np.random.Generator) -> int:
+    """A generation seed in [0, 2**31) drawn from rng."""
+    return int(rng.integers(0, 2**31 - 1))
+
+
+def group_key(env_name: str, example_id: str, rng: np.random.Generator) -> str:
+    """`env/example/<16 hex digits from rng>`: unique within a call, and across calls with overwhelming odds."""
+    return f"{env_name}/{example_id}/{int(rng.integers(0, 2**63 - 1)):016x}"
+
+
+def effective_stop_tokens(tokenizer: Any, stop_tokens: Sequence[int] | None) -> set[int]:
+    """The set of token ids that end a response: `stop_tokens`, or the tokenizer's EOS when None."""
+    if stop_tokens is not None:
+        return {int(t) for t in stop_tokens}
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return {int(eos)} if eos is not None else set()
+
+
+def encode_prompt(tokenizer: Any, text: str, *, add_bos: bool = True) -> list[int]:
+    """Prompt tokens: `tokenizer.encode(text)`, with BOS prepended when asked, the tokenizer has one and
+    its encode did not already add it."""
+    tokens = [int(t) for t in tokenizer.encode(text)]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if add_bos and bos is not None and (not tokens or tokens[0] != bos):
+        tokens = [int(bos), *tokens]
+    return tokens
+
+
+def response_text(tokenizer: Any, tokens: Sequence[int], stop: set[int]) -> str:
+    """The decoded response up to (not including) the first stop/EOS token."""
+    cut = list(tokens)
+    for i, t in enumerate(cut):
+        if t in stop:
+            cut = cut[:i]
+            break
+    return str(tokenizer.decode(cut))
+
+
+def token_rewards_for(n_tokens: int, reward: float, loss_mask: Sequence[int] | None = None) -> list[float]:
+    """Per-token rewards of an episode: `reward` on the last token with loss mask 1 (the last token if the
+    mask is all 0 or absent), 0.0 elsewhere; empty when there are no tokens."""
+    out = [0.0] * n_tokens
+    if n_tokens == 0:
+        return out
+    idx = n_tokens - 1
+    if loss_mask is not None:
+        policy = [i for i, m in enumerate(loss_mask) if m]
+        if policy:
+            idx = policy[-1]
+    out[idx] = float(reward)
+    return out
+
+
+def rollout_from_completion(
+    env_name: str,
+    example_id: str,
+    prompt_tokens: Sequence[int],
+    completion: Completion,
+    reward: float,
+    *,
+    token_rewards: Sequence[float] | None = None,
+    info: dict[str, float] | None = None,
+) -> EnvRollout:
+    """An `EnvRollout` of a single-turn completion: loss mask all 1, `truncated` iff finish_reason 'length',
+    per-token rewards from `token_rewards` when given (one per token) else `token_rewards_for`.
+
+    Raises ValueError when tokens/logprobs/token_rewards lengths disagree or the reward is not finite.
+    """
+    n = len(completion.tokens)
+    if len(completion.logprobs) != n:
+        raise ValueError(f"completion has {n} tokens but {len(completion.logprobs)} logprobs")
+    if not math.isfinite(reward):
+        raise ValueError(f"episode reward {reward!r} is not finite")
+    if token_rewards is not None and len(token_rewards) != n:
+        raise ValueError(f"completion has {n} tokens but {len(token_rewards)} token rewards")
+    return EnvRollout(
+        env_name=env_name,
+        example_id=example_id,
+        prompt_tokens=[int(t) for t in prompt_tokens],
+        response_tokens=[int(t) for t in completion.tokens],
+        response_logprobs=[float(x) for x in completion.logprobs],
+        token_rewards=[float(x) for x in token_rewards] if token_rewards is not None else token_rewards_for(n, reward),
+        response_loss_mask=[1] * n,
+        episode_reward=float(reward),
+        truncated=completion.finish_reason == "length",
+        finish_reason=completion.finish_reason,
+        info=dict(info or {}),
+    )
+
+
+def summarize(
+    groups: Sequence[EnvGroup],
+    failures: Sequence[ExampleFailure],
+    *,
+    n_examples: int,
+    success: Callable[[EnvRollout], bool],
+) -> dict[str, float]:
+    """Metrics of a sample call: mean_reward, success_rate, mean_response_tokens, truncation_rate,
+    n_examples, n_groups, n_rollouts, n_failures, and for each numeric `info` key (but "success")
+    `<key>_mean` (per rollout) and `<key>_total`. Rates/means are 0.0 when there are no rollouts."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    n = len(rollouts)
+    m: dict[str, float] = {
+        "n_examples": float(n_examples),
+        "n_groups": float(len(groups)),
+        "n_rollouts": float(n),
+        "n_failures": float(len(failures)),
+        "mean_reward": float(np.mean([r.episode_reward for r in rollouts])) if n else 0.0,
+        "success_rate": float(np.mean([success(r) for r in rollouts])) if n else 0.0,
+        "mean_response_tokens": float(np.mean([len(r.response_tokens) for r in rollouts])) if n else 0.0,
+        "truncation_rate": float(np.mean([r.truncated for r in rollouts])) if n else 0.0,
+    }
+    keys = sorted({k for r in rollouts for k in r.info} - {"success"})
+    for k in keys:
+        total = float(sum(r.info.get(k, 0.0) for r in rollouts))
+        m[f"{k}_total"] = total
+        m[f"{k}_mean"] = total / n
+    return m
+
+
+def check_completions(out: Any, n_prompts: int, n: int) -> list[list[Completion]]:
+    """Validate the shape of `generate`'s output (n_prompts lists of n completions); raise ValueError if not."""
+    if not isinstance(out, list) or len(out) != n_prompts:
+        size = len(out) if isinstance(out, list) else "?"
+        raise ValueError(f"generate returned {type(out).__name__} of length {size}, expected {n_prompts} lists")
+    for i, comps in enumerate(out):
+        if not isinstance(comps, list) or len(comps) != n:
+            size = len(comps) if isinstance(comps, list) else "?"
+            raise ValueError(f"generate returned {size} completions for prompt {i}, expected {n}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# single-turn environments
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Example:
+    """One problem: a stable id, the prompt text (None when the data row is bad) and what scoring needs."""
+
+    example_id: str
+    prompt: str | None
+    target: Any = None
+    error: str | None = None
+    """Set when the example cannot be used (e.g. a data row lacks a field); becomes an ExampleFailure."""
+
+
+@dataclass
+class Score:
+    """The score of one response: reward, whether it counts as a success, and numeric env-specific info."""
+
+    reward: float
+    success: bool
+    info: dict[str, float] = field(default_factory=dict)
+
+
+class SingleTurnEnvironment(Environment):
+    """prompt -> `n_generations` completions -> `score(example, text)` each.
+
+    Subclasses implement `examples(n, rng, mode)` and `score(example, response_text)`. Prompts longer than
+    `max_prompt_tokens` (when set) and bad examples become `ExampleFailure`s; so does every example of a
+    batch whose `generate` call raised or returned a malformed result.
+    """
+
+    def __init__(self, *, max_prompt_tokens: int | None = None, add_bos: bool = True) -> None:
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens={max_prompt_tokens!r}: must be >= 1 or None")
+        self.max_prompt_tokens = max_prompt_tokens
+        self.add_bos = add_bos
+
+    @abstractmethod
+    def examples(self, n: int, rng: np.random.Generator, mode: str) -> list[Example]:
+        """`n` examples: drawn with rng in train mode; in eval mode the env's fixed eval stream."""
+
+    @abstractmethod
+    def score(self, example: Example, text: str) -> Score:
+        """Score one decoded response (cut at the first stop/EOS token)."""
+
+    def sample(
+        self,
+        ctx: InferenceContext,
+        *,
+        n_examples: int,
+        n_generations: int,
+        temperature: float,
+        max_tokens: int,
+        stop_tokens: Sequence[int] | None,
+        rng: np.random.Generator,
+        mode: str,
+    ) -> SampleResult:
+        check_mode(mode)
+        tok = ctx.tokenizer
+        stop = effective_stop_tokens(tok, stop_tokens)
+        failures: list[ExampleFailure] = []
+        ready: list[tuple[Example, list[int]]] = []
+        for ex in self.examples(n_examples, rng, mode):
+            if ex.error is not None or ex.prompt is None:
+                failures.append(ExampleFailure(ex.example_id, ex.error or "example has no prompt"))
+                continue
+            prompt = encode_prompt(tok, ex.prompt, add_bos=self.add_bos)
+            if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+                failures.append(
+                    ExampleFailure(
+                        ex.example_id,
+                        f"prompt has {len(prompt)} tokens > max_prompt_tokens={self.max_prompt_tokens}",
+                    )
+                )
+                continue
+            ready.append((ex, prompt))
+        groups: list[EnvGroup] = []
+        if ready:
+            seed = draw_seed(rng)
+            try:
+                outs = check_completions(
+                    ctx.generate(
+                        [p for _, p in ready],
+                        n=n_generations,
+                        temperature=temperature,
+                        max_tokens=max_tokens,
+                        stop_tokens=stop_tokens,
+                        seed=seed,
+                    ),
+                    len(ready),
+                    n_generations,
+                )
+            except Exception as e:  # every example of the batch fails with the reason
+                logger.warning(
+                    "%s: generation failed for %d examples: %r",
+                    self.name,
+                    len(ready),
+                    e,
+                )
+                failures += [ExampleFailure(ex.example_id, f"generation error: {e!r}") for ex, _ in ready]
+                outs = []
+            for (ex, prompt), comps in zip(ready, outs, strict=False):
+                try:
+                    rollouts = []
+                    for c in comps:
+                        s = self.score(ex, response_text(tok, c.tokens, stop))
+                        info = dict(s.info)
+                        info["success"] = float(s.success)
+                        rollouts.append(
+                            rollout_from_completion(self.name, ex.example_id, prompt, c, s.reward, info=info)
+                        )
+                except Exception as e:  # a bad completion/score fails its example only
+                    failures.append(ExampleFailure(ex.example_id, f"scoring error: {e!r}"))
+                    continue
+                groups.append(EnvGroup(group_key(self.name, ex.example_id, rng), rollouts))
+        metrics = summarize(
+            groups,
+            failures,
+            n_examples=n_examples,
+            success=lambda r: r.info.get("success", 0.0) > 0,
+        )
+        return SampleResult(groups, failures, metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------
+
+
+def import_object(path: str) -> Any:
+    """Import `package.module.Name`; raise ImportError/AttributeError naming the missing part."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ImportError(f"{path!r} is not a dotted path like 'package.module.Name'")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise AttributeError(f"module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def load_environment(cfg: EnvConfig) -> Environment:
+    """Build the environment `cfg.env_class(**cfg.env_args)`.
+
+    Raises EnvironmentLoadError naming `cfg.env_class` and the cause: unknown module, unknown class,
+    not an `Environment` subclass, keyword arguments the constructor does not accept, or any error the
+    constructor raised (e.g. a missing data file, named in the message).
+    """
+    path = cfg.env_class
+    module_name, _, cls_name = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise EnvironmentLoadError(path, f"cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise EnvironmentLoadError(path, f"module {module_name!r} has no attribute {cls_name!r}")
+    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
+        raise EnvironmentLoadError(path, f"{cls!r} is not a subclass of pipeline.environments.Environment")
+    if inspect.isabstract(cls):
+        raise EnvironmentLoadError(path, "class is abstract")
+    args = dict(cfg.env_args)
+    try:
+        inspect.signature(cls).bind(**args)
+    except TypeError as e:
+        raise EnvironmentLoadError(path, f"bad env_args {sorted(args)}: {e}") from e
+    try:
+        return cls(**args)
+    except Exception as e:
+        raise EnvironmentLoadError(path, f"constructor failed: {type(e).__name__}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------
+# a scripted inference context (a test double of the external inference engine)
+# ---------------------------------------------------------------------------------------
+
+Script = Callable[[str], str]
+
+
+class ScriptedContext:
+    """An `InferenceContext` answering from scripted texts, for unit tests of environments' scoring.
+
+    `script` is a list of response texts consumed in order (one per requested completion, cycling) or a
+    function of the decoded prompt (prompt + earlier turns). Each text is encoded, EOS appended, then cut
+    like a real engine: at the first stop token (kept; finish 'stop') or at `max_tokens` (finish 'length').
+    Logprobs are `logprob` per token. `fail` (an exception) is raised by every `generate` call. Calls are
+    recorded in `calls` as (prompts, kwargs).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        script: Sequence[str] | Script,
+        *,
+        logprob: float = -1.0,
+        fail: Exception | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.script = script
+        self.logprob = logprob
+        self.fail = fail
+        self.calls: list[tuple[list[list[int]], dict[str, Any]]] = []
+        self._next = 0
+
+    def _text(self, prompt_text: str) -> str:
+        if callable(self.script):
+            return self.script(prompt_text)
+        texts = list(self.script)
+        text = texts[self._next % len(texts)]
+        self._next += 1
+        return text
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stop_tokens: Sequence[int] | None,
+        seed: int,
+    ) -> list[list[Completion]]:
+        self.calls.append(
+            (
+                [list(p) for p in prompts],
+                {
+                    "n": n,
+                    "temperature": temperature,
+                    "max_tokens": max_tokens,
+                    "stop_tokens": stop_tokens,
+                    "seed": seed,
+                },
+            )
+        )
+        if self.fail is not None:
+            raise self.fail
+        stop = effective_stop_tokens(self.tokenizer, stop_tokens)
+        eos = self.tokenizer.eos_token_id
+        out: list[list[Completion]] = []
+        for p in prompts:
+            prompt_text = str(self.tokenizer.decode(list(p)))
+            comps = []
+            for _ in range(n):
+                toks = [int(t) for t in self.tokenizer.encode(self._text(prompt_text))] + [int(eos)]
+                finish = "length"
+                for i, t in enumerate(toks):
+                    if t in stop:
+                        toks, finish = toks[: i + 1], "stop"
+                        break
+                if len(toks) > max_tokens:
+                    toks, finish = toks[:max_tokens], "length"
+                comps.append(Completion(toks, [self.logprob] * len(toks), finish))
+            out.append(comps)
+        return out

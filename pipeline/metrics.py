@@ -1,0 +1,88 @@
+"""Metrics records under the run root, readable without a tracker.
+
+Each step process appends dict records; they are flushed as immutable JSON-lines files
+`metrics/<step_kind>/<worker>-<seq>.jsonl` (unique names, atomic writes), so a crash loses
+at most the unflushed tail and readers never see partial files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Protocol
+
+from pipeline import layout
+
+logger = logging.getLogger(__name__)
+
+
+class _PutStore(Protocol):
+    def put_unique(self, rel: str, data: bytes) -> None: ...
+
+    def list(self, rel_dir: str) -> list[str]: ...
+
+    def get(self, rel: str) -> bytes: ...
+
+
+class MetricsWriter:
+    """Buffers metrics records of one process and flushes them as unique JSON-lines files.
+
+    Every record gets `time` (unix seconds) and `kind`/`worker` fields. Flushes happen when
+    `flush_every` records are buffered, when `flush_interval_s` passed, or on `flush()`.
+    """
+
+    def __init__(
+        self,
+        store: _PutStore,
+        step_kind: str,
+        worker_id: str,
+        *,
+        flush_every: int = 50,
+        flush_interval_s: float = 10.0,
+    ) -> None:
+        self._store = store
+        self._kind = step_kind
+        self._worker = worker_id
+        self._buffer: list[dict[str, Any]] = []
+        self._flush_every = flush_every
+        self._flush_interval_s = flush_interval_s
+        self._last_flush = time.monotonic()
+        # A fresh sequence per process start: time-based so a restarted process never reuses a name.
+        self._seq = int(time.time() * 1000) % 10**8
+        self._nonce = f"{int(time.time() * 1e6) % 10**6:06d}"
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Buffer one record (must be JSON-serialisable)."""
+        rec = {"time": time.time(), "kind": self._kind, "worker": self._worker}
+        rec.update(record)
+        self._buffer.append(rec)
+        if len(self._buffer) >= self._flush_every or time.monotonic() - self._last_flush > self._flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered records as one new file (no-op when empty)."""
+        if not self._buffer:
+            return
+        data = "".join(json.dumps(r, sort_keys=True, default=float) + "\n" for r in self._buffer).encode()
+        path = layout.metrics_file(self._kind, f"{self._worker}.{self._nonce}", self._seq)
+        self._store.put_unique(path, data)
+        self._seq += 1
+        self._buffer.clear()
+        self._last_flush = time.monotonic()
+
+
+def read_metrics(store: _PutStore, step_kind: str) -> list[dict[str, Any]]:
+    """All committed records of one step kind, sorted by time."""
+    out: list[dict[str, Any]] = []
+    for rel in store.list(layout.join(layout.METRICS, step_kind)):
+        if not rel.endswith(".jsonl"):
+            continue
+        for line in store.get(rel).decode().splitlines():
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    logger.warning("skipping unreadable metrics line in %s", rel)
+    out.sort(key=lambda r: r.get("time", 0.0))
+    return out

@@ -1,0 +1,590 @@
+"""Run-root storage: atomic puts, create-if-absent commits, committed parquet, quarantine.
+
+One `RunStore` wraps one run root: a local path, `file://…`, `memory://…` or `gs://bucket/…`.
+Every path the API takes or returns is relative to that root and uses '/'.
+
+Promises (see ../shared/STORAGE.md for the measurements behind them):
+
+- `put_unique(rel, data)`: after it returns, `rel` holds exactly `data`; no reader ever sees a
+  partial object. Local: temp file in the same folder, fsync, `os.replace`, fsync the folder.
+  GCS: one single-request `pipe` (an object upload is atomic). Never `with fs.open(p, "wb")`.
+- `put_if_absent(rel, data)`: create-only-if-absent. True: the object now holds our `data`
+  (we created it, or a retry of our own create hit its own earlier success: the lost-ack case is
+  resolved by reading the object back and comparing bytes, so commit objects must be unique per
+  attempt -- `put_json_if_absent` and `commit_data` add an `attempt_id`). False: it already held
+  something else. Local: temp + fsync + `os.link` (atomic `FileExistsError`). GCS: `pipe(mode="create")`,
+  i.e. `ifGenerationMatch=0` on a simple upload. `memory://` is NOT atomic across processes (one
+  process-wide lock makes it atomic between threads); it exists for quick unit tests only.
+- `list(rel_dir)`: a fresh listing (no listing cache) of the folder's direct children, sorted,
+  temp files (`.tmp-…`) excluded; a missing folder lists as empty.
+- Parquet is written with page checksums, schema name and version in its metadata, compressed
+  with zstd (see `parquet_write_options`), serialized once in memory and put with `put_unique`.
+  Read back with page checksum verification and always through the declared `TableSpec`.
+- `commit_data` writes data then a ready marker (`layout.ready_marker`) naming its size, sha256,
+  rows and attempt_id. `list_committed` trusts markers, never data listings. `read_committed`
+  verifies the data against its marker; a permanently bad file is quarantined (reason record via
+  create-if-absent, a warning naming path and reason) and None is returned so the caller goes on.
+  A marker whose data file is missing raises `MissingDataError`: that is a bug, not corruption.
+- Transient errors (timeouts, connection resets, HTTP 408/429/5xx) are retried with exponential
+  backoff (`RETRY_ATTEMPTS`) on top of gcsfs's own retries; other errors propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import builtins
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import layout
+from schemas.base import SchemaMismatchError, TableSpec
+
+__all__ = [
+    "TMP_PREFIX",
+    "CorruptFileError",
+    "FileInfo",
+    "MissingDataError",
+    "NotCommittedError",
+    "RunStore",
+    "SchemaMismatchError",
+    "StorageError",
+    "new_attempt_id",
+    "parquet_write_options",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TMP_PREFIX = ".tmp-"
+"""Names starting with this are in-flight temp files: never listed, never read."""
+
+# Parquet write settings (measured by bench/bench_storage.py on rollout-shaped files, 2-core VM):
+# - zstd level 1 over snappy: token ids (int32) and logprobs (float32) compress ~25% smaller than with
+#   snappy at about the same encode speed and faster decode; fewer bytes to upload to and read from GCS,
+#   which dominates on object storage. Every pyarrow build reads zstd.
+# - dictionary encoding only for string columns (ids, names: few distinct values). On numeric list
+#   columns pyarrow's default dictionary attempt is ~3x slower to encode and gives *larger* files (a
+#   32k-token vocabulary overflows the dictionary page and falls back to plain anyway).
+# - page checksums (CRC32) on every page, verified on read: a flipped bit must fail loudly, not decode.
+PARQUET_COMPRESSION = "zstd"
+PARQUET_COMPRESSION_LEVEL = 1
+
+
+def parquet_write_options(schema: pa.Schema) -> dict[str, Any]:
+    """The `pq.write_table` keyword arguments every committed parquet file is written with."""
+    return {
+        "compression": PARQUET_COMPRESSION,
+        "compression_level": PARQUET_COMPRESSION_LEVEL,
+        "use_dictionary": [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)],
+        "write_page_checksum": True,
+        "store_schema": True,
+    }
+
+
+RETRY_ATTEMPTS = 4
+RETRY_BASE_DELAY_S = 0.2
+_TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+
+_MEMORY_LOCK = threading.Lock()
+
+
+class StorageError(Exception):
+    """Base of the named storage errors."""
+
+
+class CorruptFileError(StorageError):
+    """A stored file is unreadable or does not match its commit marker (permanent; quarantine it)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class MissingDataError(StorageError):
+    """A committed ready marker names a data file that does not exist: a bug, never quarantined."""
+
+    def __init__(self, path: str, marker: str) -> None:
+        super().__init__(f"{path}: data file missing although its ready marker {marker} exists")
+        self.path = path
+        self.marker = marker
+
+
+class NotCommittedError(StorageError):
+    """`read_committed` was asked for a data file that has no ready marker."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path}: not committed (no ready marker {layout.ready_marker(path)})")
+        self.path = path
+
+
+@dataclasses.dataclass(frozen=True)
+class FileInfo:
+    """What was written: run-root-relative path, size in bytes, hex sha256 and row count."""
+
+    path: str
+    size: int
+    sha256: str
+    rows: int
+
+
+def new_attempt_id() -> str:
+    """A fresh unique id (32 hex chars) for one attempt at a commit."""
+    return uuid.uuid4().hex
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Whether an error is worth retrying: timeouts, connection failures, HTTP 408/429/5xx."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    code = getattr(exc, "code", None) or getattr(exc, "status", None)
+    if isinstance(code, int) and code in _TRANSIENT_HTTP:
+        return True
+    return type(exc).__module__.split(".")[0] == "aiohttp"
+
+
+def _retry(what: str, fn: Callable[[], T]) -> T:
+    """Call `fn`, retrying transient errors with exponential backoff; re-raise the last one."""
+    for attempt in range(RETRY_ATTEMPTS):
+        try:
+            return fn()
+        except Exception as e:
+            if attempt == RETRY_ATTEMPTS - 1 or not _is_transient(e):
+                raise
+            delay = RETRY_BASE_DELAY_S * 2**attempt
+            logger.warning(
+                "transient error on %s (%s: %s); retry %d in %.1fs", what, type(e).__name__, e, attempt + 1, delay
+            )
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+_HASH_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """A small shared pool for hashing next to parquet decoding (created on first use)."""
+    global _HASH_POOL
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None:
+            _HASH_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rlpipe-sha256")
+        return _HASH_POOL
+
+
+def _check_rel(rel: str) -> str:
+    """Normalise and refuse paths that would escape the run root or name temp files."""
+    rel = rel.strip("/")
+    parts = rel.split("/")
+    if not rel or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"not a safe run-root-relative path: {rel!r}")
+    if parts[-1].startswith(TMP_PREFIX):
+        raise ValueError(f"{rel!r}: names starting with {TMP_PREFIX!r} are reserved for temp files")
+    return rel
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RunStore:
+    """Storage of one run root. Thread-safe; cheap to construct; holds no open handles.
+
+    root: a local path, `file://…`, `memory://…` or `gs://bucket/prefix`.
+    storage_options: passed to the fsspec filesystem (e.g. gcsfs `endpoint_url`, `token`, `project`).
+    """
+
+    def __init__(self, root: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        protocol, path = fsspec.core.split_protocol(root)
+        protocol = protocol or "file"
+        if protocol == "local":
+            protocol = "file"
+        self.protocol: str = protocol
+        self.is_local: bool = protocol == "file"
+        self._quarantine_cache: dict[str, str] = {}
+        self._cache_lock = threading.Lock()
+        if self.is_local:
+            self.root = os.path.abspath(os.path.expanduser(path))
+            self.fs: fsspec.AbstractFileSystem = fsspec.filesystem("file")
+        else:
+            opts = dict(self.storage_options)
+            if protocol in ("gs", "gcs"):
+                # Discovery must be fresh: no listing cache, no shared instance with a stale cache.
+                opts.setdefault("use_listings_cache", False)
+                opts.setdefault("skip_instance_cache", True)
+            self.fs = fsspec.filesystem(protocol, **opts)
+            self.root = path.rstrip("/")
+        self.url: str = root
+
+    def __repr__(self) -> str:
+        return f"RunStore({self.url!r})"
+
+    # paths -----------------------------------------------------------------------------
+    def full_path(self, rel: str) -> str:
+        """The backend path of a run-root-relative path (local: absolute OS path)."""
+        rel = _check_rel(rel)
+        if self.is_local:
+            return os.path.join(self.root, *rel.split("/"))
+        return f"{self.root}/{rel}" if self.root else rel
+
+    def _tmp_name(self, rel: str) -> str:
+        head, _, tail = rel.rpartition("/")
+        name = f"{TMP_PREFIX}{tail}-{uuid.uuid4().hex[:12]}"
+        return f"{head}/{name}" if head else name
+
+    # primitives --------------------------------------------------------------------------
+    def put_unique(self, rel: str, data: bytes) -> None:
+        """Write `data` at `rel` atomically: readers see the old state or all of `data`, never a part."""
+        full = self.full_path(rel)
+        if self.is_local:
+            self._local_write_tmp_then(full, data, lambda tmp: os.replace(tmp, full))
+            return
+        _retry(f"put {full}", lambda: self.fs.pipe_file(full, data))
+
+    def put_if_absent(self, rel: str, data: bytes) -> bool:
+        """Create `rel` holding `data` only if it does not exist.
+
+        Returns True if the object now holds exactly our `data` (we created it, or it already held identical
+        bytes: this is how a lost acknowledgement followed by gcsfs's retry is recognised as our own write),
+        False if it existed with other content. Same semantics on every backend. `data` must therefore be
+        unique to this attempt (carry an attempt id) whenever two writers must be told apart.
+        """
+        full = self.full_path(rel)
+        if self.is_local:
+            created = True
+
+            def link(tmp: str) -> None:
+                nonlocal created
+                try:
+                    os.link(tmp, full)
+                except FileExistsError:
+                    created = False
+                finally:
+                    os.unlink(tmp)
+
+            self._local_write_tmp_then(full, data, link)
+            return created or self._holds(full, data)
+        if self.protocol == "memory":
+            with _MEMORY_LOCK:
+                if self.fs.exists(full):
+                    return self._holds(full, data)
+                self.fs.pipe_file(full, data)
+                return True
+        try:
+            _retry(f"create {full}", lambda: self.fs.pipe_file(full, data, mode="create"))
+            return True
+        except FileExistsError:
+            return self._holds(full, data)
+
+    def _holds(self, full: str, data: bytes) -> bool:
+        """After a create-if-absent collision: True iff the existing object is byte-identical to ours."""
+        try:
+            existing = self._get_full(full)
+        except FileNotFoundError:  # deleted between the collision and the read: not ours
+            return False
+        if existing == data:
+            logger.info("create-if-absent of %s found identical content (our own retried write); treated as ours", full)
+            return True
+        return False
+
+    def _local_write_tmp_then(self, full: str, data: bytes, finish: Callable[[str], None]) -> None:
+        folder = os.path.dirname(full)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, os.path.basename(self._tmp_name(os.path.basename(full))))
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            finish(tmp)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _fsync_dir(folder)
+
+    def get(self, rel: str) -> bytes:
+        """All bytes of `rel`. Raises FileNotFoundError if absent."""
+        return self._get_full(self.full_path(rel))
+
+    def _get_full(self, full: str) -> bytes:
+        if self.is_local:
+            with open(full, "rb") as f:
+                return f.read()
+        data = _retry(f"get {full}", lambda: self.fs.cat_file(full))
+        return bytes(data)
+
+    def exists(self, rel: str) -> bool:
+        """Whether `rel` exists now (uncached)."""
+        full = self.full_path(rel)
+        if self.is_local:
+            return os.path.exists(full)
+        if self.protocol in ("gs", "gcs"):
+            with contextlib.suppress(FileNotFoundError):
+                _retry(f"info {full}", lambda: self.fs.info(full, refresh=True))
+                return True
+            return False
+        return bool(self.fs.exists(full))
+
+    def list(self, rel_dir: str) -> list[str]:
+        """Fresh, sorted listing of the direct children (files and folders) of `rel_dir`, as relative paths.
+
+        Temp files are excluded; a missing folder lists as empty.
+        """
+        rel_dir = rel_dir.strip("/")
+        if self.is_local:
+            folder = self.full_path(rel_dir) if rel_dir else self.root
+            try:
+                names = os.listdir(folder)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        else:
+            folder = self.full_path(rel_dir) if rel_dir else self.root
+            try:
+                if self.protocol in ("gs", "gcs"):
+                    entries = _retry(f"ls {folder}", lambda: self.fs.ls(folder, detail=False, refresh=True))
+                else:
+                    entries = self.fs.ls(folder, detail=False)
+            except FileNotFoundError:
+                return []
+            names = [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        return sorted(prefix + n for n in names if n and not n.startswith(TMP_PREFIX))
+
+    def delete(self, rel: str) -> None:
+        """Remove `rel` (garbage collection only; commit objects are never deleted). Missing is fine."""
+        full = self.full_path(rel)
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(full)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            _retry(f"rm {full}", lambda: self.fs.rm_file(full))
+
+    # json ------------------------------------------------------------------------------
+    def put_json_if_absent(self, rel: str, obj: Any) -> bool:
+        """Create `rel` holding `obj` as JSON only if absent (see `put_if_absent`).
+
+        A dict without an `attempt_id` key gets a fresh one, so that a lost acknowledgement can be told
+        apart from someone else's identical record. Returns True if the record is ours.
+        """
+        if isinstance(obj, dict) and "attempt_id" not in obj:
+            obj = {**obj, "attempt_id": new_attempt_id()}
+        data = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+        return self.put_if_absent(rel, data)
+
+    def put_json(self, rel: str, obj: Any) -> None:
+        """Write `obj` as JSON at `rel` atomically (overwrites; for hints such as pointers, never commits)."""
+        self.put_unique(rel, json.dumps(obj, sort_keys=True, allow_nan=False).encode())
+
+    def get_json(self, rel: str) -> Any:
+        """Parse `rel` as JSON. Raises FileNotFoundError if absent, CorruptFileError if unparseable."""
+        data = self.get(rel)
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptFileError(rel, f"invalid JSON: {e}") from None
+
+    # parquet ---------------------------------------------------------------------------
+    @staticmethod
+    def parquet_bytes(table: pa.Table, spec: TableSpec[Any], path: str = "<table>") -> bytes:
+        """Serialize `table` (conformed to `spec`) to parquet bytes with page checksums and schema metadata."""
+        table = spec.conform(table, path)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, **parquet_write_options(table.schema))
+        return sink.getvalue().to_pybytes()
+
+    def write_parquet(self, rel: str, table: pa.Table, spec: TableSpec[Any]) -> FileInfo:
+        """Write `table` as parquet at `rel` with `put_unique` (atomic); return what was written."""
+        data = self.parquet_bytes(table, spec, rel)
+        self.put_unique(rel, data)
+        return FileInfo(path=rel, size=len(data), sha256=_sha256(data), rows=table.num_rows)
+
+    @staticmethod
+    def parse_parquet(data: bytes, spec: TableSpec[Any], path: str) -> pa.Table:
+        """Parse parquet bytes through `spec`, verifying page checksums.
+
+        Raises CorruptFileError (unreadable, checksum failure) or SchemaMismatchError (foreign schema,
+        other version, missing columns).
+        """
+        try:
+            pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+            file_schema = pf.schema_arrow
+            spec.check_metadata(file_schema.metadata, path)
+            present = set(file_schema.names)
+            table = pf.read(columns=[n for n in spec.schema.names if n in present])
+        except SchemaMismatchError:
+            raise
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise CorruptFileError(path, f"unreadable parquet ({type(e).__name__}: {e})") from None
+        try:
+            return spec.conform(table, path)
+        except SchemaMismatchError:
+            raise
+        except pa.ArrowException as e:
+            raise SchemaMismatchError(path, spec.tag, f"columns not castable ({e})") from None
+
+    def read_parquet(self, rel: str, spec: TableSpec[Any]) -> pa.Table:
+        """Read `rel` through `spec`. Raises FileNotFoundError, CorruptFileError or SchemaMismatchError."""
+        return self.parse_parquet(self.get(rel), spec, rel)
+
+    # commit ----------------------------------------------------------------------------
+    def commit_data(
+        self, rel: str, table: pa.Table, spec: TableSpec[Any], extra: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Write `table` at `rel` (put_unique), then commit it with a ready marker (put_if_absent).
+
+        The marker holds file, size, sha256, rows, schema, attempt_id, time and the `extra` fields.
+        Returns True if this call committed the file; False if it was already committed (then the data
+        file is not touched). `rel` must be unique to one producing task: a concurrent writer of the same
+        name is detected afterwards and logged as an error (its reader will quarantine on mismatch).
+        """
+        marker = layout.ready_marker(_check_rel(rel))
+        if self.exists(marker):
+            logger.info("%s is already committed; not rewriting it", rel)
+            return False
+        info = self.write_parquet(rel, table, spec)
+        record: dict[str, Any] = {
+            **dict(extra or {}),
+            "file": rel,
+            "size": info.size,
+            "sha256": info.sha256,
+            "rows": info.rows,
+            "schema": spec.tag,
+            "attempt_id": new_attempt_id(),
+            "time": time.time(),
+        }
+        if self.put_json_if_absent(marker, record):
+            return True
+        other = self.get_json(marker)
+        if isinstance(other, dict) and other.get("sha256") != info.sha256:
+            logger.error(
+                "name collision: %s was committed concurrently by another writer (attempt %s)",
+                rel,
+                other.get("attempt_id"),
+            )
+        return False
+
+    def list_committed(self, rel_dir: str) -> builtins.list[str]:
+        """Sorted data paths in `rel_dir` whose ready marker exists and that are not quarantined."""
+        markers = [p for p in self.list(rel_dir) if p.endswith(layout.READY_SUFFIX)]
+        if not markers:
+            return []
+        bad = self.quarantined()
+        return [d for d in (layout.data_of_marker(m) for m in markers) if d not in bad]
+
+    def read_marker(self, rel: str) -> dict[str, Any]:
+        """The ready marker of data file `rel`. Raises NotCommittedError or CorruptFileError (bad marker)."""
+        marker = layout.ready_marker(rel)
+        try:
+            record = self.get_json(marker)
+        except FileNotFoundError:
+            raise NotCommittedError(rel) from None
+        if not isinstance(record, dict) or not {"size", "sha256", "rows"} <= record.keys():
+            raise CorruptFileError(rel, f"bad ready marker {marker}: {str(record)[:200]}")
+        return record
+
+    def read_committed(self, rel: str, spec: TableSpec[Any]) -> pa.Table | None:
+        """Read a committed data file, verified against its marker; None if it is (now) quarantined.
+
+        A permanent defect (bad marker, size/sha256/row mismatch, unreadable parquet, checksum failure,
+        foreign schema or unknown version) quarantines the file with a reason and returns None.
+        Raises NotCommittedError without a marker and MissingDataError if the marker's data is gone.
+        """
+        rel = _check_rel(rel)
+        if self.is_quarantined(rel):
+            logger.debug("%s is quarantined; skipped", rel)
+            return None
+        try:
+            record = self.read_marker(rel)
+            try:
+                data = self.get(rel)
+            except FileNotFoundError:
+                raise MissingDataError(rel, layout.ready_marker(rel)) from None
+            if len(data) != record["size"]:
+                raise CorruptFileError(rel, f"size {len(data)} != marker size {record['size']}")
+            # Hash in a worker thread (hashlib releases the GIL) while parsing: the digest is checked before
+            # anything is returned, and a digest mismatch is reported in preference to a parse error.
+            digest_future = _hash_pool().submit(_sha256, data)
+            parse_error: CorruptFileError | SchemaMismatchError | None = None
+            table: pa.Table | None = None
+            try:
+                table = self.parse_parquet(data, spec, rel)
+            except (CorruptFileError, SchemaMismatchError) as e:
+                parse_error = e
+            digest = digest_future.result()
+            if digest != record["sha256"]:
+                raise CorruptFileError(rel, f"sha256 {digest[:16]}… != marker sha256 {str(record['sha256'])[:16]}…")
+            if parse_error is not None:
+                raise parse_error
+            assert table is not None
+            if table.num_rows != record["rows"]:
+                raise CorruptFileError(rel, f"{table.num_rows} rows != marker rows {record['rows']}")
+            return table
+        except CorruptFileError as e:
+            self.quarantine(rel, e.reason)
+            return None
+        except SchemaMismatchError as e:
+            self.quarantine(rel, f"schema mismatch: expected {e.expected}, found {e.found}")
+            return None
+
+    # quarantine --------------------------------------------------------------------------
+    def quarantine(self, rel: str, reason: str) -> None:
+        """Set `rel` aside for good: a reason record (create-if-absent); the bytes stay for forensics."""
+        rel = _check_rel(rel)
+        record = {"path": rel, "reason": reason, "time": time.time()}
+        created = self.put_json_if_absent(layout.quarantine_record(rel), record)
+        with self._cache_lock:
+            self._quarantine_cache[layout.quarantine_record(rel)] = rel
+        if created:
+            logger.warning("quarantined %s: %s", rel, reason)
+        else:
+            logger.info("%s was already quarantined (new reason: %s)", rel, reason)
+
+    def is_quarantined(self, rel: str) -> bool:
+        """Whether `rel` has a quarantine record."""
+        return self.exists(layout.quarantine_record(_check_rel(rel)))
+
+    def quarantined(self) -> set[str]:
+        """Every quarantined path (fresh listing; records are immutable, so each is read once)."""
+        out: set[str] = set()
+        for rec in self.list(layout.QUARANTINE):
+            if not rec.endswith(".json"):
+                continue
+            with self._cache_lock:
+                known = self._quarantine_cache.get(rec)
+            if known is None:
+                try:
+                    obj = self.get_json(rec)
+                    known = str(obj["path"])
+                except (CorruptFileError, KeyError, TypeError):
+                    logger.warning("unreadable quarantine record %s", rec)
+                    continue
+                with self._cache_lock:
+                    self._quarantine_cache[rec] = known
+            out.add(known)
+        return out

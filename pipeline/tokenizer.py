@@ -1,0 +1,173 @@
+"""Tokenizers: a local Hugging Face tokenizer folder, or the built-in tiny tokenizer.
+
+`builtin:tiny` is built deterministically in code with the `tokenizers` library (no hub, no
+training): a Unigram model with an explicit vocabulary
+
+- ids 0..3: the special tokens `<pad>`, `<bos>`, `<eos>`, `<unk>`;
+- every character of `string.printable` (printable ASCII plus whitespace), so any ASCII text
+  encodes and decodes back exactly;
+- whole-word pieces common in the built-in environments ("cat", " cats", "<calc>", "Answer:", ...),
+  so that saying "cats" is one or two tokens and the cats environment is learnable from a random
+  tiny model;
+- `<unused_N>` filler pieces (never produced by encoding) up to `TINY_VOCAB_SIZE` (a multiple of 64).
+
+Every piece costs the same score, plus a tiny bonus per character, so encoding picks the
+segmentation with the fewest tokens (ties: longer pieces). There is no normaliser and no
+pre-tokeniser, spaces are ordinary characters, and the decoder concatenates pieces, so
+`decode(encode(s)) == s` for every ASCII string `s`. `encode` adds no special tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tokenizers import Tokenizer, decoders, models
+
+if TYPE_CHECKING:
+    import transformers
+
+BUILTIN_TINY = "builtin:tiny"
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+TINY_VOCAB_SIZE = 512
+"""Size of the built-in tiny vocabulary (a multiple of 64; the tail is `<unused_N>` filler)."""
+
+_WORDS_TEXT = """
+    cat cats Cat Cats CAT CATS kitty kitten kittens meow purr moar more feline paw paws whiskers tabby
+    mouse fish milk nap fur pet pets the The a A an is are was be what What how How why who i I me my
+    you You your we they it It this that there do does did like love give tell say said want need have
+    has please Please about some many much all any no not yes Yes No and or of to in on for with at by
+    from as so if then good best favorite animal animals dog dogs day today now can will let let's talk
+    write story poem name one two three lot lots hello Hello hi Hi thanks ok very really just only also
+    too plus minus times divided sum equals number numbers add compute Compute calculate Calculate
+    answer Answer Question problem result value error Use use calculator tool final
+"""
+_WORDS: tuple[str, ...] = tuple(_WORDS_TEXT.split())
+"""Whole words of the built-in environments; each also gets a leading-space variant."""
+_SYMBOL_PIECES: tuple[str, ...] = (
+    "<calc>",
+    "</calc>",
+    "<result>",
+    "</result>",
+    "Answer:",
+    " Answer:",
+    "Question:",
+    "Q:",
+    "A:",
+    "error:",
+    " error:",
+    ": ",
+    ". ",
+    ", ",
+    "? ",
+    "! ",
+    "\n\n",
+    "  ",
+    "    ",
+    "...",
+    "=",
+    " = ",
+    " + ",
+    " - ",
+    " * ",
+    " / ",
+    "+",
+    "?\n",
+    ".\n",
+    ":\n",
+    "</result>\n",
+    "</calc>\n",
+    "Answer: ",
+)
+_CHARS: tuple[str, ...] = tuple(dict.fromkeys(string.printable))
+
+
+def _tiny_pieces() -> list[str]:
+    """The ordered, duplicate-free piece list of the tiny vocabulary (specials, characters, words, filler)."""
+    pieces: list[str] = list(SPECIAL_TOKENS) + list(_CHARS)
+    seen = set(pieces)
+    words: list[str] = []
+    for w in _WORDS:
+        words += [w, " " + w]
+    for p in words + list(_SYMBOL_PIECES):
+        if p not in seen:
+            seen.add(p)
+            pieces.append(p)
+    if len(pieces) > TINY_VOCAB_SIZE:
+        raise AssertionError(f"tiny vocabulary has {len(pieces)} pieces > TINY_VOCAB_SIZE={TINY_VOCAB_SIZE}")
+    pieces += [f"<unused_{i}>" for i in range(TINY_VOCAB_SIZE - len(pieces))]
+    return pieces
+
+
+def build_tiny_tokenizer_object() -> Tokenizer:
+    """The raw `tokenizers.Tokenizer` of `builtin:tiny`; identical on every call (no randomness)."""
+    vocab: list[tuple[str, float]] = []
+    for i, piece in enumerate(_tiny_pieces()):
+        if i < len(SPECIAL_TOKENS):
+            score = 0.0
+        elif piece.startswith("<unused_"):
+            score = -1e6  # never chosen: characters always give a cheaper segmentation
+        else:
+            score = -10.0 + 0.01 * len(piece)  # fewest tokens wins; ties go to longer pieces
+        vocab.append((piece, score))
+    tok = Tokenizer(models.Unigram(vocab, unk_id=UNK_ID, byte_fallback=False))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def build_tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The `builtin:tiny` tokenizer as a transformers fast tokenizer (pad=0, bos=1, eos=2, unk=3)."""
+    import transformers  # lazy: importing transformers is slow and environments do not need it
+
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=build_tiny_tokenizer_object(),
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+
+
+def save_tiny_tokenizer(directory: str | os.PathLike[str]) -> str:
+    """Write `builtin:tiny` to a folder loadable by `AutoTokenizer.from_pretrained(dir, local_files_only=True)`.
+
+    Returns the folder path as a string.
+    """
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer().save_pretrained(str(path))
+    return str(path)
+
+
+class TokenizerLoadError(ValueError):
+    """A tokenizer spec could not be loaded; the message names the spec and the cause."""
+
+
+def load_tokenizer(spec: str) -> transformers.PreTrainedTokenizerFast:
+    """Load a tokenizer: `builtin:tiny`, or a local folder holding a Hugging Face tokenizer.
+
+    Never downloads (`local_files_only=True`). Raises TokenizerLoadError naming the spec when the
+    folder is missing or holds no loadable fast tokenizer.
+    """
+    import transformers
+
+    if spec == BUILTIN_TINY:
+        return build_tiny_tokenizer()
+    if spec.startswith("builtin:"):
+        raise TokenizerLoadError(f"unknown builtin tokenizer {spec!r}; known: {BUILTIN_TINY!r}")
+    if not Path(spec).is_dir():
+        raise TokenizerLoadError(f"tokenizer folder {spec!r} does not exist (or spec is not {BUILTIN_TINY!r})")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True, use_fast=True)
+    except Exception as e:  # re-raised with the path named
+        raise TokenizerLoadError(f"cannot load tokenizer from {spec!r}: {type(e).__name__}: {e}") from e
+    if not isinstance(tok, transformers.PreTrainedTokenizerFast):
+        raise TokenizerLoadError(f"tokenizer at {spec!r} is not a fast tokenizer ({type(tok).__name__})")
+    return tok

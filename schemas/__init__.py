@@ -1,0 +1,32 @@
+"""Declared, versioned data contracts of rlpipe (pyarrow only, no JAX).
+
+Every parquet file the pipeline writes carries its schema name and version in the
+file metadata (`rlpipe.schema`, `rlpipe.schema_version`); readers check both.
+"""
+
+from schemas.base import (
+    SCHEMA_NAME_KEY,
+    SCHEMA_VERSION_KEY,
+    SchemaMismatchError,
+    TableSpec,
+    ValidationError,
+)
+from schemas.batch import BATCH, BatchRow
+from schemas.evaluation import EVAL_ROW, EVAL_SUMMARY, EvalRow, EvalSummaryRow
+from schemas.rollout import ROLLOUT, RolloutRow
+
+__all__ = [
+    "BATCH",
+    "EVAL_ROW",
+    "EVAL_SUMMARY",
+    "ROLLOUT",
+    "SCHEMA_NAME_KEY",
+    "SCHEMA_VERSION_KEY",
+    "BatchRow",
+    "EvalRow",
+    "EvalSummaryRow",
+    "RolloutRow",
+    "SchemaMismatchError",
+    "TableSpec",
+    "ValidationError",
+]

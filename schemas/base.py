@@ -1,0 +1,123 @@
+"""The machinery shared by every declared schema: a named, versioned Arrow schema
+bound to a row dataclass, with lossless conversion both ways and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, TypeVar
+
+import pyarrow as pa
+
+SCHEMA_NAME_KEY = b"rlpipe.schema"
+SCHEMA_VERSION_KEY = b"rlpipe.schema_version"
+
+R = TypeVar("R")
+
+
+class ValidationError(ValueError):
+    """A row or table violates its declared contract; the message names the row and field."""
+
+
+class SchemaMismatchError(ValueError):
+    """A file's schema name or version is not the one the reader expects."""
+
+    def __init__(self, path: str, expected: str, found: str) -> None:
+        super().__init__(f"{path}: expected schema {expected}, found {found}")
+        self.path = path
+        self.expected = expected
+        self.found = found
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec(Generic[R]):
+    """A declared table: name, version, Arrow schema, row class and row validator.
+
+    `to_table(rows)` and `from_table(table)` are exact inverses for valid rows:
+    token lists stay integer lists, floats keep their declared width.
+    """
+
+    name: str
+    version: int
+    schema: pa.Schema
+    row_type: type[R]
+    validate_row: Callable[[R], None]
+
+    @property
+    def tag(self) -> str:
+        """`name@vN`, how files and errors name this schema."""
+        return f"{self.name}@v{self.version}"
+
+    @property
+    def metadata(self) -> dict[bytes, bytes]:
+        """File-level metadata every table of this spec carries."""
+        return {SCHEMA_NAME_KEY: self.name.encode(), SCHEMA_VERSION_KEY: str(self.version).encode()}
+
+    def arrow_schema(self) -> pa.Schema:
+        """The Arrow schema with the version metadata attached."""
+        return self.schema.with_metadata(self.metadata)
+
+    def to_table(self, rows: Sequence[R], *, validate: bool = True) -> pa.Table:
+        """Rows to an Arrow table of exactly this schema (validated unless told not to)."""
+        if validate:
+            for i, row in enumerate(rows):
+                try:
+                    self.validate_row(row)
+                except ValidationError as e:
+                    raise ValidationError(f"{self.tag} row {i}: {e}") from None
+        columns = {f.name: [getattr(r, f.name) for r in rows] for f in self.schema}
+        return pa.Table.from_pydict(columns, schema=self.arrow_schema())
+
+    def from_table(self, table: pa.Table) -> list[R]:
+        """An Arrow table (same columns) back to row objects."""
+        table = self.conform(table, path="<table>")
+        cols = {name: table.column(name).to_pylist() for name in self.schema.names}
+        n = table.num_rows
+        return [self.row_type(**{k: cols[k][i] for k in cols}) for i in range(n)]
+
+    def check_metadata(self, metadata: dict[bytes, bytes] | None, path: str) -> None:
+        """Raise SchemaMismatchError unless the file metadata names this schema and version."""
+        md = metadata or {}
+        name = md.get(SCHEMA_NAME_KEY, b"<none>").decode(errors="replace")
+        version = md.get(SCHEMA_VERSION_KEY, b"<none>").decode(errors="replace")
+        if name != self.name or version != str(self.version):
+            raise SchemaMismatchError(path, self.tag, f"{name}@v{version}")
+
+    def conform(self, table: pa.Table, path: str) -> pa.Table:
+        """Select and cast the declared columns; a missing column is a mismatch, never a silent drop."""
+        missing = [n for n in self.schema.names if n not in table.column_names]
+        if missing:
+            raise SchemaMismatchError(path, self.tag, f"table without columns {missing}")
+        table = table.select(self.schema.names)
+        if not table.schema.equals(self.schema, check_metadata=False):
+            table = table.cast(self.schema)
+        return table.replace_schema_metadata(self.metadata)
+
+
+def check_finite(name: str, value: float) -> None:
+    """Raise ValidationError if `value` is NaN or infinite."""
+    if value is None or math.isnan(value) or math.isinf(value):
+        raise ValidationError(f"{name} must be finite, got {value!r}")
+
+
+def check_nonempty(name: str, value: str) -> None:
+    """Raise ValidationError if the string is empty."""
+    if not value:
+        raise ValidationError(f"{name} must be a non-empty string")
+
+
+def check_same_length(names: Iterable[str], values: Iterable[Sequence[Any]]) -> None:
+    """Raise ValidationError unless all sequences have the same length."""
+    names = list(names)
+    lengths = [len(v) for v in values]
+    if len(set(lengths)) > 1:
+        detail = ", ".join(f"{n}={ln}" for n, ln in zip(names, lengths, strict=True))
+        raise ValidationError(f"lengths disagree: {detail}")
+
+
+def check_int_list(name: str, value: Sequence[Any]) -> None:
+    """Raise ValidationError unless every element is an int (not a float, not a bool)."""
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValidationError(f"{name} must hold integers, found {type(v).__name__} {v!r}")

@@ -1,0 +1,88 @@
+"""Batch rows: the learner's complete input for one step (seed 004's `RlExample` plus lineage).
+
+A batch file `batches/…/step-T` holds exactly `batch_size` rows of fixed length
+`seq_len`. With packing, one row holds several segments: `segment_ids` numbers them
+0, 1, … along the row and marks padding with -1; per-segment lists (`rollout_ids`,
+`source_files`, `policy_steps`, `temperatures`) are indexed by segment id. Attention never
+crosses segments; `position_ids` restart at 0 in each segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pyarrow as pa
+
+from schemas.base import TableSpec, ValidationError, check_int_list, check_same_length
+
+
+@dataclasses.dataclass
+class BatchRow:
+    """One fixed-length training row (one or more packed segments)."""
+
+    tokens: list[int]
+    loss_mask: list[int]
+    segment_ids: list[int]
+    position_ids: list[int]
+    advantages: list[float]
+    generator_logprobs: list[float]
+    reference_logprobs: list[float] | None
+    truncated: list[bool]
+    temperatures: list[float]
+    policy_steps: list[int]
+    rollout_ids: list[str]
+    source_files: list[str]
+
+
+BATCH_ARROW = pa.schema(
+    [
+        pa.field("tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("segment_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("position_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("advantages", pa.list_(pa.float32()), nullable=False),
+        pa.field("generator_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=True),
+        pa.field("truncated", pa.list_(pa.bool_()), nullable=False),
+        pa.field("temperatures", pa.list_(pa.float32()), nullable=False),
+        pa.field("policy_steps", pa.list_(pa.int64()), nullable=False),
+        pa.field("rollout_ids", pa.list_(pa.string()), nullable=False),
+        pa.field("source_files", pa.list_(pa.string()), nullable=False),
+    ]
+)
+
+
+def validate_batch_row(row: BatchRow) -> None:
+    """Raise ValidationError when per-token lists disagree in length or segments are inconsistent."""
+    check_int_list("tokens", row.tokens)
+    names = ["tokens", "loss_mask", "segment_ids", "position_ids", "advantages", "generator_logprobs"]
+    values: list[list[Any]] = [
+        row.tokens,
+        row.loss_mask,
+        row.segment_ids,
+        row.position_ids,
+        row.advantages,
+        row.generator_logprobs,
+    ]
+    if row.reference_logprobs is not None:
+        names.append("reference_logprobs")
+        values.append(row.reference_logprobs)
+    check_same_length(names, values)
+    n_seg = max(row.segment_ids, default=-1) + 1
+    check_same_length(
+        ("segments", "truncated", "temperatures", "policy_steps", "rollout_ids", "source_files"),
+        ([0] * n_seg, row.truncated, row.temperatures, row.policy_steps, row.rollout_ids, row.source_files),
+    )
+    for m, s in zip(row.loss_mask, row.segment_ids, strict=True):
+        if m and s < 0:
+            raise ValidationError("loss_mask is set on a padding position (segment_id -1)")
+
+
+BATCH: TableSpec[BatchRow] = TableSpec(
+    name="batch",
+    version=1,
+    schema=BATCH_ARROW,
+    row_type=BatchRow,
+    validate_row=validate_batch_row,
+)

@@ -1,0 +1,90 @@
+"""Evaluation rows (one scored eval completion) and per-lesson evaluation summaries."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+
+from schemas.base import TableSpec, ValidationError, check_finite, check_nonempty
+from schemas.rollout import ROLLOUT_ARROW, RolloutRow, validate_rollout
+
+
+@dataclasses.dataclass
+class EvalRow(RolloutRow):
+    """A rollout produced in evaluation, plus the kind of evaluation (`eval`, `micro_eval`)."""
+
+    eval_type: str = "eval"
+
+
+EVAL_ARROW = ROLLOUT_ARROW.append(pa.field("eval_type", pa.string(), nullable=False))
+
+
+def validate_eval_row(row: EvalRow) -> None:
+    """Rollout validation plus a known eval type."""
+    validate_rollout(row)
+    if row.eval_type not in ("eval", "micro_eval"):
+        raise ValidationError(f"eval_type must be 'eval' or 'micro_eval', got {row.eval_type!r}")
+
+
+EVAL_ROW: TableSpec[EvalRow] = TableSpec(
+    name="eval_rollout", version=1, schema=EVAL_ARROW, row_type=EvalRow, validate_row=validate_eval_row
+)
+
+
+@dataclasses.dataclass
+class EvalSummaryRow:
+    """Evaluation of one lesson at one policy step.
+
+    success_rate: fraction of episodes with episode_reward >= the lesson's success threshold
+    (1.0 by default: exact answers).
+    """
+
+    policy_step: int
+    lesson_id: str
+    eval_type: str
+    n_examples: int
+    mean_reward: float
+    success_rate: float
+    mean_response_tokens: float
+    truncation_rate: float
+    temperature: float
+    source: str
+    timestamp: float
+
+
+EVAL_SUMMARY_ARROW = pa.schema(
+    [
+        pa.field("policy_step", pa.int64(), nullable=False),
+        pa.field("lesson_id", pa.string(), nullable=False),
+        pa.field("eval_type", pa.string(), nullable=False),
+        pa.field("n_examples", pa.int64(), nullable=False),
+        pa.field("mean_reward", pa.float64(), nullable=False),
+        pa.field("success_rate", pa.float64(), nullable=False),
+        pa.field("mean_response_tokens", pa.float64(), nullable=False),
+        pa.field("truncation_rate", pa.float64(), nullable=False),
+        pa.field("temperature", pa.float32(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("timestamp", pa.float64(), nullable=False),
+    ]
+)
+
+
+def validate_eval_summary(row: EvalSummaryRow) -> None:
+    """Raise ValidationError on empty ids, NaN metrics or rates outside [0, 1]."""
+    check_nonempty("lesson_id", row.lesson_id)
+    check_finite("mean_reward", row.mean_reward)
+    for name in ("success_rate", "truncation_rate"):
+        v = getattr(row, name)
+        check_finite(name, v)
+        if not 0.0 <= v <= 1.0:
+            raise ValidationError(f"{name} must be in [0, 1], got {v}")
+
+
+EVAL_SUMMARY: TableSpec[EvalSummaryRow] = TableSpec(
+    name="eval_summary",
+    version=1,
+    schema=EVAL_SUMMARY_ARROW,
+    row_type=EvalSummaryRow,
+    validate_row=validate_eval_summary,
+)

@@ -1,0 +1,116 @@
+"""Rollout rows: one sampled completion of one prompt, scored, as written by a rollout worker.
+
+One row per response. `response_logprobs`, `token_rewards` and `response_loss_mask` each
+hold exactly one entry per response token. `response_loss_mask` is 1 on tokens the policy
+produced and 0 on tokens it did not (tool outputs, environment turns in multi-turn
+episodes), so multi-turn episodes travel in the same format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+
+from schemas.base import (
+    TableSpec,
+    ValidationError,
+    check_finite,
+    check_int_list,
+    check_nonempty,
+    check_same_length,
+)
+
+
+@dataclasses.dataclass
+class RolloutRow:
+    """One scored completion.
+
+    rollout_id: stable, unique id (worker, file sequence number, row index).
+    group_key: rows with the same key were sampled from the same prompt for RLOO/GRPO.
+    policy_step: the policy checkpoint step that generated the response.
+    """
+
+    rollout_id: str
+    env_name: str
+    example_id: str
+    lesson_id: str
+    group_key: str
+    prompt_tokens: list[int]
+    response_tokens: list[int]
+    response_logprobs: list[float]
+    token_rewards: list[float]
+    response_loss_mask: list[int]
+    episode_reward: float
+    truncated: bool
+    finish_reason: str
+    temperature: float
+    policy_step: int
+    worker_id: str
+    timestamp: float
+
+
+ROLLOUT_ARROW = pa.schema(
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("env_name", pa.string(), nullable=False),
+        pa.field("example_id", pa.string(), nullable=False),
+        pa.field("lesson_id", pa.string(), nullable=False),
+        pa.field("group_key", pa.string(), nullable=False),
+        pa.field("prompt_tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("token_rewards", pa.list_(pa.float32()), nullable=False),
+        pa.field("response_loss_mask", pa.list_(pa.int8()), nullable=False),
+        pa.field("episode_reward", pa.float64(), nullable=False),
+        pa.field("truncated", pa.bool_(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("temperature", pa.float32(), nullable=False),
+        pa.field("policy_step", pa.int64(), nullable=False),
+        pa.field("worker_id", pa.string(), nullable=False),
+        pa.field("timestamp", pa.float64(), nullable=False),
+    ]
+)
+
+
+def validate_rollout(row: RolloutRow) -> None:
+    """Raise ValidationError naming the field when the row breaks the rollout contract."""
+    for name in ("rollout_id", "env_name", "example_id", "lesson_id", "group_key", "worker_id"):
+        check_nonempty(name, getattr(row, name))
+    check_int_list("prompt_tokens", row.prompt_tokens)
+    check_int_list("response_tokens", row.response_tokens)
+    if not row.prompt_tokens:
+        raise ValidationError("prompt_tokens must not be empty")
+    check_same_length(
+        ("response_tokens", "response_logprobs", "token_rewards", "response_loss_mask"),
+        (row.response_tokens, row.response_logprobs, row.token_rewards, row.response_loss_mask),
+    )
+    check_finite("episode_reward", row.episode_reward)
+    for i, r in enumerate(row.token_rewards):
+        check_finite(f"token_rewards[{i}]", r)
+    check_finite("temperature", row.temperature)
+    if row.temperature < 0:
+        raise ValidationError(f"temperature must be >= 0, got {row.temperature}")
+    if row.policy_step < 0:
+        raise ValidationError(f"policy_step must be >= 0, got {row.policy_step}")
+
+
+ROLLOUT: TableSpec[RolloutRow] = TableSpec(
+    name="rollout",
+    version=1,
+    schema=ROLLOUT_ARROW,
+    row_type=RolloutRow,
+    validate_row=validate_rollout,
+)
+
+
+def validate_group(rows: list[RolloutRow]) -> None:
+    """Raise ValidationError unless all members of a group share group key and prompt."""
+    if not rows:
+        return
+    first = rows[0]
+    for r in rows[1:]:
+        if r.group_key != first.group_key:
+            raise ValidationError(f"group mixes keys {first.group_key!r} and {r.group_key!r}")
+        if r.prompt_tokens != first.prompt_tokens:
+            raise ValidationError(f"group {first.group_key!r}: members do not share a prompt")

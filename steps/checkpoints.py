@@ -1,0 +1,197 @@
+"""Committed checkpoint folders on a RunStore: pytrees as safetensors, a marker written last.
+
+Format (no pickle anywhere):
+
+    <dir>/<name>-<attempt_id>.safetensors    one file per pytree (model, opt_state); unique name, put_unique
+    <dir>/COMMITTED                          JSON, put_if_absent, written LAST:
+        {"format": "rlpipe-tree-safetensors-v1", "attempt_id": ..., "files": {name: {"path", "size", "sha256"}},
+         ...caller metadata (step, batch slot, tokenizer, seq_len, lineage)}
+
+Why safetensors through the RunStore rather than levanter's tensorstore checkpoints: every write goes
+through the same atomic `put_unique` / `put_if_absent` primitives as the rest of the run root, so the
+same code works on local disk, `memory://`, gs:// and the GCS emulator (storage_options included);
+the marker can list sizes and sha256 checksums of every byte it commits (STORAGE.md protocol §4);
+and the files are plain safetensors readable by any tool. The price: one file per pytree, written
+from host memory, which is fine up to a few billion parameters on one host; multi-host sharded
+training would switch to tensorstore (levanter.checkpoint) behind the same marker.
+
+A pytree is stored by flattening its array leaves with `jax.tree_util.keystr` paths as tensor names;
+it is restored into a template of the same structure (built from the same config), so the bytes
+round-trip exactly (bitwise) and a structure mismatch fails loudly naming the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from typing import Any, Protocol, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from pipeline import layout
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "rlpipe-tree-safetensors-v1"
+T = TypeVar("T")
+
+
+class CheckpointError(RuntimeError):
+    """A committed checkpoint cannot be read: missing file, size/sha mismatch, or structure mismatch."""
+
+
+class _Store(Protocol):
+    def put_unique(self, rel: str, data: bytes) -> None: ...
+
+    def put_if_absent(self, rel: str, data: bytes) -> bool: ...
+
+    def get(self, rel: str) -> bytes: ...
+
+    def exists(self, rel: str) -> bool: ...
+
+    def list(self, rel: str) -> list[str]: ...
+
+    def delete(self, rel: str) -> None: ...
+
+
+def _is_array_leaf(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct | np.generic)
+
+
+def tree_to_safetensors(tree: Any) -> bytes:
+    """Serialise every array leaf of `tree` into safetensors bytes, named by its key path."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    tensors: dict[str, np.ndarray] = {}
+    for path, leaf in leaves:
+        if not _is_array_leaf(leaf):
+            continue
+        name = jax.tree_util.keystr(path)
+        if name in tensors:
+            raise CheckpointError(f"duplicate tensor name {name!r} while serialising")
+        tensors[name] = np.ascontiguousarray(np.asarray(jax.device_get(leaf)))
+    return st_save(tensors, metadata={"format": FORMAT})
+
+
+def tree_from_safetensors(template: T, data: bytes, *, source: str) -> T:
+    """Fill the array leaves of `template` (arrays or ShapeDtypeStructs) from safetensors bytes.
+
+    Raises CheckpointError naming `source` and the tensor when a name is missing, extra,
+    or its shape/dtype differs from the template.
+    """
+    tensors = st_load(data)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    out = []
+    seen = set()
+    for path, leaf in leaves:
+        if not _is_array_leaf(leaf):
+            out.append(leaf)
+            continue
+        name = jax.tree_util.keystr(path)
+        if name not in tensors:
+            raise CheckpointError(f"{source}: tensor {name!r} missing")
+        arr = tensors[name]
+        if tuple(leaf.shape) == () and tuple(arr.shape) == (1,):  # safetensors stores scalars as [1]
+            arr = arr.reshape(())
+        if tuple(arr.shape) != tuple(leaf.shape) or np.dtype(arr.dtype) != np.dtype(leaf.dtype):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {arr.shape} {arr.dtype}, expected {leaf.shape} {leaf.dtype}"
+            )
+        seen.add(name)
+        out.append(jnp.asarray(arr))
+    extra = sorted(set(tensors) - seen)
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensors {extra[:5]} (structure mismatch)")
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex sha256 of `data`."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_committed(store: _Store, folder: str, blobs: dict[str, bytes], meta: dict[str, Any]) -> bool:
+    """Write `blobs` as unique files under `folder`, then the COMMITTED marker (last, create-if-absent).
+
+    Returns True when this call committed the folder, False when a marker already existed
+    (someone — e.g. an earlier incarnation of this learner — committed it first; our files are
+    then unreferenced garbage). A lost acknowledgement is resolved by reading the marker back.
+    """
+    marker = layout.join(folder, layout.COMMIT_MARKER)
+    if store.exists(marker):
+        logger.info("%s already committed; not rewriting", folder)
+        return False
+    attempt = uuid.uuid4().hex[:12]
+    files: dict[str, dict[str, Any]] = {}
+    for name, data in blobs.items():
+        fname = f"{name}-{attempt}.safetensors"
+        store.put_unique(layout.join(folder, fname), data)
+        files[name] = {"path": fname, "size": len(data), "sha256": sha256_hex(data)}
+    record = {"format": FORMAT, "attempt_id": attempt, "files": files, **meta}
+    created = store.put_if_absent(marker, json.dumps(record, sort_keys=True, indent=1).encode())
+    if not created:
+        try:
+            created = json.loads(store.get(marker)).get("attempt_id") == attempt
+        except (OSError, ValueError):
+            created = False
+    if created:
+        logger.info("committed %s (%s)", folder, ", ".join(f"{k}: {v['size']} B" for k, v in files.items()))
+    else:
+        logger.warning("%s was committed concurrently by another writer; ours is garbage", folder)
+    return created
+
+
+def read_marker(store: _Store, folder: str) -> dict[str, Any]:
+    """The parsed COMMITTED marker of `folder`; CheckpointError if missing or unreadable."""
+    marker = layout.join(folder, layout.COMMIT_MARKER)
+    try:
+        record = json.loads(store.get(marker))
+    except FileNotFoundError:
+        raise CheckpointError(f"{marker}: no commit marker") from None
+    except ValueError as e:
+        raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
+    if record.get("format") != FORMAT:
+        raise CheckpointError(f"{marker}: format {record.get('format')!r}, expected {FORMAT!r}")
+    return record
+
+
+def read_blob(store: _Store, folder: str, record: dict[str, Any], name: str) -> bytes:
+    """Bytes of the committed file `name`, verified against the marker's size and sha256."""
+    try:
+        entry = record["files"][name]
+    except KeyError:
+        raise CheckpointError(f"{folder}/{layout.COMMIT_MARKER}: lists no file {name!r}") from None
+    rel = layout.join(folder, entry["path"])
+    try:
+        data = store.get(rel)
+    except FileNotFoundError:
+        raise CheckpointError(f"{rel}: named by the commit marker but missing") from None
+    if len(data) != entry["size"] or sha256_hex(data) != entry["sha256"]:
+        raise CheckpointError(f"{rel}: size/sha256 differ from the commit marker ({len(data)} vs {entry['size']} B)")
+    return data
+
+
+def committed_steps(store: _Store, root: str) -> list[int]:
+    """Steps under `root` (`policies` or `checkpoints`) whose COMMITTED marker exists, ascending.
+
+    Listing plus marker existence is the truth; pointers such as LATEST are only hints.
+    """
+    candidates: set[int] = set()
+    for rel in store.list(root):
+        name = rel.rstrip("/").split("/")
+        for part in name:
+            if part.startswith("step-"):
+                try:
+                    candidates.add(layout.parse_step(part))
+                except ValueError:
+                    pass
+    steps = []
+    for s in sorted(candidates):
+        if store.exists(layout.join(root, layout.step_name(s), layout.COMMIT_MARKER)):
+            steps.append(s)
+    return steps

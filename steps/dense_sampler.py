@@ -1,0 +1,517 @@
+"""A fixed-shape, jit-compiled-once sampler with a dense KV cache for levanter Llama / Qwen3 models.
+
+What it reads: a levanter `LlamaLMHeadModel` (or `Qwen3LMHeadModel`, which adds q/k RMSNorm); its
+haliax weights are turned once into plain arrays (`extract_params`) and passed to the compiled
+function as arguments, so new weights (`DenseSampler.update_params`) never recompile anything.
+What it writes: nothing; `DenseSampler.generate` returns token ids and logprobs as numpy arrays.
+
+Algorithm (one jitted call per batch, no per-token host round trip):
+
+1. Prompts are right-aligned (left-padded) in a `[B, P]` block. Sequence b has `pad_b = P - len_b`
+   padding slots; the token in slot j has rotary position `j - pad_b`, so every sequence sees the
+   positions 0, 1, ... exactly as the learner's teacher-forced forward does. Padding keys are masked.
+2. Prefill: one forward over `[B, P]` (causal + padding mask) fills a dense KV cache of shape
+   `[B, P + T, kv_heads, head_dim]` per layer (layers unrolled, one buffer each, updated in place)
+   and gives the logits of the last prompt slot.
+3. Decode: a `jax.lax.while_loop` feeds the last token of every sequence at slot `P + t` (position
+   `len_b + t`), attends over the whole cache with a key mask, samples the next token, and stops
+   when every sequence hit a stop token or its token budget.
+4. Sampling: `z = logits / T`; token ~ categorical(z) (Gumbel-max with a per-sequence key
+   `fold_in(fold_in(PRNGKey(seed), sample_id), t)`, so a sample does not depend on how the batch was
+   chunked); logprob = `z[token] - logsumexp(z)`. `T = 0` is greedy (argmax) and then the logprob
+   reported is that of the untempered distribution (`T` treated as 1), the same convention as
+   levanter's `Sampler` and `steps.model.teacher_forced_logprobs`.
+
+Math is that of levanter's Llama: RMSNorm (in float32, then cast back, then times the weight), GQA
+attention with scale `1/sqrt(head_dim)`, RoPE by calling the model's own levanter rotary module (so
+every rope variant levanter supports is reproduced exactly), SwiGLU MLP with the model's activation,
+optional q/k norm (Qwen3), biases, tied embeddings, hybrid norms and an input-embedding norm.
+
+Compute dtype: weights and activations in `compute_dtype` (float32 on CPU; bfloat16 on GPU halves
+the bytes per decode step); norms, attention softmax and logits are computed in float32.
+
+Shapes compiled: one executable per (batch bucket B, prompt bucket P, token bucket T, stop bucket K);
+`max_tokens`, temperature, seeds and weights are runtime arguments. `DenseSampler.trace_count`
+counts traces (a trace precedes every compile), for tests and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_NEG_INF = -1e30
+
+
+class UnsupportedModelError(ValueError):
+    """The model has a feature the dense sampler does not implement (named in the message)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseArch:
+    """The static structure of a model as the dense sampler sees it (part of the compile key)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    vocab_size: int
+    norm_eps: float
+    qk_norm: bool
+    hybrid_norm: bool
+    input_embedding_norm: bool
+    tied_embeddings: bool
+    attn_scale: float
+    compute_dtype: str
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    """The smallest power of two >= max(n, minimum), capped at `maximum` (when given)."""
+    b = _next_pow2(max(n, minimum))
+    return min(b, maximum) if maximum is not None else b
+
+
+# ---------------------------------------------------------------------------------------------
+# levanter model -> plain arrays
+# ---------------------------------------------------------------------------------------------
+
+
+def _arr(x: Any, order: tuple[str, ...], dtype: Any) -> jax.Array | None:
+    """A NamedArray's data in the given axis order (an optional leading 'layer' axis kept) and dtype."""
+    if x is None:
+        return None
+    names = tuple(a.name for a in x.axes)
+    full = (("layer",) if "layer" in names else ()) + order
+    if set(names) != set(full):
+        raise UnsupportedModelError(f"unexpected weight axes {names}, expected {full}")
+    return x.rearrange(full).array.astype(dtype)
+
+
+def _norm_params(norm: Any, axis: str, dtype: Any) -> dict[str, Any] | None:
+    if norm is None:
+        return None
+    return {"w": _arr(norm.weight, (axis,), dtype), "b": _arr(norm.bias, (axis,), dtype)}
+
+
+def _layer_modules(model: Any) -> tuple[Any, bool]:
+    """(the decoder layer module(s), stacked?) for scanned (Stacked) or unscanned (BlockSeq) layers."""
+    layers = model.transformer.layers
+    if hasattr(layers, "stacked"):
+        return layers.stacked, True
+    if hasattr(layers, "blocks"):
+        return list(layers.blocks), False
+    raise UnsupportedModelError(f"unknown layer container {type(layers).__name__}")
+
+
+def dense_arch(model: Any, compute_dtype: str) -> DenseArch:
+    """The `DenseArch` of a levanter Llama/Qwen3 LM head model; raises UnsupportedModelError otherwise."""
+    cfg = model.config
+    if not hasattr(cfg, "attention_config"):
+        raise UnsupportedModelError(f"{type(model).__name__}: no attention_config (not a Llama-family model)")
+    acfg = cfg.attention_config()
+    if acfg.logits_soft_cap is not None:
+        raise UnsupportedModelError(f"logits_soft_cap={acfg.logits_soft_cap} is not supported")
+    if getattr(cfg, "use_sliding_window", False):
+        raise UnsupportedModelError("sliding-window attention is not supported")
+    layer, _ = _layer_modules(model)
+    first = layer if not isinstance(layer, list) else layer[0]
+    if first.self_attn.rot_embs is None:
+        raise UnsupportedModelError("a model without rotary embeddings is not supported")
+    head_dim = acfg.head_size
+    return DenseArch(
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=head_dim,
+        hidden_dim=cfg.hidden_dim,
+        vocab_size=model.Vocab.size,
+        norm_eps=float(cfg.layer_norm_epsilon),
+        qk_norm=acfg.qk_norm is not None,
+        hybrid_norm=bool(getattr(cfg, "hybrid_norm", False)),
+        input_embedding_norm=bool(getattr(cfg, "input_embedding_norm", False)),
+        tied_embeddings=model.lm_head is None,
+        attn_scale=float(acfg.scaling_factor) if acfg.scaling_factor is not None else 1.0 / math.sqrt(head_dim),
+        compute_dtype=str(jnp.dtype(compute_dtype)),
+    )
+
+
+def _one_layer_params(layer: Any, dtype: Any) -> dict[str, Any]:
+    att = layer.self_attn
+    mlp = layer.mlp
+    p: dict[str, Any] = {
+        "ln1": _norm_params(layer.input_layernorm, "embed", dtype),
+        "ln2": _norm_params(layer.post_attention_layernorm, "embed", dtype),
+        "post_attn_ln": _norm_params(layer.post_attn_layernorm, "embed", dtype),
+        "post_mlp_ln": _norm_params(layer.post_mlp_layernorm, "embed", dtype),
+        "q_norm": _norm_params(att.q_norm, "head_size", dtype),
+        "k_norm": _norm_params(att.k_norm, "head_size", dtype),
+        "wq": _arr(att.q_proj.weight, ("kv_head", "q_heads_per_group", "head_size", "embed"), dtype),
+        "bq": _arr(att.q_proj.bias, ("kv_head", "q_heads_per_group", "head_size"), dtype),
+        "wk": _arr(att.k_proj.weight, ("kv_head", "head_size", "embed"), dtype),
+        "bk": _arr(att.k_proj.bias, ("kv_head", "head_size"), dtype),
+        "wv": _arr(att.v_proj.weight, ("kv_head", "head_size", "embed"), dtype),
+        "bv": _arr(att.v_proj.bias, ("kv_head", "head_size"), dtype),
+        "wo": _arr(att.o_proj.weight, ("embed", "heads", "head_size"), dtype),
+        "bo": _arr(att.o_proj.bias, ("embed",), dtype),
+        "w_gate": _arr(mlp.gate_proj.weight, ("mlp", "embed"), dtype),
+        "b_gate": _arr(mlp.gate_proj.bias, ("mlp",), dtype),
+        "w_up": _arr(mlp.up_proj.weight, ("mlp", "embed"), dtype),
+        "b_up": _arr(mlp.up_proj.bias, ("mlp",), dtype),
+        "w_down": _arr(mlp.down_proj.weight, ("embed", "mlp"), dtype),
+        "b_down": _arr(mlp.down_proj.bias, ("embed",), dtype),
+    }
+    return p
+
+
+def extract_params(model: Any, compute_dtype: str) -> dict[str, Any]:
+    """Plain-array weights of a levanter Llama/Qwen3 model, cast to `compute_dtype`, one dict per layer.
+
+    Layers are unstacked (one buffer per layer) so the unrolled decode step reads each layer's weights
+    in place. The result depends only on the weights: two models with the same config give pytrees of
+    identical structure, shapes and dtypes (so swapping them never recompiles).
+    """
+    dtype = jnp.dtype(compute_dtype)
+    layer, stacked = _layer_modules(model)
+    if stacked:
+        whole = _one_layer_params(layer, dtype)
+        n = model.config.num_layers
+        layers = [jax.tree_util.tree_map(lambda a, i=i: a[i], whole) for i in range(n)]
+    else:
+        layers = [_one_layer_params(b, dtype) for b in layer]
+    emb = model.embeddings
+    return {
+        "embed": _arr(emb.token_embeddings.weight, ("vocab", "embed"), dtype),
+        "embed_norm": _norm_params(getattr(emb, "norm", None), "embed", dtype),
+        "lm_head": None if model.lm_head is None else _arr(model.lm_head.weight, ("vocab", "embed"), dtype),
+        "final_norm": _norm_params(model.transformer.norm, "embed", dtype),
+        "layers": layers,
+    }
+
+
+def _rotary_module(model: Any) -> Any:
+    layer, _ = _layer_modules(model)
+    first = layer if not isinstance(layer, list) else layer[0]
+    return first.self_attn.rot_embs
+
+
+def _activation(model: Any) -> Callable[[jax.Array], jax.Array]:
+    layer, _ = _layer_modules(model)
+    first = layer if not isinstance(layer, list) else layer[0]
+    return first.mlp.act
+
+
+# ---------------------------------------------------------------------------------------------
+# the math (plain jnp)
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, p: dict[str, Any] | None, eps: float) -> jax.Array:
+    """y = (x / sqrt(mean(x², -1) + eps)) computed in float32, cast back to x.dtype, then · w + b."""
+    if p is None:
+        return x
+    xf = x.astype(jnp.float32)
+    out = (xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    if p["w"] is not None:
+        out = p["w"] * out
+    if p["b"] is not None:
+        out = out + p["b"]
+    return out
+
+
+def _add(x: jax.Array, b: jax.Array | None) -> jax.Array:
+    return x if b is None else x + b
+
+
+class _Model:
+    """The forward pieces, closed over the static arch, rotary module and activation."""
+
+    def __init__(self, arch: DenseArch, rot: Any, act: Callable[[Any], Any]):
+        self.arch = arch
+        self.rot = rot
+        self.act = act
+        self.dtype = jnp.dtype(arch.compute_dtype)
+
+    def rope(self, x: jax.Array, pos: jax.Array) -> jax.Array:
+        """Levanter's rotary embedding of x [B, Q, kv_head, (group,) head] at positions pos [B, Q]."""
+        head = self.rot.HeadDim.name
+        names = ("b", "q", "kvh", "g", head) if x.ndim == 5 else ("b", "q", "kvh", head)
+        out = self.rot(hax.named(x, names), hax.named(pos, ("b", "q")))
+        return out.rearrange(names).array.astype(x.dtype)
+
+    def qkv(self, lp: dict[str, Any], h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        eps = self.arch.norm_eps
+        q = _add(jnp.einsum("bqd,kghd->bqkgh", h, lp["wq"]), lp["bq"])
+        k = _add(jnp.einsum("bqd,khd->bqkh", h, lp["wk"]), lp["bk"])
+        v = _add(jnp.einsum("bqd,khd->bqkh", h, lp["wv"]), lp["bv"])
+        if self.arch.qk_norm:
+            q = rms_norm(q, lp["q_norm"], eps)
+            k = rms_norm(k, lp["k_norm"], eps)
+        return self.rope(q, pos), self.rope(k, pos), v
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        """softmax(q·kᵀ·scale masked) · v, in float32; q [B,Q,K,G,h], k/v [B,S,K,h], mask [B,Q,S]."""
+        s = jnp.einsum("bqkgh,bskh->bkgqs", q, k, preferred_element_type=jnp.float32) * self.arch.attn_scale
+        s = jnp.where(mask[:, None, None, :, :], s, _NEG_INF)
+        w = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bkgqs,bskh->bqkgh", w.astype(v.dtype), v)
+
+    def attn_out(self, lp: dict[str, Any], o: jax.Array) -> jax.Array:
+        a = self.arch
+        B, Q = o.shape[:2]
+        o = o.reshape(B, Q, a.num_heads, a.head_dim)
+        return _add(jnp.einsum("bqnh,dnh->bqd", o, lp["wo"]), lp["bo"])
+
+    def mlp_block(self, lp: dict[str, Any], x: jax.Array) -> jax.Array:
+        eps = self.arch.norm_eps
+        h = rms_norm(x, lp["ln2"], eps)
+        g = _add(jnp.einsum("bqd,md->bqm", h, lp["w_gate"]), lp["b_gate"])
+        u = _add(jnp.einsum("bqd,md->bqm", h, lp["w_up"]), lp["b_up"])
+        m = _add(jnp.einsum("bqm,dm->bqd", self.act(g) * u, lp["w_down"]), lp["b_down"])
+        m = rms_norm(m, lp["post_mlp_ln"], eps)
+        return x + m
+
+    def embed(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+        x = jnp.take(params["embed"], tokens, axis=0)
+        return rms_norm(x, params["embed_norm"], self.arch.norm_eps)
+
+    def logits(self, params: dict[str, Any], x: jax.Array) -> jax.Array:
+        """float32 logits [B, V] of final hidden states x [B, D]."""
+        h = rms_norm(x, params["final_norm"], self.arch.norm_eps)
+        w = params["embed"] if params["lm_head"] is None else params["lm_head"]
+        return jnp.einsum("bd,vd->bv", h, w, preferred_element_type=jnp.float32)
+
+    def prefill(
+        self, params: dict[str, Any], tokens: jax.Array, pos: jax.Array, mask: jax.Array, total: int
+    ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+        """Hidden state of the last slot [B, D] and per-layer caches [B, total, K, h] holding slots 0..P-1."""
+        eps = self.arch.norm_eps
+        x = self.embed(params, tokens)
+        P = tokens.shape[1]
+        pad = ((0, 0), (0, total - P), (0, 0), (0, 0))
+        k_caches, v_caches = [], []
+        for lp in params["layers"]:
+            h = rms_norm(x, lp["ln1"], eps)
+            q, k, v = self.qkv(lp, h, pos)
+            o = self.attn_out(lp, self.attend(q, k, v, mask))
+            x = x + rms_norm(o, lp["post_attn_ln"], eps)
+            x = self.mlp_block(lp, x)
+            k_caches.append(jnp.pad(k, pad))
+            v_caches.append(jnp.pad(v, pad))
+        return x[:, -1], k_caches, v_caches
+
+    def decode_step(
+        self,
+        params: dict[str, Any],
+        token: jax.Array,
+        pos: jax.Array,
+        slot: jax.Array,
+        key_mask: jax.Array,
+        k_caches: list[jax.Array],
+        v_caches: list[jax.Array],
+    ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+        """One token per sequence (token [B], pos [B]) written at cache `slot`; returns hidden [B, D]."""
+        eps = self.arch.norm_eps
+        x = self.embed(params, token[:, None])
+        pos2 = pos[:, None]
+        mask = key_mask[:, None, :]
+        new_k, new_v = [], []
+        for lp, kc, vc in zip(params["layers"], k_caches, v_caches, strict=True):
+            h = rms_norm(x, lp["ln1"], eps)
+            q, k, v = self.qkv(lp, h, pos2)
+            kc = jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), slot, axis=1)
+            vc = jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), slot, axis=1)
+            o = self.attn_out(lp, self.attend(q, kc, vc, mask))
+            x = x + rms_norm(o, lp["post_attn_ln"], eps)
+            x = self.mlp_block(lp, x)
+            new_k.append(kc)
+            new_v.append(vc)
+        return x[:, 0], new_k, new_v
+
+
+def sample_tokens(
+    logits: jax.Array, temperature: jax.Array, seq_keys: jax.Array, t: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(tokens [B], logprobs [B]): z = logits / T; token ~ categorical(z) (argmax when T = 0);
+    logprob = z[token] - logsumexp(z), with T treated as 1 when T = 0."""
+    safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    z = logits / safe_t
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(seq_keys, t)
+    sampled = jax.vmap(jax.random.categorical)(step_keys, z)
+    tok = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    chosen = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0]
+    return tok, chosen - jax.nn.logsumexp(z, axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampler
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseOutput:
+    """Host arrays for one padded batch: tokens/logprobs [B, T] (valid up to lengths[b]), stopped [B]."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    stopped: np.ndarray
+
+
+class DenseSampler:
+    """Compiled prefill + decode for one model structure; weights are runtime arguments.
+
+    Promises: `generate` runs one device call per batch (no per-token host round trips); the same
+    (B, P, T, K) shapes never trace twice; `update_params` with a model of the same structure never
+    retraces; tokens are sampled and scored exactly as in the module docstring.
+    """
+
+    def __init__(self, model: Any, compute_dtype: str = "float32", *, fast_compile: bool = False):
+        """`fast_compile`: ask XLA for its lowest backend optimisation level (about half the CPU compile
+        time, slower execution; meant for tests)."""
+        self.arch = dense_arch(model, compute_dtype)
+        self._m = _Model(self.arch, _rotary_module(model), _activation(model))
+        self.params = extract_params(model, compute_dtype)
+        self.trace_count = 0
+        self.fast_compile = fast_compile
+        options = {"xla_backend_optimization_level": 0} if fast_compile else None
+        self._jitted = jax.jit(self._generate_impl, static_argnames=("max_new",), compiler_options=options)
+
+    def compatible(self, model: Any) -> bool:
+        """True if `model` has this sampler's structure (its weights can be swapped in without a recompile)."""
+        try:
+            return dense_arch(model, self.arch.compute_dtype) == self.arch and _rotary_module(model) == self._m.rot
+        except UnsupportedModelError:
+            return False
+
+    def update_params(self, model: Any) -> None:
+        """Use `model`'s weights from the next call on (the caller checked `compatible`)."""
+        self.params = extract_params(model, self.arch.compute_dtype)
+
+    def _generate_impl(
+        self,
+        params: dict[str, Any],
+        tokens: jax.Array,
+        lens: jax.Array,
+        limits: jax.Array,
+        active: jax.Array,
+        seq_keys: jax.Array,
+        stop_ids: jax.Array,
+        temperature: jax.Array,
+        *,
+        max_new: int,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        self.trace_count += 1
+        B, P = tokens.shape
+        T = max_new
+        S = P + T
+        logger.info("dense sampler: tracing batch=%d prompt=%d new=%d stops=%d", B, P, T, stop_ids.shape[0])
+        m = self._m
+        pad = P - lens  # [B]
+        slots = jnp.arange(P, dtype=jnp.int32)
+        pos = jnp.maximum(slots[None, :] - pad[:, None], 0)
+        key_valid_p = slots[None, :] >= pad[:, None]  # [B, P]
+        causal = slots[:, None] >= slots[None, :]
+        mask = (causal[None] & key_valid_p[:, None, :]) | jnp.eye(P, dtype=bool)[None]
+        h, k_caches, v_caches = m.prefill(params, tokens, pos, mask, S)
+
+        def is_stop(tok: jax.Array) -> jax.Array:
+            return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+        all_slots = jnp.arange(S, dtype=jnp.int32)
+        key_valid = jnp.concatenate([key_valid_p, jnp.zeros((B, T), bool)], axis=1)
+
+        def cond(state: tuple) -> jax.Array:
+            t, _, done, *_ = state
+            return (t < T) & jnp.any(~done)
+
+        def body(state: tuple) -> tuple:
+            # sample token t from the carried logits, record it, then feed it (one sampling site keeps
+            # the compiled program small; the feed after the last token is one wasted step per call)
+            t, logits, done, stopped, n_gen, out_tok, out_lp, kcs, vcs = state
+            tok, lp = sample_tokens(logits, temperature, seq_keys, t)
+            live = ~done
+            out_tok = jax.lax.dynamic_update_slice_in_dim(out_tok, jnp.where(live, tok, -1)[:, None], t, 1)
+            out_lp = jax.lax.dynamic_update_slice_in_dim(out_lp, jnp.where(live, lp, 0.0)[:, None], t, 1)
+            n_gen = n_gen + live.astype(jnp.int32)
+            stopped = stopped | (live & is_stop(tok))
+            done = done | stopped | (n_gen >= limits)
+            slot = P + t
+            key_mask = key_valid | ((all_slots[None, :] >= P) & (all_slots[None, :] <= slot))
+            h, kcs, vcs = m.decode_step(params, tok, lens + t, slot, key_mask, kcs, vcs)
+            return t + 1, m.logits(params, h), done, stopped, n_gen, out_tok, out_lp, kcs, vcs
+
+        out_tok = jnp.full((B, T), -1, jnp.int32)
+        out_lp = jnp.zeros((B, T), jnp.float32)
+        n_gen = jnp.zeros((B,), jnp.int32)
+        done = ~active | (limits <= 0)
+        stopped = jnp.zeros((B,), bool)
+        state = (jnp.int32(0), m.logits(params, h), done, stopped, n_gen, out_tok, out_lp, k_caches, v_caches)
+        state = jax.lax.while_loop(cond, body, state)
+        _, _, _, stopped, n_gen, out_tok, out_lp, _, _ = state
+        return out_tok, out_lp, n_gen, stopped
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sample_ids: list[int],
+        *,
+        batch_size: int,
+        max_tokens: list[int],
+        max_new_bucket: int,
+        stop_tokens: list[int],
+        temperature: float,
+        seed: int,
+    ) -> DenseOutput:
+        """Sample one continuation per prompt (len(prompts) <= batch_size) in one device call.
+
+        `sample_ids[i]` names the PRNG stream of row i; `max_tokens[i]` (<= max_new_bucket) is its budget.
+        The batch is padded to `batch_size` rows and prompts to a power-of-two length bucket.
+        """
+        n = len(prompts)
+        if n == 0 or n > batch_size:
+            raise ValueError(f"batch of {n} prompts for a batch bucket of {batch_size}")
+        P = bucket(max(len(p) for p in prompts), minimum=8)
+        tokens = np.zeros((batch_size, P), np.int32)
+        lens = np.ones((batch_size,), np.int32)
+        limits = np.ones((batch_size,), np.int32)
+        active = np.zeros((batch_size,), bool)
+        ids = np.zeros((batch_size,), np.uint32)
+        for i, p in enumerate(prompts):
+            tokens[i, P - len(p) :] = p
+            lens[i] = len(p)
+            limits[i] = max_tokens[i]
+            active[i] = True
+            ids[i] = sample_ids[i]
+        K = bucket(len(stop_tokens), minimum=4)
+        stops = np.full((K,), -1, np.int32)
+        stops[: len(stop_tokens)] = stop_tokens
+        base = jax.random.PRNGKey(seed)
+        seq_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jnp.asarray(ids))
+        out = self._jitted(
+            self.params,
+            jnp.asarray(tokens),
+            jnp.asarray(lens),
+            jnp.asarray(limits),
+            jnp.asarray(active),
+            seq_keys,
+            jnp.asarray(stops),
+            jnp.float32(temperature),
+            max_new=max_new_bucket,
+        )
+        out_tok, out_lp, n_gen, stopped = jax.device_get(out)
+        return DenseOutput(np.asarray(out_tok), np.asarray(out_lp), np.asarray(n_gen), np.asarray(stopped))

@@ -1,0 +1,239 @@
+"""The evaluate step: score saved policies (or an external Hugging Face checkpoint) on every lesson.
+
+Reads
+    policies/step-S/COMMITTED (+ weights)          the policies to evaluate (committed only)
+    evals/step-S/<lesson>.summary.parquet          what is already evaluated (skipped unless --force)
+Writes
+    evals/step-S/<lesson>.parquet                  evaluation rollouts (schemas.EVAL_ROW)
+    evals/step-S/<lesson>.summary.parquet          the summary (schemas.EVAL_SUMMARY), written LAST: its
+                                                   presence commits the evaluation of that lesson
+    evals/external-<name>/…                        the same for an external HF checkpoint (--hf_checkpoint)
+    metrics/evaluate/…                             one record per evaluated (policy, lesson)
+
+Algorithm: for each target policy (explicit `--steps`, `--all` committed policies, or `--follow`:
+every policy whose step is a multiple of `curriculum.eval_frequency` plus the final one, as they
+appear; explicit `--steps`/`--all`/`--hf_checkpoint` win over a `follow` inherited from the job config, as under
+`python -m steps.run step evaluate`), for each lesson in sorted order whose summary is missing
+(or with `--force`): evaluate with the lesson's eval sampling params (temperature 0 by default)
+through a `RolloutManager` with a seed derived from (seed, lesson) (see `lesson_seed`), write
+rollouts then the summary. Idempotent: a rerun writes nothing new; a run killed midway completes
+the missing (policy, lesson) pairs on the next run.
+The BatchMaker folds the summaries into the curriculum (it is the one curriculum writer).
+
+Run
+    python -m steps.evaluate --store.run_root runs/demo --all true
+    python -m steps.evaluate --store.run_root runs/demo --steps "[0,10]" --force true
+    python -m steps.evaluate --store.run_root runs/demo --hf_checkpoint /path/to/hf_folder
+    make evaluate RUN=runs/demo ARGS="--all true"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from pathlib import PurePosixPath
+from typing import Any
+
+import draccus
+import numpy as np
+
+from pipeline import layout
+from pipeline.config import EvaluateStepConfig
+from pipeline.metrics import MetricsWriter
+from pipeline.storage import RunStore
+from schemas import EVAL_ROW, EVAL_SUMMARY
+
+logger = logging.getLogger("rlpipe.evaluate")
+
+WORKER_ID = "evaluator"
+
+
+def lesson_seed(seed: int, policy_step: int, lesson_id: str) -> int:
+    """Deterministic evaluation seed of one lesson. `policy_step` is deliberately not mixed in: every
+    checkpoint is scored on the same problems, so curves compare like with like."""
+    digest = hashlib.sha256(f"{seed}/{lesson_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+class Evaluator:
+    """Evaluates policies of one run root; builds the model and the RolloutManager once."""
+
+    def __init__(self, cfg: EvaluateStepConfig) -> None:
+        from pipeline.tokenizer import load_tokenizer
+        from steps.model import model_vocab_size
+
+        self.cfg = cfg
+        self.store = RunStore(cfg.store.run_root, cfg.store.storage_options)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.vocab_size = model_vocab_size(self.tokenizer)
+        self.metrics = MetricsWriter(self.store, "evaluate", WORKER_ID, flush_every=1)
+        self._manager: Any = None
+        self._loaded_step: int | None = None
+
+    # -- model ----------------------------------------------------------------------------------
+    def _manager_for(self, model: Any) -> Any:
+        from steps.rollout import RolloutManager
+
+        if self._manager is None:
+            self._manager = RolloutManager(
+                self.cfg.inference, self.cfg.model, self.cfg.curriculum, self.tokenizer, model
+            )
+        else:
+            self._manager.update_model(model)
+        return self._manager
+
+    def _load(self, step: int) -> Any:
+        from steps.model import load_policy
+
+        if self._loaded_step != step:
+            self._manager_for(load_policy(self.store, step, self.cfg.model, self.vocab_size))
+            self._loaded_step = step
+        return self._manager
+
+    # -- what to do -------------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        """Committed policy steps, ascending (listing is the truth)."""
+        return sorted(
+            layout.parse_step(p) for p in self.store.list(layout.POLICIES) if self.store.exists(p + "/COMMITTED")
+        )
+
+    def missing_lessons(self, step: int, external: str | None = None) -> list[str]:
+        """Lessons of `step` without a committed summary (all of them with --force)."""
+        lessons = sorted(self.cfg.curriculum.lessons)
+        if self.cfg.force:
+            return lessons
+        return [
+            lesson
+            for lesson in lessons
+            if not self.store.exists(layout.eval_summary_file(step, lesson, external=external))
+        ]
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def evaluate_step(self, step: int, *, manager: Any = None, external: str | None = None) -> int:
+        """Evaluate the missing lessons of one policy; returns the number of lessons written."""
+        todo = self.missing_lessons(step, external)
+        if not todo:
+            logger.info("policy %d: every lesson already evaluated", step)
+            return 0
+        manager = manager or self._load(step)
+        n = self.cfg.n_examples or self.cfg.curriculum.eval_n_examples
+        for lesson in todo:
+            t0 = time.monotonic()
+            rng = np.random.default_rng(lesson_seed(self.cfg.seed, step, lesson))
+            stats, batch = manager.evaluate_lesson(lesson, n, "eval", rng, step, step, WORKER_ID)
+            rows = batch.rows if batch is not None else []
+            source = external or layout.policy_dir(step)
+            self.store.write_parquet(
+                layout.eval_rollouts_file(step, lesson, external=external), EVAL_ROW.to_table(rows), EVAL_ROW
+            )
+            summary = stats.to_summary_row("eval", source)
+            self.store.write_parquet(
+                layout.eval_summary_file(step, lesson, external=external),
+                EVAL_SUMMARY.to_table([summary]),
+                EVAL_SUMMARY,
+            )
+            self.metrics.log(
+                {
+                    "policy_step": step,
+                    "lesson_id": lesson,
+                    "mean_reward": stats.mean_reward,
+                    "success_rate": stats.success_rate,
+                    "n_rows": stats.n_rows,
+                    "failures": stats.n_failures,
+                    "eval_s": time.monotonic() - t0,
+                    "external": external or "",
+                }
+            )
+            logger.info(
+                "evaluated %s on %s: mean reward %.3f, success %.3f (%d rows)",
+                source,
+                lesson,
+                stats.mean_reward,
+                stats.success_rate,
+                stats.n_rows,
+            )
+        return len(todo)
+
+    def evaluate_external(self, path: str) -> int:
+        """Evaluate a Hugging Face checkpoint folder as a baseline (`evals/external-<name>/`)."""
+        import dataclasses
+
+        from steps.model import build_model
+
+        name = PurePosixPath(path.rstrip("/")).name.replace(" ", "_") or "hf"
+        spec = dataclasses.replace(self.cfg.model, hf_checkpoint=path)
+        model = build_model(spec, self.vocab_size)
+        from steps.rollout import RolloutManager
+
+        manager = RolloutManager(self.cfg.inference, spec, self.cfg.curriculum, self.tokenizer, model)
+        try:
+            return self.evaluate_step(0, manager=manager, external=name)
+        finally:
+            manager.shutdown()
+
+    def follow(self) -> None:
+        """Evaluate every eval_frequency-th policy and the final one as they appear, until the final
+        one (`stop_after_step`) is evaluated or control/STOP exists."""
+        freq = max(1, self.cfg.curriculum.eval_frequency)
+        final = self.cfg.stop_after_step
+        while True:
+            steps = self.committed_steps()
+            wanted = [s for s in steps if s % freq == 0 or s == final]
+            for s in wanted:
+                if self.missing_lessons(s):
+                    self.evaluate_step(s)
+                    break  # re-list: a newer policy may have appeared meanwhile
+            else:
+                if final is not None and final in steps:
+                    logger.info("final policy %d evaluated; done", final)
+                    return
+                if self.store.exists(layout.STOP_FILE):
+                    logger.info("stop file found; done")
+                    return
+                time.sleep(self.cfg.poll_interval_s)
+
+    def close(self) -> None:
+        self.metrics.flush()
+        if self._manager is not None:
+            self._manager.shutdown()
+
+
+def main(cfg: EvaluateStepConfig) -> int:
+    """Evaluate what the config names; returns 0 on success."""
+    evaluator = Evaluator(cfg)
+    try:
+        if cfg.hf_checkpoint:
+            evaluator.evaluate_external(cfg.hf_checkpoint)
+        # Explicit targets (--all, --steps, --hf_checkpoint) make a bounded run even when the config says follow:
+        # the job's evaluator config (follow mode) is the base of `steps.run step evaluate`, whose `--all true`
+        # must not silently fall back to following eval_frequency multiples.
+        explicit = bool(cfg.all or cfg.steps or cfg.hf_checkpoint)
+        if cfg.follow and not explicit:
+            evaluator.follow()
+        else:
+            if cfg.follow:
+                logger.info("explicit targets (--all/--steps/--hf_checkpoint) given: evaluating them, not following")
+            targets = evaluator.committed_steps() if cfg.all else sorted(set(cfg.steps))
+            committed = set(evaluator.committed_steps())
+            for s in targets:
+                if s not in committed:
+                    raise SystemExit(f"policy {s} is not committed ({layout.policy_marker(s)} is missing)")
+                evaluator.evaluate_step(s)
+    finally:
+        evaluator.close()
+    return 0
+
+
+def cli() -> None:
+    """`python -m steps.evaluate` (draccus flags over EvaluateStepConfig)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = draccus.parse(EvaluateStepConfig, args=sys.argv[1:])
+    sys.exit(main(cfg))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,613 @@
+"""The BatchMaker step: committed rollout files in, committed batch slots out, each rollout row used exactly
+as often as allowed or dropped with a recorded reason.
+
+Reads:
+  policies/step-S/COMMITTED          learner progress: learner_step = newest committed policy step S
+  rollouts/step-P/*.ready.json       committed rollout files (schemas.ROLLOUT), through `RunStore.read_committed`
+                                     (a corrupt file is quarantined there and skipped here)
+  batches/log/step-T.json            its own committed slots: the newest one holds the cursor to resume from
+  evals/step-S/<lesson>.summary.parquet  evaluation summaries (with a curriculum: folded into its state)
+  control/STOP, control/LEARNER_DONE stop signals (follow mode)
+Writes:
+  batches/data/step-T-<attempt>.parquet     the batch (schemas.BATCH): the learner's complete input, with lineage
+                                            columns rollout_ids / source_files / policy_steps per segment
+  batches/dropped/step-T-<attempt>.parquet  rollout rows dropped while building slot T (schemas.dropped.DROPPED)
+  batches/log/step-T.json                   the commit of slot T (create-if-absent), written last
+  curriculum/state-T.json                   curriculum state after slot T (with a curriculum; the one writer)
+  leases/batchmaker/…                       the lease (a second maker exits non-zero naming the holder)
+  metrics/batchmaker/…                      one metrics record per batch (`METRICS` below)
+
+Algorithm (the phases of `main`):
+  1. acquire the `batchmaker` lease (held elsewhere: exit code 3, message names the holder);
+  2. recover: list batches/log, read the newest entry K, rebuild the BatchMaker's reservoir from its
+     `cursor` (re-reading only the few files that still have live rows) -> next slot T = K + 1;
+  3. for each slot T (up to train.num_train_steps):
+     a. pace: wait until T <= learner_step + max_batches_ahead;
+     b. gather: list committed rollout files of policy folders P >= T-1-max_lag-late_scan_steps. Files
+        not yet seen are fed to the BatchMaker (pipeline/batch_maker.py): those of policies below the
+        staleness window or above the newest published policy at once (all their rows are dropped
+        `stale` / `future_policy`), those inside the window oldest policy first and only while the batch
+        still needs rows (never consuming more than needed). Not enough yet: poll again;
+     c. build batch T (staleness window, reuse limit, recency-biased seeded sampling, packing);
+     d. commit: put_unique the data file and the dropped file, then put_json_if_absent the log entry.
+        If another maker took slot T first, everything built is discarded and state is recovered
+        again from the log (the commit, not the lease, is what makes double use impossible). The entry
+        also names the eval summaries the curriculum folds at T (`curriculum_evals`);
+     e. curriculum: fold slot T's ingested rollouts and named evals, publish curriculum/state-T.json
+        (pipeline.curriculum.CurriculumWriter; a restart re-derives the same bytes from committed files);
+     f. metrics + progress.
+  4. stop when: slot num_train_steps is committed (bounded / plain mode), the learner has consumed it
+     (follow mode), `max_batches` were written (bounded mode), or control/STOP exists. Every wait fails
+     loudly after train.max_batch_latency_s (exit code 4) naming what it waited for.
+
+Durable memory (why a restart is fast and exact): each log entry carries a `cursor`: the reservoir's live
+rows (per source file: arrival seq, policy step, live row indices and their use counts) and the rollout
+files already seen in the scanned policy folders. Slot T's state is therefore a function of the entry of
+slot T-1 and the files read while building T; restart reads one log entry plus the live files. A rollout
+row's fate is on disk: its uses are the batch files' lineage, a drop is a row of a dropped file named by
+a log entry, and a still-live row is in the newest cursor. A rollout file committed into a policy folder
+below the scanned range (older than max_lag + late_scan_steps at the time) is never seen.
+
+Run:
+  python -m steps.make_batches --store.run_root runs/demo --follow true
+  python -m steps.make_batches --store.run_root runs/demo --max_batches 3 --train.batch_size 8
+  python -m steps.make_batches --config_path batches.yaml
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import draccus
+import pyarrow as pa
+
+from pipeline import layout
+from pipeline.batch_maker import BatchMaker, BatchResult
+from pipeline.config import BatchMakerStepConfig, ConfigError
+from pipeline.curriculum import CurriculumWriter
+from pipeline.lease import Lease, LeaseHeldError, LeaseLostError
+from pipeline.metrics import MetricsWriter
+from pipeline.prefetch import read_ahead
+from pipeline.storage import RunStore, new_attempt_id
+from schemas import BATCH, ROLLOUT
+from schemas.dropped import DROPPED
+
+logger = logging.getLogger("steps.make_batches")
+
+LEASE_NAME = "batchmaker"
+LEARNER_DONE = getattr(layout, "LEARNER_DONE", "control/LEARNER_DONE")
+LATE_SCAN_STEPS = 4
+"""Policy folders scanned below the staleness window, so late files are recorded as dropped `stale`."""
+CURSOR_VERSION = 1
+
+EXIT_CONFIG = 2
+EXIT_LEASE_HELD = 3
+EXIT_TIMEOUT = 4
+EXIT_LEASE_LOST = 5
+
+METRICS = {
+    "slot": "batch slot T",
+    "n_rollouts": "rollout rows in the batch (segments)",
+    "n_groups": "distinct (file, group) groups in the batch",
+    "staleness_min/mean/max": "(T-1) - policy_step over the batch's rollouts",
+    "mean_reward": "mean episode reward of the batch's rollouts",
+    "advantage_mean/std/abs_mean/min/max": "advantage statistics over the batch's rollouts",
+    "tokens / loss_tokens": "non-padding tokens / tokens with loss_mask 1",
+    "padding_fraction": "1 - tokens / (batch_size * seq_len)",
+    "dropped_<reason>": "rollout rows dropped while building this slot, per reason",
+    "groups_filtered_zero_variance": "groups dropped because all their rewards were equal",
+    "files_ingested": "rollout files first read for this slot",
+    "wait_s / ingest_s / build_s / write_s": "time waiting for the learner or rollouts / reading / building / writing",
+}
+
+
+class BatchWaitTimeout(RuntimeError):
+    """A wait exceeded train.max_batch_latency_s; the message names what was awaited."""
+
+
+class StopRequested(Exception):
+    """control/STOP appeared."""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def config_hash(config: BatchMakerStepConfig) -> str:
+    """Short hash of the batch-shaping parameters (train.*), stamped into every log entry."""
+    blob = json.dumps(dataclasses.asdict(config.train), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def learner_step(store: RunStore) -> int | None:
+    """The newest policy step with a COMMITTED marker (listing is the truth), or None before policy 0."""
+    steps = []
+    for p in store.list(layout.POLICIES):
+        try:
+            steps.append(layout.parse_step(p.rsplit("/", 1)[-1]))
+        except ValueError:
+            continue
+    for s in sorted(steps, reverse=True):
+        if store.exists(layout.policy_marker(s)):
+            return s
+    return None
+
+
+def last_committed_slot(store: RunStore) -> int:
+    """The highest committed batch slot (0 if none). Logs an error if the slots are not contiguous from 1."""
+    slots = sorted(layout.parse_step(p) for p in store.list(layout.BATCH_LOG) if p.endswith(".json"))
+    if slots and slots != list(range(1, len(slots) + 1)):
+        logger.error("batch log slots are not contiguous from 1: %s", slots[:20])
+    return slots[-1] if slots else 0
+
+
+def rollout_folders(store: RunStore, low: int) -> list[int]:
+    """Policy steps P >= low that have a rollouts/step-P folder."""
+    out = []
+    for p in store.list(layout.ROLLOUTS):
+        try:
+            step = layout.parse_step(p.rsplit("/", 1)[-1])
+        except ValueError:
+            continue
+        if step >= low:
+            out.append(step)
+    return sorted(out)
+
+
+@dataclasses.dataclass
+class MakerState:
+    """What the maker knows between slots: the reservoir, seen files, and the next slot to build."""
+
+    bm: BatchMaker
+    next_slot: int
+    seen: set[str]
+    restored_from: int
+
+
+class Maker:
+    """One BatchMaker process's loop state (store, lease, config, metrics)."""
+
+    def __init__(self, config: BatchMakerStepConfig, store: RunStore, lease: Lease) -> None:
+        self.config = config
+        self.train = config.train
+        self.store = store
+        self.lease = lease
+        self.holder = lease.holder
+        self.hash = config_hash(config)
+        self.metrics = MetricsWriter(store, "batchmaker", re.sub(r"[^A-Za-z0-9_.=+-]", "_", self.holder))
+        # the one writer of curriculum state: folds each committed slot's rollouts and named evals
+        self.curriculum = CurriculumWriter(store, config.curriculum) if config.curriculum is not None else None
+        self._last_renew = time.monotonic()
+
+    # --- lease + stop -------------------------------------------------------------------------
+    def keep_lease(self) -> None:
+        """Renew the lease when a third of its ttl passed; check the stop file."""
+        if time.monotonic() - self._last_renew > self.lease.ttl_s / 3:
+            self.lease.renew()
+            self._last_renew = time.monotonic()
+
+    def stop_requested(self) -> bool:
+        return self.store.exists(layout.STOP_FILE)
+
+    def wait_until(self, cond: Callable[[], bool], what: Callable[[], str], progress: Callable[[], Any]) -> float:
+        """Poll `cond` until true; the deadline restarts whenever `progress()` changes. Returns seconds waited."""
+        t0 = time.monotonic()
+        last_progress = progress()
+        deadline = t0 + self.train.max_batch_latency_s
+        while not cond():
+            if self.stop_requested():
+                raise StopRequested
+            now = time.monotonic()
+            p = progress()
+            if p != last_progress:
+                last_progress, deadline = p, now + self.train.max_batch_latency_s
+            if now > deadline:
+                raise BatchWaitTimeout(
+                    f"waited {now - t0:.1f}s (> train.max_batch_latency_s={self.train.max_batch_latency_s}) "
+                    f"for {what()}"
+                )
+            self.keep_lease()
+            time.sleep(self.config.poll_interval_s)
+        return time.monotonic() - t0
+
+    def learner_now(self) -> int:
+        """Newest committed policy step; -1 before policy 0."""
+        s = learner_step(self.store)
+        return -1 if s is None else s
+
+    def pace(self, slot: int) -> float:
+        """Wait until slot <= learner_step + max_batches_ahead; returns seconds waited."""
+        ahead = self.train.max_batches_ahead
+        need = slot - ahead
+        return self.wait_until(
+            lambda: self.learner_now() >= need,
+            lambda: (
+                f"the learner to publish policy {need} ({layout.policy_marker(max(0, need))}; newest is "
+                f"{self.learner_now()}) before batch slot {slot} (max_batches_ahead={ahead})"
+            ),
+            self.learner_now,
+        )
+
+    # --- recovery ------------------------------------------------------------------------------
+    def recover(self) -> MakerState:
+        """Rebuild state from the newest committed log entry's cursor (nothing at all: a fresh start)."""
+        t0 = time.monotonic()
+        last = last_committed_slot(self.store)
+        bm = BatchMaker(self.train)
+        if last == 0:
+            logger.info("no committed batch slot yet: starting at slot 1")
+            return MakerState(bm, 1, set(), 0)
+        entry = self.store.get_json(layout.batch_log_entry(last))
+        if entry.get("config_hash") != self.hash:
+            logger.warning(
+                "slot %d was built with train config %s, this process has %s", last, entry.get("config_hash"), self.hash
+            )
+        cursor = entry.get("cursor") or {}
+        if cursor.get("version") != CURSOR_VERSION:
+            raise RuntimeError(f"{layout.batch_log_entry(last)}: unknown cursor version {cursor.get('version')!r}")
+        reservoir = cursor["reservoir"]
+        for f in reservoir["files"]:
+            table = self.store.read_committed(f["path"], ROLLOUT)
+            if table is None:
+                logger.error("live rollout file %s became unreadable (quarantined); its live rows are lost", f["path"])
+                continue
+            bm.restore_file(
+                table, f["path"], seq=f["seq"], policy_step=f["policy_step"], rows=f["rows"], uses=f["uses"]
+            )
+            self.keep_lease()
+        bm.set_next_seq(reservoir["next_seq"])
+        logger.info(
+            "recovered from slot %d in %.2fs: %d live rollouts in %d files, %d files seen",
+            last,
+            time.monotonic() - t0,
+            bm.n_live,
+            len(reservoir["files"]),
+            len(cursor["seen"]),
+        )
+        return MakerState(bm, last + 1, set(cursor["seen"]), last)
+
+    # --- one slot ----------------------------------------------------------------------------
+    def scan_low(self, slot: int) -> int:
+        return max(0, slot - 1 - self.train.max_lag - LATE_SCAN_STEPS)
+
+    def discover(self, slot: int, seen: set[str]) -> list[tuple[int, str]]:
+        """Committed, unseen, unquarantined rollout files of scanned policy folders, as (P, path), sorted."""
+        out = []
+        for p in rollout_folders(self.store, self.scan_low(slot)):
+            for path in self.store.list_committed(layout.rollout_step_dir(p)):
+                if path not in seen:
+                    out.append((p, path))
+        return sorted(out)
+
+    def gather(self, st: MakerState, slot: int, log: dict[str, Any]) -> None:
+        """Feed files until batch `slot` can be built (waiting for more files if needed)."""
+        bm = st.bm
+        window_low = slot - 1 - self.train.max_lag
+        t0 = time.monotonic()
+        deadline = t0 + self.train.max_batch_latency_s
+        newest = -1
+        while True:
+            files = self.discover(slot, st.seen)  # list rollouts BEFORE reading the learner step:
+            latest = learner_step(self.store)  # every file listed was produced by a published policy
+            latest = -1 if latest is None else latest
+            # Read (and verify) the next files while this one is being ingested; a file read ahead but not
+            # needed stays unconsumed (reading has no effect but quarantining a corrupt file, which is final).
+            reads = read_ahead(lambda f: self.store.read_committed(f[1], ROLLOUT), files, self.config.read_ahead)
+            for (p, path), table in reads:
+                in_window = window_low <= p <= latest
+                if in_window and not bm.wants_more(slot):
+                    continue  # leave it on disk: never consume more than needed
+                self.ingest(st, slot, latest, p, path, table.result(), log)
+                newest = max(newest, p)
+                self.keep_lease()
+            if bm.ready(slot):
+                return
+            if self.stop_requested():
+                raise StopRequested
+            now = time.monotonic()
+            if now > deadline:
+                n, _ = bm.eligible(slot)
+                raise BatchWaitTimeout(
+                    f"waited {now - t0:.1f}s (> train.max_batch_latency_s={self.train.max_batch_latency_s}) for "
+                    f"rollouts for batch slot {slot}: have {n} eligible of {self.train.batch_size} needed, from "
+                    f"committed files under {layout.ROLLOUTS}/step-P with {max(0, window_low)} <= P <= "
+                    f"{slot - 1} (newest published policy {latest})"
+                )
+            self.keep_lease()
+            time.sleep(self.config.poll_interval_s)
+            log["wait_s"] += self.config.poll_interval_s
+
+    def ingest(
+        self, st: MakerState, slot: int, latest: int, p: int, path: str, table: pa.Table | None, log: dict[str, Any]
+    ) -> None:
+        """Feed one committed rollout file, as read by `read_committed` (None: quarantined, skipped)."""
+        t0 = time.monotonic()
+        st.seen.add(path)
+        if table is None:
+            log["quarantined_files"].append(path)
+            logger.warning("slot %d: skipping quarantined rollout file %s", slot, path)
+            return
+        rep = st.bm.add_rollouts(table, path, slot=slot, latest_policy=latest, dir_policy_step=p)
+        log["ingested_files"].append(path)
+        if self.curriculum is not None:
+            log["tables"][path] = table  # folded into the curriculum right after the commit, without a re-read
+        log["ingest_s"] += time.monotonic() - t0
+        log["groups_filtered_zero_variance"] += rep.filtered_groups.get("zero_variance", 0)
+        if rep.dropped:
+            logger.info("slot %d: %s: %d rows, admitted %d, dropped %s", slot, path, rep.rows, rep.admitted,
+                        rep.dropped)  # fmt: skip
+
+    def commit(self, st: MakerState, batch: BatchResult, log: dict[str, Any], learner: int) -> bool:
+        """Write data + dropped files, then create the slot's log entry. True iff this maker took the slot."""
+        slot = batch.slot
+        attempt = new_attempt_id()
+        t0 = time.monotonic()
+        info = self.store.write_parquet(layout.batch_data_file(slot, attempt), batch.table, BATCH)
+        dropped = st.bm.take_dropped(slot)
+        dropped_counts: dict[str, int] = {}
+        dropped_path = None
+        if dropped.num_rows:
+            dropped_path = layout.dropped_file(slot, attempt)
+            self.store.write_parquet(dropped_path, dropped, DROPPED)
+            for r in dropped.column("reason").to_pylist():
+                dropped_counts[r] = dropped_counts.get(r, 0) + 1
+        low = self.scan_low(slot + 1)
+        seen = sorted(s for s in st.seen if layout.parse_step(s) >= low)
+        s = batch.stats
+        entry = {
+            "slot": slot,
+            "attempt_id": attempt,
+            "data_file": info.path,
+            "data_size": info.size,
+            "data_sha256": info.sha256,
+            "rows": info.rows,
+            "seq_len": s["row_len"],
+            "schema": BATCH.tag,
+            "holder": self.holder,
+            "lease_epoch": self.lease.epoch,
+            "config_hash": self.hash,
+            "time": time.time(),
+            "learner_step": learner,
+            "ingested_files": log["ingested_files"],
+            "quarantined_files": log["quarantined_files"],
+            "dropped_file": dropped_path,
+            "dropped": dropped_counts,
+            "lineage": {
+                "n_rollouts": s["n_rollouts"],
+                "n_groups": s["n_groups"],
+                "policy_steps": [s["policy_step_min"], s["policy_step_max"]],
+                "staleness": [s["lag_min"], s["lag_mean"], s["lag_max"]],
+                "source_files": sorted(set(batch.source_files)),
+            },
+            "cursor": {"version": CURSOR_VERSION, "seen": seen, "reservoir": st.bm.snapshot()},
+        }
+        if self.curriculum is not None:
+            # which eval summaries the curriculum folds at this slot, fixed now so a rebuild folds the same ones
+            entry["curriculum_evals"] = self.curriculum.evals_to_fold(slot)
+        self.keep_lease()
+        ok = self.store.put_json_if_absent(layout.batch_log_entry(slot), entry)
+        log["write_s"] = time.monotonic() - t0
+        log["dropped"] = dropped_counts
+        if not ok:
+            logger.warning("slot %d was committed by another maker; discarding %s and recovering", slot, info.path)
+            return False
+        st.seen = set(seen)
+        return True
+
+    def sync_curriculum(self, slot: int, tables: dict[str, pa.Table] | None = None) -> None:
+        """Publish curriculum state up to committed slot `slot` (no-op without a curriculum or before slot 1)."""
+        if self.curriculum is not None and slot >= 1:
+            t0 = time.monotonic()
+            self.curriculum.sync(slot, tables)
+            logger.debug("curriculum synced to slot %d in %.3fs", slot, time.monotonic() - t0)
+
+    def record(self, batch: BatchResult, log: dict[str, Any]) -> None:
+        """One metrics record per committed batch."""
+        s = batch.stats
+        rec: dict[str, Any] = {
+            "slot": batch.slot,
+            "n_rollouts": s["n_rollouts"],
+            "n_groups": s["n_groups"],
+            "staleness_min": s["lag_min"],
+            "staleness_mean": s["lag_mean"],
+            "staleness_max": s["lag_max"],
+            "mean_reward": s["reward_mean"],
+            "advantage_mean": s["advantage_mean"],
+            "advantage_std": s["advantage_std"],
+            "advantage_abs_mean": s["advantage_abs_mean"],
+            "advantage_min": s["advantage_min"],
+            "advantage_max": s["advantage_max"],
+            "tokens": s["tokens"],
+            "loss_tokens": s["loss_tokens"],
+            "padding_fraction": s["padding_fraction"],
+            "segments_per_row": s["segments_per_row"],
+            "n_truncated": s["n_truncated"],
+            "n_cut_overlong": s["n_cut_overlong"],
+            "files_ingested": len(log["ingested_files"]),
+            "groups_filtered_zero_variance": log["groups_filtered_zero_variance"],
+            "wait_s": log["wait_s"],
+            "ingest_s": log["ingest_s"],
+            "build_s": log["build_s"],
+            "write_s": log["write_s"],
+        }
+        for reason, n in log["dropped"].items():
+            rec[f"dropped_{reason}"] = n
+        self.metrics.log(rec)
+
+
+def new_slot_log() -> dict[str, Any]:
+    """Per-slot bookkeeping while building one slot."""
+    return {
+        "ingested_files": [],
+        "quarantined_files": [],
+        "wait_s": 0.0,
+        "ingest_s": 0.0,
+        "build_s": 0.0,
+        "write_s": 0.0,
+        "groups_filtered_zero_variance": 0,
+        "dropped": {},
+        "tables": {},
+    }
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(config: BatchMakerStepConfig) -> None:
+    """Run the BatchMaker step (see the module docstring). Raises LeaseHeldError, BatchWaitTimeout, ConfigError."""
+    train = config.train
+    if config.max_batches is not None and config.max_batches < 1:
+        raise ConfigError("max_batches", config.max_batches, "must be >= 1 or null")
+    BatchMaker(train)  # validates what the BatchMaker needs of the config (pad_multiple)
+
+    # phase 1: storage and lease
+    store = RunStore(config.store.run_root, config.store.storage_options)
+    holder = config.holder_id or f"{socket.gethostname()}-{os.getpid()}"
+    lease = Lease(store, LEASE_NAME, holder, config.lease_ttl_s)
+    lease.acquire()
+    maker = Maker(config, store, lease)
+    written = 0
+    try:
+        # phase 2: recover consumed state from the committed batch log
+        st = maker.recover()
+        maker.sync_curriculum(st.next_slot - 1)
+        progress = _progress_bar(st.next_slot - 1, train.num_train_steps)
+
+        # phase 3: one slot at a time
+        while True:
+            slot = st.next_slot
+            if maker.stop_requested():
+                logger.info("control/STOP found: stopping before slot %d", slot)
+                break
+            if config.max_batches is not None and written >= config.max_batches:
+                logger.info("bounded mode: wrote %d batches; next slot %d", written, slot)
+                break
+            if slot > train.num_train_steps:
+                if config.follow:
+                    _wait_for_learner_finish(maker, train.num_train_steps)
+                logger.info("all %d batch slots are committed", train.num_train_steps)
+                break
+            log = new_slot_log()
+
+            # 3a. pace: T <= learner_step + max_batches_ahead
+            log["wait_s"] += maker.pace(slot)
+
+            # 3b. gather rollouts, 3c. build
+            maker.gather(st, slot, log)
+            t0 = time.monotonic()
+            batch = st.bm.make_batch(slot)
+            log["build_s"] = time.monotonic() - t0
+            if batch is None:  # cannot happen after gather() returned ready; be loud if it does
+                raise RuntimeError(f"batch slot {slot}: BatchMaker reported ready but built nothing")
+
+            # 3d. commit (or lose the race and recover)
+            if not maker.commit(st, batch, log, maker.learner_now()):
+                st = maker.recover()
+                maker.sync_curriculum(st.next_slot - 1)
+                continue
+            written += 1
+            st.next_slot = slot + 1
+            maker.sync_curriculum(slot, log["tables"])
+
+            # 3e. metrics and progress
+            maker.record(batch, log)
+            progress(slot, batch)
+    except StopRequested:
+        logger.info("control/STOP found: stopping")
+    finally:
+        # phase 4: flush and let go
+        maker.metrics.flush()
+        try:
+            lease.release()
+        except Exception as e:  # best effort on the way out; the lease lapses by itself
+            logger.warning("could not release the lease: %s", e)
+    logger.info("BatchMaker done: %d batches written by this process", written)
+
+
+def _wait_for_learner_finish(maker: Maker, num_train_steps: int) -> None:
+    """Follow mode, after the last slot: wait until the learner consumed it (policy num_train_steps)."""
+    maker.wait_until(
+        lambda: maker.learner_now() >= num_train_steps or maker.store.exists(LEARNER_DONE),
+        lambda: f"the learner to finish step {num_train_steps} ({layout.policy_marker(num_train_steps)})",
+        maker.learner_now,
+    )
+
+
+def _progress_bar(start: int, total: int) -> Callable[[int, BatchResult], None]:
+    """A progress callback: tqdm when stderr is a terminal, a log line per batch otherwise."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=start, desc="batches", unit="batch")
+
+        def update(slot: int, b: BatchResult) -> None:
+            bar.update(1)
+            bar.set_postfix(reward=f"{b.stats['reward_mean']:.3f}", lag=f"{b.stats['lag_mean']:.2f}")
+
+        return update
+
+    def log_line(slot: int, b: BatchResult) -> None:
+        s = b.stats
+        logger.info(
+            "committed slot %d/%d: %d rollouts, reward %.3f, staleness %.2f, padding %.2f",
+            slot, total, s["n_rollouts"], s["reward_mean"], s["lag_mean"], s["padding_fraction"],
+        )  # fmt: skip
+
+    return log_line
+
+
+class _NoPandas:
+    """Import finder that reports pandas as absent (see `cli`)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ModuleNotFoundError(f"{name} is not used by the BatchMaker step", name=name)
+        return None
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m steps.make_batches [--config_path F] [--field value …]`; returns the exit code.
+
+    pyarrow imports pandas (when installed) on its first array conversion, which costs seconds of process
+    start on a busy machine; this step never needs pandas, so the CLI tells pyarrow it is absent.
+    """
+    if "pandas" not in sys.modules:
+        sys.meta_path.insert(0, _NoPandas())  # type: ignore[arg-type]
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = draccus.parse(BatchMakerStepConfig, args=sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        logger.error("invalid config: %s", e)
+        return EXIT_CONFIG
+    except draccus.utils.ParsingError as e:
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        logger.error("invalid config: %s", cause if cause is not None else e)
+        return EXIT_CONFIG
+    try:
+        main(config)
+    except ConfigError as e:
+        logger.error("invalid config: %s", e)
+        return EXIT_CONFIG
+    except LeaseHeldError as e:
+        logger.error("another BatchMaker holds the run's lease: holder %r (%s); exiting", e.holder, e)
+        return EXIT_LEASE_HELD
+    except LeaseLostError as e:
+        logger.error("lost the BatchMaker lease: %s", e)
+        return EXIT_LEASE_LOST
+    except BatchWaitTimeout as e:
+        logger.error("%s", e)
+        return EXIT_TIMEOUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,364 @@
+"""The model side shared by the learner, rollout and evaluation steps (levanter Llama / Qwen3).
+
+Reads: an optional Hugging Face checkpoint folder (local or gs://) named by `ModelSpec.hf_checkpoint`;
+committed policies `policies/step-S/` of a run root.
+Writes: policies `policies/step-S/weights-<attempt>.safetensors` + `policies/step-S/COMMITTED` (written
+last, create-if-absent) + the `policies/LATEST` hint; HF exports (`export_hf`).
+
+API (stable; other steps call these):
+
+    build_model(spec, vocab_size, key=None) -> LmHeadModel        # from scratch (seeded) or from HF
+    save_policy(store, step, model, extra=None) -> bool            # commit policies/step-S
+    load_policy(store, step, spec, vocab_size) -> LmHeadModel      # verified against the marker
+    latest_policy_step(store) -> int | None                        # listing is the truth
+    teacher_forced_logprobs(model, tokens, *, segment_ids, position_ids, temperature) -> [B, S] float32
+    export_hf(model, out_dir, tokenizer)                           # transformers-loadable folder
+
+Logprob alignment (the same everywhere in rlpipe): `logprobs[b, t] = log softmax(logits[b, t-1] / T)[tokens[b, t]]`,
+i.e. the logprob of token t given the tokens before it in its segment; 0 at t = 0 and at the first
+token of each segment (those are prompt tokens and never carry loss). T is the sampling temperature of
+token t's segment; T <= 0 (greedy) is treated as 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from typing import Any
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from levanter.layers.attention import AttentionBackend, AttentionMask
+from levanter.models.llama import LlamaConfig
+from levanter.models.lm_model import LmHeadModel
+from levanter.models.qwen import Qwen3Config
+
+from pipeline import layout
+from pipeline.config import ModelSpec
+from steps import checkpoints as ckpt
+
+logger = logging.getLogger(__name__)
+
+BATCH_AXIS = "batch"
+POS_AXIS = "position"
+POLICY_WEIGHTS = "weights"
+
+_FAMILIES: dict[str, type[LlamaConfig]] = {"llama": LlamaConfig, "qwen3": Qwen3Config}
+
+
+class PolicyNotFoundError(FileNotFoundError):
+    """The requested policy step has no commit marker."""
+
+
+# ---------------------------------------------------------------------------------------------
+# configs and construction
+# ---------------------------------------------------------------------------------------------
+
+
+def _attn_backend(spec: ModelSpec) -> AttentionBackend | None:
+    if spec.attention_backend == "default":
+        return None
+    return AttentionBackend(spec.attention_backend)
+
+
+def _hf_converter(spec: ModelSpec, ref: str, tokenizer: Any = None) -> Any:
+    from levanter.compat.hf_checkpoints import HFCheckpointConverter
+    from transformers import LlamaConfig as HfLlamaConfig
+    from transformers import Qwen3Config as HfQwen3Config
+
+    hf_cls = {"llama": HfLlamaConfig, "qwen3": HfQwen3Config}[spec.family]
+    if tokenizer is None:
+        from pipeline.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(spec.tokenizer)
+    return HFCheckpointConverter(
+        _FAMILIES[spec.family], reference_checkpoint=ref, HfConfigClass=hf_cls, tokenizer=tokenizer
+    )
+
+
+def _host_mesh() -> Any:
+    """A one-axis mesh over the local devices (levanter's HF converter requires a mesh in context)."""
+    from jax.sharding import Mesh
+
+    return jax.set_mesh(Mesh(np.array(jax.devices()), ("data",)))
+
+
+def levanter_config(spec: ModelSpec) -> LlamaConfig:
+    """The levanter config for `spec`.
+
+    From scratch: the spec's sizes. From an HF folder: the folder's config.json (the spec's
+    size fields are then ignored), with `seq_len = spec.max_seq_len`. Gradient checkpointing is
+    off (small models, CPU); layers are scanned.
+    """
+    common = dict(
+        seq_len=spec.max_seq_len,
+        attn_backend=_attn_backend(spec),
+        gradient_checkpointing=False,
+        scan_layers=True,
+    )
+    cls = _FAMILIES[spec.family]
+    if spec.hf_checkpoint:
+        from transformers import AutoConfig
+
+        hf_cfg = AutoConfig.from_pretrained(spec.hf_checkpoint)
+        base = cls.from_hf_config(hf_cfg)
+        return dataclasses.replace(base, **common)
+    return cls(
+        hidden_dim=spec.hidden_dim,
+        intermediate_dim=spec.intermediate_dim,
+        num_layers=spec.num_layers,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        tokenizer=None,
+        **common,
+    )
+
+
+def build_model(spec: ModelSpec, vocab_size: int, key: jax.Array | None = None) -> LmHeadModel:
+    """A levanter LM with `vocab_size` output classes, float32 parameters.
+
+    From scratch the weights depend only on `key` (default `PRNGKey(spec.seed)`), so two calls give
+    bitwise-identical models. From an HF folder the weights are loaded and the vocabulary resized to
+    `vocab_size` if it differs (new rows deterministic).
+    """
+    config = levanter_config(spec)
+    Vocab = hax.Axis("vocab", vocab_size)
+    if spec.hf_checkpoint:
+        converter = _hf_converter(spec, spec.hf_checkpoint)
+        with _host_mesh():
+            model = converter.load_pretrained(
+                config.model_type,
+                ref=spec.hf_checkpoint,
+                config=config,
+                resize_vocab_to_match_tokenizer=False,
+                dtype=jnp.float32,
+            )
+        if model.Vocab.size != vocab_size:
+            logger.info("resizing HF model vocab %d -> %d", model.Vocab.size, vocab_size)
+            model = model.resize_vocab(vocab_size, key=jax.random.PRNGKey(spec.seed))
+        return model
+    if key is None:
+        key = jax.random.PRNGKey(spec.seed)
+    # jitted init: the same bits as eager (threefry is exact) but one compiled program instead of many dispatches
+    return eqx.filter_jit(lambda k: config.build(Vocab, key=k))(key)
+
+
+def model_template(spec: ModelSpec, vocab_size: int) -> LmHeadModel:
+    """The model's structure with ShapeDtypeStruct leaves (no weights computed or loaded)."""
+    config = levanter_config(spec)
+    return eqx.filter_eval_shape(config.build, hax.Axis("vocab", vocab_size), key=jax.random.PRNGKey(0))
+
+
+def model_vocab_size(tokenizer: Any, multiple: int = 1) -> int:
+    """Model vocabulary size for a tokenizer: `len(tokenizer)` rounded up to a multiple of `multiple`."""
+    n = len(tokenizer)
+    return -(-n // multiple) * multiple
+
+
+def count_params(model: Any) -> int:
+    """Number of scalar parameters in the array leaves of `model`."""
+    return int(sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))))
+
+
+# ---------------------------------------------------------------------------------------------
+# policies on the run root
+# ---------------------------------------------------------------------------------------------
+
+
+def save_policy(store: Any, step: int, model: LmHeadModel, extra: dict[str, Any] | None = None) -> bool:
+    """Commit `model` as policy `step`: weights file, then COMMITTED (last), then the LATEST hint.
+
+    `extra` goes into the marker (the learner records `batch_slot`, `tokenizer`, `seq_len`).
+    Returns False (and writes nothing new) if policy `step` was already committed: a committed policy
+    is never replaced. LATEST only moves forward.
+    """
+    folder = layout.policy_dir(step)
+    if store.exists(layout.policy_marker(step)):
+        logger.info("policy %d already committed", step)
+        return False
+    meta = {"step": step, "vocab_size": int(model.Vocab.size), "kind": "policy", **(extra or {})}
+    created = ckpt.write_committed(store, folder, {POLICY_WEIGHTS: ckpt.tree_to_safetensors(model)}, meta)
+    _advance_latest(store, step)
+    return created
+
+
+def _advance_latest(store: Any, step: int) -> None:
+    try:
+        current = int(json.loads(store.get(layout.POLICY_LATEST))["step"])
+    except (FileNotFoundError, KeyError, ValueError):
+        current = -1
+    if step > current:
+        store.put_unique(layout.POLICY_LATEST, json.dumps({"step": step}).encode())
+
+
+def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHeadModel:
+    """Load committed policy `step`, verifying size and sha256 against its marker.
+
+    Raises PolicyNotFoundError when the marker is missing, CheckpointError when the files do not match
+    it or the weights do not fit `spec`/`vocab_size` (the message names the file and tensor).
+    """
+    folder = layout.policy_dir(step)
+    if not store.exists(layout.policy_marker(step)):
+        raise PolicyNotFoundError(f"{layout.policy_marker(step)}: policy {step} is not committed")
+    record = ckpt.read_marker(store, folder)
+    if int(record.get("vocab_size", vocab_size)) != vocab_size:
+        raise ckpt.CheckpointError(
+            f"{folder}: committed with vocab_size={record.get('vocab_size')}, expected {vocab_size}"
+        )
+    data = ckpt.read_blob(store, folder, record, POLICY_WEIGHTS)
+    return ckpt.tree_from_safetensors(model_template(spec, vocab_size), data, source=folder)
+
+
+def policy_metadata(store: Any, step: int) -> dict[str, Any]:
+    """The COMMITTED marker of policy `step` (batch slot, tokenizer, seq_len, files)."""
+    return ckpt.read_marker(store, layout.policy_dir(step))
+
+
+def latest_policy_step(store: Any) -> int | None:
+    """Newest policy step with a commit marker, by listing (LATEST is only a hint); None if none."""
+    steps = ckpt.committed_steps(store, layout.POLICIES)
+    return steps[-1] if steps else None
+
+
+# ---------------------------------------------------------------------------------------------
+# forward passes
+# ---------------------------------------------------------------------------------------------
+
+
+def cast_for_compute(model: LmHeadModel, compute_dtype: str) -> LmHeadModel:
+    """`model` with floating parameters cast to `compute_dtype` (identity for float32)."""
+    if compute_dtype in ("float32", "fp32"):
+        return model
+    dt = jnp.dtype(compute_dtype)
+
+    def _cast(x: Any) -> Any:
+        return x.astype(dt) if eqx.is_inexact_array(x) else x
+
+    return jax.tree_util.tree_map(_cast, model)
+
+
+def attention_mask(segment_ids: jax.Array | None) -> AttentionMask:
+    """Causal mask that never crosses segments (`segment_ids` [B, S]; padding -1 attends only to padding)."""
+    mask = AttentionMask.causal()
+    if segment_ids is not None:
+        mask = mask.with_segment_ids(hax.named(segment_ids, (BATCH_AXIS, POS_AXIS)))
+    return mask
+
+
+def forward_logits(
+    model: LmHeadModel,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    position_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Logits [B, S, V] (float32) of a packed batch; attention respects segments, rotary uses position_ids."""
+    B, S = tokens.shape
+    ids = hax.named(tokens.astype(jnp.int32), (BATCH_AXIS, POS_AXIS))
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    pos = hax.named(position_ids.astype(jnp.int32), (BATCH_AXIS, POS_AXIS))
+    logits = model(ids, attention_mask(segment_ids), pos_ids=pos)
+    return logits.rearrange((BATCH_AXIS, POS_AXIS, "vocab")).array.astype(jnp.float32)
+
+
+def _per_token_temperature(temperature: jax.Array | float, shape: tuple[int, int]) -> jax.Array:
+    t = jnp.broadcast_to(jnp.asarray(temperature, dtype=jnp.float32), shape)
+    return jnp.where(t > 0, t, 1.0)
+
+
+def shifted_logprobs_and_entropy(
+    logits: jax.Array,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None,
+    temperature: jax.Array | float,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token logprobs and entropies of `softmax(logits / T)`, aligned to tokens (see module docstring).
+
+    logprob[b, t] = log softmax(logits[b, t-1] / T[b, t])[tokens[b, t]];
+    entropy[b, t] = -Σ_v p_v log p_v of that same distribution. Both are 0 at t = 0 and segment starts.
+    """
+    B, S = tokens.shape
+    temp = _per_token_temperature(temperature, (B, S))
+    prev = logits[:, :-1, :] / temp[:, 1:, None]
+    logp_all = jax.nn.log_softmax(prev, axis=-1)
+    lp = jnp.take_along_axis(logp_all, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    valid = jnp.ones((B, S - 1), dtype=bool)
+    if segment_ids is not None:
+        valid = segment_ids[:, 1:] == segment_ids[:, :-1]
+    zeros = jnp.zeros((B, 1), jnp.float32)
+    lp = jnp.concatenate([zeros, jnp.where(valid, lp, 0.0)], axis=1)
+    ent = jnp.concatenate([zeros, jnp.where(valid, ent, 0.0)], axis=1)
+    return lp, ent
+
+
+@eqx.filter_jit
+def _tf_logprobs(model: Any, tokens: Any, segment_ids: Any, position_ids: Any, temperature: Any) -> jax.Array:
+    logits = forward_logits(model, tokens, segment_ids, position_ids)
+    lp, _ = shifted_logprobs_and_entropy(logits, tokens, segment_ids, temperature)
+    return lp
+
+
+def teacher_forced_logprobs(
+    model: LmHeadModel,
+    tokens: Any,
+    *,
+    segment_ids: Any = None,
+    position_ids: Any = None,
+    temperature: Any = 1.0,
+    compute_dtype: str = "float32",
+) -> jax.Array:
+    """Logprobs [B, S] (float32) of `tokens` [B, S] under `model` at `temperature` (scalar or [B, S]).
+
+    Same alignment and temperature convention as the sampler (module docstring). Jitted per shape.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim == 1:
+        return teacher_forced_logprobs(
+            model,
+            tokens[None],
+            segment_ids=None if segment_ids is None else jnp.asarray(segment_ids)[None],
+            position_ids=None if position_ids is None else jnp.asarray(position_ids)[None],
+            temperature=temperature,
+            compute_dtype=compute_dtype,
+        )[0]
+    seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    pos = None if position_ids is None else jnp.asarray(position_ids, jnp.int32)
+    temp = jnp.asarray(temperature, jnp.float32)
+    return _tf_logprobs(cast_for_compute(model, compute_dtype), tokens, seg, pos, temp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face export
+# ---------------------------------------------------------------------------------------------
+
+
+def export_hf(model: LmHeadModel, out_dir: str, tokenizer: Any, family: str = "llama") -> None:
+    """Write a transformers-loadable folder (config.json, safetensors, tokenizer) for `model`.
+
+    Uses levanter's HFCheckpointConverter.save_pretrained with a locally written reference config,
+    so nothing is fetched from a hub. `out_dir` may be local or an fsspec URL.
+    """
+    hf_config = model.config.to_hf_config(model.Vocab.size)
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    hf_config.architectures = [arch]
+    with tempfile.TemporaryDirectory() as ref_dir:
+        hf_config.save_pretrained(ref_dir)
+        spec = ModelSpec(family=family)
+        converter = _hf_converter(spec, ref_dir, tokenizer=tokenizer)
+        if not out_dir.startswith(("gs://", "s3://", "memory://")):
+            os.makedirs(out_dir, exist_ok=True)
+        with _host_mesh():
+            converter.save_pretrained(model, out_dir, save_reference_code=False, save_tokenizer=True)
+    logger.info("exported HF checkpoint to %s", out_dir)
+
+
+def numpy_params(model: Any) -> list[np.ndarray]:
+    """All array leaves of `model` as numpy arrays, in tree order (for bitwise comparisons)."""
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))]

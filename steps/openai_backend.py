@@ -1,0 +1,400 @@
+"""An inference backend that talks to an OpenAI-compatible `/v1/completions` server (vLLM, SGLang, levanter).
+
+Reads: nothing from the run root. Talks HTTP to `InferenceConfig.openai_base_url` (e.g. `http://host:8000/v1`).
+Writes: nothing. Built by `steps.inference.make_backend` when `InferenceConfig.backend == "openai"` as
+`OpenAIBackend(config, tokenizer, max_seq_len=...)`; it has the same `generate / update_model / shutdown`
+interface as the in-process backends and returns `pipeline.environments.Completion`s (token ids + per-token
+logprobs).
+
+Promises
+- Token ids are never recovered by re-tokenising generated text. In order of preference the ids come from
+  (1) the choice's `token_ids` field (vLLM `return_token_ids`), (2) `logprobs.tokens` entries of the form
+  `token_id:123` (vLLM `return_tokens_as_token_ids`), (3) `logprobs.tokens` vocabulary strings as levanter's
+  `InferenceServer` returns them (`convert_ids_to_tokens`), mapped back by exact vocabulary lookup; a string
+  that is not a vocabulary entry raises `OpenAIResponseError`. Logprobs are `logprobs.token_logprobs`; a
+  missing or short list raises.
+- Prompts are sent as token ids (vLLM accepts `prompt: list[list[int]]`). A server that only takes text
+  (levanter's `InferenceServer`, detected by its `/health` answer or by a 422 on an id prompt) gets the
+  decoded prompt, but only after checking `encode(decode(ids)) == ids`; otherwise `PromptRoundTripError`.
+- Stop tokens: sent as `stop_token_ids` (vLLM) and, for a single stop token, as its string (levanter);
+  the output is also cut client-side after the first stop token, which is kept. `finish_reason` is "stop"
+  when the last token is a stop token, else "length" when `max_tokens` tokens came back, else the server's.
+- Lengths as in `steps.inference`: a prompt of `>= max_seq_len` tokens raises `PromptTooLongError` before
+  any request (levanter's server would silently keep only the prompt's tail); otherwise a prompt's budget
+  is `min(max_tokens, max_seq_len - len(prompt))`.
+- Policy step: a server says which policy it serves by the response header `X-Policy-Step: <int>` or by
+  a model name ending in `step-<int>` / `@<int>` (e.g. `--served-model-name policy@step-00000120`).
+  `last_served_steps` holds the steps reported during the last `generate` call and `served_step` the most
+  recent one (None when the server never says). The rollout manager tags rows with it and re-rolls a call
+  during which the server switched policies.
+- The server owns the weights: `update_model` is a no-op (`external_weights = True`).
+- With levanter's server, `n > 1` leaks KV pages (levanter 1.2.dev1644), so each sample is its own prompt
+  entry with `n = 1`; other servers get `n` per prompt.
+
+Retries: connection errors, timeouts and 5xx answers are retried `max_retries` times with backoff; 4xx
+answers raise `OpenAIBackendError` naming the URL, status and body.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from pipeline.config import InferenceConfig
+from pipeline.environments import Completion
+
+logger = logging.getLogger(__name__)
+
+POLICY_STEP_HEADER = "x-policy-step"
+_STEP_IN_NAME = re.compile(r"(?:step-?|@)(\d+)$")
+_TOKEN_ID_STR = re.compile(r"^token_id:(-?\d+)$")
+PROMPT_FORMATS = ("auto", "ids", "text")
+
+
+class OpenAIBackendError(RuntimeError):
+    """The server refused a request or answered something unusable; the message names URL and status."""
+
+
+class OpenAIResponseError(OpenAIBackendError):
+    """A response lacks what we need (token ids, logprobs) or holds an unknown token string."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt leaves no room for a generated token within max_seq_len."""
+
+    def __init__(self, prompt_index: int, length: int, max_seq_len: int) -> None:
+        super().__init__(
+            f"prompt {prompt_index} has {length} tokens; max_seq_len={max_seq_len} leaves no room to generate"
+        )
+        self.prompt_index = prompt_index
+        self.length = length
+        self.max_seq_len = max_seq_len
+
+
+class PromptRoundTripError(ValueError):
+    """A text-only server was asked for a prompt whose decoded text does not encode back to the same ids."""
+
+
+def policy_step_from_model_name(name: str | None) -> int | None:
+    """The policy step a served model name advertises (`...step-120`, `...step120`, `...@120`), or None."""
+    if not name:
+        return None
+    m = _STEP_IN_NAME.search(name)
+    return int(m.group(1)) if m else None
+
+
+def truncate_at_stop(
+    tokens: list[int], logprobs: list[float], stop_tokens: Sequence[int] | None
+) -> tuple[list[int], list[float], bool]:
+    """Cut `tokens`/`logprobs` after the first stop token (kept). Returns (tokens, logprobs, stopped)."""
+    if stop_tokens:
+        stops = set(stop_tokens)
+        for i, t in enumerate(tokens):
+            if t in stops:
+                return tokens[: i + 1], logprobs[: i + 1], True
+    return tokens, logprobs, False
+
+
+class OpenAIBackend:
+    """Generation through an OpenAI-compatible completions server, returning token ids and logprobs.
+
+    Thread-safe for concurrent `generate` calls only in the sense that each call is independent;
+    `last_served_steps` describes the most recent call.
+    """
+
+    external_weights = True
+    """The server owns the weights: the rollout worker tags rows with the step the server reports."""
+
+    def __init__(
+        self,
+        config: InferenceConfig,
+        tokenizer: Any,
+        *,
+        max_seq_len: int | None = None,
+        prompt_format: str = "auto",
+        max_retries: int = 3,
+        max_concurrent_requests: int = 4,
+    ) -> None:
+        if not config.openai_base_url:
+            raise OpenAIBackendError("inference.openai_base_url is required for the openai backend")
+        if prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format={prompt_format!r}: must be one of {PROMPT_FORMATS}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.base_url = config.openai_base_url.rstrip("/")
+        self._completions_url = f"{self.base_url}/completions"
+        self._prompt_format = prompt_format
+        self._server_kind: str | None = None
+        self._max_retries = max_retries
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, max_concurrent_requests))
+        self._client = httpx.Client(timeout=httpx.Timeout(config.request_timeout_s, connect=30.0))
+        self._lock = threading.Lock()
+        self.served_step: int | None = None
+        self.last_served_steps: set[int] = set()
+
+    # ------------------------------------------------------------------------------------------
+    # lifecycle
+    # ------------------------------------------------------------------------------------------
+
+    def update_model(self, model: Any) -> None:
+        """No-op: the server owns its weights (load new weights into the server itself)."""
+        logger.debug("openai backend: update_model ignored; the server at %s owns the weights", self.base_url)
+
+    def shutdown(self) -> None:
+        """Close the HTTP client and the request pool."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    @property
+    def server_kind(self) -> str:
+        """'levanter' when the server's /health names levanter's inference service, else 'openai'."""
+        if self._server_kind is None:
+            kind = "openai"
+            root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+            try:
+                r = self._client.get(f"{root}/health", timeout=10.0)
+                if r.status_code == 200 and "levanter" in str(r.json().get("service", "")):
+                    kind = "levanter"
+            except (httpx.HTTPError, ValueError, AttributeError):
+                pass  # no (JSON) health endpoint: a generic OpenAI-compatible server
+            self._server_kind = kind
+            if self._prompt_format == "auto" and kind == "levanter":
+                self._prompt_format = "text"
+            logger.info(
+                "openai backend: server %s is %s; prompts sent as %s",
+                self.base_url,
+                kind,
+                "text" if self._prompt_format == "text" else "token ids",
+            )
+        return self._server_kind
+
+    def probe_served_step(self) -> int | None:
+        """Ask `GET /v1/models` which policy step the server serves (from the model names); None if unsaid.
+
+        When several served models advertise steps, the one named `config.openai_model` wins, else the
+        newest step.
+        """
+        try:
+            r = self._client.get(f"{self.base_url}/models", timeout=30.0)
+        except httpx.HTTPError as e:
+            raise OpenAIBackendError(f"GET {self.base_url}/models failed: {e}") from e
+        header = r.headers.get(POLICY_STEP_HEADER)
+        if header is not None:
+            return int(header)
+        if r.status_code != 200:
+            return None
+        steps: dict[str, int] = {}
+        for m in r.json().get("data", []):
+            s = policy_step_from_model_name(str(m.get("id", "")))
+            if s is not None:
+                steps[str(m.get("id"))] = s
+        if not steps:
+            return None
+        if self.config.openai_model in steps:
+            return steps[self.config.openai_model]
+        return max(steps.values())
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+    # ------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stop_tokens: Sequence[int] | None,
+        seed: int,
+    ) -> list[list[Completion]]:
+        """`n` completions per prompt, as token ids and per-token logprobs, in prompt order.
+
+        Raises PromptTooLongError / PromptRoundTripError before sending anything, OpenAIBackendError on
+        a refused request and OpenAIResponseError on an unusable answer.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        ids_list: list[list[int]] = [[int(t) for t in p] for p in prompts]
+        for i, p in enumerate(ids_list):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if self.max_seq_len is not None and len(p) >= self.max_seq_len:
+                raise PromptTooLongError(i, len(p), self.max_seq_len)
+        if not ids_list:
+            return []
+        self.server_kind  # noqa: B018 - resolves the prompt format once
+        stops = list(stop_tokens) if stop_tokens is not None else [int(self.tokenizer.eos_token_id)]
+        # One entry per (prompt, sample) with n=1 on levanter (its n>1 leaks KV pages); else n per prompt.
+        per_entry_n = 1 if self._server_kind == "levanter" else n
+        entries = [(i, p) for i, p in enumerate(ids_list) for _ in range(n // per_entry_n)]
+
+        def budget(p: list[int]) -> int:
+            return max_tokens if self.max_seq_len is None else min(max_tokens, self.max_seq_len - len(p))
+
+        # Requests take one max_tokens each: chunk entries of equal budget, at most max_seqs sequences each.
+        by_budget: dict[int, list[tuple[int, list[int]]]] = {}
+        for e in entries:
+            by_budget.setdefault(budget(e[1]), []).append(e)
+        max_entries = max(1, self.config.max_seqs // per_entry_n)
+        chunks = [
+            (b, group[k : k + max_entries]) for b, group in by_budget.items() for k in range(0, len(group), max_entries)
+        ]
+        jobs = [
+            self._pool.submit(
+                self._complete_chunk, [p for _, p in chunk], per_entry_n, temperature, b, stops, seed + 7919 * ci
+            )
+            for ci, (b, chunk) in enumerate(chunks)
+        ]
+        out: list[list[Completion]] = [[] for _ in ids_list]
+        steps: set[int] = set()
+        for job, (_, chunk) in zip(jobs, chunks, strict=True):
+            completions, step = job.result()
+            for k, (i, _) in enumerate(chunk):
+                out[i].extend(completions[k * per_entry_n : (k + 1) * per_entry_n])
+            if step is not None:
+                steps.add(step)
+        with self._lock:
+            self.last_served_steps = steps
+            if steps:
+                self.served_step = max(steps)
+        for i, comps in enumerate(out):
+            if len(comps) != n:
+                raise OpenAIResponseError(f"{self._completions_url}: prompt {i} got {len(comps)} of {n} completions")
+        return out
+
+    def _prompt_payload(self, entries: list[list[int]]) -> list[Any]:
+        if self._prompt_format != "text":
+            return entries
+        texts = []
+        for ids in entries:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            back = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if list(back) != ids:
+                raise PromptRoundTripError(
+                    f"server {self.base_url} takes text prompts only, and prompt ids {ids[:16]}... do not survive "
+                    f"decode/encode (got {list(back)[:16]}...); use a server that accepts token-id prompts"
+                )
+            texts.append(text)
+        return texts
+
+    def _body(
+        self, entries: list[list[int]], n: int, temperature: float, max_tokens: int, stops: list[int], seed: int
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.config.openai_model,
+            "prompt": self._prompt_payload(entries),
+            "n": n,
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "seed": seed,
+            "logprobs": 1,
+            "echo": False,
+            # vLLM extensions (ignored by servers that do not know them):
+            "stop_token_ids": stops,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if len(stops) == 1:
+            # Text servers (levanter) tokenise `stop` strings and treat their ids as one sequence: only a
+            # single stop token can be expressed that way; the client-side cut handles the rest.
+            body["stop"] = [self.tokenizer.convert_ids_to_tokens(stops[0])]
+        return body
+
+    def _post(self, body: dict[str, Any]) -> httpx.Response:
+        delay = 0.5
+        for attempt in range(self._max_retries + 1):
+            try:
+                r = self._client.post(self._completions_url, json=body)
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                if attempt == self._max_retries:
+                    raise OpenAIBackendError(f"POST {self._completions_url} failed: {type(e).__name__}: {e}") from e
+                logger.warning("POST %s failed (%s); retry %d in %.1fs", self._completions_url, e, attempt + 1, delay)
+            else:
+                if r.status_code < 500 or attempt == self._max_retries:
+                    return r
+                logger.warning(
+                    "POST %s answered %d; retry %d in %.1fs", self._completions_url, r.status_code, attempt + 1, delay
+                )
+            time.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    def _complete_chunk(
+        self, entries: list[list[int]], n: int, temperature: float, max_tokens: int, stops: list[int], seed: int
+    ) -> tuple[list[Completion], int | None]:
+        r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed))
+        if r.status_code == 422 and self._prompt_format == "auto" and "prompt" in r.text:
+            logger.warning(
+                "server %s refused token-id prompts (422); sending verified text prompts from now on", self.base_url
+            )
+            self._prompt_format = "text"
+            r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed))
+        if r.status_code != 200:
+            raise OpenAIBackendError(f"POST {self._completions_url} -> {r.status_code}: {r.text[:500]}")
+        payload = r.json()
+        header = r.headers.get(POLICY_STEP_HEADER)
+        step = int(header) if header is not None else policy_step_from_model_name(payload.get("model"))
+        choices = sorted(payload.get("choices") or [], key=lambda c: int(c.get("index", 0)))
+        if len(choices) != len(entries) * n:
+            raise OpenAIResponseError(
+                f"{self._completions_url}: asked for {len(entries) * n} choices, got {len(choices)}"
+            )
+        return [self._parse_choice(c, max_tokens, stops) for c in choices], step
+
+    def _token_ids(self, choice: dict[str, Any], tokens: list[Any] | None) -> list[int]:
+        if choice.get("token_ids") is not None:
+            return [int(t) for t in choice["token_ids"]]
+        if tokens is None:
+            raise OpenAIResponseError(f"{self._completions_url}: choice without token_ids or logprobs.tokens")
+        ids: list[int] = []
+        for tok in tokens:
+            m = _TOKEN_ID_STR.match(str(tok))
+            if m:
+                ids.append(int(m.group(1)))
+                continue
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if tid is None or self.tokenizer.convert_ids_to_tokens(tid) != tok:
+                raise OpenAIResponseError(
+                    f"{self._completions_url}: token string {tok!r} is not a vocabulary entry of the tokenizer"
+                )
+            ids.append(int(tid))
+        if any(t < 0 for t in ids):
+            raise OpenAIResponseError(f"{self._completions_url}: negative token id in {ids[:16]}")
+        return ids
+
+    def _parse_choice(self, choice: dict[str, Any], max_tokens: int, stops: list[int]) -> Completion:
+        lp = choice.get("logprobs") or {}
+        token_logprobs = lp.get("token_logprobs")
+        ids = self._token_ids(choice, lp.get("tokens"))
+        if (
+            token_logprobs is None
+            or len(token_logprobs) < len(ids)
+            or any(x is None for x in token_logprobs[: len(ids)])
+        ):
+            raise OpenAIResponseError(
+                f"{self._completions_url}: choice {choice.get('index')} has {len(ids)} tokens but logprobs "
+                f"{None if token_logprobs is None else len(token_logprobs)}"
+            )
+        logprobs = [float(x) for x in token_logprobs[: len(ids)]]
+        ids, logprobs, stopped = truncate_at_stop(ids, logprobs, stops)
+        server_reason = str(choice.get("finish_reason") or "")
+        if stopped:
+            reason = "stop"
+        elif len(ids) >= max_tokens or server_reason == "length":
+            reason = "length"
+        elif server_reason == "stop":
+            reason = "stop"  # a stop string the server matched that is not one of our stop ids
+        else:
+            raise OpenAIResponseError(f"{self._completions_url}: unexpected finish_reason {server_reason!r}")
+        return Completion(tokens=ids, logprobs=logprobs, finish_reason=reason)

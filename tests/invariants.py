@@ -1,0 +1,72 @@
+"""Run-root invariants every end-to-end and crash test checks (STORAGE.md I1–I5), from files alone."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline import layout
+from pipeline.storage import RunStore
+from schemas import BATCH, ROLLOUT
+from schemas.dropped import DROPPED
+
+
+@dataclass
+class RunAudit:
+    """What the files of a finished run say."""
+
+    slots: list[int]
+    uses: collections.Counter[str]
+    dropped: dict[str, str]
+    rollouts: dict[str, int]  # rollout_id -> policy_step, every committed rollout row
+    policies: list[int]
+    problems: list[str] = field(default_factory=list)
+
+
+def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> RunAudit:
+    """Collect lineage and check the invariants; `problems` lists every violation found."""
+    problems: list[str] = []
+    slots = sorted(layout.parse_step(p) for p in store.list(layout.BATCH_LOG) if p.endswith(".json"))
+    # I2: slots contiguous from 1
+    if slots != list(range(1, len(slots) + 1)):
+        problems.append(f"batch slots not contiguous from 1: {slots}")
+    uses: collections.Counter[str] = collections.Counter()
+    dropped: dict[str, str] = {}
+    for slot in slots:
+        entry: dict[str, Any] = store.get_json(layout.batch_log_entry(slot))
+        table = store.read_parquet(entry["data_file"], BATCH)  # I3: named data exists and reads
+        for ids in table.column("rollout_ids").to_pylist():
+            uses.update(ids)
+        if entry.get("dropped_file"):
+            d = store.read_parquet(entry["dropped_file"], DROPPED)
+            for rid, reason in zip(d.column("rollout_id").to_pylist(), d.column("reason").to_pylist(), strict=True):
+                dropped[rid] = reason
+    rollouts: dict[str, int] = {}
+    for step_dir in store.list(layout.ROLLOUTS):
+        for path in store.list_committed(step_dir):
+            t = store.read_committed(path, ROLLOUT)
+            if t is None:
+                continue
+            for rid, p in zip(t.column("rollout_id").to_pylist(), t.column("policy_step").to_pylist(), strict=True):
+                if rid in rollouts:
+                    problems.append(f"rollout id {rid} committed twice")
+                rollouts[rid] = p
+    last = slots[-1] if slots else 0
+    for rid, n in uses.items():
+        if n > max_samples_per_rollout:  # I1: reuse limit
+            problems.append(f"rollout {rid} used {n} times > {max_samples_per_rollout}")
+        if rid not in rollouts:
+            problems.append(f"batch uses rollout {rid} that is not committed")
+        if rid in dropped:
+            problems.append(f"rollout {rid} both used and dropped ({dropped[rid]})")
+    for rid, p in rollouts.items():
+        if rid in uses or rid in dropped:
+            continue
+        # Still pending when the run ended: allowed only while it was usable by the next slot.
+        if p < last - 1 - max_lag:
+            problems.append(f"rollout {rid} (policy {p}) neither used nor dropped, and too old for slot {last + 1}")
+    policies = sorted(
+        layout.parse_step(p) for p in store.list(layout.POLICIES) if store.exists(p + "/" + layout.COMMIT_MARKER)
+    )
+    return RunAudit(slots, uses, dropped, rollouts, policies, problems)

@@ -1,0 +1,61 @@
+"""Helpers of the end-to-end job tests: a job config on a given run root, running the job, run checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import draccus
+from invariants import audit_run
+
+from pipeline import layout
+from pipeline.job import RLJobConfig
+from pipeline.storage import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_CONFIG = ROOT / "configs/test_cats.yaml"
+
+
+def job_config(tmp_path: Path, run_root: str, storage_options: dict | None = None, **overrides: str) -> Path:
+    """A copy of the test job config with its run root (and storage options) set."""
+    cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[f"--{k}={v}" for k, v in overrides.items()])
+    import dataclasses
+
+    cfg = dataclasses.replace(
+        cfg, store=dataclasses.replace(cfg.store, run_root=run_root, storage_options=storage_options or {})
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(draccus.dump(cfg))
+    return path
+
+
+def run_job(config_path: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "steps.run", "--config_path", str(config_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check_finished_run(store: RunStore, num_steps: int, max_lag: int) -> None:
+    audit = audit_run(store, max_samples_per_rollout=1, max_lag=max_lag)
+    assert not audit.problems, "\n".join(audit.problems[:20])
+    assert audit.slots == list(range(1, num_steps + 1))
+    assert audit.policies[0] == 0 and audit.policies[-1] == num_steps
+    assert store.exists(layout.LEARNER_DONE)
+    assert store.exists(layout.RUN_CONFIG)
+    # every rollout that went into a batch respected the staleness window of its slot
+    for slot in audit.slots:
+        entry = store.get_json(layout.batch_log_entry(slot))
+        from schemas import BATCH
+
+        t = store.read_parquet(entry["data_file"], BATCH)
+        for steps in t.column("policy_steps").to_pylist():
+            for p in steps:
+                assert 0 <= (slot - 1) - p <= max_lag, (slot, p)
+    # the evaluator scored the first and the final policy
+    assert store.exists(layout.eval_summary_file(0, "cats"))
+    assert store.exists(layout.eval_summary_file(num_steps, "cats"))

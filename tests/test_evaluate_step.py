@@ -1,0 +1,271 @@
+"""The offline evaluate step (`python -m steps.run step evaluate …`) on a finished run, as real processes.
+
+One small cats job (test_cats.yaml, NUM_STEPS learner steps, the job's own evaluator off) is run once per module;
+every test evaluates a fresh copy of its run root, so each one starts from an empty `evals/` folder:
+
+- `--all true` scores every committed policy (listed from the run root), a rerun writes nothing, `--force` rewrites;
+- a SIGKILLed `--all` run is completed by a rerun: the full set, schema-valid, no duplicates, nothing quarantined;
+- `--steps [0,NUM_STEPS]`: the trained policy says "cat" more than the initial one (greedy, the 7 probe prompts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jobs import ROOT, job_config, run_job
+
+from pipeline import layout
+from pipeline.environments.cats import PROBE_PROMPTS
+from pipeline.metrics import read_metrics
+from pipeline.storage import RunStore
+from schemas import EVAL_ROW, EVAL_SUMMARY
+from schemas.evaluation import EvalSummaryRow
+
+NUM_STEPS = 12
+"""Learner steps of the module's job. test_cats.yaml's 6 are too few for greedy evaluation to move: measured policy 0
+-> 6 mean reward 0.071 -> 0.107 on the 7 probe prompts; with 12 steps 0.071 -> 0.571, 0.857, 0.750, 0.607, 1.000
+(five runs, 2 CPU cores, ~1 min per job without the evaluator)."""
+LESSONS = ("cats",)
+MIN_GAIN = 0.2
+"""Required gain in greedy mean reward on `cats` from policy 0 to the final policy (the smallest measured: 0.5)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedRun:
+    config: Path
+    run_root: Path
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
+    """A finished cats job of NUM_STEPS steps (evaluator off: the evaluate step is what the tests run)."""
+    base = tmp_path_factory.mktemp("evaluate-job")
+    run_root = base / "run"
+    config = job_config(base, str(run_root), **{"train.num_train_steps": str(NUM_STEPS), "evaluator": "false"})
+    proc = run_job(config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    store = RunStore(str(run_root))
+    assert store.exists(layout.LEARNER_DONE)
+    assert store.exists(layout.policy_marker(NUM_STEPS))
+    return FinishedRun(config=config, run_root=run_root)
+
+
+def fresh_copy(run: FinishedRun, dest: Path) -> Path:
+    """A copy of the finished run root without evaluations (or evaluate metrics): evaluation starts from nothing."""
+    shutil.copytree(run.run_root, dest)
+    shutil.rmtree(dest / layout.EVALS, ignore_errors=True)
+    shutil.rmtree(dest / layout.METRICS / "evaluate", ignore_errors=True)
+    return dest
+
+
+def evaluate_cmd(run: FinishedRun, run_root: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "steps.run",
+        "step",
+        "evaluate",
+        "--config_path",
+        str(run.config),
+        "--run_root",
+        str(run_root),
+        *args,
+    ]
+
+
+def evaluate(run: FinishedRun, run_root: Path, *args: str, timeout: float = 300) -> str:
+    """Run the evaluate step to completion; returns its output (asserting exit status 0)."""
+    proc = subprocess.run(evaluate_cmd(run, run_root, *args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def committed_policy_steps(store: RunStore) -> list[int]:
+    """Committed policy steps, from the run root listing and COMMITTED markers (not from the config)."""
+    steps = []
+    for p in store.list(layout.POLICIES):
+        if p == layout.POLICY_LATEST:
+            continue
+        step = layout.parse_step(p)
+        if store.exists(layout.policy_marker(step)):
+            steps.append(step)
+    return sorted(steps)
+
+
+def expected_eval_files(steps: list[int]) -> set[str]:
+    return {
+        f(s, lesson) for s in steps for lesson in LESSONS for f in (layout.eval_rollouts_file, layout.eval_summary_file)
+    }
+
+
+def eval_files(store: RunStore) -> set[str]:
+    """Every file under evals/ as the store lists it (temp files are invisible to every reader)."""
+    return {f for d in store.list(layout.EVALS) for f in store.list(d)}
+
+
+def snapshot(run_root: Path) -> dict[str, tuple[int, int, str]]:
+    """{path under the run root: (mtime_ns, size, sha256)} of every file under evals/, temp files included."""
+    out = {}
+    for dirpath, _, names in os.walk(run_root / layout.EVALS):
+        for name in names:
+            full = Path(dirpath) / name
+            st = full.stat()
+            rel = full.relative_to(run_root).as_posix()
+            out[rel] = (st.st_mtime_ns, st.st_size, hashlib.sha256(full.read_bytes()).hexdigest())
+    return out
+
+
+def read_summary(store: RunStore, step: int, lesson: str) -> EvalSummaryRow:
+    """The one validated summary row of (step, lesson), checked against its rollouts file."""
+    summary_rows = EVAL_SUMMARY.from_table(store.read_parquet(layout.eval_summary_file(step, lesson), EVAL_SUMMARY))
+    assert len(summary_rows) == 1, (step, lesson, summary_rows)
+    summary = summary_rows[0]
+    EVAL_SUMMARY.validate_row(summary)
+    assert summary.policy_step == step
+    assert summary.lesson_id == lesson
+    assert summary.eval_type == "eval"
+    assert summary.source == layout.policy_dir(step)
+    rows = EVAL_ROW.from_table(store.read_parquet(layout.eval_rollouts_file(step, lesson), EVAL_ROW))
+    assert rows, (step, lesson)
+    for row in rows:
+        EVAL_ROW.validate_row(row)
+        assert (row.policy_step, row.lesson_id, row.eval_type) == (step, lesson, "eval")
+    assert len({r.rollout_id for r in rows}) == len(rows), "duplicate rollout ids in one eval file"
+    assert summary.n_examples == len(rows)
+    assert summary.mean_reward == pytest.approx(sum(r.episode_reward for r in rows) / len(rows))
+    return summary
+
+
+@pytest.mark.slow
+def test_evaluate_all_covers_every_committed_policy_then_skips_then_force_rewrites(
+    finished_run: FinishedRun, tmp_path: Path
+) -> None:
+    root = fresh_copy(finished_run, tmp_path / "run")
+    store = RunStore(str(root))
+    steps = committed_policy_steps(store)
+    assert steps == list(range(steps[-1] + 1)) and steps[-1] >= NUM_STEPS, steps
+    expected = expected_eval_files(steps)
+
+    evaluate(finished_run, root, "--all", "true")
+    assert eval_files(store) == expected
+    first = snapshot(root)
+    assert set(first) == expected, "temp files or extra files left under evals/"
+    summaries = {(s, lesson): read_summary(store, s, lesson) for s in steps for lesson in LESSONS}
+    records = read_metrics(store, "evaluate")
+    assert sorted((r["policy_step"], r["lesson_id"]) for r in records) == [(s, lsn) for s in steps for lsn in LESSONS]
+
+    # a rerun writes nothing: same files, same bytes, same modification times, no new metrics, and it says so
+    out = evaluate(finished_run, root, "--all", "true")
+    assert snapshot(root) == first
+    assert len(read_metrics(store, "evaluate")) == len(records)
+    for s in steps:
+        assert f"policy {s}: every lesson already evaluated" in out, out[-3000:]
+    assert "rlpipe.evaluate: evaluated " not in out
+
+    # --force rewrites every file (new files, newer summaries), with the same greedy scores
+    evaluate(finished_run, root, "--all", "true", "--force", "true")
+    forced = snapshot(root)
+    assert set(forced) == expected
+    assert all(forced[p][0] != first[p][0] for p in expected), "some eval file was not rewritten by --force"
+    assert len(read_metrics(store, "evaluate")) == 2 * len(records)
+    for s in steps:
+        for lesson in LESSONS:
+            again = read_summary(store, s, lesson)
+            before = summaries[s, lesson]
+            assert again.timestamp > before.timestamp
+            assert (again.n_examples, again.mean_reward, again.success_rate) == (
+                before.n_examples,
+                before.mean_reward,
+                before.success_rate,
+            ), f"greedy evaluation of policy {s} on {lesson} is not reproducible"
+
+
+@pytest.mark.slow
+def test_evaluate_killed_midway_is_completed_by_a_rerun(finished_run: FinishedRun, tmp_path: Path) -> None:
+    root = fresh_copy(finished_run, tmp_path / "run")
+    store = RunStore(str(root))
+    steps = committed_policy_steps(store)
+    summaries = [layout.eval_summary_file(s, lesson) for s in steps for lesson in LESSONS]
+    expected = expected_eval_files(steps)
+
+    log_path = tmp_path / "killed.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            evaluate_cmd(finished_run, root, "--all", "true"),
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while not any((root / p).exists() for p in summaries):
+                assert proc.poll() is None, "evaluate exited before any summary was seen\n" + log_path.read_text()
+                assert time.monotonic() < deadline, "no evaluation committed within 240 s\n" + log_path.read_text()
+                time.sleep(0.01)
+            os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    done_at_kill = [p for p in summaries if store.exists(p)]
+    assert 0 < len(done_at_kill) < len(summaries), f"not killed mid-way: {len(done_at_kill)}/{len(summaries)}"
+    kept = {p: v for p, v in snapshot(root).items() if p in done_at_kill}
+    metrics_dir = layout.join(layout.METRICS, "evaluate")
+    metrics_before = set(store.list(metrics_dir))
+
+    out = evaluate(finished_run, root, "--all", "true")
+
+    # the full set, exactly once each (no second copy under another name), every file valid, nothing quarantined
+    assert eval_files(store) == expected
+    for s in steps:
+        for lesson in LESSONS:
+            read_summary(store, s, lesson)
+    assert store.quarantined() == set()
+    assert store.list(layout.QUARANTINE) == []
+    # the rerun evaluated exactly what the killed run had not committed, and left the committed summaries alone
+    after = snapshot(root)
+    assert {p: after[p] for p in kept} == kept
+    evaluated = sorted(
+        (r["policy_step"], r["lesson_id"])
+        for f in sorted(set(store.list(metrics_dir)) - metrics_before)
+        for r in map(json.loads, store.get(f).decode().splitlines())
+    )
+    missing = sorted(
+        (s, lesson) for s in steps for lesson in LESSONS if layout.eval_summary_file(s, lesson) not in kept
+    )
+    assert evaluated == missing
+    for s in steps:
+        if all(layout.eval_summary_file(s, lesson) in kept for lesson in LESSONS):
+            assert f"policy {s}: every lesson already evaluated" in out
+
+
+@pytest.mark.slow
+def test_later_policy_scores_higher_on_cats(finished_run: FinishedRun, tmp_path: Path) -> None:
+    """Evaluating two policies of the run: the trained one says "cat" more (greedy, every probe prompt once)."""
+    root = fresh_copy(finished_run, tmp_path / "run")
+    store = RunStore(str(root))
+    final = committed_policy_steps(store)[-1]
+    evaluate(finished_run, root, "--steps", f"[0,{final}]", "--n_examples", str(len(PROBE_PROMPTS)))
+    assert eval_files(store) == expected_eval_files([0, final]), "--steps evaluated other policies"
+    early = read_summary(store, 0, "cats")
+    late = read_summary(store, final, "cats")
+    assert early.n_examples == late.n_examples == len(PROBE_PROMPTS)
+    assert early.temperature == late.temperature == 0.0
+    assert late.mean_reward >= early.mean_reward + MIN_GAIN, (
+        f"policy {final} mean reward {late.mean_reward:.3f} vs policy 0 {early.mean_reward:.3f}: gain below {MIN_GAIN}"
+    )

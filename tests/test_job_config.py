@@ -1,0 +1,147 @@
+"""RLJobConfig validation: bad configs are refused before any process starts, naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import draccus
+import pytest
+
+from pipeline.config import (
+    ConfigError,
+    CurriculumConfig,
+    EnvConfig,
+    LessonConfig,
+    LessonDependency,
+    SamplingParams,
+    TrainParams,
+)
+from pipeline.job import RLJob, RLJobConfig, RunConfigMismatchError, check_run_config, contract_diff, encode_config
+from pipeline.storage import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _demo() -> RLJobConfig:
+    return draccus.parse(RLJobConfig, config_path=str(ROOT / "configs/test_cats.yaml"), args=[])
+
+
+def test_shipped_configs_validate() -> None:
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = draccus.parse(RLJobConfig, config_path=str(path), args=[])
+        RLJob(cfg)  # raises on any invalid field
+
+
+def test_lesson_cycle_is_refused_and_printed() -> None:
+    lessons = {
+        "a": LessonConfig("a", dependencies=[LessonDependency("b")]),
+        "b": LessonConfig("b", dependencies=[LessonDependency("c")]),
+        "c": LessonConfig("c", dependencies=[LessonDependency("a")]),
+    }
+    with pytest.raises(ConfigError) as e:
+        CurriculumConfig(lessons=lessons)
+    assert "dependency cycle" in str(e.value)
+    assert "a -> b -> c -> a" in str(e.value)
+
+
+def test_unknown_dependency_is_refused() -> None:
+    with pytest.raises(ConfigError) as e:
+        CurriculumConfig(lessons={"a": LessonConfig("a", dependencies=[LessonDependency("nope")])})
+    assert e.value.field == "curriculum.lessons.a.dependencies"
+    assert e.value.value == "nope"
+
+
+def test_unknown_environment_class_is_refused() -> None:
+    cfg = _demo()
+    bad = dataclasses.replace(
+        cfg,
+        curriculum=dataclasses.replace(
+            cfg.curriculum,
+            lessons={"cats": LessonConfig("cats", env=EnvConfig("pipeline.environments.cats.NoSuchEnv"))},
+        ),
+    )
+    with pytest.raises(ConfigError) as e:
+        RLJob(bad)
+    assert e.value.field == "curriculum.lessons.cats.env.env_class"
+    assert "NoSuchEnv" in str(e.value)
+
+
+def test_unfillable_batch_size_is_refused() -> None:
+    cfg = _demo()
+    small = SamplingParams(n_prompts=1, n_generations_per_prompt=2, max_tokens=8)
+    bad = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, batch_size=512, replay_buffer_capacity=1024, max_lag=0),
+        num_rollout_workers=1,
+        curriculum=dataclasses.replace(cfg.curriculum, default_sampling=small),
+    )
+    with pytest.raises(ConfigError) as e:
+        RLJob(bad)
+    assert e.value.field == "train.batch_size"
+    assert e.value.value == 512
+
+
+def test_groups_of_one_are_refused() -> None:
+    cfg = _demo()
+    one = SamplingParams(n_prompts=8, n_generations_per_prompt=1, max_tokens=8)
+    bad = dataclasses.replace(cfg, curriculum=dataclasses.replace(cfg.curriculum, default_sampling=one))
+    with pytest.raises(ConfigError) as e:
+        RLJob(bad)
+    assert e.value.field.endswith("n_generations_per_prompt")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("max_lag", -1), ("batch_size", 0), ("advantage_estimator", "ppo2"), ("overlong", "cut")]
+)
+def test_train_params_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as e:
+        TrainParams(**{field: value})  # type: ignore[arg-type]
+    assert e.value.field == f"train.{field}"
+    assert e.value.value == value
+
+
+def test_run_root_with_a_different_config_is_refused(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(_demo(), store=dataclasses.replace(_demo().store, run_root=str(tmp_path)))
+    store = RunStore(str(tmp_path))
+    check_run_config(store, cfg)  # writes run.json
+    check_run_config(store, cfg)  # same contract: accepted
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_lag=3))
+    with pytest.raises(RunConfigMismatchError) as e:
+        check_run_config(store, other)
+    assert "train.max_lag" in str(e.value)
+    # Operational knobs are not part of the contract.
+    check_run_config(store, dataclasses.replace(cfg, num_rollout_workers=5))
+
+
+def test_contract_diff_names_nested_fields() -> None:
+    a = encode_config(_demo())
+    b = encode_config(dataclasses.replace(_demo(), optimizer=dataclasses.replace(_demo().optimizer, learning_rate=1.0)))
+    diffs = contract_diff(a, b)
+    assert len(diffs) == 1 and diffs[0].startswith("optimizer.learning_rate")
+
+
+def test_cli_refuses_bad_config_before_starting_anything(tmp_path: Path) -> None:
+    run_root = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "steps.run",
+            "--config_path",
+            str(ROOT / "configs/test_cats.yaml"),
+            "--run_root",
+            str(run_root),
+            "--train.max_lag",
+            "-1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "max_lag" in (proc.stderr + proc.stdout)
+    assert not (run_root / "run.json").exists()

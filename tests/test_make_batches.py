@@ -1,0 +1,267 @@
+"""The BatchMaker step as real processes on a temporary run root (`python -m steps.make_batches`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import layout
+from pipeline.metrics import read_metrics
+from pipeline.storage import RunStore
+from schemas import BATCH, ROLLOUT, RolloutRow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rows_for(policy: int, tag: str, rewards: list[list[float]], seed: int = 0) -> list[RolloutRow]:
+    """Rollout rows: one group per entry of `rewards`."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g, group in enumerate(rewards):
+        prompt = rng.integers(1, 50, 3).tolist()
+        for k, r in enumerate(group):
+            n = int(rng.integers(1, 6))
+            out.append(
+                RolloutRow(
+                    rollout_id=f"{tag}-{g}-{k}",
+                    env_name="env",
+                    example_id=f"{tag}-ex{g}",
+                    lesson_id="lesson",
+                    group_key=f"{tag}-g{g}",
+                    prompt_tokens=prompt,
+                    response_tokens=rng.integers(50, 100, n).tolist(),
+                    response_logprobs=[-0.5] * n,
+                    token_rewards=[0.0] * n,
+                    response_loss_mask=[1] * n,
+                    episode_reward=float(r),
+                    truncated=False,
+                    finish_reason="stop",
+                    temperature=1.0,
+                    policy_step=policy,
+                    worker_id="w",
+                    timestamp=0.0,
+                )
+            )
+    return out
+
+
+def commit_rollouts(store: RunStore, policy: int, seq: int, rows: list[RolloutRow], validate: bool = True) -> str:
+    path = layout.rollout_file(policy, "w", seq)
+    store.commit_data(path, ROLLOUT.to_table(rows, validate=validate), ROLLOUT)
+    return path
+
+
+def publish_policy(store: RunStore, step: int) -> None:
+    store.put_json_if_absent(layout.policy_marker(step), {"step": step})
+
+
+def step_args(root: Path, **kw: Any) -> list[str]:
+    base: dict[str, Any] = {
+        "train.batch_size": 4,
+        "train.seq_len": 16,
+        "train.max_lag": 1,
+        "train.max_batches_ahead": 1,
+        "train.max_batch_latency_s": 3,
+        "poll_interval_s": 0.05,
+    }
+    base.update(kw)
+    args = [sys.executable, "-m", "steps.make_batches", "--store.run_root", str(root)]
+    for k, v in base.items():
+        args += [f"--{k}", str(v).lower() if isinstance(v, bool) else str(v)]
+    return args
+
+
+def run_step(root: Path, timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(step_args(root, **kw), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def log_entries(store: RunStore) -> list[dict[str, Any]]:
+    return [store.get_json(p) for p in store.list(layout.BATCH_LOG)]
+
+
+def batch_uses(store: RunStore) -> dict[str, int]:
+    uses: dict[str, int] = {}
+    for e in log_entries(store):
+        t = store.read_parquet(e["data_file"], BATCH)
+        for ids in t.column("rollout_ids").to_pylist():
+            for rid in ids:
+                uses[rid] = uses.get(rid, 0) + 1
+    return uses
+
+
+def dropped_rows(store: RunStore) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for e in log_entries(store):
+        if e.get("dropped_file"):
+            out += pq.read_table(store.full_path(e["dropped_file"])).to_pylist()
+    return out
+
+
+@pytest.fixture
+def run_root(tmp_path: Path) -> tuple[Path, RunStore]:
+    root = tmp_path / "run"
+    store = RunStore(str(root))
+    publish_policy(store, 0)
+    return root, store
+
+
+def test_bounded_run_writes_slots_lineage_metrics_and_resumes(run_root: tuple[Path, RunStore]) -> None:
+    root, store = run_root
+    for i in range(4):
+        commit_rollouts(store, 0, i, rows_for(0, f"a{i}", [[0.0, 1.0], [1.0, 1.0], [0.0, 1.0, 1.0]], seed=i))
+    r = run_step(root, max_batches=1, **{"train.max_batches_ahead": 3})
+    assert r.returncode == 0, r.stderr
+    r = run_step(root, max_batches=1, **{"train.max_batches_ahead": 3})  # a rerun continues at slot 2
+    assert r.returncode == 0, r.stderr
+    entries = log_entries(store)
+    assert [e["slot"] for e in entries] == [1, 2]
+    seen_files: list[str] = []
+    for e in entries:
+        data = store.get(e["data_file"])
+        assert len(data) == e["data_size"] and e["rows"] == 4 and e["schema"] == BATCH.tag
+        t = store.read_parquet(e["data_file"], BATCH)
+        assert t.num_rows == 4 and all(len(x) == 16 for x in t.column("tokens").to_pylist())
+        seen_files += e["ingested_files"]
+        assert e["lease_epoch"] >= 1 and e["config_hash"] and "cursor" in e
+    assert len(seen_files) == len(set(seen_files))  # a file is first read once
+    assert seen_files == sorted(seen_files)  # oldest policy, then name: lazily, only as needed
+    assert len(seen_files) < 4  # never consumes more than it needs
+    uses = batch_uses(store)
+    assert len(uses) == 8 and max(uses.values()) == 1
+    zero_var = [d for d in dropped_rows(store) if d["reason"] == "zero_variance"]
+    assert len(zero_var) == 2 * len(seen_files)
+    recs = read_metrics(store, "batchmaker")
+    assert [r["slot"] for r in recs] == [1, 2]
+    for key in ("mean_reward", "staleness_mean", "advantage_std", "padding_fraction", "wait_s", "tokens"):
+        assert key in recs[0]
+    assert recs[0]["groups_filtered_zero_variance"] == 1
+
+
+def test_pacing_and_wait_timeout_names_what_it_waited_for(run_root: tuple[Path, RunStore]) -> None:
+    root, store = run_root
+    for i in range(4):
+        commit_rollouts(store, 0, i, rows_for(0, f"a{i}", [[0.0, 1.0], [0.0, 1.0]], seed=i))
+    r = run_step(root, max_batches=3, **{"train.max_batch_latency_s": 1})
+    assert r.returncode == 4
+    assert "policies/step-00000001/COMMITTED" in r.stderr and "batch slot 2" in r.stderr
+    assert [e["slot"] for e in log_entries(store)] == [1]  # T <= learner_step + max_batches_ahead
+
+
+def test_two_processes_one_exits_naming_the_holder(run_root: tuple[Path, RunStore]) -> None:
+    root, store = run_root
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(
+        step_args(root, follow=True, holder_id="maker-A", **{"train.max_batch_latency_s": 60}),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 30
+        while not store.list("leases/batchmaker") and time.time() < deadline:
+            time.sleep(0.05)
+        second = run_step(root, follow=True, holder_id="maker-B")
+        assert second.returncode == 3, second.stderr
+        assert "maker-A" in second.stderr
+        store.put_unique(layout.STOP_FILE, b"stop")
+        assert first.wait(timeout=30) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+
+
+def test_corrupt_file_quarantined_and_step_goes_on(run_root: tuple[Path, RunStore]) -> None:
+    root, store = run_root
+    bad = commit_rollouts(store, 0, 0, rows_for(0, "bad", [[0.0, 1.0], [0.0, 1.0]]))
+    Path(store.full_path(bad)).write_bytes(b"PAR1 this is not parquet")
+    commit_rollouts(store, 0, 1, rows_for(0, "good", [[0.0, 1.0], [0.0, 1.0]]))
+    r = run_step(root, max_batches=1)
+    assert r.returncode == 0, r.stderr
+    assert store.is_quarantined(bad)
+    (entry,) = log_entries(store)
+    assert bad not in entry["ingested_files"] and set(batch_uses(store)) == {
+        f"good-{g}-{k}" for g in (0, 1) for k in (0, 1)
+    }
+
+
+def test_malformed_rows_dropped_with_reason(run_root: tuple[Path, RunStore]) -> None:
+    root, store = run_root
+    rows = rows_for(0, "m", [[0.0, 1.0, 0.0, 1.0, 1.0, 0.0]])
+    rows[0] = dataclasses.replace(rows[0], token_rewards=[*rows[0].token_rewards, 0.0])
+    rows[1] = dataclasses.replace(rows[1], episode_reward=math.nan)
+    commit_rollouts(store, 0, 0, rows, validate=False)
+    r = run_step(root, max_batches=1)
+    assert r.returncode == 0, r.stderr
+    dropped = {d["rollout_id"]: d for d in dropped_rows(store)}
+    assert dropped["m-0-0"]["reason"] == "malformed" and "lengths disagree" in dropped["m-0-0"]["detail"]
+    assert dropped["m-0-1"]["reason"] == "malformed" and "episode_reward" in dropped["m-0-1"]["detail"]
+    assert set(batch_uses(store)) == {f"m-0-{k}" for k in range(2, 6)}
+
+
+def test_stale_and_future_files_dropped_with_reason(run_root: tuple[Path, RunStore]) -> None:
+    root, store = run_root
+    for s in range(1, 5):
+        publish_policy(store, s)
+    for s in range(1, 5):  # slots 1..4 exist already: the learner is at policy 4
+        store.put_json_if_absent(layout.batch_log_entry(s), {"slot": s, "cursor": {"version": 1, "seen": [],
+                                 "reservoir": {"next_seq": 0, "files": []}}, "config_hash": "x"})  # fmt: skip
+    commit_rollouts(store, 2, 0, rows_for(2, "stale", [[0.0, 1.0]]))  # slot 5 allows policies 3..4
+    store.commit_data(layout.rollout_file(9, "w", 0), ROLLOUT.to_table(rows_for(9, "future", [[0.0, 1.0]])), ROLLOUT)
+    commit_rollouts(store, 4, 1, rows_for(4, "ok", [[0.0, 1.0], [1.0, 0.0]]))
+    r = run_step(root, max_batches=1)
+    assert r.returncode == 0, r.stderr
+    reasons = {d["rollout_id"]: d["reason"] for d in dropped_rows(store)}
+    assert reasons == {"stale-0-0": "stale", "stale-0-1": "stale", "future-0-0": "future_policy",
+                       "future-0-1": "future_policy"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("flag", "value"), [("train.max_lag", -1), ("train.batch_size", 0)])
+def test_bad_config_refused_naming_the_field(tmp_path: Path, flag: str, value: int) -> None:
+    r = run_step(tmp_path / "run", max_batches=1, **{flag: value})
+    assert r.returncode == 2
+    assert flag in r.stderr
+    assert not (tmp_path / "run" / "batches").exists()
+
+
+def test_follow_mode_ends_when_the_learner_finishes(run_root: tuple[Path, RunStore]) -> None:
+    root, store = run_root
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        step_args(root, follow=True, **{"train.num_train_steps": 3, "train.max_batch_latency_s": 30}),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        seq = 0
+        learner = 0
+        while proc.poll() is None and time.time() < deadline:
+            commit_rollouts(store, learner, seq, rows_for(learner, f"s{seq}", [[0.0, 1.0], [1.0, 0.0]], seed=seq))
+            seq += 1
+            while store.exists(layout.batch_log_entry(learner + 1)):  # the simulated learner consumes a slot
+                learner += 1
+                publish_policy(store, learner)
+            time.sleep(0.1)
+        assert proc.wait(timeout=5) == 0
+        assert [e["slot"] for e in log_entries(store)] == [1, 2, 3] and learner == 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

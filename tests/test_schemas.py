@@ -1,0 +1,179 @@
+"""Schema contracts: lossless round trips, validation errors naming the field, versioned metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import pyarrow as pa
+import pytest
+
+from schemas import (
+    BATCH,
+    EVAL_ROW,
+    EVAL_SUMMARY,
+    ROLLOUT,
+    SCHEMA_NAME_KEY,
+    SCHEMA_VERSION_KEY,
+    BatchRow,
+    EvalRow,
+    EvalSummaryRow,
+    RolloutRow,
+    SchemaMismatchError,
+    ValidationError,
+)
+from schemas.rollout import validate_group
+
+
+def rollout(**kw: object) -> RolloutRow:
+    base: dict[str, object] = dict(
+        rollout_id="w0-1-0",
+        env_name="cats",
+        example_id="ex0",
+        lesson_id="l0",
+        group_key="g0",
+        prompt_tokens=[5, 6, 2_000_000_000],
+        response_tokens=[7, 8, 9],
+        response_logprobs=[-0.5, -0.25, -1.0],
+        token_rewards=[0.0, 0.0, 1.0],
+        response_loss_mask=[1, 0, 1],
+        episode_reward=1.0,
+        truncated=False,
+        finish_reason="stop",
+        temperature=0.5,
+        policy_step=3,
+        worker_id="w0",
+        timestamp=1_732_000_000.123456,
+    )
+    base.update(kw)
+    return RolloutRow(**base)  # type: ignore[arg-type]
+
+
+def batch_row(**kw: object) -> BatchRow:
+    base: dict[str, object] = dict(
+        tokens=[1, 2, 3, 4, 0],
+        loss_mask=[0, 1, 0, 1, 0],
+        segment_ids=[0, 0, 1, 1, -1],
+        position_ids=[0, 1, 0, 1, 0],
+        advantages=[0.0, 0.5, 0.0, -0.5, 0.0],
+        generator_logprobs=[0.0, -0.5, 0.0, -0.25, 0.0],
+        reference_logprobs=None,
+        truncated=[False, True],
+        temperatures=[1.0, 0.5],
+        policy_steps=[3, 4],
+        rollout_ids=["a", "b"],
+        source_files=["f1", "f2"],
+    )
+    base.update(kw)
+    return BatchRow(**base)  # type: ignore[arg-type]
+
+
+def test_rollout_round_trip_is_lossless() -> None:
+    rows = [
+        rollout(),
+        rollout(
+            rollout_id="w0-1-1",
+            response_tokens=[],
+            response_logprobs=[],
+            token_rewards=[],
+            response_loss_mask=[],
+            truncated=True,
+            finish_reason="length",
+        ),
+    ]
+    table = ROLLOUT.to_table(rows)
+    back = ROLLOUT.from_table(table)
+    assert back == rows
+    assert all(type(t) is int for t in back[0].prompt_tokens + back[0].response_tokens)
+    assert back[0].prompt_tokens[-1] == 2_000_000_000
+    assert type(back[0].timestamp) is float and back[0].timestamp == 1_732_000_000.123456  # float64 kept
+    assert table.schema.field("timestamp").type == pa.float64()
+    assert table.schema.metadata[SCHEMA_NAME_KEY] == b"rollout"
+    assert table.schema.metadata[SCHEMA_VERSION_KEY] == b"1"
+
+
+def test_batch_eval_and_summary_round_trips() -> None:
+    b = [batch_row(), batch_row(reference_logprobs=[0.0, -0.5, 0.0, -0.25, 0.0])]
+    assert BATCH.from_table(BATCH.to_table(b)) == b
+    e = [EvalRow(**dataclasses.asdict(rollout()), eval_type="micro_eval")]
+    assert EVAL_ROW.from_table(EVAL_ROW.to_table(e)) == e
+    s = [EvalSummaryRow(3, "l0", "eval", 10, 0.5, 0.25, 12.5, 0.0, 0.5, "file.jsonl", 1_732_000_000.5)]
+    assert EVAL_SUMMARY.from_table(EVAL_SUMMARY.to_table(s)) == s
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (dict(response_logprobs=[-0.5]), "lengths disagree"),
+        (dict(response_loss_mask=[1, 1]), "response_loss_mask=2"),
+        (dict(episode_reward=math.nan), "episode_reward must be finite"),
+        (dict(token_rewards=[0.0, math.inf, 1.0]), "token_rewards[1]"),
+        (dict(rollout_id=""), "rollout_id must be a non-empty"),
+        (dict(group_key=""), "group_key must be a non-empty"),
+        (dict(prompt_tokens=[]), "prompt_tokens must not be empty"),
+        (dict(response_tokens=[1.0, 2, 3]), "response_tokens must hold integers"),
+        (dict(prompt_tokens=[True]), "prompt_tokens must hold integers"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(policy_step=-1), "policy_step must be >= 0"),
+    ],
+)
+def test_rollout_validation_names_the_problem(change: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ValidationError) as ei:
+        ROLLOUT.to_table([rollout(), rollout(**change)])
+    assert fragment in str(ei.value) and "row 1" in str(ei.value)
+
+
+def test_validation_can_be_skipped_but_arrow_types_still_hold() -> None:
+    table = ROLLOUT.to_table([rollout(episode_reward=math.nan)], validate=False)
+    assert math.isnan(table.column("episode_reward")[0].as_py())
+
+
+def test_group_members_must_share_prompt_and_key() -> None:
+    validate_group([rollout(), rollout(rollout_id="x")])
+    validate_group([])
+    with pytest.raises(ValidationError, match="do not share a prompt"):
+        validate_group([rollout(), rollout(rollout_id="x", prompt_tokens=[5, 6, 7])])
+    with pytest.raises(ValidationError, match="mixes keys"):
+        validate_group([rollout(), rollout(group_key="g1")])
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (dict(loss_mask=[0, 1, 0, 1]), "lengths disagree"),
+        (dict(reference_logprobs=[0.0]), "reference_logprobs=1"),
+        (dict(truncated=[False]), "truncated=1"),
+        (dict(rollout_ids=["a", "b", "c"]), "rollout_ids=3"),
+        (dict(loss_mask=[0, 1, 0, 1, 1]), "padding position"),
+        (dict(tokens=[1, 2, 3, 4.5, 0]), "tokens must hold integers"),
+    ],
+)
+def test_batch_row_checks(change: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ValidationError, match="batch@v1 row 0") as ei:
+        BATCH.to_table([batch_row(**change)])
+    assert fragment in str(ei.value)
+
+
+def test_eval_summary_rates_checked() -> None:
+    with pytest.raises(ValidationError, match="success_rate must be in"):
+        EVAL_SUMMARY.to_table([EvalSummaryRow(3, "l0", "eval", 10, 0.5, 1.5, 1.0, 0.0, 0.5, "s", 0.0)])
+    with pytest.raises(ValidationError, match="eval_type"):
+        EVAL_ROW.to_table([EvalRow(**dataclasses.asdict(rollout()), eval_type="bogus")])
+
+
+def test_check_metadata_and_conform() -> None:
+    table = ROLLOUT.to_table([rollout()])
+    ROLLOUT.check_metadata(table.schema.metadata, "f.parquet")
+    with pytest.raises(SchemaMismatchError, match=re.escape("f.parquet: expected schema rollout@v2, found rollout@v1")):
+        dataclasses.replace(ROLLOUT, version=2).check_metadata(table.schema.metadata, "f.parquet")
+    with pytest.raises(SchemaMismatchError, match="found <none>@v<none>"):
+        ROLLOUT.check_metadata(None, "f.parquet")
+    with pytest.raises(SchemaMismatchError, match="without columns \\['worker_id'\\]"):
+        ROLLOUT.conform(table.drop_columns(["worker_id"]), "f.parquet")
+    # extra columns are dropped, order is restored, narrower types are cast to the declared ones
+    shuffled = table.select(list(reversed(table.column_names))).append_column("extra", pa.array([1]))
+    widened = shuffled.set_column(shuffled.column_names.index("policy_step"), "policy_step", pa.array([3], pa.int32()))
+    out = ROLLOUT.conform(widened, "f.parquet")
+    assert out.schema.equals(ROLLOUT.arrow_schema(), check_metadata=True)
+    assert ROLLOUT.from_table(out) == [rollout()]
