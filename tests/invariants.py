@@ -11,6 +11,9 @@ from pipeline.storage import RunStore
 from schemas import BATCH, ROLLOUT
 from schemas.dropped import DROPPED
 
+_CLOCK_SLACK_S = 1.0
+"""A marker's `time` is taken just before its put; allow that much between the two."""
+
 
 @dataclass
 class RunAudit:
@@ -33,8 +36,12 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
         problems.append(f"batch slots not contiguous from 1: {slots}")
     uses: collections.Counter[str] = collections.Counter()
     dropped: dict[str, str] = {}
+    ingested: set[str] = set()
+    entry_time: dict[int, float] = {}
     for slot in slots:
         entry: dict[str, Any] = store.get_json(layout.batch_log_entry(slot))
+        ingested.update(entry.get("ingested_files", []))
+        entry_time[slot] = float(entry["time"])
         table = store.read_parquet(entry["data_file"], BATCH)  # I3: named data exists and reads
         for ids in table.column("rollout_ids").to_pylist():
             uses.update(ids)
@@ -42,17 +49,28 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
             d = store.read_parquet(entry["dropped_file"], DROPPED)
             for rid, reason in zip(d.column("rollout_id").to_pylist(), d.column("reason").to_pylist(), strict=True):
                 dropped[rid] = reason
+    last = slots[-1] if slots else 0
     rollouts: dict[str, int] = {}
+    unseen: set[str] = set()  # rows of files committed after the maker's final scan
     for step_dir in store.list(layout.ROLLOUTS):
         for path in store.list_committed(step_dir):
             t = store.read_committed(path, ROLLOUT)
             if t is None:
                 continue
-            for rid, p in zip(t.column("rollout_id").to_pylist(), t.column("policy_step").to_pylist(), strict=True):
+            ids = t.column("rollout_id").to_pylist()
+            for rid, p in zip(ids, t.column("policy_step").to_pylist(), strict=True):
                 if rid in rollouts:
                     problems.append(f"rollout id {rid} committed twice")
                 rollouts[rid] = p
-    last = slots[-1] if slots else 0
+            if path in ingested or last < 2:
+                continue
+            # I5: the final slot's scans all started after slot last-1 was committed, so a file committed
+            # before that must have been ingested; one committed later may legitimately be unseen.
+            committed_at = float(store.read_marker(path)["time"])
+            if committed_at + _CLOCK_SLACK_S < entry_time[last - 1]:
+                problems.append(f"rollout file {path} committed before slot {last - 1} but never ingested")
+            else:
+                unseen.update(ids)
     for rid, n in uses.items():
         if n > max_samples_per_rollout:  # I1: reuse limit
             problems.append(f"rollout {rid} used {n} times > {max_samples_per_rollout}")
@@ -61,7 +79,7 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
         if rid in dropped:
             problems.append(f"rollout {rid} both used and dropped ({dropped[rid]})")
     for rid, p in rollouts.items():
-        if rid in uses or rid in dropped:
+        if rid in uses or rid in dropped or rid in unseen:
             continue
         # Still pending when the run ended: allowed only while it was usable by the next slot.
         if p < last - 1 - max_lag:
