@@ -493,9 +493,11 @@ class BatchMakerStepConfig:
     max_batches: int | None = None
     """Bounded mode: write at most this many batches, then exit (a rerun continues)."""
     poll_interval_s: float = 0.2
+    """Seconds between listings while waiting for rollout files or for the learner."""
     read_ahead: int = 2
     """Rollout files read and verified in background threads ahead of the one being ingested (0: none)."""
     lease_ttl_s: float = 30.0
+    """The BatchMaker lease expires this long after its last renewal; another maker may then take over."""
     holder_id: str | None = None
     """Lease holder name; None: host-pid."""
 
@@ -525,6 +527,7 @@ class LearnerStepConfig:
     batch_wait_timeout_s: float = 600.0
     """Fail loudly, naming the file, when the next batch has not appeared in this long."""
     poll_interval_s: float = 0.2
+    """Seconds between checks for the next batch."""
 
     def __post_init__(self) -> None:
         _require(self.policy_interval >= 1, "policy_interval", self.policy_interval, "must be >= 1")
@@ -549,7 +552,9 @@ class RolloutStepConfig:
     )
     train: TrainParams = field(default_factory=TrainParams)
     worker_id: str = "worker0"
+    """Names this worker's rollout files (`<worker_id>.<instance>-<seq>`) and metrics; one path component."""
     follow: bool = True
+    """Keep sampling until the learner finishes or control/STOP appears (else stop at a bound)."""
     max_rollouts: int | None = None
     """Bounded mode: stop after writing this many rollout rows."""
     max_seconds: float | None = None
@@ -557,12 +562,19 @@ class RolloutStepConfig:
     max_steps_ahead: int = 1
     """Pause while rollouts from the current policy already cover this many unconsumed batches."""
     poll_interval_s: float = 0.2
+    """Seconds between checks for a newer policy while paused."""
     weight_load_timeout_s: float = 300.0
+    """Watchdog: a policy load or model update taking longer ends the process loudly (the runner restarts it)."""
     generation_timeout_s: float = 600.0
+    """Watchdog for one generation call (and one micro-evaluation)."""
     write_timeout_s: float = 120.0
+    """Watchdog for writing and committing one rollout file."""
     wait_for_policy_timeout_s: float = 600.0
+    """Fail, naming the marker waited for, when no committed policy appears in this long."""
     max_example_retries: int = 2
+    """An example whose environment call failed is re-drawn (a replacement example) up to this many times."""
     seed: int = 0
+    """Seeds example choice (mixed with the start time, so restarted workers do not repeat their draws)."""
 
     def __post_init__(self) -> None:
         from pipeline.layout import check_component
@@ -598,4 +610,6 @@ class EvaluateStepConfig:
     stop_after_step: int | None = None
     """Follow mode: exit once this policy step (the last of training) is evaluated."""
     poll_interval_s: float = 1.0
+    """Follow mode: seconds between checks for new policies."""
     seed: int = 0
+    """Seeds example choice per lesson: every policy is scored on the same examples."""

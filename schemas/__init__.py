@@ -12,17 +12,21 @@ from schemas.base import (
     ValidationError,
 )
 from schemas.batch import BATCH, BatchRow
+from schemas.dropped import DROP_REASONS, DROPPED, DroppedRow
 from schemas.evaluation import EVAL_ROW, EVAL_SUMMARY, EvalRow, EvalSummaryRow
 from schemas.rollout import ROLLOUT, RolloutRow
 
 __all__ = [
     "BATCH",
+    "DROPPED",
+    "DROP_REASONS",
     "EVAL_ROW",
     "EVAL_SUMMARY",
     "ROLLOUT",
     "SCHEMA_NAME_KEY",
     "SCHEMA_VERSION_KEY",
     "BatchRow",
+    "DroppedRow",
     "EvalRow",
     "EvalSummaryRow",
     "RolloutRow",
