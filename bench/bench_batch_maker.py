@@ -4,7 +4,9 @@ What it measures (one process, same files, same machine, same run; every parquet
 checksums and every write is zstd + page checksums, exactly as pipeline/storage.py does):
 - pipeline: per rollout file: read + parse (read ahead by 2 files in threads, as the step does),
             `BatchMaker.add_rollouts`; whenever the batch is full
-            (`not wants_more`, as the step decides) `make_batch`, serialize the batch and write it;
+            (`not wants_more`, as the step decides) `make_batch`, serialize the batch and write it (on one
+            writer thread while the next files are ingested, at most one batch in flight, as the step does
+            with `write_behind`);
 - raw (same bytes): read + parse the same rollout files and serialize + write the same number of batch
             tables of the same shape (one representative batch, re-serialized each time): the pyarrow I/O of
             exactly the bytes the pipeline reads and writes, with no BatchMaker work;
@@ -32,6 +34,7 @@ import resource
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +94,7 @@ def synthetic_rollouts(
 
 
 READ_AHEAD = BatchMakerStepConfig().read_ahead
+WRITE_BEHIND = BatchMakerStepConfig().write_behind
 
 
 def machine() -> str:
@@ -140,6 +144,15 @@ def pipeline_pass(folder: Path, out: Path, params: TrainParams) -> dict[str, Any
     slot = 1
     # the same read-ahead as steps/make_batches.py: file i+1 is read and parsed while file i is ingested
     reads = read_ahead(lambda p: RunStore.parse_parquet(p.read_bytes(), ROLLOUT, str(p)), files, READ_AHEAD)
+    # and the same write-behind: one writer thread, at most one batch in flight (settled before the next write)
+    writer = ThreadPoolExecutor(1) if WRITE_BEHIND else None
+    in_flight: Future[int] | None = None
+
+    def write(table: pa.Table) -> int:
+        data = RunStore.parquet_bytes(table, BATCH)
+        out.write_bytes(data)
+        return len(data)
+
     for i, (p, fut) in enumerate(reads):
         table = fut.result()
         t1 = time.perf_counter()
@@ -155,9 +168,13 @@ def pipeline_pass(folder: Path, out: Path, params: TrainParams) -> dict[str, Any
         peak_bm = max(peak_bm, bm.nbytes())
         peak_pool = max(peak_pool, pa.total_allocated_bytes())
         for b in built:
-            data = RunStore.parquet_bytes(b.table, BATCH)
-            out.write_bytes(data)
-            written += len(data)
+            if in_flight is not None:
+                written += in_flight.result()
+                in_flight = None
+            if writer is None:
+                written += write(b.table)
+            else:
+                in_flight = writer.submit(write, b.table)
             batches += 1
             rollouts_in_batches += b.stats["n_rollouts"]
             if template is None:
@@ -170,6 +187,10 @@ def pipeline_pass(folder: Path, out: Path, params: TrainParams) -> dict[str, Any
                 "live_rollouts_now": bm.n_live,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }
+    if in_flight is not None:
+        written += in_flight.result()
+    if writer is not None:
+        writer.shutdown()
     return {
         "seconds": time.perf_counter() - t0,
         "batchmaker_seconds": bm_s,

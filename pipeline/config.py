@@ -496,6 +496,8 @@ class BatchMakerStepConfig:
     """Seconds between listings while waiting for rollout files or for the learner."""
     read_ahead: int = 2
     """Rollout files read and verified in background threads ahead of the one being ingested (0: none)."""
+    write_behind: bool = True
+    """Write slot T's batch files and log entry from a background thread while slot T+1 is gathered."""
     lease_ttl_s: float = 30.0
     """The BatchMaker lease expires this long after its last renewal; another maker may then take over."""
     holder_id: str | None = None

@@ -32,9 +32,13 @@ Algorithm (the phases of `main`):
      d. commit: put_unique the data file and the dropped file, then put_json_if_absent the log entry.
         If another maker took slot T first, everything built is discarded and state is recovered
         again from the log (the commit, not the lease, is what makes double use impossible). The entry
-        also names the eval summaries the curriculum folds at T (`curriculum_evals`);
-     e. curriculum: fold slot T's ingested rollouts and named evals, publish curriculum/state-T.json
-        (pipeline.curriculum.CurriculumWriter; a restart re-derives the same bytes from committed files);
+        also names the eval summaries the curriculum folds at T (`curriculum_evals`). With `write_behind`
+        (default) the writing runs on one writer thread while slot T+1 is paced and gathered; it is settled
+        (waited for) before slot T+1 is committed and before any wait, so at most one slot is in flight and
+        slots are still committed in order;
+     e. curriculum: once entry T exists, fold slot T's ingested rollouts and named evals, publish
+        curriculum/state-T.json (pipeline.curriculum.CurriculumWriter; a restart re-derives the same bytes
+        from committed files);
      f. metrics + progress.
   4. stop when: slot num_train_steps is committed (bounded / plain mode), the learner has consumed it
      (follow mode), `max_batches` were written (bounded mode), or control/STOP exists. Every wait fails
@@ -66,6 +70,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import draccus
@@ -117,6 +122,20 @@ class BatchWaitTimeout(RuntimeError):
 
 class StopRequested(Exception):
     """control/STOP appeared."""
+
+
+class SlotLost(Exception):
+    """Another maker committed the slot this one was writing; its state must be recovered from the log."""
+
+
+@dataclasses.dataclass
+class PendingCommit:
+    """A slot whose files and log entry are being written by the writer thread (write-behind)."""
+
+    slot: int
+    batch: BatchResult
+    log: dict[str, Any]
+    future: Future[bool]
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -185,6 +204,11 @@ class Maker:
         # the one writer of curriculum state: folds each committed slot's rollouts and named evals
         self.curriculum = CurriculumWriter(store, config.curriculum) if config.curriculum is not None else None
         self._last_renew = time.monotonic()
+        # write-behind: one thread encodes and writes slot T's files and log entry while slot T+1 is gathered
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="batch-writer") if config.write_behind else None
+        self._pending: PendingCommit | None = None
+        self.after_commit: Callable[[int, BatchResult, dict[str, Any]], None] = lambda slot, batch, log: None
+        """Called (main thread) once slot T's log entry exists: curriculum, metrics, progress."""
 
     # --- lease + stop -------------------------------------------------------------------------
     def keep_lease(self) -> None:
@@ -221,6 +245,10 @@ class Maker:
         """Newest committed policy step; -1 before policy 0."""
         s = learner_step(self.store)
         return -1 if s is None else s
+
+    def paced(self, slot: int) -> bool:
+        """True if `pace(slot)` would not wait."""
+        return self.learner_now() >= slot - self.train.max_batches_ahead
 
     def pace(self, slot: int) -> float:
         """Wait until slot <= learner_step + max_batches_ahead; returns seconds waited."""
@@ -320,6 +348,7 @@ class Maker:
                     f"committed files under {layout.ROLLOUTS}/step-P with {max(0, window_low)} <= P <= "
                     f"{slot - 1} (newest published policy {latest})"
                 )
+            self.settle()  # about to wait anyway: finish the previous slot's commit first
             self.keep_lease()
             time.sleep(self.config.poll_interval_s)
             log["wait_s"] += self.config.poll_interval_s
@@ -345,40 +374,32 @@ class Maker:
                         rep.dropped)  # fmt: skip
 
     def commit(self, st: MakerState, batch: BatchResult, log: dict[str, Any], learner: int) -> bool:
-        """Write data + dropped files, then create the slot's log entry. True iff this maker took the slot."""
+        """Commit slot T: write the data + dropped files, then create the slot's log entry.
+
+        The previous slot's commit is settled first (raising SlotLost if another maker took it). Everything
+        that reads the BatchMaker's state (dropped rows, the cursor) happens here, on the calling thread. With
+        `write_behind` the writing itself goes to the writer thread and this returns True at once: the outcome
+        arrives through `settle()` (`after_commit` on success, SlotLost otherwise). Without it, returns True iff
+        this maker took the slot (then `after_commit` has run).
+        """
+        self.settle()
         slot = batch.slot
         attempt = new_attempt_id()
-        t0 = time.monotonic()
-        info = self.store.write_parquet(layout.batch_data_file(slot, attempt), batch.table, BATCH)
         dropped = st.bm.take_dropped(slot)
-        dropped_counts: dict[str, int] = {}
-        dropped_path = None
-        if dropped.num_rows:
-            dropped_path = layout.dropped_file(slot, attempt)
-            self.store.write_parquet(dropped_path, dropped, DROPPED)
-            for r in dropped.column("reason").to_pylist():
-                dropped_counts[r] = dropped_counts.get(r, 0) + 1
         low = self.scan_low(slot + 1)
         seen = sorted(s for s in st.seen if layout.parse_step(s) >= low)
         s = batch.stats
-        entry = {
+        entry: dict[str, Any] = {
             "slot": slot,
             "attempt_id": attempt,
-            "data_file": info.path,
-            "data_size": info.size,
-            "data_sha256": info.sha256,
-            "rows": info.rows,
             "seq_len": s["row_len"],
             "schema": BATCH.tag,
             "holder": self.holder,
             "lease_epoch": self.lease.epoch,
             "config_hash": self.hash,
-            "time": time.time(),
             "learner_step": learner,
-            "ingested_files": log["ingested_files"],
-            "quarantined_files": log["quarantined_files"],
-            "dropped_file": dropped_path,
-            "dropped": dropped_counts,
+            "ingested_files": list(log["ingested_files"]),
+            "quarantined_files": list(log["quarantined_files"]),
             "lineage": {
                 "n_rollouts": s["n_rollouts"],
                 "n_groups": s["n_groups"],
@@ -392,14 +413,56 @@ class Maker:
             # which eval summaries the curriculum folds at this slot, fixed now so a rebuild folds the same ones
             entry["curriculum_evals"] = self.curriculum.evals_to_fold(slot)
         self.keep_lease()
-        ok = self.store.put_json_if_absent(layout.batch_log_entry(slot), entry)
-        log["write_s"] = time.monotonic() - t0
-        log["dropped"] = dropped_counts
-        if not ok:
-            logger.warning("slot %d was committed by another maker; discarding %s and recovering", slot, info.path)
-            return False
-        st.seen = set(seen)
+        st.seen = set(seen)  # if the slot is lost, recover() replaces the whole state anyway
+
+        def write() -> bool:
+            t0 = time.monotonic()
+            info = self.store.write_parquet(layout.batch_data_file(slot, attempt), batch.table, BATCH)
+            dropped_counts: dict[str, int] = {}
+            dropped_path = None
+            if dropped.num_rows:
+                dropped_path = layout.dropped_file(slot, attempt)
+                self.store.write_parquet(dropped_path, dropped, DROPPED)
+                for r in dropped.column("reason").to_pylist():
+                    dropped_counts[r] = dropped_counts.get(r, 0) + 1
+            entry.update(
+                data_file=info.path,
+                data_size=info.size,
+                data_sha256=info.sha256,
+                rows=info.rows,
+                time=time.time(),
+                dropped_file=dropped_path,
+                dropped=dropped_counts,
+            )
+            ok = self.store.put_json_if_absent(layout.batch_log_entry(slot), entry)
+            log["write_s"] = time.monotonic() - t0
+            log["dropped"] = dropped_counts
+            if not ok:
+                logger.warning("slot %d was committed by another maker; discarding %s and recovering", slot, info.path)
+            return ok
+
+        if self._writer is None:
+            ok = write()
+            if ok:
+                self.after_commit(slot, batch, log)
+            return ok
+        self._pending = PendingCommit(slot, batch, log, self._writer.submit(write))
         return True
+
+    def settle(self) -> None:
+        """Wait for the slot being written (if any): run `after_commit`, or raise SlotLost if it was taken."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not pending.future.result():
+            raise SlotLost(pending.slot)
+        self.after_commit(pending.slot, pending.batch, pending.log)
+
+    def close(self) -> None:
+        """Let a write in flight finish (its commit stands; `after_commit` is not run for it)."""
+        self._pending = None
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
     def sync_curriculum(self, slot: int, tables: dict[str, pa.Table] | None = None) -> None:
         """Publish curriculum state up to committed slot `slot` (no-op without a curriculum or before slot 1)."""
@@ -471,56 +534,74 @@ def main(config: BatchMakerStepConfig) -> None:
     lease = Lease(store, LEASE_NAME, holder, config.lease_ttl_s)
     lease.acquire()
     maker = Maker(config, store, lease)
-    written = 0
+    written = 0  # slots committed (or being written) by this process
     try:
         # phase 2: recover consumed state from the committed batch log
         st = maker.recover()
         maker.sync_curriculum(st.next_slot - 1)
         progress = _progress_bar(st.next_slot - 1, train.num_train_steps)
 
+        def after_commit(slot: int, batch: BatchResult, log: dict[str, Any]) -> None:
+            # 3e. curriculum, 3f. metrics and progress, once the slot's log entry exists
+            maker.sync_curriculum(slot, log["tables"])
+            maker.record(batch, log)
+            progress(slot, batch)
+
+        maker.after_commit = after_commit
+
         # phase 3: one slot at a time
         while True:
             slot = st.next_slot
-            if maker.stop_requested():
-                logger.info("control/STOP found: stopping before slot %d", slot)
-                break
-            if config.max_batches is not None and written >= config.max_batches:
-                logger.info("bounded mode: wrote %d batches; next slot %d", written, slot)
-                break
-            if slot > train.num_train_steps:
-                if config.follow:
-                    _wait_for_learner_finish(maker, train.num_train_steps)
-                logger.info("all %d batch slots are committed", train.num_train_steps)
-                break
-            log = new_slot_log()
+            try:
+                if maker.stop_requested():
+                    maker.settle()
+                    logger.info("control/STOP found: stopping before slot %d", slot)
+                    break
+                if config.max_batches is not None and written >= config.max_batches:
+                    maker.settle()
+                    logger.info("bounded mode: wrote %d batches; next slot %d", written, slot)
+                    break
+                if slot > train.num_train_steps:
+                    maker.settle()
+                    if config.follow:
+                        _wait_for_learner_finish(maker, train.num_train_steps)
+                    logger.info("all %d batch slots are committed", train.num_train_steps)
+                    break
+                log = new_slot_log()
 
-            # 3a. pace: T <= learner_step + max_batches_ahead
-            log["wait_s"] += maker.pace(slot)
+                # 3a. pace: T <= learner_step + max_batches_ahead (finish the previous commit before waiting)
+                if not maker.paced(slot):
+                    maker.settle()
+                log["wait_s"] += maker.pace(slot)
 
-            # 3b. gather rollouts, 3c. build
-            maker.gather(st, slot, log)
-            t0 = time.monotonic()
-            batch = st.bm.make_batch(slot)
-            log["build_s"] = time.monotonic() - t0
-            if batch is None:  # cannot happen after gather() returned ready; be loud if it does
-                raise RuntimeError(f"batch slot {slot}: BatchMaker reported ready but built nothing")
+                # 3b. gather rollouts, 3c. build
+                maker.gather(st, slot, log)
+                t0 = time.monotonic()
+                batch = st.bm.make_batch(slot)
+                log["build_s"] = time.monotonic() - t0
+                if batch is None:  # cannot happen after gather() returned ready; be loud if it does
+                    raise RuntimeError(f"batch slot {slot}: BatchMaker reported ready but built nothing")
 
-            # 3d. commit (or lose the race and recover)
-            if not maker.commit(st, batch, log, maker.learner_now()):
+                # 3d. commit: settles the previous slot, then writes this one (behind, with write_behind)
+                if not maker.commit(st, batch, log, maker.learner_now()):
+                    raise SlotLost(slot)
+                written += 1
+                st.next_slot = slot + 1
+            except SlotLost as lost:
+                # another maker committed that slot first: everything built since is discarded
+                logger.warning("slot %s was taken by another maker; recovering from the batch log", lost)
+                written -= 1 if lost.args[0] < slot else 0
                 st = maker.recover()
                 maker.sync_curriculum(st.next_slot - 1)
-                continue
-            written += 1
-            st.next_slot = slot + 1
-            maker.sync_curriculum(slot, log["tables"])
-
-            # 3e. metrics and progress
-            maker.record(batch, log)
-            progress(slot, batch)
     except StopRequested:
         logger.info("control/STOP found: stopping")
+        try:
+            maker.settle()
+        except SlotLost as lost:
+            logger.warning("slot %s was taken by another maker", lost)
     finally:
-        # phase 4: flush and let go
+        # phase 4: finish a write in flight, flush and let go
+        maker.close()
         maker.metrics.flush()
         try:
             lease.release()

@@ -62,14 +62,13 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
                 if rid in rollouts:
                     problems.append(f"rollout id {rid} committed twice")
                 rollouts[rid] = p
-            if path in ingested or last < 2:
+            if path in ingested:
                 continue
-            # I5: the final slot's scans all started after slot last-1 was committed, so a file committed
-            # before that must have been ingested; one committed later may legitimately be unseen.
-            committed_at = float(store.read_marker(path)["time"])
-            if committed_at + _CLOCK_SLACK_S < entry_time[last - 1]:
-                problems.append(f"rollout file {path} committed before slot {last - 1} but never ingested")
-            else:
+            # I5: every scan for the final slot started after slot last-2 was committed (the BatchMaker writes slot
+            # T-1 while it gathers T), so an unread file committed later may be legitimately unseen; an older one
+            # must still be usable (the policy check below), e.g. left on disk because the batch was full.
+            scans_began = entry_time[last - 2] if last >= 3 else float("-inf")
+            if float(store.read_marker(path)["time"]) + _CLOCK_SLACK_S > scans_began:
                 unseen.update(ids)
     for rid, n in uses.items():
         if n > max_samples_per_rollout:  # I1: reuse limit

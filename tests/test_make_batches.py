@@ -265,3 +265,47 @@ def test_follow_mode_ends_when_the_learner_finishes(run_root: tuple[Path, RunSto
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("write_behind", [True, False])
+def test_slot_taken_by_another_maker_is_discarded_and_recovered(
+    run_root: tuple[Path, RunStore], write_behind: bool
+) -> None:
+    """A maker that built slot 1 while a real step process committed it first loses the slot, keeps no trace of
+    its own attempt in the log, and recovers to slot 2 from the winner's entry."""
+    from pipeline.config import BatchMakerStepConfig, StoreConfig, TrainParams
+    from pipeline.lease import Lease
+    from steps.make_batches import Maker, SlotLost, new_slot_log
+
+    root, store = run_root
+    for seq in range(2):
+        commit_rollouts(store, 0, seq, rows_for(0, f"f{seq}", [[0.0, 1.0], [1.0, 0.0]]))
+    train = TrainParams(batch_size=4, seq_len=16, max_lag=1, max_batches_ahead=1, max_batch_latency_s=3)
+    cfg = BatchMakerStepConfig(store=StoreConfig(run_root=str(root)), train=train, write_behind=write_behind)
+    # its own lease name, so the real step below can take the batchmaker lease: only the commit decides
+    lease = Lease(store, "other-maker", "loser", 30.0)
+    lease.acquire()
+    maker = Maker(cfg, store, lease)
+    committed: list[int] = []
+    maker.after_commit = lambda slot, batch, log: committed.append(slot)
+    st = maker.recover()
+    log = new_slot_log()
+    maker.gather(st, 1, log)
+    batch = st.bm.make_batch(1)
+    assert batch is not None
+
+    winner = run_step(root, max_batches=1)
+    assert winner.returncode == 0, winner.stderr[-2000:]
+    winner_entry = store.get_json(layout.batch_log_entry(1))
+
+    if write_behind:
+        assert maker.commit(st, batch, log, 0) is True  # accepted for writing; the outcome comes with settle()
+        with pytest.raises(SlotLost):
+            maker.settle()
+    else:
+        assert maker.commit(st, batch, log, 0) is False
+    maker.close()
+    assert committed == []
+    assert store.get_json(layout.batch_log_entry(1)) == winner_entry
+    assert [layout.parse_step(p) for p in store.list(layout.BATCH_LOG)] == [1]
+    assert maker.recover().next_slot == 2
