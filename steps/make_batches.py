@@ -237,6 +237,7 @@ class Maker:
                     f"waited {now - t0:.1f}s (> train.max_batch_latency_s={self.train.max_batch_latency_s}) "
                     f"for {what()}"
                 )
+            self.settle()  # about to wait anyway: finish the previous slot's commit first
             self.keep_lease()
             time.sleep(self.config.poll_interval_s)
         return time.monotonic() - t0
@@ -245,10 +246,6 @@ class Maker:
         """Newest committed policy step; -1 before policy 0."""
         s = learner_step(self.store)
         return -1 if s is None else s
-
-    def paced(self, slot: int) -> bool:
-        """True if `pace(slot)` would not wait."""
-        return self.learner_now() >= slot - self.train.max_batches_ahead
 
     def pace(self, slot: int) -> float:
         """Wait until slot <= learner_step + max_batches_ahead; returns seconds waited."""
@@ -569,9 +566,7 @@ def main(config: BatchMakerStepConfig) -> None:
                     break
                 log = new_slot_log()
 
-                # 3a. pace: T <= learner_step + max_batches_ahead (finish the previous commit before waiting)
-                if not maker.paced(slot):
-                    maker.settle()
+                # 3a. pace: T <= learner_step + max_batches_ahead
                 log["wait_s"] += maker.pace(slot)
 
                 # 3b. gather rollouts, 3c. build
@@ -590,7 +585,8 @@ def main(config: BatchMakerStepConfig) -> None:
             except SlotLost as lost:
                 # another maker committed that slot first: everything built since is discarded
                 logger.warning("slot %s was taken by another maker; recovering from the batch log", lost)
-                written -= 1 if lost.args[0] < slot else 0
+                if lost.args[0] < slot:
+                    written -= 1  # counted when it was handed to the writer
                 st = maker.recover()
                 maker.sync_curriculum(st.next_slot - 1)
     except StopRequested:
