@@ -43,7 +43,7 @@ test: setup ## Run the whole test suite (what CI runs)
 test-fast: setup ## Run the tests not marked slow
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests $(ARGS)
 
-test-slow: setup ## Run only the tests marked slow (crash suites)
+test-slow: setup ## Run only the tests marked slow (end-to-end, crash and learning tests)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m slow tests $(ARGS)
 
 lint: setup ## ruff check + format check
