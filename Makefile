@@ -13,6 +13,10 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export JAX_PLATFORMS ?= cpu
 export PYTHONHASHSEED := 0
+# JAX's persistent compilation cache for every step, test and benchmark started from here: one per checkout
+# (a fresh clone starts cold), shared by its processes. JAX_COMPILATION_CACHE_DIR= (empty) turns it off.
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
+export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 
 .DEFAULT_GOAL := help
 

@@ -498,15 +498,20 @@ class BatchMakerStepConfig:
     """Rollout files read and verified in background threads ahead of the one being ingested (0: none)."""
     write_behind: bool = True
     """Write slot T's batch files and log entry from a background thread while slot T+1 is gathered."""
+    late_sweep_folders: int = 2
+    """Policy folders below the scan window listed per slot to find late files (0: none; the final slot: all)."""
     lease_ttl_s: float = 30.0
     """The BatchMaker lease expires this long after its last renewal; another maker may then take over."""
     holder_id: str | None = None
     """Lease holder name; None: host-pid."""
+    lease_take_over_own: bool = False
+    """Take the lease over at once from a live epoch held under this same holder_id (its process is known dead)."""
 
     def __post_init__(self) -> None:
         _require(self.read_ahead >= 0, "read_ahead", self.read_ahead, "must be >= 0")
         _require(self.poll_interval_s > 0, "poll_interval_s", self.poll_interval_s, "must be > 0")
         _require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0")
+        _require(self.late_sweep_folders >= 0, "late_sweep_folders", self.late_sweep_folders, "must be >= 0")
 
 
 @dataclass(frozen=True)

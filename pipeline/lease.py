@@ -16,7 +16,11 @@ Protocol for lease `name` (all objects under `leases/<name>/`, written with `put
   `LeaseHeldError(holder, expires_in)`. Epoch k expired or released: create epoch k+1 with
   create-if-absent; exactly one contender wins, the others get `LeaseHeldError` naming the winner.
 - Holding is per instance (the claim's attempt_id), not per holder name: a restarted process with
-  the same holder name waits for its predecessor's epoch to expire like anybody else.
+  the same holder name waits for its predecessor's epoch to expire like anybody else, unless it
+  calls `acquire(take_over_own=True)`: a supervisor that restarts its own crashed step knows the
+  previous instance is dead, so a live epoch claimed under the same holder name is taken over at
+  once (epoch k+1, create-if-absent as always; if the predecessor lived after all, its next
+  renew() raises LeaseLostError).
 - renew(): raise `LeaseLostError` if a newer epoch exists or our own epoch already expired (someone
   may have taken over); otherwise create the next renewal record and delete the previous one
   (renewals are not commit objects). Renew well inside ttl_s (e.g. every ttl_s / 3).
@@ -159,8 +163,12 @@ class Lease:
         return obj if isinstance(obj, dict) else None
 
     # operations ----------------------------------------------------------------------
-    def acquire(self) -> int:
-        """Claim the lease; return the epoch now held. Raises LeaseHeldError naming the current holder."""
+    def acquire(self, *, take_over_own: bool = False) -> int:
+        """Claim the lease; return the epoch now held. Raises LeaseHeldError naming the current holder.
+
+        `take_over_own`: a live epoch whose holder name is this instance's is taken over without waiting
+        for it to expire (for a caller that knows that instance is dead, e.g. a supervisor restarting it).
+        """
         state = self._latest()
         now = self._clock()
         if state is not None and self.epoch == state.epoch and state.attempt_id == self._attempt_id:
@@ -168,7 +176,7 @@ class Lease:
             return self.epoch
         if state is not None and not state.released:
             expires_in = state.last_activity + state.ttl_s - now
-            if expires_in > 0:
+            if expires_in > 0 and not (take_over_own and state.holder == self.holder):
                 raise LeaseHeldError(state.holder, expires_in, self.name, state.epoch)
         epoch = 1 if state is None else state.epoch + 1
         attempt_id = new_attempt_id()
@@ -177,7 +185,9 @@ class Lease:
             winner = self._read(_epoch_file(self.name, epoch)) or {}
             raise LeaseHeldError(str(winner.get("holder", "<unknown>")), self.ttl_s, self.name, epoch)
         self.epoch, self._attempt_id, self._renew_seq, self._last_renewal = epoch, attempt_id, 0, now
-        if state is not None:
+        if state is not None and state.holder == self.holder and not state.released:
+            logger.info("lease %s: %s took epoch %d over from its own previous instance", self.name, self.holder, epoch)
+        elif state is not None:
             logger.info("lease %s: %s took epoch %d over from %s", self.name, self.holder, epoch, state.holder)
         else:
             logger.info("lease %s: %s holds epoch %d", self.name, self.holder, epoch)

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -235,6 +236,12 @@ class JobRunner:
 
     def _build_specs(self) -> list[StepSpec]:
         configs = self.job.to_worker_configs()
+        # The BatchMaker's lease is held under a name of this runner's: when the runner restarts its crashed
+        # maker (it has seen it exit), the new one takes the lease over instead of waiting out lease_ttl_s. A
+        # second runner on the same run root has another name and is refused as before.
+        configs["batches"] = dataclasses.replace(
+            configs["batches"], holder_id=f"batches@{socket.gethostname()}-{os.getpid()}", lease_take_over_own=True
+        )
         r = self.cfg.resources
         specs = [
             StepSpec(

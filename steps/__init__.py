@@ -1,0 +1,14 @@
+"""rlpipe's steps: the JAX code (learner, rollout, evaluate) and the step entry points (`python -m steps.<name>`)."""
+
+import os
+import sys
+
+if sys.argv[:1] == ["-m"]:  # while `python -m steps.<name>` locates the module, sys.argv[0] is "-m"
+    # A step process never uses PyTorch, but transformers (which levanter imports) loads it eagerly whenever it is
+    # installed: about 5 s of every step start on a 2-core machine, paid again at each restart. USE_TORCH=1 keeps it.
+    os.environ.setdefault("USE_TORCH", "0")
+    # JAX's persistent compilation cache: a restarted step (crash, scheduled job) and the sibling rollout workers
+    # load compiled train / sampling programs instead of compiling them again. JAX_COMPILATION_CACHE_DIR="" turns
+    # it off; the size limit turns on JAX's LRU eviction and its file lock between processes.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rlpipe", "jax"))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))

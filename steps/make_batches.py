@@ -27,7 +27,9 @@ Algorithm (the phases of `main`):
         not yet seen are fed to the BatchMaker (pipeline/batch_maker.py): those of policies below the
         staleness window or above the newest published policy at once (all their rows are dropped
         `stale` / `future_policy`), those inside the window oldest policy first and only while the batch
-        still needs rows (never consuming more than needed). Not enough yet: poll again;
+        still needs rows (never consuming more than needed). Not enough yet: poll again. Once per slot a
+        late sweep lists `late_sweep_folders` older folders (round robin; every one at the final slot)
+        and drops, as `stale`, the rows of any file committed there after the folder left the window;
      c. build batch T (staleness window, reuse limit, recency-biased seeded sampling, packing);
      d. commit: put_unique the data file and the dropped file, then put_json_if_absent the log entry.
         If another maker took slot T first, everything built is discarded and state is recovered
@@ -49,8 +51,11 @@ rows (per source file: arrival seq, policy step, live row indices and their use 
 files already seen in the scanned policy folders. Slot T's state is therefore a function of the entry of
 slot T-1 and the files read while building T; restart reads one log entry plus the live files. A rollout
 row's fate is on disk: its uses are the batch files' lineage, a drop is a row of a dropped file named by
-a log entry, and a still-live row is in the newest cursor. A rollout file committed into a policy folder
-below the scanned range (older than max_lag + late_scan_steps at the time) is never seen.
+a log entry, and a still-live row is in the newest cursor. When a policy folder leaves the scanned range,
+the entry of that slot `sealed` it with the files seen there; a file committed into it later (a very slow
+worker) is found by a late sweep, listed in that slot's `late_files` (and in the cursor's `late`), and its
+rows are dropped `stale`. The final slot sweeps every folder, so a finished run accounts for every file
+committed before its last scan.
 
 Run:
   python -m steps.make_batches --store.run_root runs/demo --follow true
@@ -60,6 +65,7 @@ Run:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -94,6 +100,7 @@ LEARNER_DONE = getattr(layout, "LEARNER_DONE", "control/LEARNER_DONE")
 LATE_SCAN_STEPS = 4
 """Policy folders scanned below the staleness window, so late files are recorded as dropped `stale`."""
 CURSOR_VERSION = 1
+"""Version 1 cursors without `late` / `sweep_next` (written before late sweeps) still restore."""
 
 EXIT_CONFIG = 2
 EXIT_LEASE_HELD = 3
@@ -167,7 +174,7 @@ def last_committed_slot(store: RunStore) -> int:
     return slots[-1] if slots else 0
 
 
-def rollout_folders(store: RunStore, low: int) -> list[int]:
+def rollout_folders(store: RunStore, low: int = 0) -> list[int]:
     """Policy steps P >= low that have a rollouts/step-P folder."""
     out = []
     for p in store.list(layout.ROLLOUTS):
@@ -180,6 +187,11 @@ def rollout_folders(store: RunStore, low: int) -> list[int]:
     return sorted(out)
 
 
+def folder_of(path: str) -> int:
+    """The policy step P of a `rollouts/step-P/...` path."""
+    return layout.parse_step(path)
+
+
 @dataclasses.dataclass
 class MakerState:
     """What the maker knows between slots: the reservoir, seen files, and the next slot to build."""
@@ -188,6 +200,10 @@ class MakerState:
     next_slot: int
     seen: set[str]
     restored_from: int
+    late: set[str] = dataclasses.field(default_factory=set)
+    """Files found by late sweeps in folders already below the scan window (recorded as dropped)."""
+    sweep_next: int = 0
+    """The policy folder the next late sweep starts from (round robin over folders below the window)."""
 
 
 class Maker:
@@ -207,6 +223,8 @@ class Maker:
         # write-behind: one thread encodes and writes slot T's files and log entry while slot T+1 is gathered
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="batch-writer") if config.write_behind else None
         self._pending: PendingCommit | None = None
+        self._seals: dict[int, frozenset[str]] = {}  # policy folder -> files seen in it when it left the window
+        self._unsealed_warned: set[int] = set()
         self.after_commit: Callable[[int, BatchResult, dict[str, Any]], None] = lambda slot, batch, log: None
         """Called (main thread) once slot T's log entry exists: curriculum, metrics, progress."""
 
@@ -264,6 +282,7 @@ class Maker:
     def recover(self) -> MakerState:
         """Rebuild state from the newest committed log entry's cursor (nothing at all: a fresh start)."""
         t0 = time.monotonic()
+        self._seals.clear()  # a lost slot may have cached seals that never committed
         last = last_committed_slot(self.store)
         bm = BatchMaker(self.train)
         if last == 0:
@@ -296,20 +315,89 @@ class Maker:
             len(reservoir["files"]),
             len(cursor["seen"]),
         )
-        return MakerState(bm, last + 1, set(cursor["seen"]), last)
+        return MakerState(
+            bm, last + 1, set(cursor["seen"]), last, set(cursor.get("late", [])), int(cursor.get("sweep_next", 0))
+        )
 
     # --- one slot ----------------------------------------------------------------------------
     def scan_low(self, slot: int) -> int:
         return max(0, slot - 1 - self.train.max_lag - LATE_SCAN_STEPS)
 
-    def discover(self, slot: int, seen: set[str]) -> list[tuple[int, str]]:
-        """Committed, unseen, unquarantined rollout files of scanned policy folders, as (P, path), sorted."""
+    def discover(self, slot: int, seen: set[str], folders: list[int] | None = None) -> list[tuple[int, str]]:
+        """Committed, unseen, unquarantined rollout files of scanned policy folders, as (P, path), sorted.
+
+        `folders`: the policy folders listed by the caller (None: list them now).
+        """
+        low = self.scan_low(slot)
         out = []
-        for p in rollout_folders(self.store, self.scan_low(slot)):
+        for p in rollout_folders(self.store, low) if folders is None else [f for f in folders if f >= low]:
             for path in self.store.list_committed(layout.rollout_step_dir(p)):
                 if path not in seen:
                     out.append((p, path))
         return sorted(out)
+
+    # --- late files ----------------------------------------------------------------------------
+    def sealed_folders(self, slot: int, seen: set[str]) -> dict[str, list[str]]:
+        """The folders that leave the scan window with slot `slot`, each with the files seen in it.
+
+        Stamped into slot `slot`'s log entry (so it commits atomically with the slot); a late sweep later
+        treats any other committed file of such a folder as late.
+        """
+        leaving = range(self.scan_low(slot), self.scan_low(slot + 1))
+        out: dict[str, list[str]] = {str(p): [] for p in leaving}
+        for path in seen:
+            p = folder_of(path)
+            if p in leaving:
+                out[str(p)].append(path)
+        return {p: sorted(v) for p, v in out.items()}
+
+    def seal(self, p: int) -> frozenset[str] | None:
+        """Files seen in policy folder `p` when it left the scan window; None if that is not (yet) known."""
+        if p in self._seals:
+            return self._seals[p]
+        at = p + 1 + self.train.max_lag + LATE_SCAN_STEPS  # the slot whose commit moved the window past p
+        try:
+            sealed = self.store.get_json(layout.batch_log_entry(at)).get("sealed")
+        except FileNotFoundError:
+            return None  # not committed yet (or still being written behind)
+        if sealed is None or str(p) not in sealed:
+            if p not in self._unsealed_warned:  # older log format, or max_lag changed since: cannot tell
+                self._unsealed_warned.add(p)
+                logger.warning("no seal for rollout folder %d in %s: late files there are not swept", p,
+                               layout.batch_log_entry(at))  # fmt: skip
+            return None
+        self._seals[p] = frozenset(sealed[str(p)])
+        return self._seals[p]
+
+    def sweep_late(
+        self, st: MakerState, slot: int, latest: int, folders: list[int], log: dict[str, Any], limit: int | None
+    ) -> None:
+        """Record, as dropped, the rows of files committed into folders that already left the scan window.
+
+        Sweeps up to `limit` such folders (None: all), round robin from `st.sweep_next`. A file is late when
+        its folder's seal (the files seen when the folder left the window) does not name it and no earlier
+        sweep found it; its rows go through `ingest`, which drops them all as `stale`.
+        """
+        low = self.scan_low(slot)
+        old = [p for p in folders if p < low]
+        if not old or limit == 0:
+            return
+        start = bisect.bisect_left(old, st.sweep_next)
+        picks = old[start:] + old[:start]
+        for p in picks if limit is None else picks[:limit]:
+            st.sweep_next = p + 1
+            seal = self.seal(p)
+            if seal is None:
+                continue
+            for path in self.store.list_committed(layout.rollout_step_dir(p)):
+                if path in seal or path in st.late:
+                    continue
+                logger.warning("slot %d: %s was committed after rollout folder %d left the scan window "
+                               "(slot %d scans policies >= %d); its rows are recorded as dropped", slot, path, p,
+                               slot, low)  # fmt: skip
+                st.late.add(path)
+                log["late_files"].append(path)
+                self.ingest(st, slot, latest, p, path, self.store.read_committed(path, ROLLOUT), log)
 
     def gather(self, st: MakerState, slot: int, log: dict[str, Any]) -> None:
         """Feed files until batch `slot` can be built (waiting for more files if needed)."""
@@ -318,10 +406,16 @@ class Maker:
         t0 = time.monotonic()
         deadline = t0 + self.train.max_batch_latency_s
         newest = -1
+        swept = False
         while True:
-            files = self.discover(slot, st.seen)  # list rollouts BEFORE reading the learner step:
+            folders = rollout_folders(self.store)
+            files = self.discover(slot, st.seen, folders)  # list rollouts BEFORE reading the learner step:
             latest = learner_step(self.store)  # every file listed was produced by a published policy
             latest = -1 if latest is None else latest
+            if not swept:  # once per slot; every old folder at the final slot, so a finished run is complete
+                final = slot >= self.train.num_train_steps
+                self.sweep_late(st, slot, latest, folders, log, None if final else self.config.late_sweep_folders)
+                swept = True
             # Read (and verify) the next files while this one is being ingested; a file read ahead but not
             # needed stays unconsumed (reading has no effect but quarantining a corrupt file, which is final).
             reads = read_ahead(lambda f: self.store.read_committed(f[1], ROLLOUT), files, self.config.read_ahead)
@@ -384,7 +478,8 @@ class Maker:
         attempt = new_attempt_id()
         dropped = st.bm.take_dropped(slot)
         low = self.scan_low(slot + 1)
-        seen = sorted(s for s in st.seen if layout.parse_step(s) >= low)
+        sealed = self.sealed_folders(slot, st.seen)
+        seen = sorted(s for s in st.seen if folder_of(s) >= low)
         s = batch.stats
         entry: dict[str, Any] = {
             "slot": slot,
@@ -397,6 +492,8 @@ class Maker:
             "learner_step": learner,
             "ingested_files": list(log["ingested_files"]),
             "quarantined_files": list(log["quarantined_files"]),
+            "late_files": list(log["late_files"]),
+            "sealed": sealed,
             "lineage": {
                 "n_rollouts": s["n_rollouts"],
                 "n_groups": s["n_groups"],
@@ -404,13 +501,20 @@ class Maker:
                 "staleness": [s["lag_min"], s["lag_mean"], s["lag_max"]],
                 "source_files": sorted(set(batch.source_files)),
             },
-            "cursor": {"version": CURSOR_VERSION, "seen": seen, "reservoir": st.bm.snapshot()},
+            "cursor": {
+                "version": CURSOR_VERSION,
+                "seen": seen,
+                "reservoir": st.bm.snapshot(),
+                "late": sorted(st.late),
+                "sweep_next": st.sweep_next,
+            },
         }
         if self.curriculum is not None:
             # which eval summaries the curriculum folds at this slot, fixed now so a rebuild folds the same ones
             entry["curriculum_evals"] = self.curriculum.evals_to_fold(slot)
         self.keep_lease()
         st.seen = set(seen)  # if the slot is lost, recover() replaces the whole state anyway
+        self._seals.update((int(p), frozenset(v)) for p, v in sealed.items())
 
         def write() -> bool:
             t0 = time.monotonic()
@@ -507,6 +611,7 @@ def new_slot_log() -> dict[str, Any]:
     return {
         "ingested_files": [],
         "quarantined_files": [],
+        "late_files": [],
         "wait_s": 0.0,
         "ingest_s": 0.0,
         "build_s": 0.0,
@@ -529,7 +634,7 @@ def main(config: BatchMakerStepConfig) -> None:
     store = RunStore(config.store.run_root, config.store.storage_options)
     holder = config.holder_id or f"{socket.gethostname()}-{os.getpid()}"
     lease = Lease(store, LEASE_NAME, holder, config.lease_ttl_s)
-    lease.acquire()
+    lease.acquire(take_over_own=config.lease_take_over_own)
     maker = Maker(config, store, lease)
     written = 0  # slots committed (or being written) by this process
     try:

@@ -84,6 +84,22 @@ def test_same_holder_name_in_a_new_instance_must_wait(local_store: RunStore) -> 
         restarted.acquire()
 
 
+def test_take_over_own_skips_the_wait_only_for_the_same_holder_name(local_store: RunStore) -> None:
+    clock = Clock()
+    crashed = Lease(local_store, "bm", "batches@host-42", ttl_s=60, clock=clock)
+    assert crashed.acquire() == 1
+    other = Lease(local_store, "bm", "batches@host-7", ttl_s=60, clock=clock)
+    with pytest.raises(LeaseHeldError):
+        other.acquire(take_over_own=True)  # another supervisor's maker: refused as always
+    restarted = Lease(local_store, "bm", "batches@host-42", ttl_s=60, clock=clock)
+    assert restarted.acquire(take_over_own=True) == 2  # at once, no ttl wait
+    clock.now += 1
+    with pytest.raises(LeaseLostError, match="lost"):
+        crashed.renew()  # had the predecessor lived after all, it learns at its next renewal
+    with pytest.raises(LeaseHeldError):
+        other.acquire()
+
+
 def test_reacquire_by_the_holder_renews(local_store: RunStore) -> None:
     clock = Clock()
     a = Lease(local_store, "bm", "a", ttl_s=60, clock=clock)

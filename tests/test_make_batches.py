@@ -309,3 +309,31 @@ def test_slot_taken_by_another_maker_is_discarded_and_recovered(
     assert store.get_json(layout.batch_log_entry(1)) == winner_entry
     assert [layout.parse_step(p) for p in store.list(layout.BATCH_LOG)] == [1]
     assert maker.recover().next_slot == 2
+
+
+def test_late_file_in_a_sealed_folder_is_recorded_as_dropped_once(run_root: tuple[Path, RunStore]) -> None:
+    """A rollout file committed into a policy folder after it left the scan window (a very slow worker) is found
+    by a later slot's sweep and its rows are dropped `stale` exactly once, also across a restart."""
+    root, store = run_root
+    for p in range(10):
+        publish_policy(store, p)
+        commit_rollouts(store, p, 0, rows_for(p, f"p{p}", [[0.0, 1.0], [1.0, 0.0]], seed=p))
+    kw: dict[str, Any] = {"train.num_train_steps": 10, "train.max_batches_ahead": 3, "late_sweep_folders": 2}
+    r = run_step(root, max_batches=8, **kw)
+    assert r.returncode == 0, r.stderr[-2000:]
+    entries = {e["slot"]: e for e in log_entries(store)}
+    # max_lag 1 + 4 late-scan steps: slot 6 moved the scan window past folder 0, slot 7 past folder 1
+    assert entries[6]["sealed"] == {"0": [layout.rollout_file(0, "w", 0)]}
+    assert entries[7]["sealed"] == {"1": [layout.rollout_file(1, "w", 0)]}
+    late = commit_rollouts(store, 1, 1, rows_for(1, "late", [[0.0, 1.0, 1.0]], seed=99))
+
+    r = run_step(root, max_batches=2, **kw)  # slot 9 sweeps folders 1-2 (round robin), slot 10 (final) all
+    assert r.returncode == 0, r.stderr[-2000:]
+    entries = {e["slot"]: e for e in log_entries(store)}
+    assert sorted(entries) == list(range(1, 11))
+    assert [s for s, e in entries.items() if e.get("late_files")] == [9]
+    assert entries[9]["late_files"] == [late] and late in entries[9]["ingested_files"]
+    drops = [d for d in dropped_rows(store) if d["source_file"] == late]
+    assert sorted(d["rollout_id"] for d in drops) == ["late-0-0", "late-0-1", "late-0-2"]
+    assert {d["reason"] for d in drops} == {"stale"}
+    assert not any(rid.startswith("late-") for rid in batch_uses(store))
