@@ -598,8 +598,10 @@ class CurriculumWriter:
         """Fold every committed batch slot ≤ up_to_slot not folded yet, publishing one state file per slot.
 
         Per slot T, in order: the evaluation summaries the slot's log entry names in `curriculum_evals` (the
-        BatchMaker records `evals_to_fold(T)` there when it commits T, so a rebuild folds exactly what the live
-        run folded; entries without that key fall back to the summaries listed now: policies S < T, eval_type
+        BatchMaker records `evals_to_fold(T)` there when it commits T, and their values, `eval_values`, in
+        `curriculum_eval_values`, so a rebuild folds exactly what the live run folded, even after
+        `evaluate --force`; entries without the values read the files; entries without the names fall back to
+        the summaries listed now: policies S < T, eval_type
         "eval", lessons of this curriculum, S newer than the lesson's last folded one), in (S, lesson) order;
         then the rollout files of the entry's `ingested_files`, in that order, rows grouped per lesson (sorted
         ids, row order kept). `preloaded` maps rollout paths to tables the caller already read (avoids a second
@@ -634,6 +636,25 @@ class CurriculumWriter:
         found = self._eval_summaries(state, slot)
         return [p for s in sorted(found) for p in found[s]]
 
+    def eval_values(self, paths: Sequence[str]) -> dict[str, list[float] | None]:
+        """What folding each eval summary in `paths` would read: the success rates of its `eval` rows for its
+        lesson (None: unreadable, quarantined). Recorded in the batch log entry next to `curriculum_evals`, so a
+        rebuild folds the same values even if `evaluate --force` rewrote a summary since."""
+        out: dict[str, list[float] | None] = {}
+        for path in paths:
+            lesson_id = path.rsplit("/", 1)[-1][: -len(_SUMMARY_SUFFIX)]
+            table = self._read_eval_summary(path)
+            out[path] = (
+                None
+                if table is None
+                else [
+                    row.success_rate
+                    for row in schemas.EVAL_SUMMARY.from_table(table)
+                    if row.eval_type == "eval" and row.lesson_id == lesson_id
+                ]
+            )
+        return out
+
     def _evals_named(self, entry: Mapping[str, Any], slot: int) -> dict[int, list[str]]:
         names = entry["curriculum_evals"]
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -657,10 +678,19 @@ class CurriculumWriter:
         entry: Mapping[str, Any],
         preloaded: Mapping[str, pa.Table],
     ) -> CurriculumState:
+        recorded = entry.get("curriculum_eval_values")
+        if recorded is not None and not isinstance(recorded, dict):
+            raise CurriculumSyncError(
+                f"{layout.batch_log_entry(slot)}: 'curriculum_eval_values' must map paths to values; got {recorded!r}"
+            )
         for policy_step in sorted(s for s in evals if s < slot):
             for path in evals[policy_step]:
                 lesson_id = path.rsplit("/", 1)[-1][: -len(_SUMMARY_SUFFIX)]
                 if state.lessons[lesson_id].last_eval_policy_step >= policy_step:
+                    continue
+                if recorded is not None and path in recorded:  # the values the live fold read (see eval_values)
+                    for success in recorded[path] or []:
+                        state = fold_eval(state, lesson_id, float(success), slot, policy_step=policy_step)
                     continue
                 state = self._fold_eval_file(state, slot, path, lesson_id, policy_step)
         for path in self._ingested_files(entry, slot):
@@ -711,21 +741,27 @@ class CurriculumWriter:
     def _fold_eval_file(
         self, state: CurriculumState, slot: int, path: str, lesson_id: str, policy_step: int
     ) -> CurriculumState:
-        if self.store.is_quarantined(path):
-            return state
-        try:
-            table = self.store.read_parquet(path, schemas.EVAL_SUMMARY)
-        except FileNotFoundError:
-            logger.warning("curriculum: eval summary %s vanished; skipped", path)
-            return state
-        except (SchemaMismatchError, CorruptFileError) as e:
-            self.store.quarantine(path, f"unreadable eval summary: {e}")
+        table = self._read_eval_summary(path)
+        if table is None:
             return state
         for row in schemas.EVAL_SUMMARY.from_table(table):
             if row.eval_type != "eval" or row.lesson_id != lesson_id:
                 continue
             state = fold_eval(state, lesson_id, row.success_rate, slot, policy_step=policy_step)
         return state
+
+    def _read_eval_summary(self, path: str) -> pa.Table | None:
+        """The summary table, or None (quarantined before, vanished, or unreadable: quarantined now)."""
+        if self.store.is_quarantined(path):
+            return None
+        try:
+            return self.store.read_parquet(path, schemas.EVAL_SUMMARY)
+        except FileNotFoundError:
+            logger.warning("curriculum: eval summary %s vanished; skipped", path)
+            return None
+        except (SchemaMismatchError, CorruptFileError) as e:
+            self.store.quarantine(path, f"unreadable eval summary: {e}")
+            return None
 
     def _eval_summaries(self, state: CurriculumState, up_to_slot: int) -> dict[int, list[str]]:
         """Snapshot: {policy step S: sorted summary paths of this curriculum's lessons} for S in the unfolded range."""

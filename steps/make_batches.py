@@ -34,7 +34,8 @@ Algorithm (the phases of `main`):
      d. commit: put_unique the data file and the dropped file, then put_json_if_absent the log entry.
         If another maker took slot T first, everything built is discarded and state is recovered
         again from the log (the commit, not the lease, is what makes double use impossible). The entry
-        also names the eval summaries the curriculum folds at T (`curriculum_evals`). With `write_behind`
+        also names the eval summaries the curriculum folds at T and their values (`curriculum_evals`,
+        `curriculum_eval_values`). With `write_behind`
         (default) the writing runs on one writer thread while slot T+1 is paced and gathered; it is settled
         (waited for) before slot T+1 is committed and before any wait, so at most one slot is in flight and
         slots are still committed in order;
@@ -512,6 +513,7 @@ class Maker:
         if self.curriculum is not None:
             # which eval summaries the curriculum folds at this slot, fixed now so a rebuild folds the same ones
             entry["curriculum_evals"] = self.curriculum.evals_to_fold(slot)
+            entry["curriculum_eval_values"] = self.curriculum.eval_values(entry["curriculum_evals"])
         self.keep_lease()
         st.seen = set(seen)  # if the slot is lost, recover() replaces the whole state anyway
         self._seals.update((int(p), frozenset(v)) for p, v in sealed.items())

@@ -239,3 +239,34 @@ def test_readers_refuse_bad_or_foreign_state_files(tmp_path: Path) -> None:
     store.put_unique(layout.curriculum_state(3), b"{not json")
     with pytest.raises(CurriculumStateError, match=r"state-00000003\.json"):
         load_latest_curriculum(store, cfg)
+
+
+def test_rebuild_folds_recorded_eval_values_after_evaluate_force(tmp_path: Path) -> None:
+    """Slots committed as the BatchMaker does (eval names and values in the entry, then a sync) rebuild to the same
+    bytes after `evaluate --force` rewrote a folded summary; an entry without the values would not."""
+    cfg = config()
+
+    def run(root: Path, record_values: bool) -> RunStore:
+        store = RunStore(str(root))
+        build_run(store)
+        writer = CurriculumWriter(store, cfg)
+        for slot in range(1, 5):  # the maker's commit: names (and values) fixed when slot T is committed
+            entry = store.get_json(layout.batch_log_entry(slot))
+            store.delete(layout.batch_log_entry(slot))
+            entry["curriculum_evals"] = writer.evals_to_fold(slot)
+            if record_values:
+                entry["curriculum_eval_values"] = writer.eval_values(entry["curriculum_evals"])
+            assert store.put_json_if_absent(layout.batch_log_entry(slot), entry)
+            writer.sync(slot)
+        return store
+
+    for record_values, rebuilds_same in ((True, True), (False, False)):
+        store = run(tmp_path / f"values-{record_values}", record_values)
+        live = state_files(store)
+        assert load_curriculum_state(store, 3, cfg).status("addition_medium") == "active"
+        store.delete(layout.eval_summary_file(2, "addition_medium"))
+        write_eval(store, 2, "addition_medium", 0.0)  # `evaluate --force` scored policy 2 again, differently
+        for p in live:
+            store.delete(p)
+        CurriculumWriter(store, cfg).sync(4)
+        assert (state_files(store) == live) is rebuilds_same
