@@ -514,6 +514,31 @@ class BatchMakerStepConfig:
         _require(self.late_sweep_folders >= 0, "late_sweep_folders", self.late_sweep_folders, "must be >= 0")
 
 
+TRACKER_TYPES = ("none", "json", "tensorboard", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class TrackerConfig:
+    """An optional experiment tracker for the learner's per-step metrics, through levanter's trackers (the run
+    root's metrics files and `make report` need none)."""
+
+    type: str = "none"
+    """'none'; 'json' (levanter's JSON-lines logger, into the learner's log); 'tensorboard' (event files); 'wandb'."""
+    logdir: str | None = None
+    """Local folder for tensorboard / wandb files; None: `<run root>/trackers` for a local run root, else ./trackers."""
+    name: str | None = None
+    """Run name in the tracker; None: the run root's last path component."""
+    project: str = "rlpipe"
+    """wandb project."""
+    mode: str = "offline"
+    """wandb mode: 'offline' (files only; `wandb sync` uploads them later), 'online' or 'disabled'."""
+
+    def __post_init__(self) -> None:
+        _require(self.type in TRACKER_TYPES, "tracker.type", self.type, f"must be one of {TRACKER_TYPES}")
+        _require(self.mode in WANDB_MODES, "tracker.mode", self.mode, f"must be one of {WANDB_MODES}")
+
+
 @dataclass(frozen=True)
 class LearnerStepConfig:
     """`python -m steps.learn`."""
@@ -523,6 +548,7 @@ class LearnerStepConfig:
     train: TrainParams = field(default_factory=TrainParams)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     loss: LossConfig = field(default_factory=RLOOLossConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
     policy_interval: int = 1
     """Publish a policy every this many steps (and at step 0 and the last step)."""
     checkpoint_interval: int = 10

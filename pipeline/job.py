@@ -33,6 +33,7 @@ from pipeline.config import (
     RLOOLossConfig,
     RolloutStepConfig,
     StoreConfig,
+    TrackerConfig,
     TrainParams,
 )
 
@@ -72,6 +73,8 @@ class RLJobConfig:
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    """Optional experiment tracker (levanter's json / tensorboard / wandb) for the learner's metrics."""
     num_rollout_workers: int = 2
     """Rollout worker processes."""
     evaluator: bool = True
@@ -119,6 +122,7 @@ class RLJob:
             train=c.train,
             optimizer=c.optimizer,
             loss=c.loss,
+            tracker=c.tracker,
             policy_interval=c.policy_interval,
             checkpoint_interval=c.checkpoint_interval,
             batch_wait_timeout_s=c.batch_wait_timeout_s,

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,7 +46,16 @@ import optax
 
 import schemas
 from pipeline import layout
-from pipeline.config import LearnerStepConfig, LossConfig, ModelSpec, OptimizerSpec, StoreConfig, TrainParams
+from pipeline.config import (
+    ConfigError,
+    LearnerStepConfig,
+    LossConfig,
+    ModelSpec,
+    OptimizerSpec,
+    StoreConfig,
+    TrackerConfig,
+    TrainParams,
+)
 from pipeline.metrics import MetricsWriter
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
@@ -343,6 +353,39 @@ def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConf
 # ---------------------------------------------------------------------------------------------
 
 
+def make_tracker(config: TrackerConfig, run_root: str) -> Any:
+    """The levanter tracker `config` asks for (None for type 'none'), initialised with the run's name.
+
+    Raises ConfigError naming `tracker.type` when the tracker's package is not installed.
+    """
+    if config.type == "none":
+        return None
+    local = run_root.removeprefix("file://") if "://" not in run_root or run_root.startswith("file://") else None
+    logdir = config.logdir or (os.path.join(local, "trackers") if local else os.path.abspath("trackers"))
+    name = config.name or run_root.rstrip("/").rsplit("/", 1)[-1] or "rlpipe"
+    if config.type == "json":
+        from levanter.tracker.json_logger import JsonLoggerConfig
+
+        return JsonLoggerConfig().init(name)
+    os.makedirs(logdir, exist_ok=True)
+    try:
+        if config.type == "tensorboard":
+            import tensorboardX  # noqa: F401  (levanter imports it only inside init)
+            from levanter.tracker.tensorboard import TensorboardConfig
+
+            return TensorboardConfig(logdir=logdir).init(name)
+        import wandb  # noqa: F401
+        from levanter.tracker.wandb import WandbConfig
+
+        if config.logdir or "WANDB_DIR" not in os.environ:  # an explicit logdir wins over the environment
+            os.environ["WANDB_DIR"] = logdir
+        os.environ.setdefault("WANDB_SILENT", "true")
+        cfg = WandbConfig(project=config.project, name=name, mode=config.mode, save_code=False)
+        return cfg.init(name)
+    except ImportError as e:
+        raise ConfigError("tracker.type", config.type, f"needs a package that is not installed ({e})") from e
+
+
 def main(config: LearnerStepConfig) -> None:
     """Run the learner (see the module docstring): resume or init, then train batch slots in order."""
     store = RunStore(config.store.run_root, config.store.storage_options or None)
@@ -376,6 +419,7 @@ def main(config: LearnerStepConfig) -> None:
     # phase 2: train
     train_step = train_step_for(config.loss, config.optimizer, total, config.model.compute_dtype)
     metrics = MetricsWriter(store, "learner", "learner")
+    tracker = make_tracker(config.tracker, config.store.run_root)
     tokens_per_batch = config.train.batch_size * config.train.seq_len
     trained_here = 0
     last_checkpoint = state.step
@@ -410,6 +454,8 @@ def main(config: LearnerStepConfig) -> None:
                 **step_metrics,
             }
             metrics.log(record)
+            if tracker is not None:
+                tracker.log({f"learner/{k}": v for k, v in record.items() if k != "batch_file"}, step=slot)
             logger.info(
                 "trained slot %d (%s) loss=%.4f kl=%s grad_norm=%.3f wait=%.2fs train=%.2fs",
                 slot,
@@ -431,6 +477,8 @@ def main(config: LearnerStepConfig) -> None:
     finally:
         progress.close()
         metrics.flush()
+        if tracker is not None:
+            tracker.finish()
 
     # phase 3: finish
     if state.step > last_checkpoint:

@@ -15,7 +15,7 @@ STEPS = [
     ("RolloutStepConfig", "rollout"),
     ("EvaluateStepConfig", "evaluate"),
 ]
-SHARED = {"store", "model", "train", "optimizer", "loss", "curriculum", "inference"}
+SHARED = {"store", "model", "train", "optimizer", "loss", "curriculum", "inference", "tracker"}
 
 
 def field_docs() -> dict[str, dict[str, str]]:
