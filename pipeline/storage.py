@@ -425,14 +425,15 @@ class RunStore:
         return FileInfo(path=rel, size=len(data), sha256=_sha256(data), rows=table.num_rows)
 
     @staticmethod
-    def parse_parquet(data: bytes, spec: TableSpec[Any], path: str) -> pa.Table:
-        """Parse parquet bytes through `spec`, verifying page checksums.
+    def parse_parquet(data: bytes, spec: TableSpec[Any], path: str, verify_pages: bool = True) -> pa.Table:
+        """Parse parquet bytes through `spec`, verifying page checksums unless `verify_pages` is False (for bytes
+        already checked against a whole-file digest).
 
         Raises CorruptFileError (unreadable, checksum failure) or SchemaMismatchError (foreign schema,
         other version, missing columns).
         """
         try:
-            pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+            pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=verify_pages)
             file_schema = pf.schema_arrow
             spec.check_metadata(file_schema.metadata, path)
             present = set(file_schema.names)
@@ -533,7 +534,8 @@ class RunStore:
             parse_error: CorruptFileError | SchemaMismatchError | None = None
             table: pa.Table | None = None
             try:
-                table = self.parse_parquet(data, spec, rel)
+                # page checksums would only repeat the sha256 check of the same bytes
+                table = self.parse_parquet(data, spec, rel, verify_pages=False)
             except (CorruptFileError, SchemaMismatchError) as e:
                 parse_error = e
             digest = digest_future.result()
