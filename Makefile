@@ -88,5 +88,5 @@ export: setup ## Export policy STEP of RUN as a Hugging Face folder OUT
 report: setup ## Write the HTML report of RUN (RUN=runs/demo) from the run root alone
 	$(PY) -m pipeline.report $(RUN)
 
-clean: ## Remove the environment and local runs
-	rm -rf .venv .tools runs .pytest_cache .mypy_cache .ruff_cache
+clean: ## Remove the environment, local runs and the JAX compile cache
+	rm -rf .venv .tools runs .cache .pytest_cache .mypy_cache .ruff_cache
