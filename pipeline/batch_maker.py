@@ -17,7 +17,9 @@ Ingestion (`add_rollouts(table, source_file, slot=T, latest_policy=S)`), in orde
    policy_step < T-1-max_lag (too old for slot T and every later slot) -> `stale`;
 3. groups = rows of this file sharing (group_key, policy_step); advantages per group with the
    configured estimator (`pipeline.advantages`); with `filter_zero_variance`, a group whose rewards
-   are all equal -> `zero_variance`, and a row whose own advantage is exactly 0 -> `zero_advantage`;
+   are all equal -> `zero_variance`, and a row whose own advantage is exactly 0 -> `zero_advantage`
+   (unless the call says `admit_no_signal`: then they are admitted with advantage 0, counted in
+   `IngestReport.admitted_no_signal`; the step does this when a slot cannot fill otherwise);
 4. overlong (prompt + response > seq_len): rule `drop` -> `too_long`; rule `truncate` cuts the response
    to fit and marks the segment truncated (counted in `BatchResult.stats["n_cut_overlong"]`);
    a prompt that alone fills seq_len -> `too_long` under either rule;
@@ -130,6 +132,8 @@ class IngestReport:
     n_groups: int
     filtered_groups: dict[str, int] = dataclasses.field(default_factory=dict)
     """Groups dropped whole, per reason (zero_variance)."""
+    admitted_no_signal: int = 0
+    """Admitted rows whose advantage is exactly 0 (only under `admit_no_signal`, or without filtering)."""
 
 
 @dataclasses.dataclass
@@ -335,7 +339,7 @@ class BatchMaker:
 
     # ------------------------------------------------------------------ ingestion
     def _prepare(
-        self, table: pa.Table, source_file: str, dir_policy_step: int | None
+        self, table: pa.Table, source_file: str, dir_policy_step: int | None, *, filter_no_signal: bool = True
     ) -> tuple[_Chunk, np.ndarray, np.ndarray, np.ndarray]:
         """Validate, group, score and measure all rows of one file (a pure function of the file and config).
 
@@ -399,7 +403,7 @@ class BatchMaker:
             codes_all = codes_all.reshape(-1).astype(np.int64)
             codes[ok] = codes_all[ok]
             advantage[ok] = self._estimator(reward[ok], codes[ok])
-            if self.params.filter_zero_variance:
+            if self.params.filter_zero_variance and filter_no_signal:
                 n_codes = int(codes_all.max()) + 1
                 gmax = np.full(n_codes, -np.inf)
                 gmin = np.full(n_codes, np.inf)
@@ -475,14 +479,18 @@ class BatchMaker:
         slot: int,
         latest_policy: int,
         dir_policy_step: int | None = None,
+        admit_no_signal: bool = False,
     ) -> IngestReport:
         """Feed one rollout file's table (schemas.ROLLOUT columns) while building batch `slot`.
 
         `latest_policy`: the newest policy the learner has published (newer claims are `future_policy`).
         `dir_policy_step`: the policy step of the folder the file came from (rows must agree), if known.
+        `admit_no_signal`: admit zero-variance groups and zero-advantage rows (advantage 0) instead of dropping them.
         Every row is admitted or dropped with a reason (see the module docstring).
         """
-        chunk, reason, detail, policy = self._prepare(table, source_file, dir_policy_step)
+        chunk, reason, detail, policy = self._prepare(
+            table, source_file, dir_policy_step, filter_no_signal=not admit_no_signal
+        )
         n = table.num_rows
         ok = reason == ""
         future = ok & (policy > latest_policy)
@@ -551,6 +559,7 @@ class BatchMaker:
             rewards_sum=float(chunk.reward[finite].sum()),
             n_groups=n_groups,
             filtered_groups=filtered,
+            admitted_no_signal=int((admit & (chunk.advantage == 0.0)).sum()),
         )
 
     def restore_file(self, table: pa.Table, source_file: str, *, seq: int, policy_step: int,

@@ -262,6 +262,11 @@ class TrainParams:
     """One of rloo, grpo, dr_grpo."""
     filter_zero_variance: bool = True
     """Drop groups whose rewards are all equal (no learning signal)."""
+    no_signal_fill_after: int = 4
+    """With filter_zero_variance: after this many consecutive rollout files read for one batch slot had every
+    group filtered (a solved or hopeless task), admit the next files' groups with advantage 0 so the slot
+    fills and the learner keeps stepping (logged; counted in the slot's log entry). 0: never (wait, then
+    fail after max_batch_latency_s)."""
     replay_buffer_capacity: int = 4096
     """Maximum rollouts held for sampling; the oldest are dropped (reason: evicted) beyond it."""
     replay_buffer_alpha: float = 3.0
@@ -304,6 +309,12 @@ class TrainParams:
             "train.max_samples_per_rollout",
             self.max_samples_per_rollout,
             "must be >= 1",
+        )
+        _require(
+            self.no_signal_fill_after >= 0,
+            "train.no_signal_fill_after",
+            self.no_signal_fill_after,
+            "must be >= 0 (0: never fill)",
         )
         _require(self.max_batch_latency_s > 0, "train.max_batch_latency_s", self.max_batch_latency_s, "must be > 0")
         _require(self.overlong in OVERLONG_RULES, "train.overlong", self.overlong, f"must be one of {OVERLONG_RULES}")

@@ -29,7 +29,11 @@ Algorithm (the phases of `main`):
         `stale` / `future_policy`), those inside the window oldest policy first and only while the batch
         still needs rows (never consuming more than needed). Not enough yet: poll again. Once per slot a
         late sweep lists `late_sweep_folders` older folders (round robin; every one at the final slot)
-        and drops, as `stale`, the rows of any file committed there after the folder left the window;
+        and drops, as `stale`, the rows of any file committed there after the folder left the window.
+        With filter_zero_variance, once `train.no_signal_fill_after` files in a row had every group filtered
+        (the task is solved, or hopeless, for the current policy), the rest of slot T admits zero-variance
+        groups with advantage 0, so the learner keeps stepping instead of the job stalling (logged, and
+        counted as `filled_no_signal` in the entry);
      c. build batch T (staleness window, reuse limit, recency-biased seeded sampling, packing);
      d. commit: put_unique the data file and the dropped file, then put_json_if_absent the log entry.
         If another maker took slot T first, everything built is discarded and state is recovered
@@ -119,6 +123,7 @@ METRICS = {
     "padding_fraction": "1 - tokens / (batch_size * seq_len)",
     "dropped_<reason>": "rollout rows dropped while building this slot, per reason",
     "groups_filtered_zero_variance": "groups dropped because all their rewards were equal",
+    "rows_filled_no_signal": "rows admitted with advantage 0 (train.no_signal_fill_after)",
     "files_ingested": "rollout files first read for this slot",
     "wait_s / ingest_s / build_s / write_s": "time waiting for the learner or rollouts / reading / building / writing",
 }
@@ -455,7 +460,21 @@ class Maker:
             log["quarantined_files"].append(path)
             logger.warning("slot %d: skipping quarantined rollout file %s", slot, path)
             return
-        rep = st.bm.add_rollouts(table, path, slot=slot, latest_policy=latest, dir_policy_step=p)
+        after = self.train.no_signal_fill_after
+        if self.train.filter_zero_variance and 0 < after <= log["no_signal_run"] and not log["no_signal_fill"]:
+            log["no_signal_fill"] = True
+            logger.warning("slot %d: the last %d rollout files had every group filtered as zero variance (no "
+                           "learning signal); admitting zero-variance groups with advantage 0 to fill this slot "
+                           "(train.no_signal_fill_after=%d)", slot, log["no_signal_run"], after)  # fmt: skip
+        rep = st.bm.add_rollouts(
+            table, path, slot=slot, latest_policy=latest, dir_policy_step=p, admit_no_signal=log["no_signal_fill"]
+        )
+        if rep.admitted == 0 and rep.filtered_groups.get("zero_variance", 0):
+            log["no_signal_run"] += 1
+        elif rep.admitted:
+            log["no_signal_run"] = 0
+        if log["no_signal_fill"]:
+            log["filled_no_signal"] += rep.admitted_no_signal
         log["ingested_files"].append(path)
         if self.curriculum is not None:
             log["tables"][path] = table  # folded into the curriculum right after the commit, without a re-read
@@ -494,6 +513,7 @@ class Maker:
             "ingested_files": list(log["ingested_files"]),
             "quarantined_files": list(log["quarantined_files"]),
             "late_files": list(log["late_files"]),
+            "filled_no_signal": log["filled_no_signal"],
             "sealed": sealed,
             "lineage": {
                 "n_rollouts": s["n_rollouts"],
@@ -598,6 +618,7 @@ class Maker:
             "n_cut_overlong": s["n_cut_overlong"],
             "files_ingested": len(log["ingested_files"]),
             "groups_filtered_zero_variance": log["groups_filtered_zero_variance"],
+            "rows_filled_no_signal": log["filled_no_signal"],
             "wait_s": log["wait_s"],
             "ingest_s": log["ingest_s"],
             "build_s": log["build_s"],
@@ -619,6 +640,9 @@ def new_slot_log() -> dict[str, Any]:
         "build_s": 0.0,
         "write_s": 0.0,
         "groups_filtered_zero_variance": 0,
+        "no_signal_run": 0,
+        "no_signal_fill": False,
+        "filled_no_signal": 0,
         "dropped": {},
         "tables": {},
     }

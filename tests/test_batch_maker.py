@@ -137,6 +137,25 @@ def test_zero_variance_filtered_with_reason_and_kept_when_off() -> None:
     assert bm2.add_rollouts(table(rows), "f", slot=1, latest_policy=0).admitted == 5
 
 
+def test_admit_no_signal_admits_zero_variance_groups_with_advantage_zero_and_restores() -> None:
+    rows = make_rows(0, [[1.0, 1.0], [0.0, 0.0]])  # a solved and a hopeless group: no signal anywhere
+    p = params(batch_size=4)
+    bm = BatchMaker(p)
+    assert bm.add_rollouts(table(rows), "a", slot=1, latest_policy=0).admitted == 0
+    rep = bm.add_rollouts(table(rows), "b", slot=1, latest_policy=0, admit_no_signal=True)
+    assert rep.admitted == 4 and rep.admitted_no_signal == 4 and rep.dropped == {}
+    snap = bm.snapshot()
+    b = bm.make_batch(1)
+    assert b is not None and sorted(b.source_files) == ["b"] * 4
+    assert np.all(np.asarray(b.table.column("advantages").to_pylist()) == 0.0)
+    again = BatchMaker(p)  # a restarted maker keeps the filled rows from the cursor
+    for f in snap["files"]:
+        again.restore_file(table(rows), f["path"], seq=f["seq"], policy_step=f["policy_step"], rows=f["rows"],
+                           uses=f["uses"])  # fmt: skip
+    b2 = again.make_batch(1)
+    assert b2 is not None and b2.rollout_ids == b.rollout_ids
+
+
 def test_zero_advantage_member_dropped() -> None:
     bm = BatchMaker(params(batch_size=2))
     rep = bm.add_rollouts(table(make_rows(0, [[0.0, 0.5, 1.0]])), "f", slot=1, latest_policy=0)
@@ -209,6 +228,8 @@ def test_config_refuses_bad_values() -> None:
         TrainParams(max_lag=-1)
     with pytest.raises(ConfigError, match=r"train\.batch_size"):
         TrainParams(batch_size=0)
+    with pytest.raises(ConfigError, match=r"train\.no_signal_fill_after.*-1"):
+        TrainParams(no_signal_fill_after=-1)
 
 
 # ----------------------------------------------------------------------------- row layout
