@@ -8,8 +8,10 @@ often enough for RLOO to learn to answer with digits within ~10 steps; the depen
 combined success is 2/3 greedy exact-answer eval + 1/3 training reward, and greedy exact answers stay rare at
 this size).
 
-Measured (2 CPU cores, evaluator on): the job takes ~1.5-2 min; the unlock happened at slots 6, 7, 9 and 13 of 20 in
-four runs. The job's evaluator stays on, so evaluation summaries steer the curriculum as in a real run; the batch log
+Measured (2 CPU cores, evaluator on, two jobs side by side as under CI's two test workers): the job takes ~2.4 min.
+At learning_rate 0.003 the unlock happened at slots 6, 7, 9, 13 (alone) and 16, 6 (paired) of 20: too close to the end
+for the medium lesson to be sampled reliably; at 0.005 at 13, 10, 8, 5; at the shipped 0.01 at 9, 8, 8, 5, 7, 5.
+The job's evaluator stays on, so evaluation summaries steer the curriculum as in a real run; the batch log
 entry of each slot names the summaries folded at that slot, so a rebuild folds the same ones and writes the same
 bytes.
 """

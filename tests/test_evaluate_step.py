@@ -36,18 +36,20 @@ NUM_STEPS = 12
 """Learner steps of the module's job. test_cats.yaml's 6 are too few for greedy evaluation to move (measured policy 0
 -> 6: 0.071 -> 0.107 on the 7 probe prompts). With 12 steps at test_cats.yaml's batch of 16: 0.071 -> 0.571, 0.857,
 0.750, 0.607, 1.000, but 0.143 in one CI run; at the demo's batch of 32 (JOB_OVERRIDES): 0.071 -> 0.750, 1.000 (two
-runs side by side on 2 CPU cores, ~2 min each)."""
+runs side by side on 2 CPU cores, ~2 min each); later pairs: 0.643, 0.679, 0.857, 0.714 at learning_rate 0.003 and
+0.857, 1.000, 0.857, 1.000 at the demo's 0.005 (JOB_OVERRIDES)."""
 JOB_OVERRIDES = {
     "train.num_train_steps": str(NUM_STEPS),
     # the demo's batch (4 prompts x 8 completions): with test_cats.yaml's 16 rows one CI run in six barely learned
     # (training reward 0.06 -> 0.11 over 12 steps, greedy 0.071 -> 0.143)
     "train.batch_size": "32",
     "curriculum.default_sampling.n_prompts": "4",
+    "optimizer.learning_rate": "0.005",  # the demo's: faster and steadier learning than test_cats.yaml's 0.003
     "evaluator": "false",
 }
 LESSONS = ("cats",)
 MIN_GAIN = 0.2
-"""Required gain in greedy mean reward on `cats`, policy 0 -> final policy (smallest measured at batch 32: 0.68)."""
+"""Required gain in greedy mean reward on `cats`, policy 0 -> final policy (smallest measured, JOB_OVERRIDES: 0.79)."""
 
 
 @dataclasses.dataclass(frozen=True)
