@@ -26,7 +26,9 @@ Algorithm (RolloutWorker.run, named phases):
                          is usable in slot T iff 0 <= (T-1) - P <= max_lag. Pause while (T-1) - P > max_lag
                          (it would arrive stale; wait for a newer policy), and while the unconsumed rows
                          usable by slot T or later are >= max_steps_ahead × train.batch_size (counted exactly
-                         from the BatchMaker's cursor in log entry B; see `count_unconsumed_rows`). A pause
+                         from the BatchMaker's cursor in log entry B; see `count_unconsumed_rows`; with
+                         zero-variance filtering a file counts the rows of its groups with signal, recorded as
+                         `signal_rows` in its ready marker, see `usable_rows`). A pause
                          "ahead" that sees no batch/policy progress for `stall_grace_s` lets one write
                          through (a safety net should the BatchMaker need more rows than counted), so
                          pacing can never deadlock the run.
@@ -645,6 +647,28 @@ def estimate_unconsumed_rows(rows_by_policy: dict[int, int], last_slot: int, max
     return max(fresh, usable - consumed, 0)
 
 
+def signal_rows(rows: Sequence[RolloutRow]) -> int:
+    """Rows in groups (group_key, policy_step) whose episode rewards are not all equal: what a BatchMaker that
+    filters zero-variance groups can admit from them."""
+    rewards: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        rewards.setdefault((r.group_key, r.policy_step), []).append(r.episode_reward)
+    return sum(len(v) for v in rewards.values() if max(v) > min(v))
+
+
+def usable_rows(rows: int, signal: int | None, *, filter_zero_variance: bool, no_signal_fill_after: int) -> int:
+    """Rows of one committed file that count toward pacing.
+
+    Without zero-variance filtering (or for a marker without `signal_rows`): every row. With it: the signal rows,
+    plus the other rows divided by `no_signal_fill_after` (the BatchMaker admits no-signal rows only after that many
+    all-filtered files, so that many such files count as one), or nothing for them when it never fills (0).
+    """
+    if not filter_zero_variance or signal is None:
+        return rows
+    rest = max(rows - signal, 0)
+    return signal + (math.ceil(rest / no_signal_fill_after) if no_signal_fill_after > 0 else 0)
+
+
 def count_unconsumed_rows(
     files: dict[str, tuple[int, int, float]],
     entry: dict[str, Any] | None,
@@ -847,7 +871,7 @@ class RolloutWorker:
     def _committed_rollouts(self, lo: int, hi: int) -> dict[str, tuple[int, int, float]]:
         """Committed rollout files (all workers) of policies in [lo, hi]: path -> (policy, rows, marker time).
 
-        Markers are immutable, so each is read once.
+        rows: what the file can contribute to batches (`usable_rows`). Markers are immutable, so each is read once.
         """
         out: dict[str, tuple[int, int, float]] = {}
         for p in range(max(lo, 0), hi + 1):
@@ -857,7 +881,14 @@ class RolloutWorker:
                 if marker not in self._markers:
                     try:
                         rec = self.store.get_json(marker)
-                        self._markers[marker] = (p, int(rec.get("rows", 0)), float(rec.get("time", 0.0)))
+                        sig = rec.get("signal_rows")
+                        n = usable_rows(
+                            int(rec.get("rows", 0)),
+                            None if sig is None else int(sig),
+                            filter_zero_variance=self.config.train.filter_zero_variance,
+                            no_signal_fill_after=self.config.train.no_signal_fill_after,
+                        )
+                        self._markers[marker] = (p, n, float(rec.get("time", 0.0)))
                     except (FileNotFoundError, ValueError, AttributeError, TypeError) as e:
                         logger.warning("pacing: unreadable marker %s (%s); counted as 0 rows", marker, e)
                         self._markers[marker] = (p, 0, 0.0)
@@ -1022,6 +1053,7 @@ class RolloutWorker:
             "policy_step": P,
             "lesson_id": batch.lesson_id,
             "mode": batch.mode,
+            "signal_rows": signal_rows(batch.rows),
             "n_failures": len(batch.failures),
             "failures": [f.to_json() for f in batch.failures[:200]],
         }

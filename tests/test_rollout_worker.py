@@ -36,7 +36,7 @@ from pipeline.config import (
 from pipeline.metrics import read_metrics
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
-from schemas import ROLLOUT
+from schemas import ROLLOUT, RolloutRow
 from steps.model import build_model, load_policy, model_vocab_size, save_policy
 from steps.rollout import (
     WATCHDOG_EXIT_CODE,
@@ -46,6 +46,8 @@ from steps.rollout import (
     count_unconsumed_rows,
     estimate_unconsumed_rows,
     pacing_decision,
+    signal_rows,
+    usable_rows,
     watchdog,
 )
 
@@ -170,6 +172,37 @@ def test_estimate_unconsumed_rows() -> None:
     assert estimate_unconsumed_rows({0: 6}, last_slot=0, max_lag=2, batch_size=8) == 6
 
 
+def test_usable_rows_count_signal_and_a_share_of_no_signal_rows() -> None:
+    def row(group: str, reward: float) -> RolloutRow:
+        return RolloutRow(
+            rollout_id=f"{group}-{reward}",
+            env_name="e",
+            example_id=group,
+            lesson_id="l",
+            group_key=group,
+            prompt_tokens=[1],
+            response_tokens=[2],
+            response_logprobs=[-1.0],
+            token_rewards=[0.0],
+            response_loss_mask=[1],
+            episode_reward=reward,
+            truncated=False,
+            finish_reason="stop",
+            temperature=1.0,
+            policy_step=0,
+            worker_id="w",
+            timestamp=0.0,
+        )
+
+    rows = [row("a", 0.0), row("a", 1.0), row("a", 1.0), row("b", 1.0), row("b", 1.0), row("c", 0.5)]
+    assert signal_rows(rows) == 3  # only group a has unequal rewards
+    assert usable_rows(32, 8, filter_zero_variance=False, no_signal_fill_after=4) == 32
+    assert usable_rows(32, None, filter_zero_variance=True, no_signal_fill_after=4) == 32  # an older marker
+    assert usable_rows(32, 8, filter_zero_variance=True, no_signal_fill_after=4) == 8 + 6
+    assert usable_rows(32, 0, filter_zero_variance=True, no_signal_fill_after=4) == 8  # 4 such files = one file
+    assert usable_rows(32, 0, filter_zero_variance=True, no_signal_fill_after=0) == 0  # never filled: worth nothing
+
+
 def test_count_unconsumed_rows_from_cursor_time_or_estimate() -> None:
     files = {"a": (1, 4, 10.0), "b": (2, 4, 20.0), "c": (3, 4, 30.0), "old": (0, 4, 1.0)}
     # no slot yet: every usable row
@@ -252,6 +285,10 @@ def test_worker_picks_up_newer_policy_and_never_moves_back(
             assert {r.worker_id for r in rows} == {"w0"}
             marker = store.read_marker(rel)
             assert marker["policy_step"] == step and marker["worker_id"] == "w0"
+            groups: dict[str, set[float]] = {}
+            for r in rows:
+                groups.setdefault(r.group_key, set()).add(r.episode_reward)
+            assert marker["signal_rows"] == sum(1 for r in rows if len(groups[r.group_key]) > 1)
     events = [r for r in read_metrics(store, "rollout") if r.get("event") == "weights"]
     assert [e["policy_step"] for e in events] == [0, 2]
     writes = [r for r in read_metrics(store, "rollout") if r.get("event") == "write"]
@@ -287,10 +324,10 @@ def _log_slot(store: RunStore, slot: int) -> None:
 
 
 def test_pacing_pauses_ahead_and_when_stale(tmp_path: Path, tokenizer: Any, model: Any, manager: Any) -> None:
-    """batch_size 4 = one write; max_steps_ahead 1; max_lag 1."""
+    """batch_size 4 = one write; max_steps_ahead 1; max_lag 1; no zero-variance filtering: every row counts."""
     store = RunStore(str(tmp_path / "run"))
     save_policy(store, 0, model)
-    train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1)
+    train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1, filter_zero_variance=False)
     cfg = _config(tmp_path / "run", train=train, max_steps_ahead=1)
     worker = RolloutWorker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=1000.0)
     run = _Running(worker)
