@@ -263,10 +263,9 @@ class TrainParams:
     filter_zero_variance: bool = True
     """Drop groups whose rewards are all equal (no learning signal)."""
     no_signal_fill_after: int = 4
-    """With filter_zero_variance: after this many consecutive rollout files read for one batch slot had every
-    group filtered (a solved or hopeless task), admit the next files' groups with advantage 0 so the slot
-    fills and the learner keeps stepping (logged; counted in the slot's log entry). 0: never (wait, then
-    fail after max_batch_latency_s)."""
+    """With filter_zero_variance: once this many rollout files read for one batch slot had every group filtered
+    (a solved or hopeless task), admit the next files' groups with advantage 0 so the slot fills and the learner
+    keeps stepping (logged; counted in the slot's log entry). 0: never (wait, then fail after max_batch_latency_s)."""
     replay_buffer_capacity: int = 4096
     """Maximum rollouts held for sampling; the oldest are dropped (reason: evicted) beyond it."""
     replay_buffer_alpha: float = 3.0

@@ -30,7 +30,7 @@ Algorithm (the phases of `main`):
         still needs rows (never consuming more than needed). Not enough yet: poll again. Once per slot a
         late sweep lists `late_sweep_folders` older folders (round robin; every one at the final slot)
         and drops, as `stale`, the rows of any file committed there after the folder left the window.
-        With filter_zero_variance, once `train.no_signal_fill_after` files in a row had every group filtered
+        With filter_zero_variance, once `train.no_signal_fill_after` files read for T had every group filtered
         (the task is solved, or hopeless, for the current policy), the rest of slot T admits zero-variance
         groups with advantage 0, so the learner keeps stepping instead of the job stalling (logged, and
         counted as `filled_no_signal` in the entry);
@@ -461,18 +461,16 @@ class Maker:
             logger.warning("slot %d: skipping quarantined rollout file %s", slot, path)
             return
         after = self.train.no_signal_fill_after
-        if self.train.filter_zero_variance and 0 < after <= log["no_signal_run"] and not log["no_signal_fill"]:
+        if self.train.filter_zero_variance and 0 < after <= log["no_signal_files"] and not log["no_signal_fill"]:
             log["no_signal_fill"] = True
             logger.warning("slot %d: the last %d rollout files had every group filtered as zero variance (no "
                            "learning signal); admitting zero-variance groups with advantage 0 to fill this slot "
-                           "(train.no_signal_fill_after=%d)", slot, log["no_signal_run"], after)  # fmt: skip
+                           "(train.no_signal_fill_after=%d)", slot, log["no_signal_files"], after)  # fmt: skip
         rep = st.bm.add_rollouts(
             table, path, slot=slot, latest_policy=latest, dir_policy_step=p, admit_no_signal=log["no_signal_fill"]
         )
         if rep.admitted == 0 and rep.filtered_groups.get("zero_variance", 0):
-            log["no_signal_run"] += 1
-        elif rep.admitted:
-            log["no_signal_run"] = 0
+            log["no_signal_files"] += 1
         if log["no_signal_fill"]:
             log["filled_no_signal"] += rep.admitted_no_signal
         log["ingested_files"].append(path)
@@ -640,7 +638,7 @@ def new_slot_log() -> dict[str, Any]:
         "build_s": 0.0,
         "write_s": 0.0,
         "groups_filtered_zero_variance": 0,
-        "no_signal_run": 0,
+        "no_signal_files": 0,
         "no_signal_fill": False,
         "filled_no_signal": 0,
         "dropped": {},

@@ -660,13 +660,13 @@ def usable_rows(rows: int, signal: int | None, *, filter_zero_variance: bool, no
     """Rows of one committed file that count toward pacing.
 
     Without zero-variance filtering (or for a marker without `signal_rows`): every row. With it: the signal rows,
-    plus the other rows divided by `no_signal_fill_after` (the BatchMaker admits no-signal rows only after that many
-    all-filtered files, so that many such files count as one), or nothing for them when it never fills (0).
+    plus the other rows divided by `no_signal_fill_after + 1` (the BatchMaker admits no-signal rows only after that
+    many all-filtered files, and the next file fills the slot), or nothing for them when it never fills (0).
     """
     if not filter_zero_variance or signal is None:
         return rows
     rest = max(rows - signal, 0)
-    return signal + (math.ceil(rest / no_signal_fill_after) if no_signal_fill_after > 0 else 0)
+    return signal + (math.ceil(rest / (no_signal_fill_after + 1)) if no_signal_fill_after > 0 else 0)
 
 
 def count_unconsumed_rows(
