@@ -463,7 +463,7 @@ class Maker:
         after = self.train.no_signal_fill_after
         if self.train.filter_zero_variance and 0 < after <= log["no_signal_files"] and not log["no_signal_fill"]:
             log["no_signal_fill"] = True
-            logger.warning("slot %d: the last %d rollout files had every group filtered as zero variance (no "
+            logger.warning("slot %d: %d rollout files read for this slot had every group filtered as zero variance (no "
                            "learning signal); admitting zero-variance groups with advantage 0 to fill this slot "
                            "(train.no_signal_fill_after=%d)", slot, log["no_signal_files"], after)  # fmt: skip
         rep = st.bm.add_rollouts(
