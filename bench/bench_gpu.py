@@ -4,7 +4,7 @@ What it measures, per model shape (random weights):
 
 - HBM bandwidth: a jitted `x * a + b` over a large float32 buffer (read + write) -> bytes/s.
 - Matmul peak: a bf16 [N, N] @ [N, N] matmul -> FLOP/s (for context; MFU is against 989 TFLOP/s).
-- Rollout: the dense backend (steps.inference / steps.dense_sampler), bf16 weights and KV cache,
+- Rollout: the dense backend (policy.inference.backends / policy.inference.dense_sampler), bf16 weights and KV cache,
   `--batch` sequences x `--new-tokens` new tokens after `--prompt-len`-token prompts, temperature 1,
   no stop token. The first call (compile) is reported apart; the figure is the median of `--repeats` calls.
   Decode roofline: per step the weights (embedding gather excluded unless tied) plus the KV cache of the
@@ -136,7 +136,7 @@ def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
     import numpy as np
 
     from pipeline.config import InferenceConfig
-    from steps.inference import make_backend
+    from policy.inference.backends import make_backend
 
     P, T, B = args.prompt_len, args.new_tokens, args.batch
     config, vocab = model_config(shape, seq_len=max(P + T, 256))

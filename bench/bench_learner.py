@@ -22,9 +22,9 @@ import numpy as np
 
 from bench.common import machine_name
 from pipeline.config import ModelSpec, OptimizerSpec, RLOOLossConfig
+from policy import model as M
+from policy.losses import loss_module_from_config
 from steps import learn
-from steps import model as M
-from steps.losses import loss_module_from_config
 
 VOCAB = 512  # builtin:tiny
 SIZES: dict[str, tuple[ModelSpec, int, int]] = {

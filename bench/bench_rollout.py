@@ -4,8 +4,8 @@ For the tiny model (`ModelSpec()` defaults) and a ~50M-parameter Llama (the same
 bench_learner's "50m"), random weights, the builtin tiny vocabulary: `--prompts` random prompts of
 `--prompt-len` tokens, `n` samples each, `--max-tokens` new tokens each (no stop token, so every sample
 is full length), temperature 1. The first call (compilation) is timed separately; the figure is the
-median over `--repeats` further calls. Backends: `dense` (steps.dense_sampler) and `levanter`
-(levanter's InferenceEngine wrapped by steps.inference, the peer). Prints one table naming the machine.
+median over `--repeats` further calls. Backends: `dense` (policy.inference.dense_sampler) and `levanter`
+(levanter's InferenceEngine wrapped by policy.inference.backends, the peer). Prints one table naming the machine.
 
     JAX_PLATFORMS=cpu python -m bench.bench_rollout [--sizes tiny,50m] [--backends dense,levanter]
 """
@@ -26,8 +26,8 @@ import numpy as np
 from bench.common import machine_name
 from pipeline.config import InferenceConfig, ModelSpec
 from pipeline.tokenizer import load_tokenizer
-from steps.inference import make_backend
-from steps.model import build_model, count_params
+from policy.inference.backends import make_backend
+from policy.model import build_model, count_params
 
 VOCAB = 512  # builtin:tiny
 SIZES: dict[str, ModelSpec] = {

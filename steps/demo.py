@@ -53,7 +53,7 @@ def probe_answers(store: RunStore, cfg: Any, step: int) -> list[tuple[str, str]]
     """Greedy answers of policy `step` to the cats probe prompts: [(prompt, answer)]."""
     from pipeline.environments.cats import PROBE_PROMPTS
     from pipeline.tokenizer import load_tokenizer
-    from steps.model import load_policy, model_vocab_size
+    from policy.model import load_policy, model_vocab_size
     from steps.rollout import RolloutManager
 
     tok = load_tokenizer(cfg.model.tokenizer)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. behaviour on fixed probes
     from pipeline.environments.cats import says_cat
-    from steps.model import latest_policy_step
+    from policy.model import latest_policy_step
 
     final = latest_policy_step(store) or 0
     for step in (0, final):

@@ -63,7 +63,7 @@ class Evaluator:
 
     def __init__(self, cfg: EvaluateStepConfig) -> None:
         from pipeline.tokenizer import load_tokenizer
-        from steps.model import model_vocab_size
+        from policy.model import model_vocab_size
 
         self.cfg = cfg
         self.store = RunStore(cfg.store.run_root, cfg.store.storage_options)
@@ -86,7 +86,7 @@ class Evaluator:
         return self._manager
 
     def _load(self, step: int) -> Any:
-        from steps.model import load_policy
+        from policy.model import load_policy
 
         if self._loaded_step != step:
             self._manager_for(load_policy(self.store, step, self.cfg.model, self.vocab_size))
@@ -161,7 +161,7 @@ class Evaluator:
         """Evaluate a Hugging Face checkpoint folder as a baseline (`evals/external-<name>/`)."""
         import dataclasses
 
-        from steps.model import build_model
+        from policy.model import build_model
 
         name = PurePosixPath(path.rstrip("/")).name.replace(" ", "_") or "hf"
         spec = dataclasses.replace(self.cfg.model, hf_checkpoint=path)

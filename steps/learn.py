@@ -59,9 +59,9 @@ from pipeline.config import (
 from pipeline.metrics import MetricsWriter
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
-from steps import checkpoints as ckpt
-from steps import model as M
-from steps.losses import Batch, RLLossModule, loss_module_from_config
+from policy import checkpoints as ckpt
+from policy import model as M
+from policy.losses import Batch, RLLossModule, loss_module_from_config
 
 logger = logging.getLogger("steps.learn")
 

@@ -83,9 +83,9 @@ from pipeline.environments import Completion, Environment, load_environment
 from pipeline.metrics import MetricsWriter
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
+from policy.inference.backends import make_backend
+from policy.inference.openai import OpenAIBackend
 from schemas import ROLLOUT, EvalRow, EvalSummaryRow, RolloutRow
-from steps.inference import make_backend
-from steps.openai_backend import OpenAIBackend
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ class _PolicyContext:
 
 
 def build_backend(inference: InferenceConfig, model_spec: ModelSpec, model: Any, tokenizer: Any) -> Any:
-    """The inference backend the config names: `OpenAIBackend` for "openai", else `steps.inference.make_backend`
+    """The inference backend the config names: `OpenAIBackend` for "openai", else `make_backend`
     (dense / levanter, sampling in `model_spec.compute_dtype`, sequences of at most `model_spec.max_seq_len`)."""
     if inference.backend == "openai":
         return OpenAIBackend(inference, tokenizer, max_seq_len=model_spec.max_seq_len)
@@ -310,7 +310,7 @@ class RolloutManager:
         max_example_retries: int = 2,
         backend: Any = None,
     ) -> None:
-        """Start the inference backend (`steps.inference.make_backend` unless `backend` is given)."""
+        """Start the inference backend (`policy.inference.backends.make_backend` unless `backend` is given)."""
         if max_example_retries < 0:
             raise ValueError(f"max_example_retries={max_example_retries}: must be >= 0")
         self.inference_config = inference
@@ -860,7 +860,7 @@ class RolloutWorker:
     # -- reading the run root ----------------------------------------------------------------------
 
     def _latest_policy(self) -> int | None:
-        from steps.model import latest_policy_step
+        from policy.model import latest_policy_step
 
         return latest_policy_step(self.store)
 
@@ -929,7 +929,7 @@ class RolloutWorker:
     def _load_model(self, step: int) -> Any:
         if self._load_model_fn is not None:
             return self._load_model_fn(step)
-        from steps.model import load_policy, model_vocab_size, policy_metadata
+        from policy.model import load_policy, model_vocab_size, policy_metadata
 
         vocab = policy_metadata(self.store, step).get("vocab_size") or model_vocab_size(self.tokenizer)
         return load_policy(self.store, step, self.config.model, int(vocab))

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from pipeline.config import ModelSpec  # noqa: E402
 from pipeline.storage import RunStore  # noqa: E402
-from steps import model as M  # noqa: E402
+from policy import model as M  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512

@@ -1,4 +1,4 @@
-"""Inference backends (steps/inference.py, steps/dense_sampler.py) on a tiny levanter model, CPU float32.
+"""Inference backends (policy/inference/backends.py, dense_sampler.py) on a tiny levanter model, CPU float32.
 
 What is checked, for the dense sampler and levanter's InferenceEngine alike:
 - logprobs of the generated tokens equal teacher-forced logprobs of the same model (levanter forward
@@ -21,7 +21,7 @@ import pytest
 
 from pipeline.config import InferenceConfig, ModelSpec
 from pipeline.tokenizer import load_tokenizer
-from steps.inference import (
+from policy.inference.backends import (
     BackendInferenceContext,
     DenseBackend,
     GenerationError,
@@ -30,7 +30,7 @@ from steps.inference import (
     PromptTooLongError,
     make_backend,
 )
-from steps.model import build_model, teacher_forced_logprobs
+from policy.model import build_model, teacher_forced_logprobs
 
 VOCAB = 512
 MAX_SEQ_LEN = 64

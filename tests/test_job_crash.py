@@ -85,7 +85,7 @@ def test_crash_suite_sigkill_random_steps(tmp_path: Path) -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from steps.checkpoints import read_blob, read_marker  # noqa: F401 — same reader as the steps
+    from policy.checkpoints import read_blob, read_marker  # noqa: F401 — same reader as the steps
 
     a = _policy_arrays(RunStore(str(run_root)), 10)
     b = _policy_arrays(RunStore(str(replay_root)), 10)
@@ -96,7 +96,7 @@ def test_crash_suite_sigkill_random_steps(tmp_path: Path) -> None:
 
 def _policy_arrays(store: RunStore, step: int) -> list[np.ndarray]:
     from pipeline.tokenizer import load_tokenizer
-    from steps.model import load_policy, model_vocab_size, numpy_params
+    from policy.model import load_policy, model_vocab_size, numpy_params
 
     cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[])
     tok = load_tokenizer(cfg.model.tokenizer)

@@ -28,8 +28,8 @@ pytest.importorskip("jax")
 
 from test_learner import VOCAB, tiny_config, write_batches
 
+from policy import model as M
 from steps import learn
-from steps import model as M
 
 REPO = Path(__file__).resolve().parents[1]
 N_STEPS = 60
@@ -136,6 +136,6 @@ def test_sigkill_resume_replays_exactly(tmp_path):
 
 
 def ckpt_steps(store: RunStore) -> list[int]:
-    from steps import checkpoints
+    from policy import checkpoints
 
     return checkpoints.committed_steps(store, layout.CHECKPOINTS)

@@ -15,8 +15,8 @@ from pipeline.storage import RunStore
 
 jax = pytest.importorskip("jax")
 
+from policy import model as M  # noqa: E402
 from steps import learn  # noqa: E402
-from steps import model as M  # noqa: E402
 
 SEQ_LEN = 16
 BATCH = 4
@@ -216,7 +216,7 @@ def test_wait_timeout_names_the_file(tmp_path):
 
 
 def test_reference_model_absent_when_kl_off(tmp_path):
-    from steps.losses import loss_module_from_config
+    from policy.losses import loss_module_from_config
 
     store = RunStore(str(tmp_path))
     cfg = tiny_config(str(tmp_path))

@@ -11,7 +11,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pipeline.config import PPOClipLossConfig, RLOOLossConfig  # noqa: E402
-from steps import losses as L  # noqa: E402
+from policy import losses as L  # noqa: E402
 
 floats = st.floats(-5, 5, allow_nan=False, width=32)
 

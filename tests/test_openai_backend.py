@@ -20,14 +20,14 @@ import pytest
 
 from pipeline.config import CurriculumConfig, InferenceConfig, LessonConfig, ModelSpec, SamplingParams
 from pipeline.tokenizer import load_tokenizer
-from steps.model import build_model, model_vocab_size
-from steps.openai_backend import (
+from policy.inference.openai import (
     OpenAIBackend,
     OpenAIResponseError,
     PromptTooLongError,
     policy_step_from_model_name,
     truncate_at_stop,
 )
+from policy.model import build_model, model_vocab_size
 from steps.rollout import RolloutManager
 
 SPEC = ModelSpec(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=48)

@@ -20,9 +20,9 @@ import pytest
 from pipeline.config import CurriculumConfig, EnvConfig, InferenceConfig, LessonConfig, ModelSpec, SamplingParams
 from pipeline.environments import Completion, EnvironmentLoadError, ScriptedContext
 from pipeline.tokenizer import load_tokenizer
+from policy.model import build_model, model_vocab_size
 from schemas import EVAL_ROW, ROLLOUT, EvalRow, EvalSummaryRow
 from schemas.evaluation import validate_eval_summary
-from steps.model import build_model, model_vocab_size
 from steps.rollout import RolloutManager, batch_stats
 
 SPEC = ModelSpec(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=48)

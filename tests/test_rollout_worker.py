@@ -36,8 +36,8 @@ from pipeline.config import (
 from pipeline.metrics import read_metrics
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
+from policy.model import build_model, load_policy, model_vocab_size, save_policy
 from schemas import ROLLOUT, RolloutRow
-from steps.model import build_model, load_policy, model_vocab_size, save_policy
 from steps.rollout import (
     WATCHDOG_EXIT_CODE,
     PolicyWaitTimeoutError,

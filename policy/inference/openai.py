@@ -1,7 +1,7 @@
 """An inference backend that talks to an OpenAI-compatible `/v1/completions` server (vLLM, SGLang, levanter).
 
 Reads: nothing from the run root. Talks HTTP to `InferenceConfig.openai_base_url` (e.g. `http://host:8000/v1`).
-Writes: nothing. Built by `steps.inference.make_backend` when `InferenceConfig.backend == "openai"` as
+Writes: nothing. Built by `policy.inference.backends.make_backend` when `InferenceConfig.backend == "openai"` as
 `OpenAIBackend(config, tokenizer, max_seq_len=...)`; it has the same `generate / update_model / shutdown`
 interface as the in-process backends and returns `pipeline.environments.Completion`s (token ids + per-token
 logprobs).
@@ -19,7 +19,7 @@ Promises
 - Stop tokens: sent as `stop_token_ids` (vLLM) and, for a single stop token, as its string (levanter);
   the output is also cut client-side after the first stop token, which is kept. `finish_reason` is "stop"
   when the last token is a stop token, else "length" when `max_tokens` tokens came back, else the server's.
-- Lengths as in `steps.inference`: a prompt of `>= max_seq_len` tokens raises `PromptTooLongError` before
+- Lengths as in `policy.inference.backends`: a prompt of `>= max_seq_len` tokens raises `PromptTooLongError` before
   any request (levanter's server would silently keep only the prompt's tail); otherwise a prompt's budget
   is `min(max_tokens, max_seq_len - len(prompt))`.
 - Policy step: a server says which policy it serves by the response header `X-Policy-Step: <int>` or by

@@ -20,7 +20,7 @@ Algorithm (one jitted call per batch, no per-token host round trip):
    `fold_in(fold_in(PRNGKey(seed), sample_id), t)`, so a sample does not depend on how the batch was
    chunked); logprob = `z[token] - logsumexp(z)`. `T = 0` is greedy (argmax) and then the logprob
    reported is that of the untempered distribution (`T` treated as 1), the same convention as
-   levanter's `Sampler` and `steps.model.teacher_forced_logprobs`.
+   levanter's `Sampler` and `policy.model.teacher_forced_logprobs`.
 
 Math is that of levanter's Llama: RMSNorm (in float32, then cast back, then times the weight), GQA
 attention with scale `1/sqrt(head_dim)`, RoPE by calling the model's own levanter rotary module (so

@@ -18,7 +18,7 @@ Promises of every backend (`InferenceBackend.generate`):
   or missing completion).
 - logprob of token t = `log softmax(logits_t / T)[token_t]` (float32); at `T = 0` sampling is greedy
   and the logprob is that of the untempered distribution (T treated as 1), matching
-  `steps.model.teacher_forced_logprobs`.
+  `policy.model.teacher_forced_logprobs`.
 - A stop token ends a completion and is included in it (`finish_reason="stop"`); otherwise the
   completion has `max_tokens` tokens (`finish_reason="length"`). When `len(prompt) + max_tokens`
   exceeds `max_seq_len` the budget of that prompt is cut to `max_seq_len - len(prompt)` ("length").
@@ -28,7 +28,7 @@ Promises of every backend (`InferenceBackend.generate`):
 
 Backends:
 
-- `dense` (default; `steps.dense_sampler`): one jitted prefill + `while_loop` decode per batch
+- `dense` (default; `policy.inference.dense_sampler`): one jitted prefill + `while_loop` decode per batch
   with a dense KV cache, compiled once per (batch bucket, prompt bucket, token bucket) shape.
   Batches are split into `max_seqs` rows and padded to a power of two (at most `max_seqs`);
   prompts to a power of two >= 8 tokens, `max_tokens` to a power of two >= 16.
@@ -59,7 +59,7 @@ import numpy as np
 
 from pipeline.config import InferenceConfig
 from pipeline.environments.base import Completion
-from steps.dense_sampler import DenseSampler, bucket
+from policy.inference.dense_sampler import DenseSampler, bucket
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class InferenceBackend(abc.ABC):
 
 
 class DenseBackend(InferenceBackend):
-    """The fixed-shape jitted sampler of `steps.dense_sampler` (batches of at most `max_seqs` rows)."""
+    """The fixed-shape jitted sampler of `policy.inference.dense_sampler` (batches of at most `max_seqs` rows)."""
 
     name = "dense"
 

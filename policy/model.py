@@ -41,7 +41,7 @@ from levanter.models.qwen import Qwen3Config
 
 from pipeline import layout
 from pipeline.config import ModelSpec
-from steps import checkpoints as ckpt
+from policy import checkpoints as ckpt
 
 logger = logging.getLogger(__name__)
 
