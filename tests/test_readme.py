@@ -19,9 +19,10 @@ SHARED = {"store", "model", "train", "optimizer", "loss", "curriculum", "inferen
 
 
 def field_docs() -> dict[str, dict[str, str]]:
-    """Attribute docstrings (the string right after a field) per class of pipeline/config.py."""
+    """Attribute docstrings (the string right after a field) per class of the pipeline/config package."""
     docs: dict[str, dict[str, str]] = {}
-    for node in ast.parse((ROOT / "pipeline/config.py").read_text()).body:
+    nodes = [n for f in sorted((ROOT / "pipeline/config").glob("*.py")) for n in ast.parse(f.read_text()).body]
+    for node in nodes:
         if isinstance(node, ast.ClassDef):
             d = {}
             for st, nxt in zip(node.body, node.body[1:], strict=False):

@@ -1,0 +1,212 @@
+"""Sampling parameters, environments, lessons and the curriculum DAG."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config.base import ConfigError, require
+
+# ---------------------------------------------------------------------------------------
+# sampling and curriculum
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How rollouts are sampled from an environment."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    n_prompts: int = 8
+    """Prompts (examples) per rollout write."""
+    n_generations_per_prompt: int = 4
+    """Completions per prompt: the RLOO/GRPO group size."""
+    max_tokens: int = 32
+    """Maximum new tokens per completion (per turn in multi-turn environments)."""
+    stop_tokens: tuple[int, ...] | None = None
+    """Token ids that end a completion (the stop token is kept in the output); None: the tokenizer's EOS."""
+
+    def __post_init__(self) -> None:
+        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        require(self.n_prompts >= 1, "n_prompts", self.n_prompts, "must be >= 1")
+        require(
+            self.n_generations_per_prompt >= 1,
+            "n_generations_per_prompt",
+            self.n_generations_per_prompt,
+            "must be >= 1",
+        )
+        require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """An environment named by dotted class path plus keyword arguments."""
+
+    env_class: str = "pipeline.environments.cats.CatsEnv"
+    """Dotted path `package.module.Class` of an `Environment` subclass."""
+    env_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the class."""
+
+    def __post_init__(self) -> None:
+        require(
+            "." in self.env_class and not self.env_class.startswith("."),
+            "env_class",
+            self.env_class,
+            "must be a dotted path like 'package.module.ClassName'",
+        )
+
+
+@dataclass(frozen=True)
+class LessonDependency:
+    """A lesson unlocks only when `dependency_id` reached `reward_threshold` and plateaued."""
+
+    dependency_id: str
+    reward_threshold: float = 0.8
+
+    def __post_init__(self) -> None:
+        require(bool(self.dependency_id), "dependencies.dependency_id", self.dependency_id, "must be non-empty")
+        require(
+            0.0 <= self.reward_threshold <= 1.0,
+            f"dependencies.{self.dependency_id}.reward_threshold",
+            self.reward_threshold,
+            "must be in [0, 1]",
+        )
+
+
+@dataclass(frozen=True)
+class LessonConfig:
+    """One lesson of the curriculum."""
+
+    lesson_id: str
+    env: EnvConfig = field(default_factory=EnvConfig)
+    dependencies: list[LessonDependency] = field(default_factory=list)
+    start_threshold: float = 0.0
+    """Eval success needed before an unlocked lesson becomes active (is sampled for training)."""
+    stop_threshold: float = 1.0
+    """Eval success at which a plateaued lesson graduates (stops being sampled, except the floor)."""
+    plateau_window: int = 50
+    """Number of most recent rewards the plateau regression looks at."""
+    plateau_threshold: float = 0.01
+    """|slope| × window below which the lesson counts as plateaued."""
+    sampling_params: SamplingParams | None = None
+    """Per-lesson training sampling; None: the curriculum's default."""
+    eval_sampling_params: SamplingParams | None = None
+    """Per-lesson evaluation sampling; None: the curriculum's eval default."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.lesson_id), "lesson_id", self.lesson_id, "must be non-empty")
+        from pipeline.layout import check_component
+
+        try:
+            check_component(self.lesson_id, "lesson_id")  # it names eval files
+        except ValueError as e:
+            raise ConfigError(f"lessons.{self.lesson_id}.lesson_id", self.lesson_id, str(e)) from None
+        for name in ("start_threshold", "stop_threshold"):
+            v = getattr(self, name)
+            require(0.0 <= v <= 1.0, f"lessons.{self.lesson_id}.{name}", v, "must be in [0, 1]")
+        require(
+            self.plateau_window >= 2,
+            f"lessons.{self.lesson_id}.plateau_window",
+            self.plateau_window,
+            "must be >= 2",
+        )
+        require(
+            self.plateau_threshold >= 0.0,
+            f"lessons.{self.lesson_id}.plateau_threshold",
+            self.plateau_threshold,
+            "must be >= 0",
+        )
+
+
+@dataclass(frozen=True)
+class CurriculumConfig:
+    """Lessons, their dependency DAG, and how often they are evaluated."""
+
+    lessons: dict[str, LessonConfig] = field(default_factory=dict)
+    eval_frequency: int = 10
+    """Full evaluation of every lesson every this many policy steps (0: never)."""
+    eval_n_examples: int = 16
+    micro_eval_frequency: int = 0
+    """Micro-evaluation of the sampled lesson every this many rollout writes (0: never). Logged only."""
+    micro_eval_n_examples: int = 4
+    minimum_sample_probability: float = 0.02
+    """Floor of every active or graduated lesson's sampling probability (graduated lessons get exactly this)."""
+    default_sampling: SamplingParams = field(default_factory=SamplingParams)
+    eval_sampling: SamplingParams = field(
+        default_factory=lambda: SamplingParams(temperature=0.0, n_prompts=16, n_generations_per_prompt=1)
+    )
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(len(self.lessons) > 0, "curriculum.lessons", self.lessons, "must hold at least one lesson")
+        for key, lesson in self.lessons.items():
+            require(
+                key == lesson.lesson_id,
+                f"curriculum.lessons.{key}.lesson_id",
+                lesson.lesson_id,
+                f"must equal its key {key!r}",
+            )
+            for dep in lesson.dependencies:
+                require(
+                    dep.dependency_id in self.lessons,
+                    f"curriculum.lessons.{key}.dependencies",
+                    dep.dependency_id,
+                    "names an unknown lesson",
+                )
+        cycle = find_cycle({k: [d.dependency_id for d in v.dependencies] for k, v in self.lessons.items()})
+        if cycle:
+            raise ConfigError(
+                f"curriculum.lessons.{cycle[0]}.dependencies",
+                cycle[0],
+                "dependency cycle: " + " -> ".join(cycle),
+            )
+        require(
+            0.0 <= self.minimum_sample_probability * len(self.lessons) <= 1.0,
+            "curriculum.minimum_sample_probability",
+            self.minimum_sample_probability,
+            "times the number of lessons must be in [0, 1]",
+        )
+        roots = sorted(k for k, v in self.lessons.items() if not v.dependencies)
+        require(
+            any(self.lessons[k].start_threshold == 0.0 for k in roots),
+            "curriculum.lessons",
+            {k: self.lessons[k].start_threshold for k in roots},
+            "some lesson without dependencies must have start_threshold 0, or nothing can be sampled before the "
+            "first evaluation",
+        )
+
+    def sampling_for(self, lesson_id: str) -> SamplingParams:
+        """Training sampling params of a lesson (its override or the default)."""
+        return self.lessons[lesson_id].sampling_params or self.default_sampling
+
+    def eval_sampling_for(self, lesson_id: str) -> SamplingParams:
+        """Evaluation sampling params of a lesson (its override or the eval default)."""
+        return self.lessons[lesson_id].eval_sampling_params or self.eval_sampling
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """A dependency cycle as a node list that starts and ends at the same node, or None."""
+    color: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        color[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, []):
+            if color.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if color.get(nxt, 0) == 0:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        color[node] = 2
+        return None
+
+    for n in sorted(graph):
+        if color.get(n, 0) == 0:
+            found = visit(n)
+            if found:
+                return found
+    return None

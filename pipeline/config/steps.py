@@ -1,0 +1,196 @@
+"""Per-step configs (what `RLJob.to_worker_configs()` produces; each step's `main()` takes one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config.base import ConfigError, require
+from pipeline.config.curriculum import CurriculumConfig, LessonConfig
+from pipeline.config.model import InferenceConfig, ModelSpec
+from pipeline.config.train import LossConfig, OptimizerSpec, RLOOLossConfig, TrainParams
+
+# ---------------------------------------------------------------------------------------
+# per-step configs (what RLJob.to_worker_configs() produces; each step's main() takes one)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where the run root lives."""
+
+    run_root: str = "runs/demo"
+    """A local folder, file://, memory:// or gs://bucket/prefix."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options (e.g. gcsfs `endpoint_url`, `token`)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.run_root), "run_root", self.run_root, "must be non-empty")
+
+
+@dataclass(frozen=True)
+class BatchMakerStepConfig:
+    """`python -m steps.make_batches`."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    train: TrainParams = field(default_factory=TrainParams)
+    curriculum: CurriculumConfig | None = None
+    """When set, the BatchMaker also folds and publishes curriculum state (the one writer)."""
+    follow: bool = False
+    """Run until the learner reaches num_train_steps or control/STOP appears."""
+    max_batches: int | None = None
+    """Bounded mode: write at most this many batches, then exit (a rerun continues)."""
+    poll_interval_s: float = 0.2
+    """Seconds between listings while waiting for rollout files or for the learner."""
+    read_ahead: int = 2
+    """Rollout files read and verified in background threads ahead of the one being ingested (0: none)."""
+    write_behind: bool = True
+    """Write slot T's batch files and log entry from a background thread while slot T+1 is gathered."""
+    late_sweep_folders: int = 2
+    """Policy folders below the scan window listed per slot to find late files (0: none; the final slot: all)."""
+    lease_ttl_s: float = 30.0
+    """The BatchMaker lease expires this long after its last renewal; another maker may then take over."""
+    holder_id: str | None = None
+    """Lease holder name; None: host-pid."""
+    lease_take_over_own: bool = False
+    """Take the lease over at once from a live epoch held under this same holder_id (its process is known dead)."""
+
+    def __post_init__(self) -> None:
+        require(self.read_ahead >= 0, "read_ahead", self.read_ahead, "must be >= 0")
+        require(self.poll_interval_s > 0, "poll_interval_s", self.poll_interval_s, "must be > 0")
+        require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0")
+        require(self.late_sweep_folders >= 0, "late_sweep_folders", self.late_sweep_folders, "must be >= 0")
+
+
+TRACKER_TYPES = ("none", "json", "tensorboard", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class TrackerConfig:
+    """An optional experiment tracker for the learner's per-step metrics, through levanter's trackers (the run
+    root's metrics files and `make report` need none)."""
+
+    type: str = "none"
+    """'none'; 'json' (levanter's JSON-lines logger, into the learner's log); 'tensorboard' (event files); 'wandb'."""
+    logdir: str | None = None
+    """Local folder for tensorboard / wandb files; None: `<run root>/trackers` for a local run root, else ./trackers."""
+    name: str | None = None
+    """Run name in the tracker; None: the run root's last path component."""
+    project: str = "rlpipe"
+    """wandb project."""
+    mode: str = "offline"
+    """wandb mode: 'offline' (files only; `wandb sync` uploads them later), 'online' or 'disabled'."""
+
+    def __post_init__(self) -> None:
+        require(self.type in TRACKER_TYPES, "tracker.type", self.type, f"must be one of {TRACKER_TYPES}")
+        require(self.mode in WANDB_MODES, "tracker.mode", self.mode, f"must be one of {WANDB_MODES}")
+
+
+@dataclass(frozen=True)
+class LearnerStepConfig:
+    """`python -m steps.learn`."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    train: TrainParams = field(default_factory=TrainParams)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    loss: LossConfig = field(default_factory=RLOOLossConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    policy_interval: int = 1
+    """Publish a policy every this many steps (and at step 0 and the last step)."""
+    checkpoint_interval: int = 10
+    """Write a full training checkpoint every this many steps (and at the last step)."""
+    keep_checkpoints: int = 2
+    """Full checkpoints kept (older ones are garbage collected); policies are all kept."""
+    max_steps: int | None = None
+    """Bounded mode: train at most this many steps in this process, then exit."""
+    batch_wait_timeout_s: float = 600.0
+    """Fail loudly, naming the file, when the next batch has not appeared in this long."""
+    poll_interval_s: float = 0.2
+    """Seconds between checks for the next batch."""
+
+    def __post_init__(self) -> None:
+        require(self.policy_interval >= 1, "policy_interval", self.policy_interval, "must be >= 1")
+        require(self.checkpoint_interval >= 1, "checkpoint_interval", self.checkpoint_interval, "must be >= 1")
+        require(
+            self.train.seq_len <= self.model.max_seq_len,
+            "train.seq_len",
+            self.train.seq_len,
+            f"must be <= model.max_seq_len ({self.model.max_seq_len})",
+        )
+
+
+@dataclass(frozen=True)
+class RolloutStepConfig:
+    """`python -m steps.rollout`."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    curriculum: CurriculumConfig = field(
+        default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
+    )
+    train: TrainParams = field(default_factory=TrainParams)
+    worker_id: str = "worker0"
+    """Names this worker's rollout files (`<worker_id>.<instance>-<seq>`) and metrics; one path component."""
+    follow: bool = True
+    """Keep sampling until the learner finishes or control/STOP appears (else stop at a bound)."""
+    max_rollouts: int | None = None
+    """Bounded mode: stop after writing this many rollout rows."""
+    max_seconds: float | None = None
+    """Bounded mode: stop after this long."""
+    max_steps_ahead: int = 1
+    """Pause while rollouts from the current policy already cover this many unconsumed batches."""
+    poll_interval_s: float = 0.2
+    """Seconds between checks for a newer policy while paused."""
+    weight_load_timeout_s: float = 300.0
+    """Watchdog: a policy load or model update taking longer ends the process loudly (the runner restarts it)."""
+    generation_timeout_s: float = 600.0
+    """Watchdog for one generation call (and one micro-evaluation)."""
+    write_timeout_s: float = 120.0
+    """Watchdog for writing and committing one rollout file."""
+    wait_for_policy_timeout_s: float = 600.0
+    """Fail, naming the marker waited for, when no committed policy appears in this long."""
+    max_example_retries: int = 2
+    """An example whose environment call failed is re-drawn (a replacement example) up to this many times."""
+    seed: int = 0
+    """Seeds example choice (mixed with the start time, so restarted workers do not repeat their draws)."""
+
+    def __post_init__(self) -> None:
+        from pipeline.layout import check_component
+
+        try:
+            check_component(self.worker_id, "worker_id")
+        except ValueError as e:
+            raise ConfigError("worker_id", self.worker_id, str(e)) from None
+
+
+@dataclass(frozen=True)
+class EvaluateStepConfig:
+    """`python -m steps.evaluate`."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    curriculum: CurriculumConfig = field(
+        default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
+    )
+    steps: list[int] = field(default_factory=list)
+    """Policy steps to evaluate."""
+    all: bool = False
+    """Evaluate every committed policy."""
+    follow: bool = False
+    """Evaluate each new policy as it appears, until the learner finishes or control/STOP."""
+    hf_checkpoint: str | None = None
+    """Evaluate an external HF checkpoint folder as a baseline (written under evals/external-<name>)."""
+    force: bool = False
+    """Re-evaluate what is already there."""
+    n_examples: int | None = None
+    """Examples per lesson; None: curriculum.eval_n_examples."""
+    stop_after_step: int | None = None
+    """Follow mode: exit once this policy step (the last of training) is evaluated."""
+    poll_interval_s: float = 1.0
+    """Follow mode: seconds between checks for new policies."""
+    seed: int = 0
+    """Seeds example choice per lesson: every policy is scored on the same examples."""

@@ -1,0 +1,177 @@
+"""Training parameters: BatchMaker/learner shared `train`, the optimizer and the registered loss modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import draccus
+
+from pipeline.config.base import require
+
+# ---------------------------------------------------------------------------------------
+# batching (TrainParams)
+# ---------------------------------------------------------------------------------------
+
+ADVANTAGE_ESTIMATORS = ("rloo", "grpo", "dr_grpo")
+OVERLONG_RULES = ("truncate", "drop")
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    """What the BatchMaker and the learner agree on: batch shape, staleness, reuse."""
+
+    num_train_steps: int = 100
+    batch_size: int = 32
+    """Rows per batch (with packing, a row holds several rollouts)."""
+    seq_len: int = 128
+    """Tokens per batch row (prompt + response, padded)."""
+    pad_multiple: int = 1
+    """Batch rows are padded to a multiple of this many tokens (<= seq_len)."""
+    pack: bool = False
+    """Pack several rollouts per row with segment ids."""
+    max_lag: int = 1
+    """A rollout from policy P is usable in batch T iff 0 <= (T-1) - P <= max_lag (0: on-policy)."""
+    max_batches_ahead: int = 1
+    """The BatchMaker writes batch T only while T <= learner_step + max_batches_ahead."""
+    advantage_estimator: str = "rloo"
+    """One of rloo, grpo, dr_grpo."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (no learning signal)."""
+    no_signal_fill_after: int = 4
+    """With filter_zero_variance: once this many rollout files read for one batch slot had every group filtered
+    (a solved or hopeless task), admit the next files' groups with advantage 0 so the slot fills and the learner
+    keeps stepping (logged; counted in the slot's log entry). 0: never (wait, then fail after max_batch_latency_s)."""
+    replay_buffer_capacity: int = 4096
+    """Maximum rollouts held for sampling; the oldest are dropped (reason: evicted) beyond it."""
+    replay_buffer_alpha: float = 3.0
+    """Recency bias: sampling weight ∝ (1 + rank_from_oldest/n)^alpha; 0 is uniform."""
+    max_samples_per_rollout: int = 1
+    """How many batches one rollout may appear in."""
+    max_batch_latency_s: float = 600.0
+    """Longest the BatchMaker waits to fill a batch before failing loudly."""
+    overlong: str = "truncate"
+    """A response longer than fits in seq_len: 'truncate' (recorded) or 'drop' (recorded)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.num_train_steps >= 1, "train.num_train_steps", self.num_train_steps, "must be >= 1")
+        require(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
+        require(self.seq_len >= 2, "train.seq_len", self.seq_len, "must be >= 2")
+        require(
+            1 <= self.pad_multiple <= self.seq_len,
+            "train.pad_multiple",
+            self.pad_multiple,
+            "must be in [1, seq_len]",
+        )
+        require(self.max_lag >= 0, "train.max_lag", self.max_lag, "must be >= 0")
+        require(self.max_batches_ahead >= 1, "train.max_batches_ahead", self.max_batches_ahead, "must be >= 1")
+        require(
+            self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            "train.advantage_estimator",
+            self.advantage_estimator,
+            f"must be one of {ADVANTAGE_ESTIMATORS}",
+        )
+        require(
+            self.replay_buffer_capacity >= self.batch_size,
+            "train.replay_buffer_capacity",
+            self.replay_buffer_capacity,
+            "must be >= batch_size",
+        )
+        require(self.replay_buffer_alpha >= 0, "train.replay_buffer_alpha", self.replay_buffer_alpha, "must be >= 0")
+        require(
+            self.max_samples_per_rollout >= 1,
+            "train.max_samples_per_rollout",
+            self.max_samples_per_rollout,
+            "must be >= 1",
+        )
+        require(
+            self.no_signal_fill_after >= 0,
+            "train.no_signal_fill_after",
+            self.no_signal_fill_after,
+            "must be >= 0 (0: never fill)",
+        )
+        require(self.max_batch_latency_s > 0, "train.max_batch_latency_s", self.max_batch_latency_s, "must be > 0")
+        require(self.overlong in OVERLONG_RULES, "train.overlong", self.overlong, f"must be one of {OVERLONG_RULES}")
+
+
+# ---------------------------------------------------------------------------------------
+# learner: optimizer and loss modules
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW with warmup and cosine decay."""
+
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    epsilon: float = 1e-8
+    warmup_steps: int = 0
+    min_lr_ratio: float = 1.0
+    """Final LR as a fraction of learning_rate (1.0: constant after warmup)."""
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.learning_rate > 0, "optimizer.learning_rate", self.learning_rate, "must be > 0")
+        require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
+        require(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class LossConfig(draccus.ChoiceRegistry):
+    """A registered RL loss module, chosen once from config (`type: rloo` or `type: ppo`)."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model; 0 builds no reference model at all."""
+    kl_estimator: str = "k3"
+    """k1 (log ratio), k2 (squared log ratio / 2) or k3 (ratio - 1 - log ratio, non-negative)."""
+    aggregation: str = "token"
+    """'token': mean over all loss tokens of the batch; 'sequence': mean over sequences of per-sequence means."""
+
+    def __post_init__(self) -> None:
+        require(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0")
+        require(self.kl_estimator in KL_ESTIMATORS, "loss.kl_estimator", self.kl_estimator, f"one of {KL_ESTIMATORS}")
+        require(self.aggregation in AGGREGATIONS, "loss.aggregation", self.aggregation, f"one of {AGGREGATIONS}")
+
+    @classmethod
+    def default_choice_name(cls) -> str | None:
+        return "rloo"
+
+
+@LossConfig.register_subclass("rloo")
+@dataclass(frozen=True)
+class RLOOLossConfig(LossConfig):
+    """RLOO advantages with a PPO-style clipped importance ratio (clip-higher)."""
+
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 - ε_low."""
+    clip_high: float = 0.28
+    """ε_high: the ratio is clipped above at 1 + ε_high (clip-higher)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight each token by min(π_learner_old/π_sampler, cap); None: off."""
+    overlong_filter: bool = False
+    """Zero the loss of truncated responses (overlong filtering)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in [0, 1)")
+        require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
+        require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap", self.tis_cap, "must be >= 1 or null")
+
+
+@LossConfig.register_subclass("ppo")
+@dataclass(frozen=True)
+class PPOClipLossConfig(LossConfig):
+    """Plain PPO-clip with a symmetric clip range."""
+
+    clip_epsilon: float = 0.2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 < self.clip_epsilon < 1, "loss.clip_epsilon", self.clip_epsilon, "must be in (0, 1)")
