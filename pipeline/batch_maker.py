@@ -67,6 +67,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline import staleness
 from pipeline.advantages import estimator_for
 from pipeline.config import ConfigError, TrainParams
 from schemas.batch import BATCH
@@ -82,9 +83,8 @@ _LIST_COLUMNS = ("response_tokens", "response_logprobs", "token_rewards", "respo
 
 
 def lag_allowed(slot: int, policy_step: int, max_lag: int) -> bool:
-    """DESIGN §4 staleness: a rollout of policy P may be in batch T iff 0 <= (T-1) - P <= max_lag."""
-    lag = (slot - 1) - policy_step
-    return 0 <= lag <= max_lag
+    """A rollout of policy P may be in batch T iff 0 <= (T-1) - P <= max_lag (`pipeline.staleness`)."""
+    return staleness.allowed(slot, policy_step, max_lag)
 
 
 def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -496,7 +496,7 @@ class BatchMaker:
         future = ok & (policy > latest_policy)
         reason[future] = "future_policy"
         detail[future] = f"newest published policy is {latest_policy}"
-        low = slot - 1 - self.params.max_lag
+        low = staleness.oldest_allowed_policy(slot, self.params.max_lag)
         stale = (reason != "malformed") & (reason != "future_policy") & (policy < low)
         reason[stale] = "stale"
         detail[stale] = f"lag > max_lag {self.params.max_lag} for batch {slot}"
@@ -619,7 +619,7 @@ class BatchMaker:
 
     def drop_stale(self, slot: int) -> int:
         """Drop live rows too old for batch `slot` (and hence every later slot); return how many."""
-        low = slot - 1 - self.params.max_lag
+        low = staleness.oldest_allowed_policy(slot, self.params.max_lag)
         n = 0
         for c in self._chunks:
             if c.policy_step < low:
@@ -823,7 +823,7 @@ class BatchMaker:
             ],
             schema=BATCH.arrow_schema(),
         )
-        lag = (slot - 1) - seg_pol
+        lag = staleness.lags(slot, seg_pol)
         n_tokens = int(seg_len.sum())
         n_loss = int(loss_mask.sum())
         stats: dict[str, Any] = {

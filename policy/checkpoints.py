@@ -34,7 +34,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from pipeline import layout
+from pipeline import layout, run_state
 
 logger = logging.getLogger(__name__)
 
@@ -177,21 +177,5 @@ def read_blob(store: _Store, folder: str, record: dict[str, Any], name: str) -> 
 
 
 def committed_steps(store: _Store, root: str) -> list[int]:
-    """Steps under `root` (`policies` or `checkpoints`) whose COMMITTED marker exists, ascending.
-
-    Listing plus marker existence is the truth; pointers such as LATEST are only hints.
-    """
-    candidates: set[int] = set()
-    for rel in store.list(root):
-        name = rel.rstrip("/").split("/")
-        for part in name:
-            if part.startswith("step-"):
-                try:
-                    candidates.add(layout.parse_step(part))
-                except ValueError:
-                    pass
-    steps = []
-    for s in sorted(candidates):
-        if store.exists(layout.join(root, layout.step_name(s), layout.COMMIT_MARKER)):
-            steps.append(s)
-    return steps
+    """Steps under `root` (`policies` or `checkpoints`) whose COMMITTED marker exists, ascending."""
+    return run_state.committed_steps(store, root)

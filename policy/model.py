@@ -39,7 +39,7 @@ from levanter.models.llama import LlamaConfig
 from levanter.models.lm_model import LmHeadModel
 from levanter.models.qwen import Qwen3Config
 
-from pipeline import layout
+from pipeline import layout, run_state
 from pipeline.config import ModelSpec
 from policy import checkpoints as ckpt
 
@@ -222,8 +222,7 @@ def policy_metadata(store: Any, step: int) -> dict[str, Any]:
 
 def latest_policy_step(store: Any) -> int | None:
     """Newest policy step with a commit marker, by listing (LATEST is only a hint); None if none."""
-    steps = ckpt.committed_steps(store, layout.POLICIES)
-    return steps[-1] if steps else None
+    return run_state.latest_policy_step(store)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ from typing import Any
 import draccus
 import pyarrow as pa
 
-from pipeline import layout
+from pipeline import layout, run_state
 from pipeline.batch_maker import BatchMaker, BatchResult
 from pipeline.config import BatchMakerStepConfig, ConfigError
 from pipeline.curriculum import CurriculumWriter
@@ -159,38 +159,12 @@ def config_hash(config: BatchMakerStepConfig) -> str:
 
 
 def learner_step(store: RunStore) -> int | None:
-    """The newest policy step with a COMMITTED marker (listing is the truth), or None before policy 0."""
-    steps = []
-    for p in store.list(layout.POLICIES):
-        try:
-            steps.append(layout.parse_step(p.rsplit("/", 1)[-1]))
-        except ValueError:
-            continue
-    for s in sorted(steps, reverse=True):
-        if store.exists(layout.policy_marker(s)):
-            return s
-    return None
+    """The newest committed policy step, or None before policy 0."""
+    return run_state.latest_policy_step(store)
 
 
-def last_committed_slot(store: RunStore) -> int:
-    """The highest committed batch slot (0 if none). Logs an error if the slots are not contiguous from 1."""
-    slots = sorted(layout.parse_step(p) for p in store.list(layout.BATCH_LOG) if p.endswith(".json"))
-    if slots and slots != list(range(1, len(slots) + 1)):
-        logger.error("batch log slots are not contiguous from 1: %s", slots[:20])
-    return slots[-1] if slots else 0
-
-
-def rollout_folders(store: RunStore, low: int = 0) -> list[int]:
-    """Policy steps P >= low that have a rollouts/step-P folder."""
-    out = []
-    for p in store.list(layout.ROLLOUTS):
-        try:
-            step = layout.parse_step(p.rsplit("/", 1)[-1])
-        except ValueError:
-            continue
-        if step >= low:
-            out.append(step)
-    return sorted(out)
+last_committed_slot = run_state.last_committed_slot
+rollout_folders = run_state.rollout_folders
 
 
 def folder_of(path: str) -> int:

@@ -1,0 +1,50 @@
+"""The one way a step waits for something to appear under the run root."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class WaitTimeout(TimeoutError):
+    """Nothing appeared in time; the message says what was awaited, for how long, and which setting bounds it."""
+
+
+def poll_until(
+    condition: Callable[[], T | None],
+    *,
+    timeout_s: float,
+    what: str | Callable[[], str],
+    interval_s: float = 0.05,
+    setting: str | None = None,
+    on_wait: Callable[[], None] | None = None,
+    progress: Callable[[], object] | None = None,
+) -> tuple[T, float]:
+    """Call `condition` until it returns something other than None/False; return (that value, seconds waited).
+
+    `on_wait` runs before each sleep (renew a lease, check a stop file: it may raise to abort the wait).
+    With `progress`, the timeout restarts whenever `progress()` changes. Raises `WaitTimeout` naming `what`
+    (and `setting`, the config field that bounds the wait) after `timeout_s` without success or progress.
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    last = progress() if progress is not None else None
+    while True:
+        value = condition()
+        if value is not None and value is not False:
+            return value, time.monotonic() - t0
+        now = time.monotonic()
+        if progress is not None:
+            p = progress()
+            if p != last:
+                last, deadline = p, now + timeout_s
+        if now > deadline:
+            desc = what() if callable(what) else what
+            bound = f" (> {setting}={timeout_s})" if setting else f" (> {timeout_s}s)"
+            raise WaitTimeout(f"waited {now - t0:.1f}s{bound} for {desc}")
+        if on_wait is not None:
+            on_wait()
+        time.sleep(interval_s)

@@ -1,0 +1,63 @@
+"""What a run root says about the run's progress, in one place: the newest committed policy, the newest
+committed batch slot, the policy folders that hold rollouts, and whether the root is on local disk.
+
+Listing plus marker existence is the truth; pointers such as `policies/LATEST` are only hints.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pipeline import layout
+
+logger = logging.getLogger(__name__)
+
+
+def is_local(root: str) -> bool:
+    """Whether a run root (path or URL) is on local disk (no scheme, `file://` or `local://`)."""
+    scheme = root.split("://", 1)[0] if "://" in root else None
+    return scheme in (None, "file", "local")
+
+
+def step_folders(store: Any, root: str) -> list[int]:
+    """Steps S of the `root/step-S` folders that exist under `root` (committed or not), ascending."""
+    steps: set[int] = set()
+    for rel in store.list(root):
+        for part in rel.rstrip("/").split("/"):
+            if part.startswith("step-"):
+                try:
+                    steps.add(layout.parse_step(part))
+                except ValueError:
+                    pass
+    return sorted(steps)
+
+
+def committed_steps(store: Any, root: str) -> list[int]:
+    """Steps under `root` (`policies` or `checkpoints`) whose COMMITTED marker exists, ascending."""
+    return [
+        s
+        for s in step_folders(store, root)
+        if store.exists(layout.join(root, layout.step_name(s), layout.COMMIT_MARKER))
+    ]
+
+
+def latest_policy_step(store: Any) -> int | None:
+    """The newest committed policy step, or None before policy 0 is published."""
+    for s in reversed(step_folders(store, layout.POLICIES)):
+        if store.exists(layout.policy_marker(s)):
+            return s
+    return None
+
+
+def last_committed_slot(store: Any) -> int:
+    """The highest committed batch slot (0 if none). Logs an error if the slots are not contiguous from 1."""
+    slots = sorted(layout.parse_step(p) for p in store.list(layout.BATCH_LOG) if p.endswith(".json"))
+    if slots and slots != list(range(1, len(slots) + 1)):
+        logger.error("batch log slots are not contiguous from 1: %s", slots[:20])
+    return slots[-1] if slots else 0
+
+
+def rollout_folders(store: Any, low: int = 0) -> list[int]:
+    """Policy steps P >= `low` that have a `rollouts/step-P` folder, ascending."""
+    return [s for s in step_folders(store, layout.ROLLOUTS) if s >= low]
