@@ -53,7 +53,7 @@ Batch row layout (schemas.BatchRow): segment k of a row holds `prompt ++ respons
   here), `temperatures`, `policy_steps`, `rollout_ids`, `source_files` (the lineage).
 - every row is exactly `seq_len` tokens (one static shape for the learner's jit); `seq_len` must be a
   multiple of `pad_multiple` (checked when the BatchMaker is built: ConfigError naming the field).
-- `reference_logprobs` is null: the learner computes reference logprobs on demand (seed 003).
+- `reference_logprobs` is null: the learner computes reference logprobs itself, on demand.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ _LIST_COLUMNS = ("response_tokens", "response_logprobs", "token_rewards", "respo
 
 
 def lag_allowed(slot: int, policy_step: int, max_lag: int) -> bool:
-    """DESIGN §4 staleness: a rollout of policy P may be in batch T iff 0 <= (T-1) - P <= max_lag."""
+    """Staleness rule: a rollout of policy P may be in batch T iff its lag 0 <= (T-1) - P <= max_lag."""
     lag = (slot - 1) - policy_step
     return 0 <= lag <= max_lag
 
