@@ -64,8 +64,15 @@ typecheck: setup ## mypy on pipeline/ and schemas/
 bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo
 	$(PY) -m bench.run_all $(ARGS)
 
+# bench-gpu runs with the machine's own python3 (a GPU machine has the project's wheels installed, no .venv).
+# BENCH_PYTHONPATH: folders put first on PYTHONPATH (e.g. where the wheels were installed with pip --target);
+# DEVICE_COMPAT=1: call `device_compat.install()` (a module on that path) before JAX starts. Both empty by default.
+BENCH_PYTHONPATH ?=
+DEVICE_COMPAT ?=
+
 bench-gpu: ## GPU benchmark (run on the GPU machine; see docs/benchmarks.md)
-	PYTHONPATH=/tmp/site:.device:$$PYTHONPATH JAX_PLATFORMS= python3 -m bench.bench_gpu --device-compat $(ARGS)
+	$(if $(BENCH_PYTHONPATH),PYTHONPATH=$(BENCH_PYTHONPATH):$$PYTHONPATH) JAX_PLATFORMS= $(PYTHON) -m bench.bench_gpu \
+		$(if $(DEVICE_COMPAT),--device-compat) $(ARGS)
 
 run: setup ## Run a whole job (CONFIG=configs/….yaml RUN=…): learner, BatchMaker, rollout workers, evaluator
 	$(PY) -m steps.run --config_path $(CONFIG) --run_root $(RUN) $(ARGS)

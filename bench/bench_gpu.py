@@ -21,13 +21,15 @@ Shapes: `1b` = Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, vocab 128256, t
 layer shape with 4 layers (per-layer efficiency of the 8B shape within one GPU's memory); `--tiny` runs a
 small shape on CPU as a smoke test.
 
-Run on the GPU machine (JAX with CUDA, no levanter, no network), from the project root, after
-`bash ../shared/device/fetch-wheels.sh .whl` and `cp -r ../shared/device .device` here (both travel with
-the working tree):
+Run on the GPU machine (JAX with CUDA), from the project root, with the project's dependencies installed
+there (`pip install` of the project, or of its locked wheels, into that machine's python3):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:.device:$PYTHONPATH JAX_PLATFORMS= python3 -m bench.bench_gpu --device-compat
+    JAX_PLATFORMS= python3 -m bench.bench_gpu --shapes 1b,8b-l4 --json docs/bench_gpu.json
     # or: make bench-gpu ARGS="--shapes 1b,8b-l4 --json docs/bench_gpu.json"
+
+Wheels installed elsewhere (`pip install --target DIR`): `make bench-gpu BENCH_PYTHONPATH=DIR`. A machine whose
+JAX needs a driver shim can provide a `device_compat` module with an `install()` function on that path and pass
+`--device-compat` (`make bench-gpu DEVICE_COMPAT=1`).
 
 CPU smoke test: `JAX_PLATFORMS=cpu python -m bench.bench_gpu --tiny`.
 """
@@ -319,7 +321,7 @@ def bench_learner(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, small sizes")
-    ap.add_argument("--device-compat", action="store_true", help="device_compat.install() before levanter")
+    ap.add_argument("--device-compat", action="store_true", help="call device_compat.install() (on PYTHONPATH) first")
     ap.add_argument("--shapes", default="1b")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)

@@ -9,8 +9,8 @@ rollout file); without it the whole array is one group.
 Promises, for every estimator and every group:
 - a group of one gets advantage 0 (no baseline to compare with);
 - a group whose rewards are all equal gets advantage 0;
-- no random noise is added (seed 003's jitter is deliberately dropped: equal-reward groups are
-  filtered by the BatchMaker with a recorded reason instead);
+- no random noise is added (no jitter to break ties: equal-reward groups are filtered by the
+  BatchMaker with a recorded reason instead);
 - RLOO and Dr.GRPO advantages sum to zero within each group; GRPO advantages too (up to float
   rounding), being mean-centred.
 

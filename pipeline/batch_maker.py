@@ -53,7 +53,7 @@ Batch row layout (schemas.BatchRow): segment k of a row holds `prompt ++ respons
   here), `temperatures`, `policy_steps`, `rollout_ids`, `source_files` (the lineage).
 - every row is exactly `seq_len` tokens (one static shape for the learner's jit); `seq_len` must be a
   multiple of `pad_multiple` (checked when the BatchMaker is built: ConfigError naming the field).
-- `reference_logprobs` is null: the learner computes reference logprobs on demand (seed 003).
+- `reference_logprobs` is null: the learner computes reference logprobs itself, on demand.
 """
 
 from __future__ import annotations

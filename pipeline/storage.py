@@ -3,7 +3,7 @@
 One `RunStore` wraps one run root: a local path, `file://…`, `memory://…` or `gs://bucket/…`.
 Every path the API takes or returns is relative to that root and uses '/'.
 
-Promises (see ../shared/STORAGE.md for the measurements behind them):
+Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storage.py::TestGcsfsFacts):
 
 - `put_unique(rel, data)`: after it returns, `rel` holds exactly `data`; no reader ever sees a
   partial object. Local: temp file in the same folder, fsync, `os.replace`, fsync the folder.

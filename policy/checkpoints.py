@@ -10,7 +10,7 @@ Format (no pickle anywhere):
 Why safetensors through the RunStore rather than levanter's tensorstore checkpoints: every write goes
 through the same atomic `put_unique` / `put_if_absent` primitives as the rest of the run root, so the
 same code works on local disk, `memory://`, gs:// and the GCS emulator (storage_options included);
-the marker can list sizes and sha256 checksums of every byte it commits (STORAGE.md protocol §4);
+the marker can list sizes and sha256 checksums of every byte it commits (a reader verifies them);
 and the files are plain safetensors readable by any tool. The price: one file per pytree, written
 from host memory, which is fine up to a few billion parameters on one host; multi-host sharded
 training would switch to tensorstore (levanter.checkpoint) behind the same marker.

@@ -1,4 +1,5 @@
-"""Batch rows: the learner's complete input for one step (seed 004's `RlExample` plus lineage).
+"""Batch rows: the learner's complete input for one step (tokens, loss mask, advantages and the
+sampler's logprobs per token, plus lineage).
 
 A batch file `batches/…/step-T` holds exactly `batch_size` rows of fixed length
 `seq_len`. With packing, one row holds several segments: `segment_ids` numbers them

@@ -1,5 +1,5 @@
 """The rollout step: a RolloutWorker (coordination, storage, weight sync) around a RolloutManager (inference,
-environments, rollout generation, evaluation), after seed 000's split.
+environments, rollout generation, evaluation).
 
 Reads
     policies/step-S/COMMITTED (+ weights)    the newest committed policy (listing is the truth; never backwards)
@@ -49,7 +49,7 @@ Watchdogs: weight load, generation and write each run under a `Watchdog` thread 
 line naming the phase and limit and ends the process with `os._exit(WATCHDOG_EXIT_CODE)` (3): a hung JAX or
 network call cannot be interrupted from Python, and the job runner restarts the step.
 
-Task semantics (seed 002): generation is atomic per `sample_batch` call: `update_model` waits for a running
+Task semantics: generation is atomic per `sample_batch` call: `update_model` waits for a running
 call to finish, so no rollout mixes weights; every row carries the step the call started with. With an
 external server (`openai` backend) that reports a different policy step during one call, the whole call is
 re-rolled. An example that fails is retried (a fresh example of the same lesson is drawn, since environments
@@ -121,7 +121,7 @@ METRICS: dict[str, str] = {
 
 @dataclass(frozen=True)
 class RolloutMetadata:
-    """Who sampled a batch, when, and with which policy step (seed 000's metadata)."""
+    """Who sampled a batch, when, and with which policy step."""
 
     worker_id: str
     timestamp: float
@@ -176,7 +176,7 @@ class RolloutBatch:
 
 @dataclass(frozen=True)
 class RolloutBatchStats:
-    """Summary of a batch (what seed 000 calls RolloutBatchStats); a pure function of the batch."""
+    """Summary of a batch; a pure function of the batch."""
 
     lesson_id: str
     policy_step: int
@@ -293,7 +293,7 @@ def build_backend(inference: InferenceConfig, model_spec: ModelSpec, model: Any,
 class RolloutManager:
     """Inference lifecycle, the policy model, environments, rollout generation and evaluation.
 
-    Stateless in `weight_step` and `worker_id` (seed 000): they are arguments of every call and end up in
+    Stateless in `weight_step` and `worker_id`: they are arguments of every call and end up in
     the returned metadata and rows. Usable on its own (offline evaluation, tests): no storage, no weight
     sync. Thread-safe: sampling calls and `update_model` are serialised by one lock, so a sampling call
     never mixes two models.
@@ -505,7 +505,7 @@ class RolloutManager:
             served = ctx.served_steps
             call_step = next(iter(served)) if len(served) == 1 else weight_step
             if len(served) > 1 or (step is not None and result.groups and call_step != step):
-                # Seed 002's re-rollout: results from two policies are never mixed.
+                # Re-roll the whole call: results from two policies are never mixed.
                 earlier = "" if step is None else f"; earlier attempts of this call: {step}"
                 reason = f"policy changed during sampling (server reported steps {sorted(served)}{earlier})"
                 logger.warning("lesson %s: %s; re-rolling %d examples", lesson_id, reason, remaining)

@@ -1,4 +1,11 @@
-"""Run-root invariants every end-to-end and crash test checks (STORAGE.md I1–I5), from files alone."""
+"""Run-root invariants every end-to-end and crash test checks, from files alone.
+
+- I1 reuse limit: no rollout is in more than `max_samples_per_rollout` committed batches;
+- I2 batch slots are contiguous from 1;
+- I3 every batch log entry's data file (and dropped file) exists and reads with its schema;
+- I4 every committed rollout is accounted for: used or dropped with a reason (never both), or still usable by
+  the next slot, or in a file committed after the BatchMaker's last scans began.
+"""
 
 from __future__ import annotations
 
@@ -64,7 +71,7 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
                 rollouts[rid] = p
             if path in ingested:
                 continue
-            # I5: every scan for the final slot started after slot last-2 was committed (the BatchMaker writes slot
+            # I4: every scan for the final slot started after slot last-2 was committed (the BatchMaker writes slot
             # T-1 while it gathers T), so an unread file committed later may be legitimately unseen; an older one
             # must still be usable (the policy check below), e.g. left on disk because the batch was full.
             scans_began = entry_time[last - 2] if last >= 3 else float("-inf")

@@ -1,7 +1,7 @@
 """Crash test: SIGKILL the real `python -m steps.make_batches` at random points while rollout files keep
 arriving and a simulated learner consumes slots; restart it each time; then check the invariants.
 
-Invariants checked (STORAGE.md I1-I3 for the BatchMaker):
+Invariants checked (I1-I3 of tests/invariants.py, for the BatchMaker):
 - slots are contiguous from 1, each log entry's data file exists and matches its size and sha256, has
   batch_size rows, and its dropped file exists; lease epochs never go backwards along the slots;
 - no rollout row is in more than max_samples_per_rollout committed batches, none is dropped twice, and a

@@ -1,4 +1,4 @@
-"""RolloutManager on its own (seed 000's standalone test): a tiny real model, no storage, no weight sync.
+"""RolloutManager on its own (standalone, as offline evaluation uses it): a tiny real model, no storage, no weight sync.
 
 Also: bad input (unknown environment class, missing data file, prompts longer than max_seq_len, a calculator
 tool call with malformed arguments), retries of failing examples, and the re-roll of a call during which an
@@ -74,7 +74,7 @@ def manager(tokenizer: Any, model: Any, tmp_path_factory: pytest.TempPathFactory
 
 
 def test_standalone_manager_batch_carries_given_weight_step_and_worker(manager: RolloutManager) -> None:
-    """Seed 000: no storage, no weight sync; metadata carries weight_step=100 and the worker id."""
+    """Standalone: no storage, no weight sync; metadata carries weight_step=100 and the worker id."""
     batch, metrics = manager.sample_batch("cats", 2, 2, "train", np.random.default_rng(0), 100, "test-worker")
     assert batch is not None
     assert batch.metadata.weight_step == 100

@@ -1,5 +1,5 @@
 """RunStore conformance over local disk, file://, memory:// and a real fake-gcs-server, plus the gcsfs
-facts the commit protocol rests on (../shared/STORAGE.md)."""
+facts the commit protocol rests on (TestGcsfsFacts)."""
 
 from __future__ import annotations
 
@@ -496,7 +496,7 @@ def test_gcs_lost_ack_resolved_by_reading_back(store_factory: Any) -> None:
 
 
 class TestGcsfsFacts:
-    """Measured gcsfs/emulator behaviour the protocol depends on; if one changes, revisit STORAGE.md."""
+    """Measured gcsfs/emulator behaviour the protocol depends on; if one changes, revisit RunStore's promises."""
 
     def test_pipe_create_raises_on_existing_small_object(self, store_factory: Any) -> None:
         fs, p = store_factory("gs").fs, store_factory("gs").full_path("f/a")

@@ -1,4 +1,5 @@
-"""Environments: the protocol (`base`) and the built-in environments.
+"""Environments: the protocol (`base`), loading from config (`loading`), a scripted context for tests
+(`scripted`) and the built-in environments.
 
 Built in (import by dotted path in `EnvConfig.env_class`):
 `pipeline.environments.cats.CatsEnv`, `pipeline.environments.arithmetic.ArithmeticEnv`,
@@ -16,13 +17,13 @@ from pipeline.environments.base import (
     InferenceContext,
     SampleResult,
     Score,
-    ScriptedContext,
     SingleTurnEnvironment,
     Tokenizer,
-    load_environment,
     rollout_from_completion,
     token_rewards_for,
 )
+from pipeline.environments.loading import load_environment
+from pipeline.environments.scripted import ScriptedContext
 
 __all__ = [
     "Completion",

@@ -1,9 +1,10 @@
 """The environment protocol: sample prompts, ask the policy through an inference context, score, group.
 
 An `Environment` is named in config by a dotted class path plus keyword arguments (`EnvConfig`) and
-built by `load_environment`. `Environment.sample` returns a `SampleResult`: one `EnvGroup` per example
-that fully succeeded (all `n_generations` rollouts of one prompt, for RLOO/GRPO), one `ExampleFailure`
-per example that did not (with a reason; the caller may retry), and a flat metrics dict.
+built by `load_environment` (in `pipeline.environments.loading`). `Environment.sample` returns a
+`SampleResult`: one `EnvGroup` per example that fully succeeded (all `n_generations` rollouts of one
+prompt, for RLOO/GRPO), one `ExampleFailure` per example that did not (with a reason; the caller may
+retry), and a flat metrics dict.
 
 Per-token contract of `EnvRollout` (it maps 1:1 onto `schemas.RolloutRow`): `response_tokens`,
 `response_logprobs`, `token_rewards` and `response_loss_mask` have one entry per response token;
@@ -12,24 +13,20 @@ output), which carry logprob 0.0. Unless an environment gives per-token rewards,
 sits on the last policy token (`token_rewards_for`).
 
 `SingleTurnEnvironment` implements `sample` for prompt -> one completion -> score tasks; subclasses
-provide the example streams and the scoring function. Nothing here imports JAX.
+provide the example streams and the scoring function. `ScriptedContext` (`pipeline.environments.scripted`)
+is an inference context answering from scripted texts, for tests. Nothing here imports JAX.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from pipeline.config import EnvConfig
 
 logger = logging.getLogger(__name__)
 
@@ -435,134 +432,3 @@ class SingleTurnEnvironment(Environment):
             success=lambda r: r.info.get("success", 0.0) > 0,
         )
         return SampleResult(groups, failures, metrics)
-
-
-# ---------------------------------------------------------------------------------------
-# loading
-# ---------------------------------------------------------------------------------------
-
-
-def import_object(path: str) -> Any:
-    """Import `package.module.Name`; raise ImportError/AttributeError naming the missing part."""
-    module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ImportError(f"{path!r} is not a dotted path like 'package.module.Name'")
-    module = importlib.import_module(module_name)
-    if not hasattr(module, attr):
-        raise AttributeError(f"module {module_name!r} has no attribute {attr!r}")
-    return getattr(module, attr)
-
-
-def load_environment(cfg: EnvConfig) -> Environment:
-    """Build the environment `cfg.env_class(**cfg.env_args)`.
-
-    Raises EnvironmentLoadError naming `cfg.env_class` and the cause: unknown module, unknown class,
-    not an `Environment` subclass, keyword arguments the constructor does not accept, or any error the
-    constructor raised (e.g. a missing data file, named in the message).
-    """
-    path = cfg.env_class
-    module_name, _, cls_name = path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise EnvironmentLoadError(path, f"cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
-    cls = getattr(module, cls_name, None)
-    if cls is None:
-        raise EnvironmentLoadError(path, f"module {module_name!r} has no attribute {cls_name!r}")
-    if not (inspect.isclass(cls) and issubclass(cls, Environment)):
-        raise EnvironmentLoadError(path, f"{cls!r} is not a subclass of pipeline.environments.Environment")
-    if inspect.isabstract(cls):
-        raise EnvironmentLoadError(path, "class is abstract")
-    args = dict(cfg.env_args)
-    try:
-        inspect.signature(cls).bind(**args)
-    except TypeError as e:
-        raise EnvironmentLoadError(path, f"bad env_args {sorted(args)}: {e}") from e
-    try:
-        return cls(**args)
-    except Exception as e:
-        raise EnvironmentLoadError(path, f"constructor failed: {type(e).__name__}: {e}") from e
-
-
-# ---------------------------------------------------------------------------------------
-# a scripted inference context (a test double of the external inference engine)
-# ---------------------------------------------------------------------------------------
-
-Script = Callable[[str], str]
-
-
-class ScriptedContext:
-    """An `InferenceContext` answering from scripted texts, for unit tests of environments' scoring.
-
-    `script` is a list of response texts consumed in order (one per requested completion, cycling) or a
-    function of the decoded prompt (prompt + earlier turns). Each text is encoded, EOS appended, then cut
-    like a real engine: at the first stop token (kept; finish 'stop') or at `max_tokens` (finish 'length').
-    Logprobs are `logprob` per token. `fail` (an exception) is raised by every `generate` call. Calls are
-    recorded in `calls` as (prompts, kwargs).
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        script: Sequence[str] | Script,
-        *,
-        logprob: float = -1.0,
-        fail: Exception | None = None,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.script = script
-        self.logprob = logprob
-        self.fail = fail
-        self.calls: list[tuple[list[list[int]], dict[str, Any]]] = []
-        self._next = 0
-
-    def _text(self, prompt_text: str) -> str:
-        if callable(self.script):
-            return self.script(prompt_text)
-        texts = list(self.script)
-        text = texts[self._next % len(texts)]
-        self._next += 1
-        return text
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int,
-        temperature: float,
-        max_tokens: int,
-        stop_tokens: Sequence[int] | None,
-        seed: int,
-    ) -> list[list[Completion]]:
-        self.calls.append(
-            (
-                [list(p) for p in prompts],
-                {
-                    "n": n,
-                    "temperature": temperature,
-                    "max_tokens": max_tokens,
-                    "stop_tokens": stop_tokens,
-                    "seed": seed,
-                },
-            )
-        )
-        if self.fail is not None:
-            raise self.fail
-        stop = effective_stop_tokens(self.tokenizer, stop_tokens)
-        eos = self.tokenizer.eos_token_id
-        out: list[list[Completion]] = []
-        for p in prompts:
-            prompt_text = str(self.tokenizer.decode(list(p)))
-            comps = []
-            for _ in range(n):
-                toks = [int(t) for t in self.tokenizer.encode(self._text(prompt_text))] + [int(eos)]
-                finish = "length"
-                for i, t in enumerate(toks):
-                    if t in stop:
-                        toks, finish = toks[: i + 1], "stop"
-                        break
-                if len(toks) > max_tokens:
-                    toks, finish = toks[:max_tokens], "length"
-                comps.append(Completion(toks, [self.logprob] * len(toks), finish))
-            out.append(comps)
-        return out

@@ -218,6 +218,58 @@ class _Episode:
     done: bool = False
 
 
+@dataclass(frozen=True)
+class _Sampling:
+    """The generation settings of one `sample` call."""
+
+    n_generations: int
+    temperature: float
+    max_tokens: int
+    stop_tokens: list[int]
+
+
+def _generate_turn(
+    ctx: InferenceContext,
+    turn: int,
+    prompts: list[list[int]],
+    active: list[_Episode],
+    sampling: _Sampling,
+    rng: np.random.Generator,
+) -> list[Completion]:
+    """One completion per active episode, in order.
+
+    Turn 0 asks for `n_generations` completions of each prompt (the episodes are ordered example by example,
+    `n_generations` each, and all are active); later turns continue each active episode's transcript once.
+    """
+    if turn == 0:
+        outs = check_completions(
+            ctx.generate(
+                prompts,
+                n=sampling.n_generations,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_tokens,
+                stop_tokens=sampling.stop_tokens,
+                seed=draw_seed(rng),
+            ),
+            len(prompts),
+            sampling.n_generations,
+        )
+        return [c for per_prompt in outs for c in per_prompt]
+    outs = check_completions(
+        ctx.generate(
+            [prompts[e.example] + e.tokens for e in active],
+            n=1,
+            temperature=sampling.temperature,
+            max_tokens=sampling.max_tokens,
+            stop_tokens=sampling.stop_tokens,
+            seed=draw_seed(rng),
+        ),
+        len(active),
+        1,
+    )
+    return [per_prompt[0] for per_prompt in outs]
+
+
 class CalculatorEnv(Environment):
     """Arithmetic word-free problems solved with an optional calculator tool (see the module docstring).
 
@@ -291,74 +343,10 @@ class CalculatorEnv(Environment):
         stop = effective_stop_tokens(tok, stop_tokens)
         close_ids = _encode_plain(tok, CALL_CLOSE)
         gen_stop = sorted(stop | ({close_ids[0]} if len(close_ids) == 1 else set()))
-        failures: list[ExampleFailure] = []
-        exprs: list[str] = []
-        prompts: list[list[int]] = []
-        for expr in self.problems(n_examples, rng, mode):
-            prompt = encode_prompt(tok, self.prompt_template.format(expr=expr), add_bos=self.add_bos)
-            if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
-                failures.append(
-                    ExampleFailure(
-                        expr,
-                        f"prompt has {len(prompt)} tokens > max_prompt_tokens={self.max_prompt_tokens}",
-                    )
-                )
-                continue
-            exprs.append(expr)
-            prompts.append(prompt)
+        sampling = _Sampling(n_generations, temperature, max_tokens, gen_stop)
+        exprs, prompts, failures = self._encode_problems(tok, self.problems(n_examples, rng, mode))
         episodes = [_Episode(example=i) for i in range(len(exprs)) for _ in range(n_generations)]
-        failed: set[int] = set()
-        for turn in range(self.max_turns):
-            active = [e for e in episodes if not e.done and e.example not in failed]
-            if not active:
-                break
-            try:
-                if turn == 0:
-                    outs = check_completions(
-                        ctx.generate(
-                            prompts,
-                            n=n_generations,
-                            temperature=temperature,
-                            max_tokens=max_tokens,
-                            stop_tokens=gen_stop,
-                            seed=draw_seed(rng),
-                        ),
-                        len(prompts),
-                        n_generations,
-                    )
-                    comps = [c for per_prompt in outs for c in per_prompt]
-                else:
-                    outs = check_completions(
-                        ctx.generate(
-                            [prompts[e.example] + e.tokens for e in active],
-                            n=1,
-                            temperature=temperature,
-                            max_tokens=max_tokens,
-                            stop_tokens=gen_stop,
-                            seed=draw_seed(rng),
-                        ),
-                        len(active),
-                        1,
-                    )
-                    comps = [per_prompt[0] for per_prompt in outs]
-            except Exception as e:  # every example of this batch fails with the reason
-                logger.warning("calculator: generation failed in turn %d: %r", turn, e)
-                for ex in sorted({a.example for a in active}):
-                    failed.add(ex)
-                    failures.append(ExampleFailure(exprs[ex], f"generation error in turn {turn}: {e!r}"))
-                break
-            for ep, comp in zip(active, comps, strict=True):
-                try:
-                    self._advance(tok, ep, comp, stop, last_turn=turn == self.max_turns - 1)
-                except Exception as e:  # a malformed completion fails its example only
-                    if ep.example not in failed:
-                        failed.add(ep.example)
-                        failures.append(
-                            ExampleFailure(
-                                exprs[ep.example],
-                                f"bad completion in turn {turn}: {e!r}",
-                            )
-                        )
+        failed = self._play(ctx, exprs, prompts, episodes, sampling, stop, rng, failures)
         groups: list[EnvGroup] = []
         for i, expr in enumerate(exprs):
             if i in failed:
@@ -373,6 +361,68 @@ class CalculatorEnv(Environment):
             success=lambda r: r.episode_reward >= 1.0,
         )
         return SampleResult(groups, failures, metrics)
+
+    def _encode_problems(
+        self, tok: Any, problems: Sequence[str]
+    ) -> tuple[list[str], list[list[int]], list[ExampleFailure]]:
+        """(expressions, their prompt tokens, failures): a prompt longer than `max_prompt_tokens` fails its example."""
+        failures: list[ExampleFailure] = []
+        exprs: list[str] = []
+        prompts: list[list[int]] = []
+        for expr in problems:
+            prompt = encode_prompt(tok, self.prompt_template.format(expr=expr), add_bos=self.add_bos)
+            if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+                failures.append(
+                    ExampleFailure(
+                        expr,
+                        f"prompt has {len(prompt)} tokens > max_prompt_tokens={self.max_prompt_tokens}",
+                    )
+                )
+                continue
+            exprs.append(expr)
+            prompts.append(prompt)
+        return exprs, prompts, failures
+
+    def _play(
+        self,
+        ctx: InferenceContext,
+        exprs: list[str],
+        prompts: list[list[int]],
+        episodes: list[_Episode],
+        sampling: _Sampling,
+        stop: set[int],
+        rng: np.random.Generator,
+        failures: list[ExampleFailure],
+    ) -> set[int]:
+        """Play every episode turn by turn, at most `max_turns`; returns the indices of the examples that failed.
+
+        Each failed example gets one `ExampleFailure` appended to `failures`: a generation error fails every
+        example of that generation batch, a malformed completion fails its own example only.
+        """
+        failed: set[int] = set()
+
+        def fail(example: int, why: str) -> None:
+            if example not in failed:
+                failed.add(example)
+                failures.append(ExampleFailure(exprs[example], why))
+
+        for turn in range(self.max_turns):
+            active = [e for e in episodes if not e.done and e.example not in failed]
+            if not active:
+                break
+            try:
+                comps = _generate_turn(ctx, turn, prompts, active, sampling, rng)
+            except Exception as e:  # every example of this batch fails with the reason
+                logger.warning("calculator: generation failed in turn %d: %r", turn, e)
+                for ex in sorted({a.example for a in active}):
+                    fail(ex, f"generation error in turn {turn}: {e!r}")
+                break
+            for ep, comp in zip(active, comps, strict=True):
+                try:
+                    self._advance(ctx.tokenizer, ep, comp, stop, last_turn=turn == self.max_turns - 1)
+                except Exception as e:  # a malformed completion fails its example only
+                    fail(ep.example, f"bad completion in turn {turn}: {e!r}")
+        return failed
 
     def _advance(
         self,

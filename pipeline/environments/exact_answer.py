@@ -27,8 +27,8 @@ from pipeline.environments.base import (
     Score,
     SingleTurnEnvironment,
     check_mode,
-    import_object,
 )
+from pipeline.environments.loading import import_object
 
 Verifier = Callable[[str, str], "float | bool"]
 

@@ -1,0 +1,49 @@
+"""One self-contained HTML report of a run, built from the run root alone (no tracker needed).
+
+Reads (all relative to the run root, any fsspec URL: local path, file://, gs://, memory://):
+    run.json                               run config excerpt for the summary table
+    metrics/{learner,batchmaker,rollout}/*.jsonl   metrics records (pipeline.metrics)
+    evals/*/<lesson>.summary.parquet       evaluation summaries (schemas.EVAL_SUMMARY): per checkpoint
+                                           (step-S) and of external baselines (external-<name>)
+    batches/log/step-T.json                committed batch slots; the data and dropped files they name
+    batches/data/*.parquet                 only the `rollout_ids` lineage column of committed batches
+    batches/dropped/*.parquet              rollouts dropped by the BatchMaker (schemas.dropped.DROPPED)
+    curriculum/state-T.json                the newest readable state's "events" (every change so far)
+    quarantine/*.json                      how many files were set aside
+
+Writes `<out>/index.html` with every plot embedded as a base64 PNG (the page alone is the whole
+report), and the same PNGs as `<out>/plots/<name>.png` for use elsewhere. The default `<out>` is
+`<run_root>/report` for a local run root and `./report-<run name>` for a remote one (a reader of a
+gs:// run needs no write access to it).
+
+Sections: summary, reward per lesson, evaluation, staleness, throughput, learner idle time,
+rollout fates, curriculum events. A section without data says "no data"; a section whose data is
+malformed says so with the error and the rest of the report is still written.
+
+Run it:
+    python -m pipeline.report RUN_ROOT [--out DIR]      (or `make report RUN=...`)
+
+Modules: `data` reads the run root into `RunData`, `sections` turns it into titled sections with plots
+(`plots` holds the figure and table helpers), `page` renders and writes the HTML, `cli` is the command line.
+"""
+
+from pipeline.report.cli import main
+from pipeline.report.data import METRIC_KINDS, RunData, load_run
+from pipeline.report.page import build_report, default_out_dir, render_html
+from pipeline.report.plots import Plot, Section, fmt
+from pipeline.report.sections import SECTION_TITLES, SECTIONS
+
+__all__ = [
+    "METRIC_KINDS",
+    "SECTIONS",
+    "SECTION_TITLES",
+    "Plot",
+    "RunData",
+    "Section",
+    "build_report",
+    "default_out_dir",
+    "fmt",
+    "load_run",
+    "main",
+    "render_html",
+]
