@@ -39,3 +39,8 @@ def oldest_allowed_policy(slot: int, max_lag: int) -> int:
 def window(slot: int, max_lag: int) -> tuple[int, int]:
     """The inclusive range of policy steps usable in batch slot `slot`: `((slot-1) - max_lag, slot-1)`."""
     return oldest_allowed_policy(slot, max_lag), slot - 1
+
+
+def newest_slot_allowing(policy_step: int, max_lag: int) -> int:
+    """The newest batch slot that may still use rollouts of policy `policy_step`: `policy_step + 1 + max_lag`."""
+    return policy_step + 1 + max_lag

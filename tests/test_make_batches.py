@@ -292,9 +292,9 @@ def test_slot_taken_by_another_maker_is_discarded_and_recovered(
 ) -> None:
     """A maker that built slot 1 while a real step process committed it first loses the slot, keeps no trace of
     its own attempt in the log, and recovers to slot 2 from the winner's entry."""
+    from pipeline.batch_step import Maker, SlotLost, new_slot_log
     from pipeline.config import BatchMakerStepConfig, StoreConfig, TrainParams
     from pipeline.lease import Lease
-    from steps.make_batches import Maker, SlotLost, new_slot_log
 
     root, store = run_root
     for seq in range(2):

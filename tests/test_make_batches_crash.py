@@ -39,7 +39,7 @@ TTL_S = 1.0
 BATCH_SIZE = 4
 MAX_USES = 2
 MAX_LAG = 1
-LATE_SCAN_STEPS = 4  # steps.make_batches.LATE_SCAN_STEPS
+LATE_SCAN_STEPS = 4  # pipeline.batch_step.scan.LATE_SCAN_STEPS
 
 
 def _rows(policy: int, tag: str, rng: np.random.Generator) -> list[RolloutRow]:

@@ -1,0 +1,59 @@
+"""The BatchMaker step's metrics record: one per committed batch, under metrics/batchmaker/."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.batch_maker import BatchResult
+
+METRICS = {
+    "slot": "batch slot T",
+    "n_rollouts": "rollout rows in the batch (segments)",
+    "n_groups": "distinct (file, group) groups in the batch",
+    "staleness_min/mean/max": "(T-1) - policy_step over the batch's rollouts",
+    "mean_reward": "mean episode reward of the batch's rollouts",
+    "advantage_mean/std/abs_mean/min/max": "advantage statistics over the batch's rollouts",
+    "tokens / loss_tokens": "non-padding tokens / tokens with loss_mask 1",
+    "padding_fraction": "1 - tokens / (batch_size * seq_len)",
+    "dropped_<reason>": "rollout rows dropped while building this slot, per reason",
+    "groups_filtered_zero_variance": "groups dropped because all their rewards were equal",
+    "rows_filled_no_signal": "rows admitted with advantage 0 (train.no_signal_fill_after)",
+    "files_ingested": "rollout files first read for this slot",
+    "wait_s / ingest_s / build_s / write_s": "time waiting for the learner or rollouts / reading / building / writing",
+}
+"""The fields of a batchmaker metrics record, with what each measures."""
+
+
+def batch_metrics(batch: BatchResult, log: dict[str, Any]) -> dict[str, Any]:
+    """The metrics record (fields: `METRICS`) of a committed batch and its slot's bookkeeping."""
+    s = batch.stats
+    rec: dict[str, Any] = {
+        "slot": batch.slot,
+        "n_rollouts": s["n_rollouts"],
+        "n_groups": s["n_groups"],
+        "staleness_min": s["lag_min"],
+        "staleness_mean": s["lag_mean"],
+        "staleness_max": s["lag_max"],
+        "mean_reward": s["reward_mean"],
+        "advantage_mean": s["advantage_mean"],
+        "advantage_std": s["advantage_std"],
+        "advantage_abs_mean": s["advantage_abs_mean"],
+        "advantage_min": s["advantage_min"],
+        "advantage_max": s["advantage_max"],
+        "tokens": s["tokens"],
+        "loss_tokens": s["loss_tokens"],
+        "padding_fraction": s["padding_fraction"],
+        "segments_per_row": s["segments_per_row"],
+        "n_truncated": s["n_truncated"],
+        "n_cut_overlong": s["n_cut_overlong"],
+        "files_ingested": len(log["ingested_files"]),
+        "groups_filtered_zero_variance": log["groups_filtered_zero_variance"],
+        "rows_filled_no_signal": log["filled_no_signal"],
+        "wait_s": log["wait_s"],
+        "ingest_s": log["ingest_s"],
+        "build_s": log["build_s"],
+        "write_s": log["write_s"],
+    }
+    for reason, n in log["dropped"].items():
+        rec[f"dropped_{reason}"] = n
+    return rec
