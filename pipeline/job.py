@@ -2,15 +2,14 @@
 
 `RLJobConfig` composes every part of a run (model, tokenizer, optimizer, TrainParams, curriculum,
 loss module, inference, workers, run root). `RLJob(config)` validates the whole tree (field-level
-checks live in each dataclass; cross-field checks here), `to_worker_configs()` gives the per-step
-configs, and `check_run_config()` writes `run.json` once or refuses a run root whose recorded
-contract differs, naming every differing field. The process runner lives in `pipeline.runner`.
+checks live in each dataclass; cross-field checks in `pipeline.config.validate`), `to_worker_configs()` gives
+the per-step configs, and `check_run_config()` writes `run.json` once or refuses a run root whose recorded
+contract differs, naming every differing field. The process runner lives in `pipeline.runner`; where the steps
+run is the `backend` choice (`pipeline.config.backend`, launchers in `pipeline.runners`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -25,8 +24,10 @@ from pipeline.config import (
     CurriculumConfig,
     EvaluateStepConfig,
     InferenceConfig,
+    JobBackendConfig,
     LearnerStepConfig,
     LessonConfig,
+    LocalBackendConfig,
     LossConfig,
     ModelSpec,
     OptimizerSpec,
@@ -35,29 +36,16 @@ from pipeline.config import (
     StoreConfig,
     TrackerConfig,
     TrainParams,
+    validate_job,
 )
 
 logger = logging.getLogger(__name__)
 
 RUN_SCHEMA_VERSION = 1
-BACKENDS = ("local", "ray")
 
 # The fields of run.json that define the run's data contract: a step started with a different
 # value of one of these on the same run root would produce incompatible files.
 CONTRACT_FIELDS = ("model", "train", "optimizer", "loss", "curriculum")
-
-
-@dataclass(frozen=True)
-class StepResources:
-    """Resources per step on the Ray backend (ignored by the local backend)."""
-
-    learner_cpus: float = 1.0
-    learner_gpus: float = 0.0
-    rollout_cpus: float = 1.0
-    rollout_gpus: float = 0.0
-    batches_cpus: float = 0.5
-    evaluate_cpus: float = 0.5
-    evaluate_gpus: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,11 +71,8 @@ class RLJobConfig:
     checkpoint_interval: int = 10
     max_steps_ahead: int = 1
     """Rollout pacing: steps of unconsumed rollouts a worker may be ahead."""
-    backend: str = "local"
-    """'local': steps as local processes; 'ray': steps as Ray tasks on a cluster (`ray_address`)."""
-    ray_address: str | None = None
-    """Ray cluster address for backend 'ray' (None: start or join a local cluster)."""
-    resources: StepResources = field(default_factory=StepResources)
+    backend: JobBackendConfig = field(default_factory=LocalBackendConfig)
+    """Where the steps run: `{type: local}` (child processes) or `{type: ray, address, resources}` (Ray tasks)."""
     max_restarts: int = 5
     """Restarts per step before the job fails."""
     restart_backoff_s: float = 1.0
@@ -95,13 +80,10 @@ class RLJobConfig:
     batch_wait_timeout_s: float = 600.0
     poll_interval_s: float = 0.2
     seed: int = 0
-    run_id: str = "rlpipe"
 
     def __post_init__(self) -> None:
         if self.num_rollout_workers < 1:
             raise ConfigError("num_rollout_workers", self.num_rollout_workers, "must be >= 1")
-        if self.backend not in BACKENDS:
-            raise ConfigError("backend", self.backend, f"must be one of {BACKENDS}")
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", self.max_restarts, "must be >= 0")
 
@@ -166,52 +148,6 @@ class RLJob:
         from pipeline.runner import JobRunner
 
         return JobRunner(self).run()
-
-
-def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
-    """Cross-field checks, before any process starts; raises ConfigError naming the field."""
-    t, cur = c.train, c.curriculum
-    if t.seq_len > c.model.max_seq_len:
-        raise ConfigError("train.seq_len", t.seq_len, f"exceeds model.max_seq_len={c.model.max_seq_len}")
-    needs_groups = t.advantage_estimator in ("rloo", "grpo", "dr_grpo") and t.filter_zero_variance
-    for lesson_id in cur.lessons:
-        sp = cur.sampling_for(lesson_id)
-        if needs_groups and sp.n_generations_per_prompt < 2:
-            raise ConfigError(
-                f"curriculum.lessons.{lesson_id}.sampling_params.n_generations_per_prompt",
-                sp.n_generations_per_prompt,
-                "groups of one have zero advantage and are all filtered: batches could never fill "
-                f"(train.batch_size={t.batch_size}); use >= 2",
-            )
-        if sp.max_tokens >= t.seq_len:
-            raise ConfigError(
-                f"curriculum.lessons.{lesson_id}.sampling_params.max_tokens",
-                sp.max_tokens,
-                f"leaves no room for a prompt in train.seq_len={t.seq_len}",
-            )
-        produced = sp.n_prompts * sp.n_generations_per_prompt * t.max_samples_per_rollout
-        window = (t.max_lag + 1) * c.num_rollout_workers * max(1, c.max_steps_ahead)
-        if not t.pack and produced * window < t.batch_size:
-            raise ConfigError(
-                "train.batch_size",
-                t.batch_size,
-                f"lesson {lesson_id!r}: n_prompts×n_generations×max_samples_per_rollout = {produced} rows per write, "
-                f"and the staleness window (max_lag+1={t.max_lag + 1}) × workers × steps ahead allows {window} writes "
-                "per batch: the batch cannot be filled",
-            )
-    if check_environments:
-        for lesson_id, lesson in cur.lessons.items():
-            _check_importable(f"curriculum.lessons.{lesson_id}.env.env_class", lesson.env.env_class)
-
-
-def _check_importable(field_name: str, dotted: str) -> None:
-    module_name, _, cls_name = dotted.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(field_name, dotted, f"module cannot be imported ({e})") from None
-    if not hasattr(module, cls_name):
-        raise ConfigError(field_name, dotted, f"module {module_name!r} has no class {cls_name!r}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -284,16 +220,3 @@ def check_run_config(store: Any, c: RLJobConfig) -> None:
             f"run root {c.store.run_root} was created with a different config; differing fields:\n  "
             + "\n  ".join(diffs)
         )
-
-
-def job_from_run_root(store: Any) -> RLJobConfig:
-    """The job config recorded in a run root's run.json."""
-    record = json.loads(store.get(layout.RUN_CONFIG))
-    return draccus.decode(RLJobConfig, record["config"])
-
-
-def with_run_root(c: RLJobConfig, run_root: str | None) -> RLJobConfig:
-    """The config with its run root replaced (if given)."""
-    if not run_root:
-        return c
-    return dataclasses.replace(c, store=dataclasses.replace(c.store, run_root=run_root))

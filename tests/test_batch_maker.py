@@ -1,4 +1,4 @@
-"""Unit and property tests of the in-memory BatchMaker (pipeline/batch_maker.py)."""
+"""Unit and property tests of the in-memory BatchMaker (pipeline/batch_maker/)."""
 
 from __future__ import annotations
 

@@ -145,3 +145,39 @@ def test_cli_refuses_bad_config_before_starting_anything(tmp_path: Path) -> None
     assert proc.returncode != 0
     assert "max_lag" in (proc.stderr + proc.stdout)
     assert not (run_root / "run.json").exists()
+
+
+def test_backend_is_a_registered_choice_with_its_own_fields() -> None:
+    from pipeline.config import LocalBackendConfig, RayBackendConfig
+    from pipeline.runners.base import make_launcher
+    from pipeline.runners.local import LocalLauncher
+    from pipeline.runners.ray import RayLauncher
+
+    assert isinstance(_demo().backend, LocalBackendConfig)
+    assert isinstance(make_launcher(_demo().backend), LocalLauncher)
+    args = ["--backend.type", "ray", "--backend.address", "ray://head:10001", "--backend.resources.rollout_gpus", "1"]
+    cfg = draccus.parse(RLJobConfig, config_path=str(ROOT / "configs/test_cats.yaml"), args=args)
+    assert cfg.backend == RayBackendConfig(address="ray://head:10001", resources=cfg.backend.resources)
+    assert cfg.backend.resources.for_kind("rollout") == (1.0, 1.0)
+    assert cfg.backend.resources.for_kind("batches") == (0.5, 0.0)
+    assert isinstance(make_launcher(cfg.backend), RayLauncher)
+    # the YAML spelling round-trips (`backend: {type: ray, ...}`)
+    assert draccus.decode(RLJobConfig, draccus.encode(cfg)) == cfg
+
+
+def test_step_level_cross_field_checks_name_the_field() -> None:
+    from pipeline.config import BatchMakerStepConfig, LearnerStepConfig, ModelSpec, validate_batch_maker
+
+    with pytest.raises(ConfigError) as e:
+        LearnerStepConfig(model=ModelSpec(max_seq_len=16), train=TrainParams(seq_len=32))
+    assert e.value.field == "train.seq_len"
+    with pytest.raises(ConfigError) as e:
+        validate_batch_maker(BatchMakerStepConfig(max_batches=0))
+    assert e.value.field == "max_batches"
+    with pytest.raises(ConfigError) as e:
+        validate_batch_maker(BatchMakerStepConfig(train=TrainParams(seq_len=30, pad_multiple=8)))
+    assert e.value.field == "train.pad_multiple"
+    cfg = _demo()
+    with pytest.raises(ConfigError) as e:
+        RLJob(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=30, pad_multiple=8)))
+    assert e.value.field == "train.pad_multiple"

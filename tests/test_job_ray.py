@@ -14,7 +14,9 @@ from pipeline.storage import RunStore
 def test_ray_backend_runs_the_same_steps(tmp_path: Path) -> None:
     run_root = tmp_path / "run"
     cfg = job_config(
-        tmp_path, str(run_root), **{"backend": "ray", "train.num_train_steps": "3", "curriculum.eval_frequency": "3"}
+        tmp_path,
+        str(run_root),
+        **{"backend.type": "ray", "train.num_train_steps": "3", "curriculum.eval_frequency": "3"},
     )
     proc = run_job(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -24,7 +26,7 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ray_backend_refuses_resources_the_cluster_cannot_hold(tmp_path: Path) -> None:
     """A step asking for a GPU on a CPU-only local cluster would wait forever: refused, naming `resources`."""
-    cfg = job_config(tmp_path, str(tmp_path / "run"), **{"backend": "ray", "resources.learner_gpus": "1"})
+    cfg = job_config(tmp_path, str(tmp_path / "run"), **{"backend.type": "ray", "backend.resources.learner_gpus": "1"})
     proc = run_job(cfg, timeout=300)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resources=" in proc.stderr and "GPUs" in proc.stderr, proc.stderr[-3000:]

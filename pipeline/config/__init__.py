@@ -1,11 +1,13 @@
 """The configuration tree of rlpipe: frozen draccus dataclasses, validated when built.
 
 Every error names the offending field (dotted path) and its value. Configs are composed,
-not subclassed; a choice between real variants (loss modules) is a registered subclass.
+not subclassed; a choice between real variants (loss modules, job backends) is a registered subclass.
+Cross-field checks live in `pipeline.config.validate`.
 Importable without JAX: the JAX side (`policy/`) turns these into levanter objects. One module per
 area; every name is re-exported here, so `from pipeline.config import X` is the way to import.
 """
 
+from pipeline.config.backend import JobBackendConfig, LocalBackendConfig, RayBackendConfig, StepResources
 from pipeline.config.base import ConfigError, require
 from pipeline.config.curriculum import (
     CurriculumConfig,
@@ -42,6 +44,13 @@ from pipeline.config.train import (
     RLOOLossConfig,
     TrainParams,
 )
+from pipeline.config.validate import (
+    check_importable,
+    validate_batch_maker,
+    validate_job,
+    validate_learner,
+    validate_train,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -58,19 +67,28 @@ __all__ = [
     "EnvConfig",
     "EvaluateStepConfig",
     "InferenceConfig",
+    "JobBackendConfig",
     "LearnerStepConfig",
     "LessonConfig",
     "LessonDependency",
+    "LocalBackendConfig",
     "LossConfig",
     "ModelSpec",
     "OptimizerSpec",
     "PPOClipLossConfig",
     "RLOOLossConfig",
+    "RayBackendConfig",
     "RolloutStepConfig",
     "SamplingParams",
+    "StepResources",
     "StoreConfig",
     "TrackerConfig",
     "TrainParams",
+    "check_importable",
     "find_cycle",
     "require",
+    "validate_batch_maker",
+    "validate_job",
+    "validate_learner",
+    "validate_train",
 ]

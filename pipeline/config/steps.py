@@ -9,6 +9,7 @@ from pipeline.config.base import ConfigError, require
 from pipeline.config.curriculum import CurriculumConfig, LessonConfig
 from pipeline.config.model import InferenceConfig, ModelSpec
 from pipeline.config.train import LossConfig, OptimizerSpec, RLOOLossConfig, TrainParams
+from pipeline.config.validate import validate_learner
 
 # ---------------------------------------------------------------------------------------
 # per-step configs (what RLJob.to_worker_configs() produces; each step's main() takes one)
@@ -113,12 +114,7 @@ class LearnerStepConfig:
     def __post_init__(self) -> None:
         require(self.policy_interval >= 1, "policy_interval", self.policy_interval, "must be >= 1")
         require(self.checkpoint_interval >= 1, "checkpoint_interval", self.checkpoint_interval, "must be >= 1")
-        require(
-            self.train.seq_len <= self.model.max_seq_len,
-            "train.seq_len",
-            self.train.seq_len,
-            f"must be <= model.max_seq_len ({self.model.max_seq_len})",
-        )
+        validate_learner(self)  # cross-field: pipeline.config.validate
 
 
 @dataclass(frozen=True)

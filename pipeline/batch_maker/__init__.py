@@ -1,0 +1,65 @@
+"""The BatchMaker: rollout rows in, fixed-shape training batches out. Pure in-memory logic.
+
+No I/O and no JAX: the step `steps/make_batches.py` reads committed rollout files, feeds their Arrow
+tables here, asks for batch T, and writes what comes back. Everything works on Arrow/numpy columns
+(list offsets + flat value buffers), never on per-token Python lists.
+
+Fate of every rollout row fed in: it is *admitted* to the reservoir, or *dropped* with a reason
+(`schemas.dropped.DROP_REASONS`, collected by `take_dropped`). An admitted row leaves the reservoir
+either *used up* (it appeared in `max_samples_per_rollout` batches: the batch lineage records each use)
+or dropped later (stale, superseded, evicted). `snapshot()` says which rows are still live and how
+often each was used, so a restarted maker can rebuild the reservoir exactly (`restore_file`).
+
+Ingestion (`add_rollouts(table, source_file, slot=T, latest_policy=S)`), in order:
+1. malformed rows (list lengths disagree, empty prompt, non-finite reward/logprob/token reward,
+   negative or wrong policy step, bad temperature, empty ids) -> `malformed` (the detail says which);
+2. policy_step > S (the newest published policy) -> `future_policy`;
+   policy_step < T-1-max_lag (too old for slot T and every later slot) -> `stale`;
+3. groups = rows of this file sharing (group_key, policy_step); advantages per group with the
+   configured estimator (`pipeline.advantages`); with `filter_zero_variance`, a group whose rewards
+   are all equal -> `zero_variance`, and a row whose own advantage is exactly 0 -> `zero_advantage`
+   (unless the call says `admit_no_signal`: then they are admitted with advantage 0, counted in
+   `IngestReport.admitted_no_signal`; the step does this when a slot cannot fill otherwise);
+4. overlong (prompt + response > seq_len): rule `drop` -> `too_long`; rule `truncate` cuts the response
+   to fit and marks the segment truncated (counted in `BatchResult.stats["n_cut_overlong"]`);
+   a prompt that alone fills seq_len -> `too_long` under either rule;
+5. latest-version retention per problem (env_name, example_id), among live rows: rows of an older
+   policy than a live group of the same problem -> `superseded` (whichever arrived first);
+6. reservoir capacity: beyond `replay_buffer_capacity` live rows the oldest arrivals -> `evicted`.
+
+Batch T (`make_batch(T)`): live rows with lag `(T-1) - policy_step` outside `[0, max_lag]` are dropped
+`stale` first. Eligible rows (live, used fewer than `max_samples_per_rollout` times) are ordered by
+policy step, oldest first (slow, long rollouts are not starved), and within one policy step by a seeded
+weighted random key (Efraimidis-Spirakis, RNG seeded by (seed, T), so a rebuilt batch is the same):
+weight `(1 + rank/n)^alpha`, rank 0 = oldest arrival, so alpha > 0 favours recent arrivals. Unpacked,
+each of the first `batch_size` rows fills one batch row. Packed (`pack=True`), candidates are laid
+next-fit into `batch_size` rows of `seq_len` tokens in priority order (each row takes as many as fit, always
+leaving one candidate for every later row, so no row is all padding when enough candidates exist), then the
+rows' leftover room is topped up first-fit from the next candidates. Segments of a row are contiguous from
+position 0. A row is used at most once per batch. Not enough eligible rows -> `None` (the step waits for more files).
+
+Batch row layout (schemas.BatchRow): segment k of a row holds `prompt ++ response`:
+- `tokens`: the token ids; `segment_ids`: k on the segment, -1 on padding; `position_ids`: 0, 1, … from
+  each segment's start (0 on padding). Attention must never cross segments (the learner masks by segment).
+- `loss_mask`: 0 on prompt tokens and padding; on response tokens the rollout's `response_loss_mask`
+  (1: the policy produced it; 0: tool output / environment turn).
+- `advantages`: the rollout's advantage on every response token, 0 on prompt and padding.
+- `generator_logprobs` **alignment convention**: `generator_logprobs[i]` is the sampler's log-probability
+  of `tokens[i]` (the token *at* position i, predicted from position i-1), i.e. the rollout's
+  `response_logprobs[j]` is put at the position of `response_tokens[j]`; 0 on prompt and padding. The
+  learner computes logp(tokens[i] | tokens[<i]) from the logits at position i-1 and compares at i.
+- per-segment lists indexed by segment id: `truncated` (the rollout hit its token limit, or was cut
+  here), `temperatures`, `policy_steps`, `rollout_ids`, `source_files` (the lineage).
+- every row is exactly `seq_len` tokens (one static shape for the learner's jit); `seq_len` must be a
+  multiple of `pad_multiple` (checked when the BatchMaker is built: ConfigError naming the field).
+- `reference_logprobs` is null: the learner computes reference logprobs on demand.
+
+Modules: `staging` (per-file validation, grouping, advantages, overlong rule), `chunk` (the reservoir's per-file
+buffers), `packing` (placement into rows and the batch table), `maker` (the `BatchMaker`: reservoir, drops,
+staleness, batch selection).
+"""
+
+from pipeline.batch_maker.maker import BatchMaker, IngestReport, lag_allowed
+from pipeline.batch_maker.packing import BatchResult
+
+__all__ = ["BatchMaker", "BatchResult", "IngestReport", "lag_allowed"]

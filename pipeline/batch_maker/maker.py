@@ -1,0 +1,361 @@
+"""The `BatchMaker`: the reservoir of admitted rollout rows, every drop with its reason, and batch selection.
+
+The rules it applies are stated in the package docstring (`pipeline.batch_maker`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import staleness
+from pipeline.advantages import estimator_for
+from pipeline.batch_maker.chunk import Chunk
+from pipeline.batch_maker.packing import BatchResult, build_batch, place
+from pipeline.batch_maker.staging import Staged, stage
+from pipeline.config import TrainParams
+from pipeline.config.validate import validate_train
+from schemas.dropped import DROP_REASONS, DROPPED
+
+logger = logging.getLogger(__name__)
+
+
+def lag_allowed(slot: int, policy_step: int, max_lag: int) -> bool:
+    """A rollout of policy P may be in batch T iff 0 <= (T-1) - P <= max_lag (`pipeline.staleness`)."""
+    return staleness.allowed(slot, policy_step, max_lag)
+
+
+@dataclasses.dataclass
+class IngestReport:
+    """What `add_rollouts` did with one table: rows seen, admitted, and dropped per reason."""
+
+    source_file: str
+    rows: int
+    admitted: int
+    dropped: dict[str, int]
+    rewards_sum: float
+    n_groups: int
+    filtered_groups: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Groups dropped whole, per reason (zero_variance)."""
+    admitted_no_signal: int = 0
+    """Admitted rows whose advantage is exactly 0 (only under `admit_no_signal`, or without filtering)."""
+
+
+class BatchMaker:
+    """The in-memory BatchMaker (see the package docstring for every rule it applies).
+
+    Deterministic: the same sequence of calls gives the same batches and drops. Not thread-safe.
+    Raises ConfigError (naming the field) when `params` cannot give fixed-shape rows.
+    """
+
+    def __init__(self, params: TrainParams) -> None:
+        validate_train(params)
+        self.params = params
+        self._estimator = estimator_for(params.advantage_estimator)
+        self._chunks: list[Chunk] = []
+        self._next_seq = 0
+        self._drops: list[pa.Table] = []
+        self._drop_counts: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ state
+    @property
+    def n_live(self) -> int:
+        """Rollouts held in the reservoir (admitted, not used up, not dropped)."""
+        return sum(c.n_alive for c in self._chunks)
+
+    def nbytes(self) -> int:
+        """Bytes held by the reservoir's arrays (what stays bounded by the window)."""
+        return sum(c.nbytes() for c in self._chunks)
+
+    def live_files(self) -> list[str]:
+        """Source files that still have live rows, in arrival order."""
+        return [c.source_file for c in self._chunks]
+
+    def eligible(self, slot: int) -> tuple[int, int]:
+        """(rows, tokens) usable in batch `slot` right now: live, within the lag window, uses left."""
+        n = 0
+        tokens = 0
+        for c in self._chunks:
+            if not lag_allowed(slot, c.policy_step, self.params.max_lag):
+                continue
+            ok = c.alive & (c.uses < self.params.max_samples_per_rollout)
+            n += int(ok.sum())
+            tokens += int((c.prompt_len[ok] + c.resp_len[ok]).sum())
+        return n, tokens
+
+    def ready(self, slot: int) -> bool:
+        """Whether `make_batch(slot)` would return a batch now (enough eligible rows)."""
+        return self.eligible(slot)[0] >= self.params.batch_size
+
+    def wants_more(self, slot: int) -> bool:
+        """Whether more rollouts would help batch `slot`: too few rows, or (packing) too few tokens to fill rows."""
+        n, tokens = self.eligible(slot)
+        if n < self.params.batch_size:
+            return True
+        return self.params.pack and tokens < self.params.batch_size * self.params.seq_len
+
+    def snapshot(self) -> dict[str, Any]:
+        """The reservoir as JSON: per live file its arrival seq, policy step, live row indices and use counts."""
+        files = []
+        for c in self._chunks:
+            live = np.flatnonzero(c.alive)
+            files.append(
+                {
+                    "path": c.source_file,
+                    "seq": c.seq,
+                    "policy_step": c.policy_step,
+                    "rows": c.rows[live].tolist(),
+                    "uses": c.uses[live].tolist(),
+                }
+            )
+        return {"next_seq": self._next_seq, "files": files}
+
+    # ------------------------------------------------------------------ drops
+    def _drop(
+        self,
+        reason: str,
+        source_file: str,
+        rollout_ids: pa.Array,
+        rows: np.ndarray,
+        policy_steps: np.ndarray | int,
+        detail: np.ndarray | str = "",
+    ) -> None:
+        n = len(rows)
+        if n == 0:
+            return
+        assert reason in DROP_REASONS, reason
+        ps = np.broadcast_to(np.asarray(policy_steps, dtype=np.int64), (n,))
+        # lists, not object ndarrays: pa.array on an object ndarray imports pandas (seconds of process start)
+        det = pa.array(detail.tolist() if isinstance(detail, np.ndarray) else [detail] * n, type=pa.string())
+        self._drops.append(
+            pa.table(
+                {
+                    "rollout_id": rollout_ids,
+                    "source_file": pa.array([source_file] * n, type=pa.string()),
+                    "row_index": pa.array(rows, type=pa.int64()),
+                    "policy_step": pa.array(ps, type=pa.int64()),
+                    "reason": pa.array([reason] * n, type=pa.string()),
+                    "detail": det,
+                }
+            )
+        )
+        self._drop_counts[reason] = self._drop_counts.get(reason, 0) + n
+
+    def take_dropped(self, slot: int) -> pa.Table:
+        """Every drop since the last call, as a schemas.dropped.DROPPED table stamped with `slot`; then forget them."""
+        if self._drops:
+            t = pa.concat_tables(self._drops)
+        else:
+            t = DROPPED.arrow_schema().empty_table().drop_columns(["slot"])
+        t = t.append_column("slot", pa.array(np.full(t.num_rows, slot, dtype=np.int64)))
+        self._drops = []
+        self._drop_counts = {}
+        return DROPPED.conform(t, "<dropped>")
+
+    @property
+    def pending_drop_counts(self) -> dict[str, int]:
+        """Drops per reason since the last `take_dropped`."""
+        return dict(self._drop_counts)
+
+    # ------------------------------------------------------------------ ingestion
+    def add_rollouts(
+        self,
+        table: pa.Table,
+        source_file: str,
+        *,
+        slot: int,
+        latest_policy: int,
+        dir_policy_step: int | None = None,
+        admit_no_signal: bool = False,
+    ) -> IngestReport:
+        """Feed one rollout file's table (schemas.ROLLOUT columns) while building batch `slot`.
+
+        `latest_policy`: the newest policy the learner has published (newer claims are `future_policy`).
+        `dir_policy_step`: the policy step of the folder the file came from (rows must agree), if known.
+        `admit_no_signal`: admit zero-variance groups and zero-advantage rows (advantage 0) instead of dropping them.
+        Every row is admitted or dropped with a reason (see the package docstring).
+        """
+        st = stage(
+            table, source_file, dir_policy_step, self.params, self._estimator, filter_no_signal=not admit_no_signal
+        )
+        self._refuse_for_slot(st, slot, latest_policy)
+        if (st.reason == "").any():
+            self._retain_latest(st)
+        admit = st.reason == ""
+        counts = self._record_drops(st, ~admit)
+        chunk = st.chunk
+        n_groups = len(np.unique(chunk.group[admit])) if admit.any() else 0
+        zv = st.reason == "zero_variance"
+        filtered = {"zero_variance": len(np.unique(chunk.group[zv]))} if zv.any() else {}
+        if admit.any():
+            chunk.alive = admit.copy()
+            chunk.seq = self._next_seq
+            self._next_seq += 1
+            keep = np.flatnonzero(admit)
+            self._chunks.append(chunk.take(keep) if len(keep) < table.num_rows else chunk)
+            self._evict_over_capacity()
+        finite = np.isfinite(chunk.reward)
+        return IngestReport(
+            source_file=source_file,
+            rows=table.num_rows,
+            admitted=int(admit.sum()),
+            dropped=counts,
+            rewards_sum=float(chunk.reward[finite].sum()),
+            n_groups=n_groups,
+            filtered_groups=filtered,
+            admitted_no_signal=int((admit & (chunk.advantage == 0.0)).sum()),
+        )
+
+    def _refuse_for_slot(self, st: Staged, slot: int, latest_policy: int) -> None:
+        """Mark rows of a policy newer than `latest_policy` (`future_policy`) or too old for `slot` (`stale`)."""
+        reason, detail, policy = st.reason, st.detail, st.policy
+        future = (reason == "") & (policy > latest_policy)
+        reason[future] = "future_policy"
+        detail[future] = f"newest published policy is {latest_policy}"
+        low = staleness.oldest_allowed_policy(slot, self.params.max_lag)
+        stale = (reason != "malformed") & (reason != "future_policy") & (policy < low)
+        reason[stale] = "stale"
+        detail[stale] = f"lag > max_lag {self.params.max_lag} for batch {slot}"
+
+    def _retain_latest(self, st: Staged) -> None:
+        """Latest-version retention per problem among live rows: the older policy's rows are `superseded`
+        (live reservoir rows are killed; rows of this file are marked). A file's admitted rows share one policy."""
+        reason, detail, policy, chunk = st.reason, st.detail, st.policy, st.chunk
+        admit_idx = np.flatnonzero(reason == "")
+        for p in np.unique(policy[admit_idx]).tolist():
+            sel = admit_idx[policy[admit_idx] == p]
+            mine_probs = chunk.problems.take(pa.array(sel))
+            probs = mine_probs.unique()
+            for c in self._chunks:
+                if c.policy_step == p:
+                    continue
+                if c.policy_step < p:
+                    hit = c.alive & np.asarray(pc.is_in(c.problems, value_set=probs).to_numpy(zero_copy_only=False))
+                    if hit.any():
+                        self._kill(c, hit, "superseded", f"a group of policy {p} for the same problem arrived")
+                else:
+                    live_probs = c.problems.filter(pa.array(c.alive)).unique()
+                    mine = np.asarray(pc.is_in(mine_probs, value_set=live_probs).to_numpy(zero_copy_only=False))
+                    reason[sel[mine]] = "superseded"
+                    detail[sel[mine]] = f"a live group of newer policy {c.policy_step} exists for the problem"
+        self._chunks = [c for c in self._chunks if c.alive.any()]
+
+    def _record_drops(self, st: Staged, dropped: np.ndarray) -> dict[str, int]:
+        """Record the drops of one staged file (rows `dropped`), per reason; return the counts."""
+        counts: dict[str, int] = {}
+        for r in np.unique(st.reason[dropped]).tolist() if dropped.any() else []:
+            sel = np.flatnonzero(st.reason == r)
+            counts[str(r)] = len(sel)
+            self._drop(
+                str(r),
+                st.chunk.source_file,
+                st.chunk.rollout_ids.take(pa.array(sel)),
+                sel,
+                st.policy[sel],
+                st.detail[sel].astype(str).astype(object),
+            )
+        return counts
+
+    def restore_file(self, table: pa.Table, source_file: str, *, seq: int, policy_step: int,
+                     rows: Iterable[int], uses: Iterable[int]) -> None:  # fmt: skip
+        """Rebuild one live file of a `snapshot()`: re-derive its rows and keep exactly `rows` with their `uses`."""
+        chunk = stage(table, source_file, policy_step, self.params, self._estimator).chunk
+        keep = np.asarray(list(rows), dtype=np.int64)
+        use = np.asarray(list(uses), dtype=np.int64)
+        if keep.shape != use.shape:
+            raise ValueError(f"snapshot of {source_file}: {keep.shape[0]} rows but {use.shape[0]} use counts")
+        if keep.size and (keep.min() < 0 or keep.max() >= table.num_rows):
+            raise ValueError(f"snapshot of {source_file} names rows outside 0..{table.num_rows - 1}")
+        chunk.seq = seq
+        chunk.policy_step = policy_step
+        restored = chunk.take(keep)
+        restored.uses = use
+        restored.alive = use < self.params.max_samples_per_rollout
+        if restored.alive.any():
+            self._chunks.append(restored)
+            self._chunks.sort(key=lambda c: c.seq)
+        self._next_seq = max(self._next_seq, seq + 1)
+
+    def set_next_seq(self, next_seq: int) -> None:
+        """Continue arrival numbering after a restore (from `snapshot()['next_seq']`)."""
+        self._next_seq = max(self._next_seq, next_seq)
+
+    def _kill(self, c: Chunk, mask: np.ndarray, reason: str, detail: str) -> None:
+        idx = np.flatnonzero(mask & c.alive)
+        if idx.size == 0:
+            return
+        self._drop(reason, c.source_file, c.rollout_ids.take(pa.array(idx)), c.rows[idx], c.policy_step, detail)
+        c.alive[idx] = False
+
+    def _evict_over_capacity(self) -> None:
+        excess = self.n_live - self.params.replay_buffer_capacity
+        for c in self._chunks:  # arrival order: oldest first
+            if excess <= 0:
+                break
+            idx = np.flatnonzero(c.alive)[:excess]
+            mask = np.zeros(len(c.alive), dtype=bool)
+            mask[idx] = True
+            self._kill(c, mask, "evicted", f"reservoir over capacity {self.params.replay_buffer_capacity}")
+            excess -= len(idx)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Forget chunks without live rows; shrink chunks that are mostly dead."""
+        out = []
+        for c in self._chunks:
+            alive = int(c.alive.sum())
+            if alive == 0:
+                continue
+            if alive * 2 < len(c.alive) and len(c.alive) >= 16:
+                c = c.take(np.flatnonzero(c.alive))
+            out.append(c)
+        self._chunks = out
+
+    def drop_stale(self, slot: int) -> int:
+        """Drop live rows too old for batch `slot` (and hence every later slot); return how many."""
+        low = staleness.oldest_allowed_policy(slot, self.params.max_lag)
+        n = 0
+        for c in self._chunks:
+            if c.policy_step < low:
+                n += c.n_alive
+                self._kill(c, c.alive, "stale", f"lag > max_lag {self.params.max_lag} for batch {slot}")
+        self._compact()
+        return n
+
+    # ------------------------------------------------------------------ batches
+    def make_batch(self, slot: int) -> BatchResult | None:
+        """Build batch `slot` from the reservoir, or None if too few eligible rows (nothing is changed then,
+        except that stale rows are dropped). Marks one use on every row it puts in the batch."""
+        params = self.params
+        self.drop_stale(slot)
+        cands = [(ci, c) for ci, c in enumerate(self._chunks) if lag_allowed(slot, c.policy_step, params.max_lag)]
+        if not cands:
+            return None
+        c_idx = np.concatenate([np.full(len(c.alive), ci, dtype=np.int64) for ci, c in cands])
+        r_idx = np.concatenate([np.arange(len(c.alive), dtype=np.int64) for _, c in cands])
+        ok = np.concatenate([c.alive & (c.uses < params.max_samples_per_rollout) for _, c in cands])
+        if int(ok.sum()) < params.batch_size:
+            return None
+        c_idx, r_idx = c_idx[ok], r_idx[ok]
+        pstep = np.concatenate([np.full(len(c.alive), c.policy_step, dtype=np.int64) for _, c in cands])[ok]
+        length = np.concatenate([c.prompt_len + c.resp_len for _, c in cands])[ok]
+        n = len(c_idx)
+        # arrival order is (chunk seq, row): chunks are kept in seq order, so position = rank from oldest
+        rank = np.arange(n, dtype=np.float64)
+        weight = (1.0 + rank / n) ** params.replay_buffer_alpha
+        rng = np.random.default_rng([params.seed, slot])
+        u = rng.random(n)
+        key = np.log(np.maximum(u, 1e-300)) / weight  # Efraimidis-Spirakis: larger key first
+        order = np.lexsort((-key, pstep))
+        rows_of, offs_of = place(length[order], params.batch_size, params.seq_len, params.pack)
+        placed = rows_of >= 0
+        chosen = order[placed]
+        result = build_batch(slot, cands, c_idx[chosen], r_idx[chosen], rows_of[placed], offs_of[placed], params)
+        self._compact()
+        return result

@@ -1,0 +1,65 @@
+"""Job backends: where the job runner starts the steps. A registered choice (`backend: {type: local}` or
+`backend: {type: ray, address: ..., resources: {...}}`; on the command line `--backend.type ray`).
+
+Adding a backend is one registered config class here, naming its launcher (`launcher`: "module:Class", imported
+only when a job runs with it), plus that launcher's module (see `pipeline.runners.base.Launcher`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import draccus
+
+
+@dataclass(frozen=True)
+class JobBackendConfig(draccus.ChoiceRegistry):
+    """Where the job's steps run, chosen once from config (`type: local` or `type: ray`)."""
+
+    launcher: ClassVar[str] = ""
+    """"module:Class" of the launcher that starts steps on this backend."""
+
+    @classmethod
+    def default_choice_name(cls) -> str | None:
+        return "local"
+
+
+@JobBackendConfig.register_subclass("local")
+@dataclass(frozen=True)
+class LocalBackendConfig(JobBackendConfig):
+    """Every step as a child process of the job runner on this machine; output in `<run root>/logs/<step>.log`."""
+
+    launcher: ClassVar[str] = "pipeline.runners.local:LocalLauncher"
+
+
+@dataclass(frozen=True)
+class StepResources:
+    """Resources per step on the Ray backend."""
+
+    learner_cpus: float = 1.0
+    learner_gpus: float = 0.0
+    rollout_cpus: float = 1.0
+    rollout_gpus: float = 0.0
+    batches_cpus: float = 0.5
+    evaluate_cpus: float = 0.5
+    evaluate_gpus: float = 0.0
+
+    def for_kind(self, kind: str) -> tuple[float, float]:
+        """(CPUs, GPUs) for a step of `kind` (learner, batches, rollout, evaluate)."""
+        cpus = {"learner": self.learner_cpus, "batches": self.batches_cpus, "rollout": self.rollout_cpus,
+                "evaluate": self.evaluate_cpus}  # fmt: skip
+        gpus = {"learner": self.learner_gpus, "rollout": self.rollout_gpus, "evaluate": self.evaluate_gpus}
+        return cpus[kind], gpus.get(kind, 0.0)
+
+
+@JobBackendConfig.register_subclass("ray")
+@dataclass(frozen=True)
+class RayBackendConfig(JobBackendConfig):
+    """Every step as a Ray task with its own resources; the same step programs and supervision as `local`."""
+
+    launcher: ClassVar[str] = "pipeline.runners.ray:RayLauncher"
+    address: str | None = None
+    """Ray cluster address (e.g. ray://head:10001); None: join RAY_ADDRESS or start a local cluster."""
+    resources: StepResources = field(default_factory=StepResources)
+    """CPUs / GPUs per step; every step must fit on the cluster at once (checked before any starts)."""

@@ -1,0 +1,109 @@
+"""Every cross-field config check, in one place: one function per config that a program starts from.
+
+Single-field checks stay in each dataclass's `__post_init__` (a value out of range is refused as the config is
+built). What needs two fields or two sections (the sequence length against the model, the batch against the
+sampling plan, an environment class that must import) is checked here, before any process starts; every
+refusal is a `ConfigError` naming the field and the value.
+
+Who calls what: `validate_job` (the job runner, and `steps.run` for every step it starts), `validate_learner`
+(`LearnerStepConfig` as it is built), `validate_batch_maker` (the BatchMaker step), `validate_train` (the
+in-memory `BatchMaker`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from pipeline.config.base import ConfigError
+from pipeline.config.model import ModelSpec
+from pipeline.config.train import TrainParams
+
+if TYPE_CHECKING:
+    from pipeline.config.steps import BatchMakerStepConfig, LearnerStepConfig
+    from pipeline.job import RLJobConfig
+
+NEEDS_GROUPS = ("rloo", "grpo", "dr_grpo")
+"""Advantage estimators whose groups of one have zero advantage."""
+
+
+def check_seq_len_fits_model(train: TrainParams, model: ModelSpec) -> None:
+    """Refuse `train.seq_len` longer than the model's context (`model.max_seq_len`)."""
+    if train.seq_len > model.max_seq_len:
+        raise ConfigError("train.seq_len", train.seq_len, f"must be <= model.max_seq_len ({model.max_seq_len})")
+
+
+def validate_train(train: TrainParams) -> None:
+    """Refuse training parameters that cannot give fixed-shape batch rows (`pad_multiple` must divide `seq_len`)."""
+    if train.seq_len % train.pad_multiple:
+        raise ConfigError(
+            "train.pad_multiple",
+            train.pad_multiple,
+            f"must divide train.seq_len={train.seq_len} (rows are seq_len long)",
+        )
+
+
+def validate_learner(c: LearnerStepConfig) -> None:
+    """Cross-field checks of the learner step's config."""
+    check_seq_len_fits_model(c.train, c.model)
+
+
+def validate_batch_maker(c: BatchMakerStepConfig) -> None:
+    """Checks of the BatchMaker step's config that its dataclass does not make (bounded mode, row shape)."""
+    if c.max_batches is not None and c.max_batches < 1:
+        raise ConfigError("max_batches", c.max_batches, "must be >= 1 or null")
+    validate_train(c.train)
+
+
+def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
+    """Cross-field checks of a whole job, before any process starts; raises ConfigError naming the field.
+
+    With `check_environments`, every lesson's environment class must import.
+    """
+    check_seq_len_fits_model(c.train, c.model)
+    validate_train(c.train)
+    for lesson_id in c.curriculum.lessons:
+        _check_lesson_fits(c, lesson_id)
+    if check_environments:
+        for lesson_id, lesson in c.curriculum.lessons.items():
+            check_importable(f"curriculum.lessons.{lesson_id}.env.env_class", lesson.env.env_class)
+
+
+def _check_lesson_fits(c: RLJobConfig, lesson_id: str) -> None:
+    """A lesson's sampling plan must be able to fill batches of `train.batch_size` rows of `train.seq_len`."""
+    t = c.train
+    sp = c.curriculum.sampling_for(lesson_id)
+    if t.advantage_estimator in NEEDS_GROUPS and t.filter_zero_variance and sp.n_generations_per_prompt < 2:
+        raise ConfigError(
+            f"curriculum.lessons.{lesson_id}.sampling_params.n_generations_per_prompt",
+            sp.n_generations_per_prompt,
+            "groups of one have zero advantage and are all filtered: batches could never fill "
+            f"(train.batch_size={t.batch_size}); use >= 2",
+        )
+    if sp.max_tokens >= t.seq_len:
+        raise ConfigError(
+            f"curriculum.lessons.{lesson_id}.sampling_params.max_tokens",
+            sp.max_tokens,
+            f"leaves no room for a prompt in train.seq_len={t.seq_len}",
+        )
+    produced = sp.n_prompts * sp.n_generations_per_prompt * t.max_samples_per_rollout
+    window = (t.max_lag + 1) * c.num_rollout_workers * max(1, c.max_steps_ahead)
+    if not t.pack and produced * window < t.batch_size:
+        raise ConfigError(
+            "train.batch_size",
+            t.batch_size,
+            f"lesson {lesson_id!r}: n_prompts×n_generations×max_samples_per_rollout = {produced} rows per write, "
+            f"and the staleness window (max_lag+1={t.max_lag + 1}) × workers × steps ahead allows {window} writes "
+            "per batch: the batch cannot be filled",
+        )
+
+
+def check_importable(field_name: str, dotted: str) -> None:
+    """Refuse a dotted class path (`field_name`) whose module does not import or has no such class."""
+    module_name, _, cls_name = dotted.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(field_name, dotted, f"module cannot be imported ({e})") from None
+    if not hasattr(module, cls_name):
+        raise ConfigError(field_name, dotted, f"module {module_name!r} has no class {cls_name!r}")

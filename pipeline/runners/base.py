@@ -1,0 +1,87 @@
+"""What the job runner needs of a backend: a `Launcher` that starts a step and gives back a `StepProcess`.
+
+A backend is a registered config class (`pipeline.config.backend.JobBackendConfig`) whose `launcher` names
+"module:Class"; the class is built with that config. Every backend runs the same step program
+(`python -m <module> --config_path <yaml>`, the step config as YAML) and reports its exit code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from pipeline.config import JobBackendConfig
+
+MODULES = {
+    "learner": "steps.learn",
+    "batches": "steps.make_batches",
+    "rollout": "steps.rollout",
+    "evaluate": "steps.evaluate",
+}
+"""The program of each kind of step."""
+
+STOP_GRACE_S = 20.0
+"""How long a step may take to exit after SIGTERM before it is killed."""
+
+
+class StepProcess(Protocol):
+    """A running step: local process or Ray task."""
+
+    def poll(self) -> int | None:
+        """The exit code once the step has ended, else None."""
+        ...
+
+    def terminate(self) -> None:
+        """Ask the step to stop (it commits nothing half-done)."""
+        ...
+
+    def kill(self) -> None:
+        """Stop the step at once."""
+        ...
+
+    @property
+    def pid(self) -> int | None:
+        """The local process id, if the step is a local process."""
+        ...
+
+
+@dataclasses.dataclass
+class StepSpec:
+    """One supervised step of the job."""
+
+    name: str
+    kind: str
+    config_path: str
+    restarts: int = 0
+    process: StepProcess | None = None
+    next_start: float = 0.0
+    finished: bool = False
+    terminated: bool = False
+    exit_codes: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def module(self) -> str:
+        """The step program (`python -m <module>`)."""
+        return MODULES[self.kind]
+
+
+class Launcher(Protocol):
+    """Starts steps on one backend."""
+
+    def prepare(self, steps: Sequence[StepSpec]) -> None:
+        """Before any step starts: connect to the backend and refuse (ConfigError) what it cannot run at once."""
+        ...
+
+    def start(self, spec: StepSpec, log_path: Path) -> StepProcess:
+        """Start `spec`'s program with its config; output goes to `log_path` where the backend allows."""
+        ...
+
+
+def make_launcher(backend: JobBackendConfig) -> Launcher:
+    """The launcher of a backend config (its class names it as `launcher = "module:Class"`)."""
+    module_name, _, cls_name = type(backend).launcher.partition(":")
+    launcher: Launcher = getattr(importlib.import_module(module_name), cls_name)(backend)
+    return launcher
