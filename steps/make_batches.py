@@ -80,9 +80,9 @@ from typing import Any
 
 import draccus
 
-from pipeline.batch_maker import BatchMaker, BatchResult
+from pipeline.batch_maker import BatchResult
 from pipeline.batch_step import Maker, MakerState, SlotLost, StopRequested, new_slot_log
-from pipeline.config import BatchMakerStepConfig, ConfigError
+from pipeline.config import BatchMakerStepConfig, ConfigError, validate_batch_maker
 from pipeline.lease import Lease, LeaseHeldError, LeaseLostError
 from pipeline.poll import WaitTimeout
 from pipeline.storage import RunStore
@@ -107,9 +107,7 @@ def main(config: BatchMakerStepConfig) -> int:
     Raises ConfigError, LeaseHeldError, LeaseLostError, BatchWaitTimeout (`pipeline.poll.WaitTimeout`).
     """
     train = config.train
-    if config.max_batches is not None and config.max_batches < 1:
-        raise ConfigError("max_batches", config.max_batches, "must be >= 1 or null")
-    BatchMaker(train)  # validates what the BatchMaker needs of the config (pad_multiple)
+    validate_batch_maker(config)
 
     # phase 1: storage and lease
     store = RunStore(config.store.run_root, config.store.storage_options)
