@@ -68,7 +68,7 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
             # T-1 while it gathers T), so an unread file committed later may be legitimately unseen; an older one
             # must still be usable (the policy check below), e.g. left on disk because the batch was full.
             scans_began = entry_time[last - 2] if last >= 3 else float("-inf")
-            if float(store.read_marker(path)["time"]) + _CLOCK_SLACK_S > scans_began:
+            if store.read_marker(path).time + _CLOCK_SLACK_S > scans_began:
                 unseen.update(ids)
     for rid, n in uses.items():
         if n > max_samples_per_rollout:  # I1: reuse limit
