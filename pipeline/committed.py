@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from pipeline import layout
 from schemas.base import SchemaMismatchError, TableSpec
-from schemas.records import ReadyMarker, RecordError
+from schemas.records import BatchLogEntry, ReadyMarker, RecordError
 
 logger = logging.getLogger("pipeline.storage")
 
@@ -167,6 +167,14 @@ class CommittedData:
                 None if other is None else other.attempt_id,
             )
         return False
+
+    def read_log_entry(self, slot: int) -> BatchLogEntry:
+        """The committed log entry of batch `slot`.
+
+        Raises FileNotFoundError (not committed), CorruptFileError (not JSON) or RecordError (names the field).
+        """
+        path = layout.batch_log_entry(slot)
+        return BatchLogEntry.from_json(self.get_json(path), path=path)
 
     def list_committed(self, rel_dir: str) -> builtins.list[str]:
         """Sorted data paths in `rel_dir` whose ready marker exists and that are not quarantined."""

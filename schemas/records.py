@@ -255,9 +255,10 @@ class Cursor(_Fields):
     seen: list[str]
     """Rollout files already ingested, of folders still in the scan window."""
     reservoir: Reservoir
-    late: list[str]
-    """Files found late (after their folder was sealed) and already recorded as dropped."""
-    sweep_next: int
+    late: list[str] = dataclasses.field(default_factory=list)
+    """Files found late (after their folder was sealed) and already recorded as dropped (absent in cursors
+    written before late sweeps existed: none)."""
+    sweep_next: int = 0
     """Round-robin position of the late-file sweep over old folders."""
 
     def _check(self, path: str, prefix: str) -> None:
@@ -299,8 +300,6 @@ class BatchLogEntry(_Record):
     quarantined_files: list[str]
     late_files: list[str]
     filled_no_signal: int
-    sealed: dict[str, list[str]]
-    """Policy folders (as str) that left the scan window with this slot -> the files seen in each."""
     lineage: Lineage
     cursor: Cursor
     data_file: str
@@ -311,6 +310,9 @@ class BatchLogEntry(_Record):
     dropped_file: str | None
     dropped: dict[str, int]
     """Dropped rows of this slot by reason."""
+    sealed: dict[str, list[str]] | None = None
+    """Policy folders (as str) that left the scan window with this slot -> the files seen in each (None in
+    entries written before seals existed: late files of those folders cannot be told and are not swept)."""
     curriculum_evals: list[str] | None = None
     """With a curriculum: the eval summaries folded at this slot (None: no curriculum)."""
     curriculum_eval_values: dict[str, list[float] | None] | None = None

@@ -97,6 +97,7 @@ from pipeline.prefetch import read_ahead
 from pipeline.storage import RunStore, new_attempt_id
 from schemas import BATCH, ROLLOUT
 from schemas.dropped import DROPPED
+from schemas.records import BatchLogEntry, Cursor
 
 logger = logging.getLogger("steps.make_batches")
 
@@ -104,7 +105,7 @@ LEASE_NAME = "batchmaker"
 LEARNER_DONE = getattr(layout, "LEARNER_DONE", "control/LEARNER_DONE")
 LATE_SCAN_STEPS = 4
 """Policy folders scanned below the staleness window, so late files are recorded as dropped `stale`."""
-CURSOR_VERSION = 1
+CURSOR_VERSION = Cursor.VERSION
 """Version 1 cursors without `late` / `sweep_next` (written before late sweeps) still restore."""
 
 EXIT_CONFIG = 2
@@ -294,36 +295,30 @@ class Maker:
         if last == 0:
             logger.info("no committed batch slot yet: starting at slot 1")
             return MakerState(bm, 1, set(), 0)
-        entry = self.store.get_json(layout.batch_log_entry(last))
-        if entry.get("config_hash") != self.hash:
+        entry = self.store.read_log_entry(last)  # an unknown cursor version is refused here, by name
+        if entry.config_hash != self.hash:
             logger.warning(
-                "slot %d was built with train config %s, this process has %s", last, entry.get("config_hash"), self.hash
+                "slot %d was built with train config %s, this process has %s", last, entry.config_hash, self.hash
             )
-        cursor = entry.get("cursor") or {}
-        if cursor.get("version") != CURSOR_VERSION:
-            raise RuntimeError(f"{layout.batch_log_entry(last)}: unknown cursor version {cursor.get('version')!r}")
-        reservoir = cursor["reservoir"]
-        for f in reservoir["files"]:
-            table = self.store.read_committed(f["path"], ROLLOUT)
+        cursor = entry.cursor
+        reservoir = cursor.reservoir
+        for f in reservoir.files:
+            table = self.store.read_committed(f.path, ROLLOUT)
             if table is None:
-                logger.error("live rollout file %s became unreadable (quarantined); its live rows are lost", f["path"])
+                logger.error("live rollout file %s became unreadable (quarantined); its live rows are lost", f.path)
                 continue
-            bm.restore_file(
-                table, f["path"], seq=f["seq"], policy_step=f["policy_step"], rows=f["rows"], uses=f["uses"]
-            )
+            bm.restore_file(table, f.path, seq=f.seq, policy_step=f.policy_step, rows=f.rows, uses=f.uses)
             self.keep_lease()
-        bm.set_next_seq(reservoir["next_seq"])
+        bm.set_next_seq(reservoir.next_seq)
         logger.info(
             "recovered from slot %d in %.2fs: %d live rollouts in %d files, %d files seen",
             last,
             time.monotonic() - t0,
             bm.n_live,
-            len(reservoir["files"]),
-            len(cursor["seen"]),
+            len(reservoir.files),
+            len(cursor.seen),
         )
-        return MakerState(
-            bm, last + 1, set(cursor["seen"]), last, set(cursor.get("late", [])), int(cursor.get("sweep_next", 0))
-        )
+        return MakerState(bm, last + 1, set(cursor.seen), last, set(cursor.late), cursor.sweep_next)
 
     # --- one slot ----------------------------------------------------------------------------
     def scan_low(self, slot: int) -> int:
@@ -363,7 +358,7 @@ class Maker:
             return self._seals[p]
         at = p + 1 + self.train.max_lag + LATE_SCAN_STEPS  # the slot whose commit moved the window past p
         try:
-            sealed = self.store.get_json(layout.batch_log_entry(at)).get("sealed")
+            sealed = self.store.read_log_entry(at).sealed
         except FileNotFoundError:
             return None  # not committed yet (or still being written behind)
         if sealed is None or str(p) not in sealed:
@@ -555,7 +550,8 @@ class Maker:
                 dropped_file=dropped_path,
                 dropped=dropped_counts,
             )
-            ok = self.store.put_json_if_absent(layout.batch_log_entry(slot), entry)
+            path = layout.batch_log_entry(slot)
+            ok = self.store.put_if_absent(path, BatchLogEntry.from_json(entry, path=path).to_json())
             log["write_s"] = time.monotonic() - t0
             log["dropped"] = dropped_counts
             if not ok:

@@ -21,6 +21,7 @@ import draccus
 import equinox as eqx
 import jax
 import pytest
+from log_entries import put_log_entry
 
 from pipeline import layout
 from pipeline.config import (
@@ -38,6 +39,7 @@ from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
 from policy.model import build_model, load_policy, model_vocab_size, save_policy
 from schemas import ROLLOUT, RolloutRow
+from schemas.records import Cursor, Reservoir
 from steps.rollout import (
     WATCHDOG_EXIT_CODE,
     PolicyWaitTimeoutError,
@@ -319,8 +321,10 @@ def test_stop_file_stops_a_following_worker(tmp_path: Path, tokenizer: Any, mode
 
 
 def _log_slot(store: RunStore, slot: int) -> None:
-    """A minimal batch log entry (commit time only, no BatchMaker cursor)."""
-    store.put_json_if_absent(layout.batch_log_entry(slot), {"slot": slot, "time": time.time()})
+    """Commit batch slot `slot` as a BatchMaker that consumed every rollout file committed so far would: its
+    cursor has seen them all and keeps no live rows."""
+    seen = [f for p in range(10) for f in _committed(store, p)]
+    put_log_entry(store, slot, cursor=Cursor(version=1, seen=seen, reservoir=Reservoir(next_seq=0, files=[])))
 
 
 def test_pacing_pauses_ahead_and_when_stale(tmp_path: Path, tokenizer: Any, model: Any, manager: Any) -> None:
