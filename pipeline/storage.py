@@ -20,22 +20,16 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
 - Parquet is written with page checksums, schema name and version in its metadata, compressed
   with zstd (see `parquet_write_options`), serialized once in memory and put with `put_unique`.
   Read back with page checksum verification and always through the declared `TableSpec`.
-- `commit_data` writes data then a ready marker (`layout.ready_marker`) naming its size, sha256,
-  rows and attempt_id. `list_committed` trusts markers, never data listings. `read_committed`
-  verifies the data against its marker; a permanently bad file is quarantined (reason record via
-  create-if-absent, a warning naming path and reason) and None is returned so the caller goes on.
-  A marker whose data file is missing raises `MissingDataError`: that is a bug, not corruption.
+- `commit_data` / `list_committed` / `read_committed` / `quarantine` (the committed-data layer, in
+  `pipeline.committed`): a data file is committed by its ready marker, read back verified against it,
+  and quarantined when permanently bad.
 - Transient errors (timeouts, connection resets, HTTP 408/429/5xx) are retried with exponential
   backoff (`RETRY_ATTEMPTS`) on top of gcsfs's own retries; other errors propagate unchanged.
 """
 
 from __future__ import annotations
 
-import builtins
-import concurrent.futures
 import contextlib
-import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -49,7 +43,18 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import layout
+from pipeline.committed import (
+    TMP_PREFIX,
+    CommittedData,
+    CorruptFileError,
+    FileInfo,
+    MissingDataError,
+    NotCommittedError,
+    StorageError,
+    new_attempt_id,
+)
+from pipeline.committed import _sha256 as _sha256
+from pipeline.committed import check_rel as _check_rel
 from schemas.base import SchemaMismatchError, TableSpec
 
 __all__ = [
@@ -69,8 +74,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-TMP_PREFIX = ".tmp-"
-"""Names starting with this are in-flight temp files: never listed, never read."""
 
 # Parquet write settings (measured by bench/bench_storage.py on rollout-shaped files, 2-core VM):
 # - zstd level 1 over snappy: token ids (int32) and logprobs (float32) compress ~25% smaller than with
@@ -102,51 +105,6 @@ _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _MEMORY_LOCK = threading.Lock()
 
 
-class StorageError(Exception):
-    """Base of the named storage errors."""
-
-
-class CorruptFileError(StorageError):
-    """A stored file is unreadable or does not match its commit marker (permanent; quarantine it)."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
-
-
-class MissingDataError(StorageError):
-    """A committed ready marker names a data file that does not exist: a bug, never quarantined."""
-
-    def __init__(self, path: str, marker: str) -> None:
-        super().__init__(f"{path}: data file missing although its ready marker {marker} exists")
-        self.path = path
-        self.marker = marker
-
-
-class NotCommittedError(StorageError):
-    """`read_committed` was asked for a data file that has no ready marker."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(f"{path}: not committed (no ready marker {layout.ready_marker(path)})")
-        self.path = path
-
-
-@dataclasses.dataclass(frozen=True)
-class FileInfo:
-    """What was written: run-root-relative path, size in bytes, hex sha256 and row count."""
-
-    path: str
-    size: int
-    sha256: str
-    rows: int
-
-
-def new_attempt_id() -> str:
-    """A fresh unique id (32 hex chars) for one attempt at a commit."""
-    return uuid.uuid4().hex
-
-
 def _is_transient(exc: BaseException) -> bool:
     """Whether an error is worth retrying: timeouts, connection failures, HTTP 408/429/5xx."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
@@ -175,34 +133,6 @@ def _retry(what: str, fn: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-_HASH_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_HASH_POOL_LOCK = threading.Lock()
-
-
-def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """A small shared pool for hashing next to parquet decoding (created on first use)."""
-    global _HASH_POOL
-    with _HASH_POOL_LOCK:
-        if _HASH_POOL is None:
-            _HASH_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rlpipe-sha256")
-        return _HASH_POOL
-
-
-def _check_rel(rel: str) -> str:
-    """Normalise and refuse paths that would escape the run root or name temp files."""
-    rel = rel.strip("/")
-    parts = rel.split("/")
-    if not rel or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"not a safe run-root-relative path: {rel!r}")
-    if parts[-1].startswith(TMP_PREFIX):
-        raise ValueError(f"{rel!r}: names starting with {TMP_PREFIX!r} are reserved for temp files")
-    return rel
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -211,7 +141,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class RunStore:
+class RunStore(CommittedData):
     """Storage of one run root. Thread-safe; cheap to construct; holds no open handles.
 
     root: a local path, `file://…`, `memory://…` or `gs://bucket/prefix`.
@@ -452,141 +382,3 @@ class RunStore:
     def read_parquet(self, rel: str, spec: TableSpec[Any]) -> pa.Table:
         """Read `rel` through `spec`. Raises FileNotFoundError, CorruptFileError or SchemaMismatchError."""
         return self.parse_parquet(self.get(rel), spec, rel)
-
-    # commit ----------------------------------------------------------------------------
-    def commit_data(
-        self, rel: str, table: pa.Table, spec: TableSpec[Any], extra: Mapping[str, Any] | None = None
-    ) -> bool:
-        """Write `table` at `rel` (put_unique), then commit it with a ready marker (put_if_absent).
-
-        The marker holds file, size, sha256, rows, schema, attempt_id, time and the `extra` fields.
-        Returns True if this call committed the file; False if it was already committed (then the data
-        file is not touched). `rel` must be unique to one producing task: a concurrent writer of the same
-        name is detected afterwards and logged as an error (its reader will quarantine on mismatch).
-        """
-        marker = layout.ready_marker(_check_rel(rel))
-        if self.exists(marker):
-            logger.info("%s is already committed; not rewriting it", rel)
-            return False
-        info = self.write_parquet(rel, table, spec)
-        record: dict[str, Any] = {
-            **dict(extra or {}),
-            "file": rel,
-            "size": info.size,
-            "sha256": info.sha256,
-            "rows": info.rows,
-            "schema": spec.tag,
-            "attempt_id": new_attempt_id(),
-            "time": time.time(),
-        }
-        if self.put_json_if_absent(marker, record):
-            return True
-        other = self.get_json(marker)
-        if isinstance(other, dict) and other.get("sha256") != info.sha256:
-            logger.error(
-                "name collision: %s was committed concurrently by another writer (attempt %s)",
-                rel,
-                other.get("attempt_id"),
-            )
-        return False
-
-    def list_committed(self, rel_dir: str) -> builtins.list[str]:
-        """Sorted data paths in `rel_dir` whose ready marker exists and that are not quarantined."""
-        markers = [p for p in self.list(rel_dir) if p.endswith(layout.READY_SUFFIX)]
-        if not markers:
-            return []
-        bad = self.quarantined()
-        return [d for d in (layout.data_of_marker(m) for m in markers) if d not in bad]
-
-    def read_marker(self, rel: str) -> dict[str, Any]:
-        """The ready marker of data file `rel`. Raises NotCommittedError or CorruptFileError (bad marker)."""
-        marker = layout.ready_marker(rel)
-        try:
-            record = self.get_json(marker)
-        except FileNotFoundError:
-            raise NotCommittedError(rel) from None
-        if not isinstance(record, dict) or not {"size", "sha256", "rows"} <= record.keys():
-            raise CorruptFileError(rel, f"bad ready marker {marker}: {str(record)[:200]}")
-        return record
-
-    def read_committed(self, rel: str, spec: TableSpec[Any]) -> pa.Table | None:
-        """Read a committed data file, verified against its marker; None if it is (now) quarantined.
-
-        A permanent defect (bad marker, size/sha256/row mismatch, unreadable parquet, checksum failure,
-        foreign schema or unknown version) quarantines the file with a reason and returns None.
-        Raises NotCommittedError without a marker and MissingDataError if the marker's data is gone.
-        """
-        rel = _check_rel(rel)
-        if self.is_quarantined(rel):
-            logger.debug("%s is quarantined; skipped", rel)
-            return None
-        try:
-            record = self.read_marker(rel)
-            try:
-                data = self.get(rel)
-            except FileNotFoundError:
-                raise MissingDataError(rel, layout.ready_marker(rel)) from None
-            if len(data) != record["size"]:
-                raise CorruptFileError(rel, f"size {len(data)} != marker size {record['size']}")
-            # Hash in a worker thread (hashlib releases the GIL) while parsing: the digest is checked before
-            # anything is returned, and a digest mismatch is reported in preference to a parse error.
-            digest_future = _hash_pool().submit(_sha256, data)
-            parse_error: CorruptFileError | SchemaMismatchError | None = None
-            table: pa.Table | None = None
-            try:
-                # page checksums would only repeat the sha256 check of the same bytes
-                table = self.parse_parquet(data, spec, rel, verify_pages=False)
-            except (CorruptFileError, SchemaMismatchError) as e:
-                parse_error = e
-            digest = digest_future.result()
-            if digest != record["sha256"]:
-                raise CorruptFileError(rel, f"sha256 {digest[:16]}… != marker sha256 {str(record['sha256'])[:16]}…")
-            if parse_error is not None:
-                raise parse_error
-            assert table is not None
-            if table.num_rows != record["rows"]:
-                raise CorruptFileError(rel, f"{table.num_rows} rows != marker rows {record['rows']}")
-            return table
-        except CorruptFileError as e:
-            self.quarantine(rel, e.reason)
-            return None
-        except SchemaMismatchError as e:
-            self.quarantine(rel, f"schema mismatch: expected {e.expected}, found {e.found}")
-            return None
-
-    # quarantine --------------------------------------------------------------------------
-    def quarantine(self, rel: str, reason: str) -> None:
-        """Set `rel` aside for good: a reason record (create-if-absent); the bytes stay for forensics."""
-        rel = _check_rel(rel)
-        record = {"path": rel, "reason": reason, "time": time.time()}
-        created = self.put_json_if_absent(layout.quarantine_record(rel), record)
-        with self._cache_lock:
-            self._quarantine_cache[layout.quarantine_record(rel)] = rel
-        if created:
-            logger.warning("quarantined %s: %s", rel, reason)
-        else:
-            logger.info("%s was already quarantined (new reason: %s)", rel, reason)
-
-    def is_quarantined(self, rel: str) -> bool:
-        """Whether `rel` has a quarantine record."""
-        return self.exists(layout.quarantine_record(_check_rel(rel)))
-
-    def quarantined(self) -> set[str]:
-        """Every quarantined path (fresh listing; records are immutable, so each is read once)."""
-        out: set[str] = set()
-        for rec in self.list(layout.QUARANTINE):
-            if not rec.endswith(".json"):
-                continue
-            with self._cache_lock:
-                known = self._quarantine_cache.get(rec)
-            if known is None:
-                try:
-                    obj = self.get_json(rec)
-                    known = str(obj["path"])
-                except (CorruptFileError, KeyError, TypeError):
-                    logger.warning("unreadable quarantine record %s", rec)
-                    continue
-                with self._cache_lock:
-                    self._quarantine_cache[rec] = known
-            out.add(known)
-        return out

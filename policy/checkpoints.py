@@ -3,9 +3,9 @@
 Format (no pickle anywhere):
 
     <dir>/<name>-<attempt_id>.safetensors    one file per pytree (model, opt_state); unique name, put_unique
-    <dir>/COMMITTED                          JSON, put_if_absent, written LAST:
-        {"format": "rlpipe-tree-safetensors-v1", "attempt_id": ..., "files": {name: {"path", "size", "sha256"}},
-         ...caller metadata (step, batch slot, tokenizer, seq_len, lineage)}
+    <dir>/COMMITTED                          put_if_absent, written LAST: a `schemas.records.CommitMarker`
+        (format, attempt_id, files {name: {path, size, sha256}}, kind, step, vocab_size, and the caller's
+         metadata: batch slot, tokenizer, seq_len, lineage)
 
 Why safetensors through the RunStore rather than levanter's tensorstore checkpoints: every write goes
 through the same atomic `put_unique` / `put_if_absent` primitives as the rest of the run root, so the
@@ -23,7 +23,6 @@ round-trip exactly (bitwise) and a structure mismatch fails loudly naming the te
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import uuid
 from typing import Any, Protocol, TypeVar
@@ -35,10 +34,11 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from pipeline import layout, run_state
+from schemas.records import CHECKPOINT_FORMAT, CommitFile, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "rlpipe-tree-safetensors-v1"
+FORMAT = CHECKPOINT_FORMAT
 T = TypeVar("T")
 
 
@@ -127,52 +127,51 @@ def write_committed(store: _Store, folder: str, blobs: dict[str, bytes], meta: d
         logger.info("%s already committed; not rewriting", folder)
         return False
     attempt = uuid.uuid4().hex[:12]
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, CommitFile] = {}
     for name, data in blobs.items():
         fname = f"{name}-{attempt}.safetensors"
         store.put_unique(layout.join(folder, fname), data)
-        files[name] = {"path": fname, "size": len(data), "sha256": sha256_hex(data)}
-    record = {"format": FORMAT, "attempt_id": attempt, "files": files, **meta}
-    created = store.put_if_absent(marker, json.dumps(record, sort_keys=True, indent=1).encode())
+        files[name] = CommitFile(path=fname, size=len(data), sha256=sha256_hex(data))
+    fields = {**meta, "format": FORMAT, "attempt_id": attempt, "files": {k: f.to_dict() for k, f in files.items()}}
+    record = CommitMarker.from_json(fields, path=marker)  # metadata of the wrong type fails before any commit
+    created = store.put_if_absent(marker, record.to_json())
     if not created:
         try:
-            created = json.loads(store.get(marker)).get("attempt_id") == attempt
-        except (OSError, ValueError):
+            created = CommitMarker.from_json(store.get(marker), path=marker).attempt_id == attempt
+        except (OSError, RecordError):
             created = False
     if created:
-        logger.info("committed %s (%s)", folder, ", ".join(f"{k}: {v['size']} B" for k, v in files.items()))
+        logger.info("committed %s (%s)", folder, ", ".join(f"{k}: {v.size} B" for k, v in files.items()))
     else:
         logger.warning("%s was committed concurrently by another writer; ours is garbage", folder)
     return created
 
 
-def read_marker(store: _Store, folder: str) -> dict[str, Any]:
-    """The parsed COMMITTED marker of `folder`; CheckpointError if missing or unreadable."""
+def read_marker(store: _Store, folder: str) -> CommitMarker:
+    """The COMMITTED marker of `folder`; CheckpointError if missing or invalid (the message names the field)."""
     marker = layout.join(folder, layout.COMMIT_MARKER)
     try:
-        record = json.loads(store.get(marker))
+        data = store.get(marker)
     except FileNotFoundError:
         raise CheckpointError(f"{marker}: no commit marker") from None
-    except ValueError as e:
-        raise CheckpointError(f"{marker}: unreadable marker ({e})") from None
-    if record.get("format") != FORMAT:
-        raise CheckpointError(f"{marker}: format {record.get('format')!r}, expected {FORMAT!r}")
-    return record
-
-
-def read_blob(store: _Store, folder: str, record: dict[str, Any], name: str) -> bytes:
-    """Bytes of the committed file `name`, verified against the marker's size and sha256."""
     try:
-        entry = record["files"][name]
-    except KeyError:
-        raise CheckpointError(f"{folder}/{layout.COMMIT_MARKER}: lists no file {name!r}") from None
-    rel = layout.join(folder, entry["path"])
+        return CommitMarker.from_json(data, path=marker)
+    except RecordError as e:
+        raise CheckpointError(f"unreadable marker: {e}") from None
+
+
+def read_blob(store: _Store, folder: str, record: CommitMarker, name: str) -> bytes:
+    """Bytes of the committed file `name`, verified against the marker's size and sha256."""
+    entry = record.files.get(name)
+    if entry is None:
+        raise CheckpointError(f"{folder}/{layout.COMMIT_MARKER}: lists no file {name!r}")
+    rel = layout.join(folder, entry.path)
     try:
         data = store.get(rel)
     except FileNotFoundError:
         raise CheckpointError(f"{rel}: named by the commit marker but missing") from None
-    if len(data) != entry["size"] or sha256_hex(data) != entry["sha256"]:
-        raise CheckpointError(f"{rel}: size/sha256 differ from the commit marker ({len(data)} vs {entry['size']} B)")
+    if len(data) != entry.size or sha256_hex(data) != entry.sha256:
+        raise CheckpointError(f"{rel}: size/sha256 differ from the commit marker ({len(data)} vs {entry.size} B)")
     return data
 
 

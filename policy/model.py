@@ -23,7 +23,6 @@ token t's segment; T <= 0 (greedy) is treated as 1.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import tempfile
@@ -42,6 +41,7 @@ from levanter.models.qwen import Qwen3Config
 from pipeline import layout, run_state
 from pipeline.config import ModelSpec
 from policy import checkpoints as ckpt
+from schemas.records import CommitMarker, LatestPointer, RecordError
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +190,11 @@ def save_policy(store: Any, step: int, model: LmHeadModel, extra: dict[str, Any]
 
 def _advance_latest(store: Any, step: int) -> None:
     try:
-        current = int(json.loads(store.get(layout.POLICY_LATEST))["step"])
-    except (FileNotFoundError, KeyError, ValueError):
+        current = LatestPointer.from_json(store.get(layout.POLICY_LATEST), path=layout.POLICY_LATEST).step
+    except (FileNotFoundError, RecordError):
         current = -1
     if step > current:
-        store.put_unique(layout.POLICY_LATEST, json.dumps({"step": step}).encode())
+        store.put_unique(layout.POLICY_LATEST, LatestPointer(step=step).to_json())
 
 
 def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHeadModel:
@@ -207,15 +207,13 @@ def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHe
     if not store.exists(layout.policy_marker(step)):
         raise PolicyNotFoundError(f"{layout.policy_marker(step)}: policy {step} is not committed")
     record = ckpt.read_marker(store, folder)
-    if int(record.get("vocab_size", vocab_size)) != vocab_size:
-        raise ckpt.CheckpointError(
-            f"{folder}: committed with vocab_size={record.get('vocab_size')}, expected {vocab_size}"
-        )
+    if record.vocab_size != vocab_size:
+        raise ckpt.CheckpointError(f"{folder}: committed with vocab_size={record.vocab_size}, expected {vocab_size}")
     data = ckpt.read_blob(store, folder, record, POLICY_WEIGHTS)
     return ckpt.tree_from_safetensors(model_template(spec, vocab_size), data, source=folder)
 
 
-def policy_metadata(store: Any, step: int) -> dict[str, Any]:
+def policy_metadata(store: Any, step: int) -> CommitMarker:
     """The COMMITTED marker of policy `step` (batch slot, tokenizer, seq_len, files)."""
     return ckpt.read_marker(store, layout.policy_dir(step))
 

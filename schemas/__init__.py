@@ -2,6 +2,8 @@
 
 Every parquet file the pipeline writes carries its schema name and version in the
 file metadata (`rlpipe.schema`, `rlpipe.schema_version`); readers check both.
+Every JSON commit record (batch log entry, ready marker, COMMITTED marker, LATEST)
+is a typed, versioned class in `schemas.records`; readers and writers go through it.
 """
 
 from schemas.base import (
@@ -14,6 +16,13 @@ from schemas.base import (
 from schemas.batch import BATCH, BatchRow
 from schemas.dropped import DROP_REASONS, DROPPED, DroppedRow
 from schemas.evaluation import EVAL_ROW, EVAL_SUMMARY, EvalRow, EvalSummaryRow
+from schemas.records import (
+    BatchLogEntry,
+    CommitMarker,
+    LatestPointer,
+    ReadyMarker,
+    RecordError,
+)
 from schemas.rollout import ROLLOUT, RolloutRow
 
 __all__ = [
@@ -25,10 +34,15 @@ __all__ = [
     "ROLLOUT",
     "SCHEMA_NAME_KEY",
     "SCHEMA_VERSION_KEY",
+    "BatchLogEntry",
     "BatchRow",
+    "CommitMarker",
     "DroppedRow",
     "EvalRow",
     "EvalSummaryRow",
+    "LatestPointer",
+    "ReadyMarker",
+    "RecordError",
     "RolloutRow",
     "SchemaMismatchError",
     "TableSpec",

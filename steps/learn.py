@@ -62,6 +62,7 @@ from pipeline.tokenizer import load_tokenizer
 from policy import checkpoints as ckpt
 from policy import model as M
 from policy.losses import Batch, RLLossModule, loss_module_from_config
+from schemas.records import BatchLogEntry, RecordError
 
 logger = logging.getLogger("steps.learn")
 
@@ -152,16 +153,20 @@ def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransfor
 # ---------------------------------------------------------------------------------------------
 
 
-def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) -> tuple[dict[str, Any] | None, float]:
+def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) -> tuple[BatchLogEntry | None, float]:
     """The commit object of batch `slot` and the seconds waited; (None, waited) if control/STOP appeared.
 
-    Raises BatchWaitTimeout naming the log entry when nothing appears within `timeout_s`.
+    Raises BatchWaitTimeout naming the log entry when nothing appears within `timeout_s`, and
+    BatchMismatchError naming the file and field when the entry is not a valid `BatchLogEntry`.
     """
     entry = layout.batch_log_entry(slot)
     start = time.monotonic()
     while True:
         if store.exists(entry):
-            return store.get_json(entry), time.monotonic() - start
+            try:
+                return store.read_log_entry(slot), time.monotonic() - start
+            except RecordError as e:
+                raise BatchMismatchError(str(e)) from None
         if store.exists(layout.STOP_FILE):
             return None, time.monotonic() - start
         waited = time.monotonic() - start
@@ -214,17 +219,14 @@ def batch_arrays(rows: list[schemas.BatchRow], train: TrainParams, vocab_size: i
 
 
 def read_batch(
-    store: RunStore, slot: int, entry: dict[str, Any], train: TrainParams, tokenizer_name: str, vocab_size: int
+    store: RunStore, slot: int, entry: BatchLogEntry, train: TrainParams, vocab_size: int
 ) -> tuple[Batch, str]:
     """Load and check batch `slot` named by its commit object; returns (arrays, data file)."""
-    log_path = layout.batch_log_entry(slot)
-    try:
-        data_file = entry["data_file"]
-    except (KeyError, TypeError):
-        raise BatchMismatchError(f"{log_path}: commit object has no 'data_file' field: {entry!r}") from None
-    for key, expected in (("seq_len", train.seq_len), ("tokenizer", tokenizer_name), ("batch_size", train.batch_size)):
-        if isinstance(entry, dict) and key in entry and entry[key] != expected:
-            raise BatchMismatchError(f"{log_path}: {key}={entry[key]!r}, this run has {key}={expected!r}")
+    if entry.seq_len != train.seq_len:
+        raise BatchMismatchError(
+            f"{layout.batch_log_entry(slot)}: seq_len={entry.seq_len!r}, this run has seq_len={train.seq_len!r}"
+        )
+    data_file = entry.data_file
     table = store.read_parquet(data_file, schemas.BATCH)
     rows = schemas.BATCH.from_table(table)
     return batch_arrays(rows, train, vocab_size, data_file), data_file
@@ -435,7 +437,7 @@ def main(config: LearnerStepConfig) -> None:
             if entry is None:
                 stop_reason = "control/STOP"
                 break
-            batch, data_file = read_batch(store, slot, entry, config.train, config.model.tokenizer, vocab_size)
+            batch, data_file = read_batch(store, slot, entry, config.train, vocab_size)
             t0 = time.monotonic()
             model, opt_state, step_metrics = train_step(state.model, state.opt_state, reference, batch)
             step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}

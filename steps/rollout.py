@@ -81,7 +81,7 @@ from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, Rollou
 from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_weights
 from pipeline.environments import Completion, Environment, load_environment
 from pipeline.metrics import MetricsWriter
-from pipeline.storage import RunStore
+from pipeline.storage import RunStore, StorageError
 from pipeline.tokenizer import load_tokenizer
 from policy.inference.backends import make_backend
 from policy.inference.openai import OpenAIBackend
@@ -880,16 +880,15 @@ class RolloutWorker:
                     continue
                 if marker not in self._markers:
                     try:
-                        rec = self.store.get_json(marker)
-                        sig = rec.get("signal_rows")
+                        rec = self.store.read_marker(layout.data_of_marker(marker))
                         n = usable_rows(
-                            int(rec.get("rows", 0)),
-                            None if sig is None else int(sig),
+                            rec.rows,
+                            rec.signal_rows,
                             filter_zero_variance=self.config.train.filter_zero_variance,
                             no_signal_fill_after=self.config.train.no_signal_fill_after,
                         )
-                        self._markers[marker] = (p, n, float(rec.get("time", 0.0)))
-                    except (FileNotFoundError, ValueError, AttributeError, TypeError) as e:
+                        self._markers[marker] = (p, n, rec.time)
+                    except (FileNotFoundError, StorageError) as e:
                         logger.warning("pacing: unreadable marker %s (%s); counted as 0 rows", marker, e)
                         self._markers[marker] = (p, 0, 0.0)
                 out[layout.data_of_marker(marker)] = self._markers[marker]
@@ -901,8 +900,8 @@ class RolloutWorker:
             return None
         if self._entry_cache[0] != slot:
             try:
-                entry = self.store.get_json(layout.batch_log_entry(slot))
-            except (FileNotFoundError, ValueError) as e:
+                entry = self.store.read_log_entry(slot).to_dict()
+            except (FileNotFoundError, ValueError, StorageError) as e:
                 logger.warning("pacing: cannot read %s (%s)", layout.batch_log_entry(slot), e)
                 entry = None
             self._entry_cache = (slot, entry if isinstance(entry, dict) else None)
@@ -929,10 +928,9 @@ class RolloutWorker:
     def _load_model(self, step: int) -> Any:
         if self._load_model_fn is not None:
             return self._load_model_fn(step)
-        from policy.model import load_policy, model_vocab_size, policy_metadata
+        from policy.model import load_policy, policy_metadata
 
-        vocab = policy_metadata(self.store, step).get("vocab_size") or model_vocab_size(self.tokenizer)
-        return load_policy(self.store, step, self.config.model, int(vocab))
+        return load_policy(self.store, step, self.config.model, policy_metadata(self.store, step).vocab_size)
 
     def wait_for_policy(self) -> int:
         """Block until a committed policy exists; return the newest step. Raises PolicyWaitTimeoutError."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any
 
 from pipeline import layout
 from pipeline.storage import RunStore
@@ -46,14 +45,14 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
     ingested: set[str] = set()
     entry_time: dict[int, float] = {}
     for slot in slots:
-        entry: dict[str, Any] = store.get_json(layout.batch_log_entry(slot))
-        ingested.update(entry.get("ingested_files", []))
-        entry_time[slot] = float(entry["time"])
-        table = store.read_parquet(entry["data_file"], BATCH)  # I3: named data exists and reads
+        entry = store.read_log_entry(slot)  # I0: a valid BatchLogEntry
+        ingested.update(entry.ingested_files)
+        entry_time[slot] = entry.time
+        table = store.read_parquet(entry.data_file, BATCH)  # I3: named data exists and reads
         for ids in table.column("rollout_ids").to_pylist():
             uses.update(ids)
-        if entry.get("dropped_file"):
-            d = store.read_parquet(entry["dropped_file"], DROPPED)
+        if entry.dropped_file:
+            d = store.read_parquet(entry.dropped_file, DROPPED)
             for rid, reason in zip(d.column("rollout_id").to_pylist(), d.column("reason").to_pylist(), strict=True):
                 dropped[rid] = reason
     last = slots[-1] if slots else 0
@@ -75,7 +74,7 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
             # T-1 while it gathers T), so an unread file committed later may be legitimately unseen; an older one
             # must still be usable (the policy check below), e.g. left on disk because the batch was full.
             scans_began = entry_time[last - 2] if last >= 3 else float("-inf")
-            if float(store.read_marker(path)["time"]) + _CLOCK_SLACK_S > scans_began:
+            if store.read_marker(path).time + _CLOCK_SLACK_S > scans_began:
                 unseen.update(ids)
     for rid, n in uses.items():
         if n > max_samples_per_rollout:  # I1: reuse limit

@@ -49,10 +49,9 @@ def check_finished_run(store: RunStore, num_steps: int, max_lag: int) -> None:
     assert store.exists(layout.RUN_CONFIG)
     # every rollout that went into a batch respected the staleness window of its slot
     for slot in audit.slots:
-        entry = store.get_json(layout.batch_log_entry(slot))
         from schemas import BATCH
 
-        t = store.read_parquet(entry["data_file"], BATCH)
+        t = store.read_parquet(store.read_log_entry(slot).data_file, BATCH)
         for steps in t.column("policy_steps").to_pylist():
             for p in steps:
                 assert 0 <= (slot - 1) - p <= max_lag, (slot, p)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from log_entries import log_entry, put_log_entry
 
 import schemas
 from pipeline import layout
@@ -77,7 +78,7 @@ def write_rollouts(store: RunStore, policy_step: int, seq: int, rows: list[Rollo
 
 
 def commit_slot(store: RunStore, slot: int, files: list[str]) -> None:
-    assert store.put_json_if_absent(layout.batch_log_entry(slot), {"slot": slot, "ingested_files": files})
+    assert put_log_entry(store, slot, ingested_files=files)
 
 
 def write_eval(store: RunStore, policy_step: int, lesson: str, success: float, eval_type: str = "eval") -> None:
@@ -217,8 +218,10 @@ def test_missing_slot_and_bad_log_entry_are_loud(tmp_path: Path) -> None:
     cfg = config()
     with pytest.raises(CurriculumSyncError, match=r"batches/log/step-00000001\.json"):
         CurriculumWriter(store, cfg).sync(1)
-    store.put_json_if_absent(layout.batch_log_entry(1), {"slot": 1})
-    with pytest.raises(CurriculumSyncError, match="ingested_files"):
+    malformed = log_entry(1).to_dict()
+    del malformed["ingested_files"]
+    store.put_json_if_absent(layout.batch_log_entry(1), malformed)
+    with pytest.raises(CurriculumSyncError, match=r"step-00000001\.json: field 'ingested_files': missing"):
         CurriculumWriter(store, cfg).sync(1)
 
 

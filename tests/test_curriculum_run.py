@@ -201,7 +201,7 @@ def test_refolding_the_committed_files_gives_the_same_events(
 def test_refolding_the_committed_files_gives_byte_identical_states(
     finished_run: FinishedRun, tmp_path: Path, restart: str
 ) -> None:
-    """What pipeline/curriculum.py promises: "a writer restarted from its newest published state, or rebuilt from
+    """What pipeline.curriculum promises: "a writer restarted from its newest published state, or rebuilt from
     nothing, writes the same bytes" (statistics, weights and events of every slot)."""
     states, again = refolded(finished_run, tmp_path / "run", restart)
     differing = {}

@@ -7,7 +7,6 @@ equal, bitwise, those of an uninterrupted in-process run on the same batches (CP
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -23,6 +22,7 @@ import pytest
 
 from pipeline import layout
 from pipeline.storage import RunStore
+from schemas.records import CommitMarker
 
 pytest.importorskip("jax")
 
@@ -113,16 +113,17 @@ def test_sigkill_resume_replays_exactly(tmp_path):
     covered: list[int] = []
     step: int | None = N_STEPS
     while step is not None:
-        rec = json.loads(store.get(layout.checkpoint_marker(step)))
-        first, last = rec["slots"]
-        assert last == step and first == (rec["parent"] or 0) + 1
+        rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(step)), path=layout.checkpoint_marker(step))
+        assert rec.slots is not None
+        first, last = rec.slots
+        assert last == step and first == (rec.parent or 0) + 1
         covered = list(range(first, last + 1)) + covered
-        step = rec["parent"]
+        step = rec.parent
     assert covered == list(range(1, N_STEPS + 1))
     # every committed checkpoint marker, in any lineage, is consistent (no slot trained twice into one chain)
     for s in ckpt_steps(store):
-        rec = json.loads(store.get(layout.checkpoint_marker(s)))
-        assert rec["slots"][1] == s and rec["batch_slot"] == s
+        rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(s)), path=layout.checkpoint_marker(s))
+        assert rec.slots is not None and rec.slots[1] == s and rec.batch_slot == s
 
     # uninterrupted in-process run on the same batches gives the same bits
     ref_root = tmp_path / "ref"

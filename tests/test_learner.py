@@ -3,15 +3,18 @@ policies/checkpoints are committed, bad batches are refused, exact replay from a
 
 from __future__ import annotations
 
-import json
+import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
+from log_entries import put_log_entry
 
 import schemas
 from pipeline import layout
 from pipeline.config import LearnerStepConfig, ModelSpec, OptimizerSpec, RLOOLossConfig, StoreConfig, TrainParams
 from pipeline.storage import RunStore
+from schemas.records import CommitMarker
 
 jax = pytest.importorskip("jax")
 
@@ -84,11 +87,12 @@ def make_rows(slot: int, *, packed: bool = True, token: int | None = None, seed:
     return rows
 
 
-def write_batch(store: RunStore, slot: int, rows: list[schemas.BatchRow], **entry: object) -> str:
+def write_batch(store: RunStore, slot: int, rows: list[schemas.BatchRow], **entry: Any) -> str:
     """Write a batch parquet and its commit object (`batches/log/step-T.json` naming `data_file`)."""
     path = layout.batch_data_file(slot, "test")
-    store.write_parquet(path, schemas.BATCH.to_table(rows), schemas.BATCH)
-    store.put_json_if_absent(layout.batch_log_entry(slot), {"data_file": path, **entry})
+    info = store.write_parquet(path, schemas.BATCH.to_table(rows), schemas.BATCH)
+    fields = {"seq_len": SEQ_LEN, "data_size": info.size, "data_sha256": info.sha256, "rows": info.rows, **entry}
+    put_log_entry(store, slot, data_file=path, **fields)
     return path
 
 
@@ -116,7 +120,7 @@ def test_learner_trains_publishes_and_replays(tmp_path):
     p3 = M.load_policy(store, 3, cfg.model, VOCAB)
     assert any(not np.array_equal(a, b) for a, b in zip(params(p0), params(p1), strict=True))
     marker = M.policy_metadata(store, 3)
-    assert marker["batch_slot"] == 3 and marker["seq_len"] == SEQ_LEN and marker["tokenizer"] == "builtin:tiny"
+    assert marker.batch_slot == 3 and marker.seq_len == SEQ_LEN and marker.tokenizer == "builtin:tiny"
 
     from pipeline.metrics import read_metrics
 
@@ -140,8 +144,8 @@ def test_learner_trains_publishes_and_replays(tmp_path):
     q3 = M.load_policy(store2, 3, cfg.model, VOCAB)
     assert all(np.array_equal(a, b) for a, b in zip(params(p3), params(q3), strict=True))
     # the replay's checkpoint 3 records that it came from checkpoint 2 and consumed only slot 3
-    rec = json.loads(store2.get(layout.checkpoint_marker(3)))
-    assert rec["parent"] == 2 and rec["slots"] == [3, 3]
+    rec = CommitMarker.from_json(store2.get(layout.checkpoint_marker(3)), path=layout.checkpoint_marker(3))
+    assert rec.parent == 2 and rec.slots == [3, 3]
 
 
 def test_rewarded_token_logprob_rises(tmp_path):
@@ -201,7 +205,10 @@ def test_refuses_mismatched_batches(tmp_path):
         learn.main(tiny_config(root2, steps=2))
     root3 = str(tmp_path / "run3")
     store3 = RunStore(root3)
-    write_batch(store3, 1, make_rows(1), tokenizer="some/other-tokenizer")
+    # a batch built with another tokenizer: token ids outside this run's vocabulary are refused
+    # (log entries do not record the tokenizer; the batch's token ids are what is checked)
+    foreign = [dataclasses.replace(r, tokens=[VOCAB + 3 if t else t for t in r.tokens]) for r in make_rows(1)]
+    write_batch(store3, 1, foreign)
     with pytest.raises(learn.BatchMismatchError, match="tokenizer"):
         learn.main(tiny_config(root3, steps=2))
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from log_entries import put_log_entry
 
 from pipeline import layout
 from pipeline.metrics import read_metrics
@@ -236,8 +237,7 @@ def test_stale_and_future_files_dropped_with_reason(run_root: tuple[Path, RunSto
     for s in range(1, 5):
         publish_policy(store, s)
     for s in range(1, 5):  # slots 1..4 exist already: the learner is at policy 4
-        store.put_json_if_absent(layout.batch_log_entry(s), {"slot": s, "cursor": {"version": 1, "seen": [],
-                                 "reservoir": {"next_seq": 0, "files": []}}, "config_hash": "x"})  # fmt: skip
+        put_log_entry(store, s, config_hash="x")  # an empty slot: no files seen, an empty reservoir
     commit_rollouts(store, 2, 0, rows_for(2, "stale", [[0.0, 1.0]]))  # slot 5 allows policies 3..4
     store.commit_data(layout.rollout_file(9, "w", 0), ROLLOUT.to_table(rows_for(9, "future", [[0.0, 1.0]])), ROLLOUT)
     commit_rollouts(store, 4, 1, rows_for(4, "ok", [[0.0, 1.0], [1.0, 0.0]]))

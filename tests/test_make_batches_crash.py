@@ -32,6 +32,7 @@ import pytest
 from pipeline import layout
 from pipeline.storage import RunStore
 from schemas import BATCH, ROLLOUT, RolloutRow
+from schemas.records import ReadyMarker
 
 REPO = Path(__file__).resolve().parents[1]
 KILLS = 20
@@ -105,8 +106,16 @@ class World:
             if rng.random() < 0.03:  # a corrupt file behind a valid-looking marker
                 junk = b"PAR1 not a parquet file" + bytes(rng.integers(0, 255, 64, dtype=np.uint8))
                 self.store.put_unique(path, junk)
-                marker = {"size": len(junk), "sha256": hashlib.sha256(junk).hexdigest(), "rows": 6}
-                self.store.put_json_if_absent(layout.ready_marker(path), marker)
+                marker = ReadyMarker(
+                    file=path,
+                    size=len(junk),
+                    sha256=hashlib.sha256(junk).hexdigest(),
+                    rows=6,
+                    schema=ROLLOUT.tag,
+                    attempt_id=f"junk{seq}",
+                    time=time.time(),
+                )
+                self.store.put_if_absent(layout.ready_marker(path), marker.to_json())
                 self.corrupt.append(path)
             else:
                 self.store.commit_data(path, ROLLOUT.to_table(_rows(policy, f"r{seq}", rng)), ROLLOUT)

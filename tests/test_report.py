@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from log_entries import put_log_entry
 
 from pipeline import layout, report
 from pipeline.metrics import MetricsWriter
@@ -138,11 +139,13 @@ def _write_run(root: Path) -> None:
         data_rel = layout.batch_data_file(step, attempt)
         ids = [f"r{step}-{j}" for j in range(4)]
         store.write_parquet(data_rel, BATCH.to_table([_batch_row(ids[:2]), _batch_row(ids[2:])]), BATCH)
-        entry: dict[str, object] = {"data_file": data_rel, "attempt_id": attempt, "ingested_files": ["rollouts/x"]}
+        dropped_rel = None
         if step in drops:
-            entry["dropped_file"] = dropped_rel = layout.dropped_file(step, attempt)
+            dropped_rel = layout.dropped_file(step, attempt)
             store.write_parquet(dropped_rel, _dropped(step, drops[step]), DROPPED)
-        store.put_json_if_absent(layout.batch_log_entry(step), entry)
+        put_log_entry(
+            store, step, data_file=data_rel, attempt_id=attempt, ingested_files=["rollouts/x"], dropped_file=dropped_rel
+        )
     # A losing attempt at slot 3 (named by no log entry): its drops do not count.
     store.write_parquet(layout.dropped_file(3, "lost"), _dropped(3, [("y1", "stale")]), DROPPED)
 

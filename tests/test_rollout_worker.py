@@ -21,6 +21,7 @@ import draccus
 import equinox as eqx
 import jax
 import pytest
+from log_entries import put_log_entry
 
 from pipeline import layout
 from pipeline.config import (
@@ -38,6 +39,7 @@ from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
 from policy.model import build_model, load_policy, model_vocab_size, save_policy
 from schemas import ROLLOUT, RolloutRow
+from schemas.records import Cursor, Reservoir
 from steps.rollout import (
     WATCHDOG_EXIT_CODE,
     PolicyWaitTimeoutError,
@@ -284,11 +286,11 @@ def test_worker_picks_up_newer_policy_and_never_moves_back(
             assert rows and {r.policy_step for r in rows} == {step}
             assert {r.worker_id for r in rows} == {"w0"}
             marker = store.read_marker(rel)
-            assert marker["policy_step"] == step and marker["worker_id"] == "w0"
+            assert marker.extra["policy_step"] == step and marker.extra["worker_id"] == "w0"
             groups: dict[str, set[float]] = {}
             for r in rows:
                 groups.setdefault(r.group_key, set()).add(r.episode_reward)
-            assert marker["signal_rows"] == sum(1 for r in rows if len(groups[r.group_key]) > 1)
+            assert marker.signal_rows == sum(1 for r in rows if len(groups[r.group_key]) > 1)
     events = [r for r in read_metrics(store, "rollout") if r.get("event") == "weights"]
     assert [e["policy_step"] for e in events] == [0, 2]
     writes = [r for r in read_metrics(store, "rollout") if r.get("event") == "write"]
@@ -319,8 +321,10 @@ def test_stop_file_stops_a_following_worker(tmp_path: Path, tokenizer: Any, mode
 
 
 def _log_slot(store: RunStore, slot: int) -> None:
-    """A minimal batch log entry (commit time only, no BatchMaker cursor)."""
-    store.put_json_if_absent(layout.batch_log_entry(slot), {"slot": slot, "time": time.time()})
+    """Commit batch slot `slot` as a BatchMaker that consumed every rollout file committed so far would: its
+    cursor has seen them all and keeps no live rows."""
+    seen = [f for p in range(10) for f in _committed(store, p)]
+    put_log_entry(store, slot, cursor=Cursor(version=1, seen=seen, reservoir=Reservoir(next_seq=0, files=[])))
 
 
 def test_pacing_pauses_ahead_and_when_stale(tmp_path: Path, tokenizer: Any, model: Any, manager: Any) -> None:
@@ -433,7 +437,7 @@ def test_sigkill_mid_run_leaves_no_visible_partial_file_and_restart_goes_on(tmp_
         if p.poll() is None:
             p.kill()
     first = _committed(store, 0)
-    shas = {rel: store.read_marker(rel)["sha256"] for rel in first}
+    shas = {rel: store.read_marker(rel).sha256 for rel in first}
     for rel in first:  # every visible file is complete and verifies
         assert _read_rows(store, rel)
     assert not store.quarantined()
@@ -444,7 +448,7 @@ def test_sigkill_mid_run_leaves_no_visible_partial_file_and_restart_goes_on(tmp_
     assert len(new) == 2
     incarnations = {Path(f).name.rsplit("-", 1)[0] for f in first}
     assert len(incarnations) == 1 and not {Path(f).name.rsplit("-", 1)[0] for f in new} & incarnations
-    assert {rel: store.read_marker(rel)["sha256"] for rel in first} == shas  # old files untouched
+    assert {rel: store.read_marker(rel).sha256 for rel in first} == shas  # old files untouched
     for rel in after:
         assert _read_rows(store, rel)
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,10 @@ from pipeline.storage import (
     NotCommittedError,
     RunStore,
     SchemaMismatchError,
+    new_attempt_id,
 )
 from schemas import EVAL_SUMMARY, ROLLOUT, RolloutRow
+from schemas.records import ReadyMarker
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_DIR = layout.rollout_step_dir(3)
@@ -71,8 +74,16 @@ def commit_raw(store: RunStore, rel: str, data: bytes, rows: int) -> None:
     import hashlib
 
     store.put_unique(rel, data)
-    marker = {"file": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rows": rows}
-    assert store.put_json_if_absent(layout.ready_marker(rel), marker)
+    marker = ReadyMarker(
+        file=rel,
+        size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        rows=rows,
+        schema=ROLLOUT.tag,
+        attempt_id=new_attempt_id(),
+        time=time.time(),
+    )
+    assert store.put_if_absent(layout.ready_marker(rel), marker.to_json())
 
 
 def raw_put(store: RunStore, rel: str, data: bytes) -> None:

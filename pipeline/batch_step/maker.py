@@ -32,6 +32,7 @@ from pipeline.prefetch import read_ahead
 from pipeline.storage import RunStore, new_attempt_id
 from schemas import BATCH, ROLLOUT
 from schemas.dropped import DROPPED
+from schemas.records import BatchLogEntry
 
 logger = logging.getLogger(__name__)
 
@@ -150,36 +151,30 @@ class Maker:
         if last == 0:
             logger.info("no committed batch slot yet: starting at slot 1")
             return MakerState(bm, 1, set(), 0)
-        entry = self.store.get_json(layout.batch_log_entry(last))
-        if entry.get("config_hash") != self.hash:
+        entry = self.store.read_log_entry(last)  # an unknown cursor version is refused here, by name
+        if entry.config_hash != self.hash:
             logger.warning(
-                "slot %d was built with train config %s, this process has %s", last, entry.get("config_hash"), self.hash
+                "slot %d was built with train config %s, this process has %s", last, entry.config_hash, self.hash
             )
-        cursor = entry.get("cursor") or {}
-        if cursor.get("version") != CURSOR_VERSION:
-            raise RuntimeError(f"{layout.batch_log_entry(last)}: unknown cursor version {cursor.get('version')!r}")
-        reservoir = cursor["reservoir"]
-        for f in reservoir["files"]:
-            table = self.store.read_committed(f["path"], ROLLOUT)
+        cursor = entry.cursor
+        reservoir = cursor.reservoir
+        for f in reservoir.files:
+            table = self.store.read_committed(f.path, ROLLOUT)
             if table is None:
-                logger.error("live rollout file %s became unreadable (quarantined); its live rows are lost", f["path"])
+                logger.error("live rollout file %s became unreadable (quarantined); its live rows are lost", f.path)
                 continue
-            bm.restore_file(
-                table, f["path"], seq=f["seq"], policy_step=f["policy_step"], rows=f["rows"], uses=f["uses"]
-            )
+            bm.restore_file(table, f.path, seq=f.seq, policy_step=f.policy_step, rows=f.rows, uses=f.uses)
             self.keep_lease()
-        bm.set_next_seq(reservoir["next_seq"])
+        bm.set_next_seq(reservoir.next_seq)
         logger.info(
             "recovered from slot %d in %.2fs: %d live rollouts in %d files, %d files seen",
             last,
             time.monotonic() - t0,
             bm.n_live,
-            len(reservoir["files"]),
-            len(cursor["seen"]),
+            len(reservoir.files),
+            len(cursor.seen),
         )
-        return MakerState(
-            bm, last + 1, set(cursor["seen"]), last, set(cursor.get("late", [])), int(cursor.get("sweep_next", 0))
-        )
+        return MakerState(bm, last + 1, set(cursor.seen), last, set(cursor.late), cursor.sweep_next)
 
     # --- one slot ----------------------------------------------------------------------------
     def gather(self, st: MakerState, slot: int, log: dict[str, Any]) -> None:
@@ -405,7 +400,8 @@ class Maker:
             dropped_file=dropped_path,
             dropped=dropped_counts,
         )
-        ok = self.store.put_json_if_absent(layout.batch_log_entry(slot), entry)
+        path = layout.batch_log_entry(slot)
+        ok = self.store.put_if_absent(path, BatchLogEntry.from_json(entry, path=path).to_json())
         log["write_s"] = time.monotonic() - t0
         log["dropped"] = dropped_counts
         if not ok:

@@ -79,7 +79,7 @@ class ScanWindow:
         # the slot whose commit moved the window past p: the newest slot that still scanned it
         at = staleness.newest_slot_allowing(p + LATE_SCAN_STEPS, self.max_lag)
         try:
-            sealed = self.store.get_json(layout.batch_log_entry(at)).get("sealed")
+            sealed = self.store.read_log_entry(at).sealed
         except FileNotFoundError:
             return None  # not committed yet (or still being written behind)
         if sealed is None or str(p) not in sealed:

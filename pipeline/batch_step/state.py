@@ -9,8 +9,9 @@ from typing import Any
 
 from pipeline.batch_maker import BatchMaker
 from pipeline.config import BatchMakerStepConfig
+from schemas.records import Cursor
 
-CURSOR_VERSION = 1
+CURSOR_VERSION = Cursor.VERSION
 """Version 1 cursors without `late` / `sweep_next` (written before late sweeps) still restore."""
 
 

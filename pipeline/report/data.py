@@ -24,6 +24,7 @@ from pipeline.metrics import read_metrics
 from pipeline.storage import CorruptFileError, RunStore, SchemaMismatchError
 from schemas import BATCH, EVAL_SUMMARY
 from schemas.dropped import DROPPED
+from schemas.records import BatchLogEntry, RecordError
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,17 @@ def _read_batch_log(store: RunStore, data: RunData) -> tuple[list[str], list[str
             continue
         data.batch_slots.append(slot)
         entry = _parse_json(rel, blob, data.notes)
+        try:
+            record = BatchLogEntry.from_json(entry, path=rel) if isinstance(entry, dict) else None
+        except RecordError as e:  # not a valid record: still show what it names, and say so
+            data.notes.append(str(e))
+            record = None
+        if record is not None:
+            data_files.add(record.data_file)
+            if record.dropped_file is not None:
+                dropped_files.add(record.dropped_file)
+            attempts[slot] = record.attempt_id
+            continue
         for s in _find_strings(entry):
             for folder, found in ((layout.BATCH_DATA, data_files), (layout.BATCH_DROPPED, dropped_files)):
                 if s.endswith(".parquet") and folder + "/" in s:
