@@ -12,7 +12,8 @@ import abc
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from pipeline.environments.base import Completion
 from policy.inference.base import (
@@ -107,7 +108,8 @@ class LocalBackend(InferenceBackend):
         return sorted({int(t) for t in stop_tokens})
 
     @staticmethod
-    def _completion(tokens: Sequence[int], logprobs: Sequence[float], stops: Sequence[int]) -> Completion:
+    def _completion(tokens: Iterable[Any], logprobs: Iterable[Any], stops: Sequence[int]) -> Completion:
+        """A completion of `tokens` (ints) and `logprobs` (floats); "stop" iff the last token is a stop token."""
         toks = [int(t) for t in tokens]
         reason = FINISH_STOP if toks and toks[-1] in set(stops) else FINISH_LENGTH
         return Completion(tokens=toks, logprobs=[float(x) for x in logprobs], finish_reason=reason)
