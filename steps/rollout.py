@@ -9,7 +9,7 @@ Reads
     control/STOP                             stop file
 Writes
     rollouts/step-P/<worker>.<nonce>-<seq>.parquet (+ .ready.json)   one file per write, P = policy that sampled it
-    metrics/rollout/<worker>.<nonce>-<seq>.jsonl                     metrics records (see METRICS)
+    metrics/rollout/<worker>.<nonce>-<seq>.jsonl                     metrics records (`policy.rollout_worker.METRICS`)
 
 Run
     python -m steps.rollout --store.run_root runs/demo --worker_id worker0 [--max_rollouts 64] [--max_seconds 60]

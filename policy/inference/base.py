@@ -18,8 +18,8 @@ Weights: an in-process backend samples from the model last given to `update_mode
 the weights says so (`external_weights = True`) and reports the policy step it serves (`served_policy_step()`
 before a call, `last_served_steps` during the last call); the rollout manager tags rows with it.
 
-Importable without JAX: the JAX-side backends live in their own modules (`dense`, `levanter_engine`, `openai`),
-each registered for its config class (`policy.inference.registry`).
+The backends live in their own modules (`dense`, `levanter_engine`, `openai`), each registered for its config
+class (`policy.inference.registry`).
 """
 
 from __future__ import annotations
