@@ -1,16 +1,7 @@
 """The rollout worker: polls for policies, asks a `RolloutManager` for rollouts, commits them, paces itself.
 
-Reads
-    policies/step-S/COMMITTED (+ weights)    the newest committed policy (listing is the truth; never backwards)
-    batches/log/step-T.json                  how far the BatchMaker is (pacing)
-    rollouts/step-P/*.ready.json             row counts of committed rollouts (pacing)
-    curriculum/state-T.json                  lesson sampling weights (written by the BatchMaker, the one writer)
-    control/STOP                             stop file
-Writes
-    rollouts/step-P/<worker>.<nonce>-<seq>.parquet (+ .ready.json)   one file per write, P = policy that sampled it
-    metrics/rollout/<worker>.<nonce>-<seq>.jsonl                     metrics records (see METRICS)
-
-The phases (`RolloutWorker.run`) and the file-name rules are described in `steps/rollout.py`, the program.
+What it reads and writes under the run root, its phases and its file-name rules are those of the rollout program
+(`python -m steps.rollout`, whose module docstring states them); every metric it logs is defined in `METRICS`.
 """
 
 from __future__ import annotations
