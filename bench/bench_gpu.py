@@ -4,7 +4,7 @@ What it measures, per model shape (random weights):
 
 - HBM bandwidth: a jitted `x * a + b` over a large float32 buffer (read + write) -> bytes/s.
 - Matmul peak: a bf16 [N, N] @ [N, N] matmul -> FLOP/s (for context; MFU is against 989 TFLOP/s).
-- Rollout: the dense backend (policy.inference.backends / policy.inference.dense_sampler), bf16 weights and KV cache,
+- Rollout: the dense backend (policy.inference.dense / policy.inference.dense_sampler), bf16 weights and KV cache,
   `--batch` sequences x `--new-tokens` new tokens after `--prompt-len`-token prompts, temperature 1,
   no stop token. The first call (compile) is reported apart; the figure is the median of `--repeats` calls.
   Decode roofline: per step the weights (embedding gather excluded unless tied) plus the KV cache of the
@@ -138,7 +138,7 @@ def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
     import numpy as np
 
     from pipeline.config import InferenceConfig
-    from policy.inference.backends import make_backend
+    from policy.inference import GenerationRequest, make_backend
 
     P, T, B = args.prompt_len, args.new_tokens, args.batch
     config, vocab = model_config(shape, seq_len=max(P + T, 256))
@@ -148,15 +148,17 @@ def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
     row: dict[str, Any] = {"shape": shape, "batch": B, "prompt_len": P, "new_tokens": T}
     backends = ["dense"] + (["levanter"] if args.engine else [])
     for name in backends:
-        be = make_backend(InferenceConfig(backend=name, max_seqs=B), model, None, P + T, compute_dtype=args.dtype)
-        kwargs = dict(n=1, temperature=1.0, max_tokens=T, stop_tokens=[])
+        be = make_backend(
+            InferenceConfig.get_choice_class(name)(max_seqs=B), model, None, P + T, compute_dtype=args.dtype
+        )
+        kwargs: dict[str, Any] = dict(n=1, temperature=1.0, max_tokens=T, stop_tokens=[])
         t0 = time.perf_counter()
-        be.generate(prompts, seed=0, **kwargs)
+        be.generate(GenerationRequest(prompts, seed=0, **kwargs))
         first = time.perf_counter() - t0
         times, toks = [], 0
         for r in range(args.repeats):
             t0 = time.perf_counter()
-            out = be.generate(prompts, seed=r + 1, **kwargs)
+            out = be.generate(GenerationRequest(prompts, seed=r + 1, **kwargs))
             times.append(time.perf_counter() - t0)
             toks = sum(len(c.tokens) for g in out for c in g)
         med = statistics.median(times)

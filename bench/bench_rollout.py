@@ -5,7 +5,7 @@ bench_learner's "50m"), random weights, the builtin tiny vocabulary: `--prompts`
 `--prompt-len` tokens, `n` samples each, `--max-tokens` new tokens each (no stop token, so every sample
 is full length), temperature 1. The first call (compilation) is timed separately; the figure is the
 median over `--repeats` further calls. Backends: `dense` (policy.inference.dense_sampler) and `levanter`
-(levanter's InferenceEngine wrapped by policy.inference.backends, the peer). Prints one table naming the machine.
+(levanter's InferenceEngine wrapped by policy.inference.levanter_engine, the peer). Prints one table naming the machine.
 
     JAX_PLATFORMS=cpu python -m bench.bench_rollout [--sizes tiny,50m] [--backends dense,levanter]
 """
@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,7 +27,7 @@ import numpy as np
 from bench.common import machine_name
 from pipeline.config import InferenceConfig, ModelSpec
 from pipeline.tokenizer import load_tokenizer
-from policy.inference.backends import make_backend
+from policy.inference import GenerationRequest, make_backend
 from policy.model import build_model, count_params
 
 VOCAB = 512  # builtin:tiny
@@ -45,15 +46,15 @@ def bench_one(
     model = build_model(spec, VOCAB)
     rng = np.random.default_rng(0)
     batch = [[1, *rng.integers(4, VOCAB, prompt_len - 1).tolist()] for _ in range(prompts)]
-    be = make_backend(InferenceConfig(backend=backend, max_seqs=prompts * n), model, tok, spec.max_seq_len)
-    kwargs = dict(n=n, temperature=1.0, max_tokens=max_tokens, stop_tokens=[])
+    be = make_backend(InferenceConfig.get_choice_class(backend)(max_seqs=prompts * n), model, tok, spec.max_seq_len)
+    kwargs: dict[str, Any] = dict(n=n, temperature=1.0, max_tokens=max_tokens, stop_tokens=[])
     t0 = time.perf_counter()
-    out = be.generate(batch, seed=0, **kwargs)
+    out = be.generate(GenerationRequest(batch, seed=0, **kwargs))
     first = time.perf_counter() - t0
     times, toks = [], 0
     for r in range(repeats):
         t0 = time.perf_counter()
-        out = be.generate(batch, seed=r + 1, **kwargs)
+        out = be.generate(GenerationRequest(batch, seed=r + 1, **kwargs))
         times.append(time.perf_counter() - t0)
         toks = sum(len(c.tokens) for g in out for c in g)
     be.shutdown()

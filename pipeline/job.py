@@ -22,6 +22,7 @@ from pipeline.config import (
     BatchMakerStepConfig,
     ConfigError,
     CurriculumConfig,
+    DenseInferenceConfig,
     EvaluateStepConfig,
     InferenceConfig,
     JobBackendConfig,
@@ -60,7 +61,7 @@ class RLJobConfig:
     curriculum: CurriculumConfig = field(
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    inference: InferenceConfig = field(default_factory=DenseInferenceConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     """Optional experiment tracker (levanter's json / tensorboard / wandb) for the learner's metrics."""
     num_rollout_workers: int = 2

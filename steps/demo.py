@@ -54,7 +54,7 @@ def probe_answers(store: RunStore, cfg: Any, step: int) -> list[tuple[str, str]]
     from pipeline.environments.cats import PROBE_PROMPTS
     from pipeline.tokenizer import load_tokenizer
     from policy.model import load_policy, model_vocab_size
-    from steps.rollout import RolloutManager
+    from policy.rollout_manager import RolloutManager
 
     tok = load_tokenizer(cfg.model.tokenizer)
     model = load_policy(store, step, cfg.model, model_vocab_size(tok))

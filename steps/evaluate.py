@@ -75,7 +75,7 @@ class Evaluator:
 
     # -- model ----------------------------------------------------------------------------------
     def _manager_for(self, model: Any) -> Any:
-        from steps.rollout import RolloutManager
+        from policy.rollout_manager import RolloutManager
 
         if self._manager is None:
             self._manager = RolloutManager(
@@ -166,7 +166,7 @@ class Evaluator:
         name = PurePosixPath(path.rstrip("/")).name.replace(" ", "_") or "hf"
         spec = dataclasses.replace(self.cfg.model, hf_checkpoint=path)
         model = build_model(spec, self.vocab_size)
-        from steps.rollout import RolloutManager
+        from policy.rollout_manager import RolloutManager
 
         manager = RolloutManager(self.cfg.inference, spec, self.cfg.curriculum, self.tokenizer, model)
         try:

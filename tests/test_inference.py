@@ -1,4 +1,4 @@
-"""Inference backends (policy/inference/backends.py, dense_sampler.py) on a tiny levanter model, CPU float32.
+"""Inference backends (policy/inference/: dense, levanter_engine, dense_sampler) on a tiny levanter model, CPU float32.
 
 What is checked, for the dense sampler and levanter's InferenceEngine alike:
 - logprobs of the generated tokens equal teacher-forced logprobs of the same model (levanter forward
@@ -19,17 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.config import InferenceConfig, ModelSpec
+from pipeline.config import DenseInferenceConfig, LevanterInferenceConfig, ModelSpec
 from pipeline.tokenizer import load_tokenizer
-from policy.inference.backends import (
-    BackendInferenceContext,
-    DenseBackend,
+from policy.inference import (
+    BackendContext,
     GenerationError,
+    GenerationRequest,
     InferenceBackend,
-    LevanterEngineBackend,
     PromptTooLongError,
     make_backend,
 )
+from policy.inference.dense import DenseBackend
+from policy.inference.levanter_engine import LevanterEngineBackend
 from policy.model import build_model, teacher_forced_logprobs
 
 VOCAB = 512
@@ -74,7 +75,7 @@ def model() -> Any:
 
 @pytest.fixture(scope="module")
 def dense(model, tokenizer) -> Iterator[DenseBackend]:
-    b = make_backend(InferenceConfig(backend="dense", max_seqs=8), model, tokenizer, MAX_SEQ_LEN, fast_compile=True)
+    b = make_backend(DenseInferenceConfig(max_seqs=8), model, tokenizer, MAX_SEQ_LEN, fast_compile=True)
     assert isinstance(b, DenseBackend)
     yield b
     b.shutdown()
@@ -82,7 +83,7 @@ def dense(model, tokenizer) -> Iterator[DenseBackend]:
 
 @pytest.fixture(scope="module")
 def engine(model, tokenizer) -> Iterator[LevanterEngineBackend]:
-    b = make_backend(InferenceConfig(backend="levanter", max_seqs=8, page_size=8), model, tokenizer, MAX_SEQ_LEN)
+    b = make_backend(LevanterInferenceConfig(max_seqs=8, page_size=8), model, tokenizer, MAX_SEQ_LEN)
     assert isinstance(b, LevanterEngineBackend)
     yield b
     b.shutdown()
@@ -123,27 +124,27 @@ def check_shape(out, prompts, n: int, max_tokens: int) -> None:
 @pytest.mark.parametrize("backend", ["dense", "engine"])
 def test_logprobs_equal_teacher_forced(request, model, backend: str, temperature: float) -> None:
     b: InferenceBackend = request.getfixturevalue(backend)
-    out = b.generate(PROMPTS, n=2, temperature=temperature, max_tokens=12, stop_tokens=[], seed=3)
+    out = b.generate(GenerationRequest(PROMPTS, n=2, temperature=temperature, max_tokens=12, stop_tokens=[], seed=3))
     check_shape(out, PROMPTS, 2, 12)
     assert all(len(c.tokens) == 12 and c.finish_reason == "length" for comps in out for c in comps)
     assert_logprobs_match(model, PROMPTS, out, temperature)
 
 
 def test_greedy_dense_equals_engine(dense, engine) -> None:
-    a = dense.generate(PROMPTS, n=2, temperature=0.0, max_tokens=12, stop_tokens=[], seed=0)
-    b = engine.generate(PROMPTS, n=2, temperature=0.0, max_tokens=12, stop_tokens=[], seed=1)
+    a = dense.generate(GenerationRequest(PROMPTS, n=2, temperature=0.0, max_tokens=12, stop_tokens=[], seed=0))
+    b = engine.generate(GenerationRequest(PROMPTS, n=2, temperature=0.0, max_tokens=12, stop_tokens=[], seed=1))
     assert [c.tokens for comps in a for c in comps] == [c.tokens for comps in b for c in comps]
 
 
 @pytest.mark.parametrize("backend", ["dense", "engine"])
 def test_stop_token_ends_and_is_included(request, model, backend: str) -> None:
     b: InferenceBackend = request.getfixturevalue(backend)
-    free = b.generate(PROMPTS, n=2, temperature=0.0, max_tokens=12, stop_tokens=[], seed=0)
+    free = b.generate(GenerationRequest(PROMPTS, n=2, temperature=0.0, max_tokens=12, stop_tokens=[], seed=0))
     # stop at the 4th greedy token of prompt 0 (pick one that did not occur earlier in that completion)
     toks = free[0][0].tokens
     k = next(i for i in range(3, 12) if toks[i] not in toks[:i])
     stop = toks[k]
-    out = b.generate(PROMPTS, n=2, temperature=0.0, max_tokens=12, stop_tokens=[stop, 511], seed=0)
+    out = b.generate(GenerationRequest(PROMPTS, n=2, temperature=0.0, max_tokens=12, stop_tokens=[stop, 511], seed=0))
     c = out[0][0]
     assert c.tokens == toks[: k + 1] and c.finish_reason == "stop"
     for comps, ref in zip(out, free, strict=True):
@@ -157,13 +158,13 @@ def test_stop_token_ends_and_is_included(request, model, backend: str) -> None:
 @pytest.mark.parametrize("backend", ["dense", "engine"])
 def test_max_tokens_and_n(request, backend: str) -> None:
     b: InferenceBackend = request.getfixturevalue(backend)
-    out = b.generate(PROMPTS[:2], n=3, temperature=1.0, max_tokens=5, stop_tokens=[], seed=11)
+    out = b.generate(GenerationRequest(PROMPTS[:2], n=3, temperature=1.0, max_tokens=5, stop_tokens=[], seed=11))
     check_shape(out, PROMPTS[:2], 3, 5)
     assert all(len(c.tokens) == 5 and c.finish_reason == "length" for comps in out for c in comps)
     # different samples of one prompt use different PRNG streams
     assert len({tuple(c.tokens) for c in out[0]}) > 1
     # same seed: same samples
-    again = b.generate(PROMPTS[:2], n=3, temperature=1.0, max_tokens=5, stop_tokens=[], seed=11)
+    again = b.generate(GenerationRequest(PROMPTS[:2], n=3, temperature=1.0, max_tokens=5, stop_tokens=[], seed=11))
     assert [[c.tokens for c in comps] for comps in again] == [[c.tokens for c in comps] for comps in out]
 
 
@@ -171,24 +172,26 @@ def test_max_tokens_and_n(request, backend: str) -> None:
 def test_budget_cut_at_max_seq_len_and_too_long_prompts(request, backend: str) -> None:
     b: InferenceBackend = request.getfixturevalue(backend)
     long_prompt = [1] + [5] * (MAX_SEQ_LEN - 4)  # room for 3 tokens
-    out = b.generate([long_prompt], n=1, temperature=1.0, max_tokens=12, stop_tokens=[], seed=0)
+    out = b.generate(GenerationRequest([long_prompt], n=1, temperature=1.0, max_tokens=12, stop_tokens=[], seed=0))
     assert len(out[0][0].tokens) == 3 and out[0][0].finish_reason == "length"
     with pytest.raises(PromptTooLongError, match="prompt 1 has 64 tokens"):
-        b.generate([[1, 2], [1] * MAX_SEQ_LEN], n=1, temperature=1.0, max_tokens=4, stop_tokens=[], seed=0)
+        b.generate(
+            GenerationRequest([[1, 2], [1] * MAX_SEQ_LEN], n=1, temperature=1.0, max_tokens=4, stop_tokens=[], seed=0)
+        )
     with pytest.raises(ValueError, match="prompt 0 is empty"):
-        b.generate([[]], n=1, temperature=1.0, max_tokens=4, stop_tokens=[], seed=0)
+        b.generate(GenerationRequest([[]], n=1, temperature=1.0, max_tokens=4, stop_tokens=[], seed=0))
     with pytest.raises(ValueError, match="outside"):
-        b.generate([[1, VOCAB]], n=1, temperature=1.0, max_tokens=4, stop_tokens=[], seed=0)
+        b.generate(GenerationRequest([[1, VOCAB]], n=1, temperature=1.0, max_tokens=4, stop_tokens=[], seed=0))
 
 
 def test_dense_compiles_once_per_shape_and_not_on_update_model(dense, model) -> None:
     kwargs = dict(n=2, temperature=1.0, max_tokens=12, stop_tokens=[], seed=5)
-    first = dense.generate(PROMPTS, **kwargs)
+    first = dense.generate(GenerationRequest(PROMPTS, **kwargs))
     traces = dense.trace_count
     with _COUNTER as c:
-        again = dense.generate(PROMPTS, **kwargs)
+        again = dense.generate(GenerationRequest(PROMPTS, **kwargs))
         # other runtime values, same shape buckets: no compile either
-        dense.generate(PROMPTS[:2], n=3, temperature=0.3, max_tokens=10, stop_tokens=[2], seed=6)
+        dense.generate(GenerationRequest(PROMPTS[:2], n=3, temperature=0.3, max_tokens=10, stop_tokens=[2], seed=6))
     assert dense.trace_count == traces and c.count == 0
     assert [[x.tokens for x in g] for g in again] == [[x.tokens for x in g] for g in first]
 
@@ -196,7 +199,7 @@ def test_dense_compiles_once_per_shape_and_not_on_update_model(dense, model) -> 
     dense.update_model(other)
     try:
         with _COUNTER as c:
-            swapped = dense.generate(PROMPTS, **kwargs)
+            swapped = dense.generate(GenerationRequest(PROMPTS, **kwargs))
         assert dense.trace_count == traces and c.count == 0
         assert [[x.tokens for x in g] for g in swapped] != [[x.tokens for x in g] for g in first]
         assert_logprobs_match(other, PROMPTS, swapped, 1.0)
@@ -206,12 +209,12 @@ def test_dense_compiles_once_per_shape_and_not_on_update_model(dense, model) -> 
 
 def test_engine_update_model_uses_new_weights_without_compiling(engine, model) -> None:
     kwargs = dict(n=1, temperature=0.0, max_tokens=12, stop_tokens=[], seed=0)
-    first = engine.generate(PROMPTS, **kwargs)
+    first = engine.generate(GenerationRequest(PROMPTS, **kwargs))
     other = build_model(SPEC, VOCAB, key=jax.random.PRNGKey(1))
     engine.update_model(other)
     try:
         with _COUNTER as c:
-            swapped = engine.generate(PROMPTS, **kwargs)
+            swapped = engine.generate(GenerationRequest(PROMPTS, **kwargs))
         assert c.count == 0
         assert [g[0].tokens for g in swapped] != [g[0].tokens for g in first]
         assert_logprobs_match(other, PROMPTS, swapped, 0.0)
@@ -231,7 +234,7 @@ def test_engine_missing_samples_are_retried_then_reported(engine, monkeypatch) -
         return got
 
     monkeypatch.setattr(LevanterEngineBackend, "_run_chunk", flaky)
-    out = engine.generate(PROMPTS, n=1, temperature=0.0, max_tokens=4, stop_tokens=[], seed=0)
+    out = engine.generate(GenerationRequest(PROMPTS, n=1, temperature=0.0, max_tokens=4, stop_tokens=[], seed=0))
     assert calls == [3, 1] and all(len(g) == 1 and g[0].tokens for g in out)
 
     def broken(self, rows, temperature, stops, seed):
@@ -239,12 +242,12 @@ def test_engine_missing_samples_are_retried_then_reported(engine, monkeypatch) -
 
     monkeypatch.setattr(LevanterEngineBackend, "_run_chunk", broken)
     with pytest.raises(GenerationError) as err:
-        engine.generate(PROMPTS, n=2, temperature=0.0, max_tokens=4, stop_tokens=[], seed=0)
+        engine.generate(GenerationRequest(PROMPTS, n=2, temperature=0.0, max_tokens=4, stop_tokens=[], seed=0))
     assert err.value.missing == [(2, 0), (2, 1)]
 
 
 def test_context_adapter_defaults_stop_to_eos(dense, tokenizer) -> None:
-    ctx = BackendInferenceContext(tokenizer, dense)
+    ctx = BackendContext(tokenizer, dense)
     assert dense._resolve_stops(None) == [tokenizer.eos_token_id]
     out = ctx.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, stop_tokens=None, seed=0)
     for comps in out:
@@ -265,24 +268,22 @@ def test_dense_qwen3_qk_norm_logprobs(tokenizer) -> None:
     )
     qwen = build_model(spec, VOCAB, key=jax.random.PRNGKey(2))
     assert qwen.transformer.layers.stacked.self_attn.q_norm is not None
-    b = make_backend(InferenceConfig(backend="dense", max_seqs=8), qwen, tokenizer, MAX_SEQ_LEN, fast_compile=True)
-    out = b.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, stop_tokens=[], seed=3)
+    b = make_backend(DenseInferenceConfig(max_seqs=8), qwen, tokenizer, MAX_SEQ_LEN, fast_compile=True)
+    out = b.generate(GenerationRequest(PROMPTS, n=2, temperature=1.0, max_tokens=12, stop_tokens=[], seed=3))
     assert_logprobs_match(qwen, PROMPTS, out, 1.0)
 
 
 @pytest.mark.slow
 def test_dense_bf16_close_to_float32_teacher_forced(model, tokenizer) -> None:
-    b = make_backend(
-        InferenceConfig(backend="dense", max_seqs=8), model, tokenizer, MAX_SEQ_LEN, compute_dtype="bfloat16"
-    )
-    out = b.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, stop_tokens=[], seed=3)
+    b = make_backend(DenseInferenceConfig(max_seqs=8), model, tokenizer, MAX_SEQ_LEN, compute_dtype="bfloat16")
+    out = b.generate(GenerationRequest(PROMPTS, n=2, temperature=1.0, max_tokens=12, stop_tokens=[], seed=3))
     assert_logprobs_match(model, PROMPTS, out, 1.0, atol=5e-2)
 
 
 @pytest.mark.slow
 def test_dense_samples_do_not_depend_on_chunking(model, tokenizer) -> None:
     kwargs = dict(n=3, temperature=1.0, max_tokens=6, stop_tokens=[], seed=9)
-    small = make_backend(InferenceConfig(backend="dense", max_seqs=2), model, tokenizer, MAX_SEQ_LEN)
-    big = make_backend(InferenceConfig(backend="dense", max_seqs=16), model, tokenizer, MAX_SEQ_LEN)
-    a, b = small.generate(PROMPTS, **kwargs), big.generate(PROMPTS, **kwargs)
+    small = make_backend(DenseInferenceConfig(max_seqs=2), model, tokenizer, MAX_SEQ_LEN)
+    big = make_backend(DenseInferenceConfig(max_seqs=16), model, tokenizer, MAX_SEQ_LEN)
+    a, b = small.generate(GenerationRequest(PROMPTS, **kwargs)), big.generate(GenerationRequest(PROMPTS, **kwargs))
     assert [[c.tokens for c in g] for g in a] == [[c.tokens for c in g] for g in b]

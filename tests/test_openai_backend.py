@@ -18,17 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.config import CurriculumConfig, InferenceConfig, LessonConfig, ModelSpec, SamplingParams
+from pipeline.config import CurriculumConfig, LessonConfig, ModelSpec, OpenAIInferenceConfig, SamplingParams
 from pipeline.tokenizer import load_tokenizer
+from policy.inference import GenerationRequest, PromptTooLongError
 from policy.inference.openai import (
     OpenAIBackend,
     OpenAIResponseError,
-    PromptTooLongError,
     policy_step_from_model_name,
     truncate_at_stop,
 )
 from policy.model import build_model, model_vocab_size
-from steps.rollout import RolloutManager
+from policy.rollout_manager import RolloutManager
 
 SPEC = ModelSpec(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=48)
 MAX_SEQS = 8
@@ -97,7 +97,7 @@ def server(model: Any, tokenizer: Any) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def backend(server: Server, tokenizer: Any) -> Iterator[OpenAIBackend]:
-    cfg = InferenceConfig(backend="openai", openai_base_url=server.base_url, max_seqs=MAX_SEQS, request_timeout_s=300)
+    cfg = OpenAIInferenceConfig(openai_base_url=server.base_url, max_seqs=MAX_SEQS, request_timeout_s=300)
     b = OpenAIBackend(cfg, tokenizer, max_seq_len=SPEC.max_seq_len)
     yield b
     b.shutdown()
@@ -108,7 +108,9 @@ def _prompts(tokenizer: Any) -> list[list[int]]:
 
 
 def test_generate_returns_ids_and_logprobs_from_a_real_server(backend: OpenAIBackend, tokenizer: Any) -> None:
-    out = backend.generate(_prompts(tokenizer), n=2, temperature=1.0, max_tokens=6, stop_tokens=None, seed=1)
+    out = backend.generate(
+        GenerationRequest(_prompts(tokenizer), n=2, temperature=1.0, max_tokens=6, stop_tokens=None, seed=1)
+    )
     assert backend.server_kind == "levanter"
     assert [len(c) for c in out] == [2, 2]
     for comps in out:
@@ -129,13 +131,17 @@ def test_served_step_follows_the_server_and_model_names(
     server.srv.reload(lambda m: jax.tree_util.tree_map(lambda x: x * 1.5 if eqx.is_inexact_array(x) else x, m))
     server.step = 5
     try:
-        backend.generate(_prompts(tokenizer)[:1], n=1, temperature=1.0, max_tokens=4, stop_tokens=None, seed=2)
+        backend.generate(
+            GenerationRequest(_prompts(tokenizer)[:1], n=1, temperature=1.0, max_tokens=4, stop_tokens=None, seed=2)
+        )
         assert backend.last_served_steps == {5}
         # without the header: the served model name carries the step (levanter echoes the requested name)
         server.step = None
-        cfg = InferenceConfig(backend="openai", openai_base_url=server.base_url, openai_model="policy@step-00000007")
+        cfg = OpenAIInferenceConfig(openai_base_url=server.base_url, openai_model="policy@step-00000007")
         named = OpenAIBackend(cfg, tokenizer, max_seq_len=SPEC.max_seq_len)
-        named.generate(_prompts(tokenizer)[:1], n=1, temperature=1.0, max_tokens=4, stop_tokens=None, seed=2)
+        named.generate(
+            GenerationRequest(_prompts(tokenizer)[:1], n=1, temperature=1.0, max_tokens=4, stop_tokens=None, seed=2)
+        )
         assert named.last_served_steps == {7}
         named.shutdown()
     finally:
@@ -145,13 +151,15 @@ def test_served_step_follows_the_server_and_model_names(
 
 def test_prompt_too_long_is_refused_before_any_request(backend: OpenAIBackend) -> None:
     with pytest.raises(PromptTooLongError, match="max_seq_len=48"):
-        backend.generate([[5] * SPEC.max_seq_len], n=1, temperature=1.0, max_tokens=4, stop_tokens=None, seed=0)
+        backend.generate(
+            GenerationRequest([[5] * SPEC.max_seq_len], n=1, temperature=1.0, max_tokens=4, stop_tokens=None, seed=0)
+        )
 
 
 def test_rollout_manager_over_the_openai_backend(server: Server, tokenizer: Any) -> None:
     sampling = SamplingParams(temperature=1.0, n_prompts=2, n_generations_per_prompt=2, max_tokens=6)
     cur = CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")}, default_sampling=sampling)
-    inference = InferenceConfig(backend="openai", openai_base_url=server.base_url, max_seqs=MAX_SEQS)
+    inference = OpenAIInferenceConfig(openai_base_url=server.base_url, max_seqs=MAX_SEQS)
     manager = RolloutManager(inference, SPEC, cur, tokenizer, None)  # builds the OpenAIBackend itself
     try:
         assert manager.external_weights
@@ -169,7 +177,7 @@ def test_rollout_manager_over_the_openai_backend(server: Server, tokenizer: Any)
 
 
 def _offline_backend(tokenizer: Any) -> OpenAIBackend:
-    return OpenAIBackend(InferenceConfig(backend="openai", openai_base_url="http://127.0.0.1:9/v1"), tokenizer)
+    return OpenAIBackend(OpenAIInferenceConfig(openai_base_url="http://127.0.0.1:9/v1"), tokenizer)
 
 
 def test_parse_vllm_token_ids_and_token_id_strings(tokenizer: Any) -> None:

@@ -17,13 +17,14 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline.config import CurriculumConfig, EnvConfig, InferenceConfig, LessonConfig, ModelSpec, SamplingParams
+from pipeline.config import CurriculumConfig, DenseInferenceConfig, EnvConfig, LessonConfig, ModelSpec, SamplingParams
 from pipeline.environments import Completion, EnvironmentLoadError, ScriptedContext
 from pipeline.tokenizer import load_tokenizer
+from policy.inference import GenerationRequest, InferenceBackend
 from policy.model import build_model, model_vocab_size
+from policy.rollout_manager import RolloutManager, batch_stats
 from schemas import EVAL_ROW, ROLLOUT, EvalRow, EvalSummaryRow
 from schemas.evaluation import validate_eval_summary
-from steps.rollout import RolloutManager, batch_stats
 
 SPEC = ModelSpec(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=48)
 SAMPLING = SamplingParams(temperature=1.0, n_prompts=2, n_generations_per_prompt=2, max_tokens=8)
@@ -68,7 +69,7 @@ def manager(tokenizer: Any, model: Any, tmp_path_factory: pytest.TempPathFactory
             {"path": str(tmp_path_factory.mktemp("x") / "no.jsonl")},
         ),
     )
-    m = RolloutManager(InferenceConfig(backend="dense", max_seqs=8), SPEC, cur, tokenizer, model)
+    m = RolloutManager(DenseInferenceConfig(max_seqs=8), SPEC, cur, tokenizer, model)
     yield m
     m.shutdown()
 
@@ -161,20 +162,20 @@ def test_mixed_lengths_fail_per_example_and_are_retried(manager: RolloutManager)
 # ---------------------------------------------------------------------------------------------
 
 
-class ScriptedBackend:
+class ScriptedBackend(InferenceBackend):
     """A backend answering from scripted texts (pipeline.environments.ScriptedContext), with failures and
     reported policy steps on demand."""
 
     def __init__(self, tokenizer: Any, script: Any, *, fail_calls: Sequence[int] = (), steps: Sequence[Any] = ()):
+        super().__init__()
         self._ctx = ScriptedContext(tokenizer, script)
         self.tokenizer = tokenizer
         self.fail_calls = set(fail_calls)
         self.steps = list(steps)
         self.calls = 0
         self.external_weights = bool(steps)
-        self.last_served_steps: set[int] = set()
 
-    def generate(self, prompts: Sequence[Sequence[int]], **kw: Any) -> list[list[Completion]]:
+    def generate(self, request: GenerationRequest) -> list[list[Completion]]:
         call = self.calls
         self.calls += 1
         if self.steps:
@@ -182,7 +183,14 @@ class ScriptedBackend:
             self.last_served_steps = set(s) if isinstance(s, set) else {s}
         if call in self.fail_calls:
             raise RuntimeError(f"injected failure of call {call}")
-        return self._ctx.generate(prompts, **kw)
+        return self._ctx.generate(
+            request.prompts,
+            n=request.n,
+            temperature=request.temperature,
+            max_tokens=request.max_tokens,
+            stop_tokens=request.stop_tokens,
+            seed=request.seed,
+        )
 
     def update_model(self, model: Any) -> None:
         pass
@@ -194,7 +202,7 @@ class ScriptedBackend:
 def test_calculator_malformed_tool_args_are_recorded_and_sampling_goes_on(tokenizer: Any) -> None:
     cur = _curriculum(calc=EnvConfig("pipeline.environments.calculator.CalculatorEnv", {"max_turns": 2}))
     backend = ScriptedBackend(tokenizer, lambda text: "Answer: 5" if "<result>" in text else "<calc>2+*3)</calc>")
-    m = RolloutManager(InferenceConfig(), SPEC, cur, tokenizer, None, backend=backend)
+    m = RolloutManager(DenseInferenceConfig(), SPEC, cur, tokenizer, None, backend=backend)
     batch, metrics = m.sample_batch("calc", 2, 2, "train", 0, 4, "w")
     assert batch is not None and len(batch.rows) == 4
     assert metrics["env/tool_errors_total"] >= 1
@@ -207,7 +215,7 @@ def test_calculator_malformed_tool_args_are_recorded_and_sampling_goes_on(tokeni
 
 def test_failing_examples_are_retried_then_recorded(tokenizer: Any) -> None:
     backend = ScriptedBackend(tokenizer, ["cats"], fail_calls=[0])
-    m = RolloutManager(InferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=backend)
+    m = RolloutManager(DenseInferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=backend)
     batch, metrics = m.sample_batch("cats", 2, 2, "train", 0, 1, "w")
     assert batch is not None and len(batch.groups) == 2  # the retry filled the batch
     assert [f.attempt for f in batch.failures] == [0, 0]
@@ -215,14 +223,16 @@ def test_failing_examples_are_retried_then_recorded(tokenizer: Any) -> None:
     assert metrics["failures"] == 2 and metrics["failed_examples"] == 0
 
     always = ScriptedBackend(tokenizer, ["cats"], fail_calls=range(100))
-    m2 = RolloutManager(InferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=always, max_example_retries=1)
+    m2 = RolloutManager(
+        DenseInferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=always, max_example_retries=1
+    )
     batch2, metrics2 = m2.sample_batch("cats", 2, 2, "train", 0, 1, "w")
     assert batch2 is None and metrics2["failures"] == 4 and metrics2["failed_examples"] == 2
 
 
 def test_policy_switch_during_a_call_is_rerolled_and_rows_carry_the_served_step(tokenizer: Any) -> None:
     backend = ScriptedBackend(tokenizer, ["cats"], steps=[{5, 6}, 6])
-    m = RolloutManager(InferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=backend)
+    m = RolloutManager(DenseInferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=backend)
     batch, metrics = m.sample_batch("cats", 2, 2, "train", 0, 5, "w")
     assert backend.calls == 2
     assert batch is not None and batch.metadata.weight_step == 6
@@ -232,14 +242,14 @@ def test_policy_switch_during_a_call_is_rerolled_and_rows_carry_the_served_step(
 
 def test_rows_tagged_with_served_step_not_callers(tokenizer: Any, tmp_path: Path) -> None:
     backend = ScriptedBackend(tokenizer, ["cats"], steps=[11])
-    m = RolloutManager(InferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=backend)
+    m = RolloutManager(DenseInferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=backend)
     batch, _ = m.sample_batch("cats", 1, 2, "train", 0, 3, "w")
     assert batch is not None and {r.policy_step for r in batch.rows} == {11}
 
 
 def test_evaluate_curriculum_covers_every_lesson(tokenizer: Any) -> None:
     cur = _curriculum(cats=EnvConfig(), add=EnvConfig("pipeline.environments.arithmetic.ArithmeticEnv"))
-    m = RolloutManager(InferenceConfig(), SPEC, cur, tokenizer, None, backend=ScriptedBackend(tokenizer, ["cats"]))
+    m = RolloutManager(DenseInferenceConfig(), SPEC, cur, tokenizer, None, backend=ScriptedBackend(tokenizer, ["cats"]))
     results = m.evaluate_curriculum(3, 0, step=2, weight_step=2, worker_id="ev")
     assert sorted(results) == ["add", "cats"]
     cats_stats, cats_batch = results["cats"]
@@ -250,7 +260,7 @@ def test_evaluate_curriculum_covers_every_lesson(tokenizer: Any) -> None:
 
 def test_evaluate_lesson_uses_eval_sampling_and_eval_rows(tokenizer: Any) -> None:
     m = RolloutManager(
-        InferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=ScriptedBackend(tokenizer, ["cats"])
+        DenseInferenceConfig(), SPEC, _curriculum(), tokenizer, None, backend=ScriptedBackend(tokenizer, ["cats"])
     )
     stats, batch = m.evaluate_lesson("cats", 4, "micro_eval", 0, step=4, weight_step=9, worker_id="ev")
     assert batch is not None and all(isinstance(r, EvalRow) and r.eval_type == "micro_eval" for r in batch.rows)

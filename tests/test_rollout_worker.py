@@ -26,7 +26,7 @@ from log_entries import put_log_entry
 from pipeline import layout
 from pipeline.config import (
     CurriculumConfig,
-    InferenceConfig,
+    DenseInferenceConfig,
     LessonConfig,
     ModelSpec,
     RolloutStepConfig,
@@ -35,23 +35,16 @@ from pipeline.config import (
     TrainParams,
 )
 from pipeline.metrics import read_metrics
+from pipeline.pacing import count_unconsumed_rows, estimate_unconsumed_rows, pacing_decision, signal_rows, usable_rows
+from pipeline.poll import WaitTimeout
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
+from pipeline.watchdog import WATCHDOG_EXIT_CODE, watchdog
 from policy.model import build_model, load_policy, model_vocab_size, save_policy
+from policy.rollout_manager import RolloutManager
+from policy.rollout_worker import RolloutWorker
 from schemas import ROLLOUT, RolloutRow
 from schemas.records import Cursor, Reservoir
-from steps.rollout import (
-    WATCHDOG_EXIT_CODE,
-    PolicyWaitTimeoutError,
-    RolloutManager,
-    RolloutWorker,
-    count_unconsumed_rows,
-    estimate_unconsumed_rows,
-    pacing_decision,
-    signal_rows,
-    usable_rows,
-    watchdog,
-)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ModelSpec(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=48)
@@ -65,7 +58,7 @@ def _config(root: Path, **kw: Any) -> RolloutStepConfig:
     base: dict[str, Any] = dict(
         store=StoreConfig(run_root=str(root)),
         model=SPEC,
-        inference=InferenceConfig(max_seqs=8),
+        inference=DenseInferenceConfig(max_seqs=8),
         curriculum=CURRICULUM,
         train=train,
         worker_id="w0",
@@ -108,7 +101,7 @@ def model(tokenizer: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def manager(tokenizer: Any, model: Any) -> Iterator[RolloutManager]:
-    m = RolloutManager(InferenceConfig(max_seqs=8), SPEC, CURRICULUM, tokenizer, model)
+    m = RolloutManager(DenseInferenceConfig(max_seqs=8), SPEC, CURRICULUM, tokenizer, model)
     yield m
     m.shutdown()
 
@@ -231,7 +224,9 @@ def test_watchdog_calls_back_on_overrun_and_not_otherwise() -> None:
 
 
 def test_watchdog_default_ends_the_process_loudly() -> None:
-    code = "import time; from steps.rollout import watchdog\nwith watchdog('generation', 0.2):\n    time.sleep(30)\n"
+    code = (
+        "import time; from pipeline.watchdog import watchdog\nwith watchdog('generation', 0.2):\n    time.sleep(30)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == WATCHDOG_EXIT_CODE
@@ -245,7 +240,7 @@ def test_watchdog_default_ends_the_process_loudly() -> None:
 
 def test_wait_for_policy_times_out_naming_the_path(tmp_path: Path, tokenizer: Any) -> None:
     w = RolloutWorker(_config(tmp_path / "run", wait_for_policy_timeout_s=0.3), tokenizer=tokenizer)
-    with pytest.raises(PolicyWaitTimeoutError, match=r"policies/step-00000000/COMMITTED"):
+    with pytest.raises(WaitTimeout, match=r"policies/step-00000000/COMMITTED"):
         w.run()
 
 

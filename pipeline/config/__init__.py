@@ -20,8 +20,11 @@ from pipeline.config.curriculum import (
 from pipeline.config.model import (
     INFERENCE_BACKENDS,
     MODEL_FAMILIES,
+    DenseInferenceConfig,
     InferenceConfig,
+    LevanterInferenceConfig,
     ModelSpec,
+    OpenAIInferenceConfig,
 )
 from pipeline.config.steps import (
     TRACKER_TYPES,
@@ -64,6 +67,7 @@ __all__ = [
     "BatchMakerStepConfig",
     "ConfigError",
     "CurriculumConfig",
+    "DenseInferenceConfig",
     "EnvConfig",
     "EvaluateStepConfig",
     "InferenceConfig",
@@ -71,9 +75,11 @@ __all__ = [
     "LearnerStepConfig",
     "LessonConfig",
     "LessonDependency",
+    "LevanterInferenceConfig",
     "LocalBackendConfig",
     "LossConfig",
     "ModelSpec",
+    "OpenAIInferenceConfig",
     "OptimizerSpec",
     "PPOClipLossConfig",
     "RLOOLossConfig",

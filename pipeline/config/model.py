@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import draccus
+
 from pipeline.config.base import require
 
 # ---------------------------------------------------------------------------------------
@@ -42,30 +44,71 @@ class ModelSpec:
         )
 
 
-INFERENCE_BACKENDS = ("levanter", "dense", "openai")
-
-
 @dataclass(frozen=True)
-class InferenceConfig:
-    """Which inference backend produces completions, and its sizing."""
+class InferenceConfig(draccus.ChoiceRegistry):
+    """Which inference backend produces completions (`type: dense`, `levanter` or `openai`), and its sizing.
 
-    backend: str = "dense"
-    """'dense': fixed-shape jitted sampler with a dense KV cache (default);
-    'levanter': levanter's InferenceEngine; 'openai': an OpenAI-compatible server."""
+    Each backend is a registered subclass; the JAX side maps the subclass to its backend class
+    (`policy.inference.make_backend`), so a new backend is one module there plus one subclass here.
+    """
+
     max_seqs: int = 64
     """Most sequences decoded at once."""
-    page_size: int = 16
-    """levanter engine only: KV page size."""
-    openai_base_url: str | None = None
-    """openai backend: the server's base URL (e.g. http://localhost:8000/v1)."""
-    openai_model: str = "policy"
-    request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        require(self.backend in INFERENCE_BACKENDS, "inference.backend", self.backend, f"one of {INFERENCE_BACKENDS}")
+        require(self.max_seqs >= 1, "inference.max_seqs", self.max_seqs, "must be >= 1")
+
+    @classmethod
+    def default_choice_name(cls) -> str | None:
+        return "dense"
+
+    @property
+    def backend(self) -> str:
+        """The registered name of this backend (`dense`, `levanter`, `openai`)."""
+        return str(self.get_choice_name(type(self)))
+
+
+@InferenceConfig.register_subclass("dense")
+@dataclass(frozen=True)
+class DenseInferenceConfig(InferenceConfig):
+    """The in-process fixed-shape jitted sampler with a dense KV cache (the default)."""
+
+
+@InferenceConfig.register_subclass("levanter")
+@dataclass(frozen=True)
+class LevanterInferenceConfig(InferenceConfig):
+    """levanter's in-process `InferenceEngine` (paged KV cache)."""
+
+    page_size: int = 16
+    """KV page size."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.page_size >= 1, "inference.page_size", self.page_size, "must be >= 1")
+
+
+@InferenceConfig.register_subclass("openai")
+@dataclass(frozen=True)
+class OpenAIInferenceConfig(InferenceConfig):
+    """An external OpenAI-compatible `/v1/completions` server (vLLM, SGLang, levanter's InferenceServer)."""
+
+    openai_base_url: str | None = None
+    """The server's base URL (e.g. http://localhost:8000/v1); required."""
+    openai_model: str = "policy"
+    """The model name sent with each request (a name ending in `step-<N>` also tells the policy step)."""
+    request_timeout_s: float = 600.0
+    """Seconds before one HTTP request times out."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         require(
-            self.backend != "openai" or bool(self.openai_base_url),
+            bool(self.openai_base_url),
             "inference.openai_base_url",
             self.openai_base_url,
-            "is required with backend 'openai'",
+            "is required with inference type 'openai'",
         )
+        require(self.request_timeout_s > 0, "inference.request_timeout_s", self.request_timeout_s, "must be > 0")
+
+
+INFERENCE_BACKENDS = ("dense", "levanter", "openai")
+"""The registered inference config types (`inference: {type: ...}`)."""

@@ -7,7 +7,7 @@ from typing import Any
 
 from pipeline.config.base import ConfigError, require
 from pipeline.config.curriculum import CurriculumConfig, LessonConfig
-from pipeline.config.model import InferenceConfig, ModelSpec
+from pipeline.config.model import DenseInferenceConfig, InferenceConfig, ModelSpec
 from pipeline.config.train import LossConfig, OptimizerSpec, RLOOLossConfig, TrainParams
 from pipeline.config.validate import validate_learner
 
@@ -123,7 +123,7 @@ class RolloutStepConfig:
 
     store: StoreConfig = field(default_factory=StoreConfig)
     model: ModelSpec = field(default_factory=ModelSpec)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    inference: InferenceConfig = field(default_factory=DenseInferenceConfig)
     curriculum: CurriculumConfig = field(
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )
@@ -168,7 +168,7 @@ class EvaluateStepConfig:
 
     store: StoreConfig = field(default_factory=StoreConfig)
     model: ModelSpec = field(default_factory=ModelSpec)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    inference: InferenceConfig = field(default_factory=DenseInferenceConfig)
     curriculum: CurriculumConfig = field(
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )

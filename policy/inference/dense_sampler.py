@@ -1,8 +1,8 @@
 """A fixed-shape, jit-compiled-once sampler with a dense KV cache for levanter Llama / Qwen3 models.
 
 What it reads: a levanter `LlamaLMHeadModel` (or `Qwen3LMHeadModel`, which adds q/k RMSNorm); its
-haliax weights are turned once into plain arrays (`extract_params`) and passed to the compiled
-function as arguments, so new weights (`DenseSampler.update_params`) never recompile anything.
+haliax weights are turned once into plain arrays (`policy.inference.dense_params.extract_params`) and
+passed to the compiled function as arguments, so new weights (`DenseSampler.update_params`) never recompile anything.
 What it writes: nothing; `DenseSampler.generate` returns token ids and logprobs as numpy arrays.
 
 Algorithm (one jitted call per batch, no per-token host round trip):
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,32 +47,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from policy.inference.dense_params import (
+    DenseArch,
+    UnsupportedModelError,
+    activation,
+    dense_arch,
+    extract_params,
+    rotary_module,
+)
+
 logger = logging.getLogger(__name__)
 
 _NEG_INF = -1e30
-
-
-class UnsupportedModelError(ValueError):
-    """The model has a feature the dense sampler does not implement (named in the message)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseArch:
-    """The static structure of a model as the dense sampler sees it (part of the compile key)."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_dim: int
-    vocab_size: int
-    norm_eps: float
-    qk_norm: bool
-    hybrid_norm: bool
-    input_embedding_norm: bool
-    tied_embeddings: bool
-    attn_scale: float
-    compute_dtype: str
 
 
 def _next_pow2(n: int) -> int:
@@ -84,135 +69,6 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """The smallest power of two >= max(n, minimum), capped at `maximum` (when given)."""
     b = _next_pow2(max(n, minimum))
     return min(b, maximum) if maximum is not None else b
-
-
-# ---------------------------------------------------------------------------------------------
-# levanter model -> plain arrays
-# ---------------------------------------------------------------------------------------------
-
-
-def _arr(x: Any, order: tuple[str, ...], dtype: Any) -> jax.Array | None:
-    """A NamedArray's data in the given axis order (an optional leading 'layer' axis kept) and dtype."""
-    if x is None:
-        return None
-    names = tuple(a.name for a in x.axes)
-    full = (("layer",) if "layer" in names else ()) + order
-    if set(names) != set(full):
-        raise UnsupportedModelError(f"unexpected weight axes {names}, expected {full}")
-    return x.rearrange(full).array.astype(dtype)
-
-
-def _norm_params(norm: Any, axis: str, dtype: Any) -> dict[str, Any] | None:
-    if norm is None:
-        return None
-    return {"w": _arr(norm.weight, (axis,), dtype), "b": _arr(norm.bias, (axis,), dtype)}
-
-
-def _layer_modules(model: Any) -> tuple[Any, bool]:
-    """(the decoder layer module(s), stacked?) for scanned (Stacked) or unscanned (BlockSeq) layers."""
-    layers = model.transformer.layers
-    if hasattr(layers, "stacked"):
-        return layers.stacked, True
-    if hasattr(layers, "blocks"):
-        return list(layers.blocks), False
-    raise UnsupportedModelError(f"unknown layer container {type(layers).__name__}")
-
-
-def dense_arch(model: Any, compute_dtype: str) -> DenseArch:
-    """The `DenseArch` of a levanter Llama/Qwen3 LM head model; raises UnsupportedModelError otherwise."""
-    cfg = model.config
-    if not hasattr(cfg, "attention_config"):
-        raise UnsupportedModelError(f"{type(model).__name__}: no attention_config (not a Llama-family model)")
-    acfg = cfg.attention_config()
-    if acfg.logits_soft_cap is not None:
-        raise UnsupportedModelError(f"logits_soft_cap={acfg.logits_soft_cap} is not supported")
-    if getattr(cfg, "use_sliding_window", False):
-        raise UnsupportedModelError("sliding-window attention is not supported")
-    layer, _ = _layer_modules(model)
-    first = layer if not isinstance(layer, list) else layer[0]
-    if first.self_attn.rot_embs is None:
-        raise UnsupportedModelError("a model without rotary embeddings is not supported")
-    head_dim = acfg.head_size
-    return DenseArch(
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=head_dim,
-        hidden_dim=cfg.hidden_dim,
-        vocab_size=model.Vocab.size,
-        norm_eps=float(cfg.layer_norm_epsilon),
-        qk_norm=acfg.qk_norm is not None,
-        hybrid_norm=bool(getattr(cfg, "hybrid_norm", False)),
-        input_embedding_norm=bool(getattr(cfg, "input_embedding_norm", False)),
-        tied_embeddings=model.lm_head is None,
-        attn_scale=float(acfg.scaling_factor) if acfg.scaling_factor is not None else 1.0 / math.sqrt(head_dim),
-        compute_dtype=str(jnp.dtype(compute_dtype)),
-    )
-
-
-def _one_layer_params(layer: Any, dtype: Any) -> dict[str, Any]:
-    att = layer.self_attn
-    mlp = layer.mlp
-    p: dict[str, Any] = {
-        "ln1": _norm_params(layer.input_layernorm, "embed", dtype),
-        "ln2": _norm_params(layer.post_attention_layernorm, "embed", dtype),
-        "post_attn_ln": _norm_params(layer.post_attn_layernorm, "embed", dtype),
-        "post_mlp_ln": _norm_params(layer.post_mlp_layernorm, "embed", dtype),
-        "q_norm": _norm_params(att.q_norm, "head_size", dtype),
-        "k_norm": _norm_params(att.k_norm, "head_size", dtype),
-        "wq": _arr(att.q_proj.weight, ("kv_head", "q_heads_per_group", "head_size", "embed"), dtype),
-        "bq": _arr(att.q_proj.bias, ("kv_head", "q_heads_per_group", "head_size"), dtype),
-        "wk": _arr(att.k_proj.weight, ("kv_head", "head_size", "embed"), dtype),
-        "bk": _arr(att.k_proj.bias, ("kv_head", "head_size"), dtype),
-        "wv": _arr(att.v_proj.weight, ("kv_head", "head_size", "embed"), dtype),
-        "bv": _arr(att.v_proj.bias, ("kv_head", "head_size"), dtype),
-        "wo": _arr(att.o_proj.weight, ("embed", "heads", "head_size"), dtype),
-        "bo": _arr(att.o_proj.bias, ("embed",), dtype),
-        "w_gate": _arr(mlp.gate_proj.weight, ("mlp", "embed"), dtype),
-        "b_gate": _arr(mlp.gate_proj.bias, ("mlp",), dtype),
-        "w_up": _arr(mlp.up_proj.weight, ("mlp", "embed"), dtype),
-        "b_up": _arr(mlp.up_proj.bias, ("mlp",), dtype),
-        "w_down": _arr(mlp.down_proj.weight, ("embed", "mlp"), dtype),
-        "b_down": _arr(mlp.down_proj.bias, ("embed",), dtype),
-    }
-    return p
-
-
-def extract_params(model: Any, compute_dtype: str) -> dict[str, Any]:
-    """Plain-array weights of a levanter Llama/Qwen3 model, cast to `compute_dtype`, one dict per layer.
-
-    Layers are unstacked (one buffer per layer) so the unrolled decode step reads each layer's weights
-    in place. The result depends only on the weights: two models with the same config give pytrees of
-    identical structure, shapes and dtypes (so swapping them never recompiles).
-    """
-    dtype = jnp.dtype(compute_dtype)
-    layer, stacked = _layer_modules(model)
-    if stacked:
-        whole = _one_layer_params(layer, dtype)
-        n = model.config.num_layers
-        layers = [jax.tree_util.tree_map(lambda a, i=i: a[i], whole) for i in range(n)]
-    else:
-        layers = [_one_layer_params(b, dtype) for b in layer]
-    emb = model.embeddings
-    return {
-        "embed": _arr(emb.token_embeddings.weight, ("vocab", "embed"), dtype),
-        "embed_norm": _norm_params(getattr(emb, "norm", None), "embed", dtype),
-        "lm_head": None if model.lm_head is None else _arr(model.lm_head.weight, ("vocab", "embed"), dtype),
-        "final_norm": _norm_params(model.transformer.norm, "embed", dtype),
-        "layers": layers,
-    }
-
-
-def _rotary_module(model: Any) -> Any:
-    layer, _ = _layer_modules(model)
-    first = layer if not isinstance(layer, list) else layer[0]
-    return first.self_attn.rot_embs
-
-
-def _activation(model: Any) -> Callable[[jax.Array], jax.Array]:
-    layer, _ = _layer_modules(model)
-    first = layer if not isinstance(layer, list) else layer[0]
-    return first.mlp.act
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +240,7 @@ class DenseSampler:
         """`fast_compile`: ask XLA for its lowest backend optimisation level (about half the CPU compile
         time, slower execution; meant for tests)."""
         self.arch = dense_arch(model, compute_dtype)
-        self._m = _Model(self.arch, _rotary_module(model), _activation(model))
+        self._m = _Model(self.arch, rotary_module(model), activation(model))
         self.params = extract_params(model, compute_dtype)
         self.trace_count = 0
         self.fast_compile = fast_compile
@@ -394,7 +250,7 @@ class DenseSampler:
     def compatible(self, model: Any) -> bool:
         """True if `model` has this sampler's structure (its weights can be swapped in without a recompile)."""
         try:
-            return dense_arch(model, self.arch.compute_dtype) == self.arch and _rotary_module(model) == self._m.rot
+            return dense_arch(model, self.arch.compute_dtype) == self.arch and rotary_module(model) == self._m.rot
         except UnsupportedModelError:
             return False
 

@@ -1,10 +1,9 @@
 """An inference backend that talks to an OpenAI-compatible `/v1/completions` server (vLLM, SGLang, levanter).
 
 Reads: nothing from the run root. Talks HTTP to `InferenceConfig.openai_base_url` (e.g. `http://host:8000/v1`).
-Writes: nothing. Built by `policy.inference.backends.make_backend` when `InferenceConfig.backend == "openai"` as
-`OpenAIBackend(config, tokenizer, max_seq_len=...)`; it has the same `generate / update_model / shutdown`
-interface as the in-process backends and returns `pipeline.environments.Completion`s (token ids + per-token
-logprobs).
+Writes: nothing. Built by `policy.inference.make_backend` for an `OpenAIInferenceConfig` (`inference: {type:
+openai, ...}`) as `OpenAIBackend(config, tokenizer, max_seq_len=...)`; it is an `InferenceBackend` like the
+in-process backends and returns `pipeline.environments.Completion`s (token ids + per-token logprobs).
 
 Promises
 - Token ids are never recovered by re-tokenising generated text. In order of preference the ids come from
@@ -19,14 +18,14 @@ Promises
 - Stop tokens: sent as `stop_token_ids` (vLLM) and, for a single stop token, as its string (levanter);
   the output is also cut client-side after the first stop token, which is kept. `finish_reason` is "stop"
   when the last token is a stop token, else "length" when `max_tokens` tokens came back, else the server's.
-- Lengths as in `policy.inference.backends`: a prompt of `>= max_seq_len` tokens raises `PromptTooLongError` before
+- Lengths as in `policy.inference.base`: a prompt of `>= max_seq_len` tokens raises `PromptTooLongError` before
   any request (levanter's server would silently keep only the prompt's tail); otherwise a prompt's budget
   is `min(max_tokens, max_seq_len - len(prompt))`.
 - Policy step: a server says which policy it serves by the response header `X-Policy-Step: <int>` or by
   a model name ending in `step-<int>` / `@<int>` (e.g. `--served-model-name policy@step-00000120`).
   `last_served_steps` holds the steps reported during the last `generate` call and `served_step` the most
-  recent one (None when the server never says). The rollout manager tags rows with it and re-rolls a call
-  during which the server switched policies.
+  recent one (None when the server never says); `served_policy_step()` asks the server (`GET /v1/models`).
+  The rollout manager tags rows with it and re-rolls a call during which the server switched policies.
 - The server owns the weights: `update_model` is a no-op (`external_weights = True`).
 - With levanter's server, `n > 1` leaks KV pages (levanter 1.2.dev1644), so each sample is its own prompt
   entry with `n = 1`; other servers get `n` per prompt.
@@ -47,8 +46,10 @@ from typing import Any
 
 import httpx
 
-from pipeline.config import InferenceConfig
+from pipeline.config import OpenAIInferenceConfig
 from pipeline.environments import Completion
+from policy.inference.base import GenerationRequest, InferenceBackend, PromptTooLongError
+from policy.inference.registry import register_backend
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +65,6 @@ class OpenAIBackendError(RuntimeError):
 
 class OpenAIResponseError(OpenAIBackendError):
     """A response lacks what we need (token ids, logprobs) or holds an unknown token string."""
-
-
-class PromptTooLongError(ValueError):
-    """A prompt leaves no room for a generated token within max_seq_len."""
-
-    def __init__(self, prompt_index: int, length: int, max_seq_len: int) -> None:
-        super().__init__(
-            f"prompt {prompt_index} has {length} tokens; max_seq_len={max_seq_len} leaves no room to generate"
-        )
-        self.prompt_index = prompt_index
-        self.length = length
-        self.max_seq_len = max_seq_len
 
 
 class PromptRoundTripError(ValueError):
@@ -102,7 +91,8 @@ def truncate_at_stop(
     return tokens, logprobs, False
 
 
-class OpenAIBackend:
+@register_backend(OpenAIInferenceConfig)
+class OpenAIBackend(InferenceBackend):
     """Generation through an OpenAI-compatible completions server, returning token ids and logprobs.
 
     Thread-safe for concurrent `generate` calls only in the sense that each call is independent;
@@ -114,7 +104,7 @@ class OpenAIBackend:
 
     def __init__(
         self,
-        config: InferenceConfig,
+        config: OpenAIInferenceConfig,
         tokenizer: Any,
         *,
         max_seq_len: int | None = None,
@@ -126,6 +116,7 @@ class OpenAIBackend:
             raise OpenAIBackendError("inference.openai_base_url is required for the openai backend")
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format={prompt_format!r}: must be one of {PROMPT_FORMATS}")
+        super().__init__()
         self.config = config
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
@@ -138,7 +129,20 @@ class OpenAIBackend:
         self._client = httpx.Client(timeout=httpx.Timeout(config.request_timeout_s, connect=30.0))
         self._lock = threading.Lock()
         self.served_step: int | None = None
-        self.last_served_steps: set[int] = set()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        *,
+        model: Any,
+        tokenizer: Any,
+        max_seq_len: int,
+        compute_dtype: str | None,
+        fast_compile: bool,
+    ) -> OpenAIBackend:
+        """A client of `config.openai_base_url` (the server owns model and dtype: `model`, `compute_dtype` unused)."""
+        return cls(config, tokenizer, max_seq_len=max_seq_len)
 
     # ------------------------------------------------------------------------------------------
     # lifecycle
@@ -176,7 +180,7 @@ class OpenAIBackend:
             )
         return self._server_kind
 
-    def probe_served_step(self) -> int | None:
+    def served_policy_step(self) -> int | None:
         """Ask `GET /v1/models` which policy step the server serves (from the model names); None if unsaid.
 
         When several served models advertise steps, the one named `config.openai_model` wins, else the
@@ -206,24 +210,15 @@ class OpenAIBackend:
     # generation
     # ------------------------------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int,
-        temperature: float,
-        max_tokens: int,
-        stop_tokens: Sequence[int] | None,
-        seed: int,
-    ) -> list[list[Completion]]:
+    def generate(self, request: GenerationRequest) -> list[list[Completion]]:
         """`n` completions per prompt, as token ids and per-token logprobs, in prompt order.
 
         Raises PromptTooLongError / PromptRoundTripError before sending anything, OpenAIBackendError on
         a refused request and OpenAIResponseError on an unusable answer.
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        ids_list: list[list[int]] = [[int(t) for t in p] for p in prompts]
+        n, temperature, max_tokens, seed = request.n, request.temperature, request.max_tokens, request.seed
+        stop_tokens = request.stop_tokens
+        ids_list: list[list[int]] = [[int(t) for t in p] for p in request.prompts]
         for i, p in enumerate(ids_list):
             if not p:
                 raise ValueError(f"prompt {i} is empty")

@@ -1,0 +1,136 @@
+"""Rollout pacing: whether a rollout worker should produce now, computed from what the run root says.
+
+Pure functions, no I/O. A rollout from policy P is usable in batch slot T iff `0 <= (T-1) - P <= max_lag`
+(`pipeline.staleness.lag`). A worker pauses while its policy would be stale for the next slot T = B + 1 (B = the
+newest committed batch slot), and while the unconsumed rows usable by slot T or later already cover
+`max_steps_ahead` batches (`count_unconsumed_rows`; with zero-variance filtering a file counts its rows with
+signal, recorded as `signal_rows` in its ready marker, see `usable_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline import staleness
+from schemas import RolloutRow
+
+
+@dataclass(frozen=True)
+class PacingDecision:
+    """Whether to produce now, and why not."""
+
+    produce: bool
+    reason: str
+    next_slot: int
+    slot_lag: int
+
+
+def estimate_unconsumed_rows(rows_by_policy: dict[int, int], last_slot: int, max_lag: int, batch_size: int) -> int:
+    """Rows still usable by slot B+1 or later, estimated from committed row counts.
+
+    usable = Σ rows of policies P >= B - max_lag (those with lag <= max_lag in slot B+1);
+    consumed ≈ batch_size × #{committed slots T <= B that could hold them} = batch_size × min(max_lag, B);
+    estimate = max(0, usable - consumed). Rows of policies P >= B cannot be in any committed slot (a slot
+    T holds P <= T - 1), so the estimate never falls below their count.
+    """
+    lo = last_slot - max_lag
+    usable = sum(n for p, n in rows_by_policy.items() if p >= lo)
+    fresh = sum(n for p, n in rows_by_policy.items() if p >= last_slot)
+    consumed = batch_size * min(max_lag, last_slot)
+    return max(fresh, usable - consumed, 0)
+
+
+def signal_rows(rows: Sequence[RolloutRow]) -> int:
+    """Rows in groups (group_key, policy_step) whose episode rewards are not all equal: what a BatchMaker that
+    filters zero-variance groups can admit from them."""
+    rewards: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        rewards.setdefault((r.group_key, r.policy_step), []).append(r.episode_reward)
+    return sum(len(v) for v in rewards.values() if max(v) > min(v))
+
+
+def usable_rows(rows: int, signal: int | None, *, filter_zero_variance: bool, no_signal_fill_after: int) -> int:
+    """Rows of one committed file that count toward pacing.
+
+    Without zero-variance filtering (or for a marker without `signal_rows`): every row. With it: the signal rows,
+    plus the other rows divided by `no_signal_fill_after + 1` (the BatchMaker admits no-signal rows only after that
+    many all-filtered files, and the next file fills the slot), or nothing for them when it never fills (0).
+    """
+    if not filter_zero_variance or signal is None:
+        return rows
+    rest = max(rows - signal, 0)
+    return signal + (math.ceil(rest / (no_signal_fill_after + 1)) if no_signal_fill_after > 0 else 0)
+
+
+def count_unconsumed_rows(
+    files: dict[str, tuple[int, int, float]],
+    entry: dict[str, Any] | None,
+    last_slot: int,
+    max_lag: int,
+    batch_size: int,
+) -> int:
+    """Rollout rows usable by slot B+1 or later (policies P >= B - max_lag) that no committed slot consumed.
+
+    `files`: committed rollout files (all workers) of policies >= B - max_lag, as path -> (policy step, rows,
+    marker time); `entry`: the batch log entry of slot B (None when B = 0). In order of precision:
+    - the entry holds the BatchMaker's `cursor` (the BatchMaker's log entry): exact, the live reservoir rows of usable
+      policies plus the rows of committed files it has not seen yet;
+    - the entry holds its commit `time`: rows of files committed after it, plus rows of policies >= B
+      (which no slot <= B can hold);
+    - otherwise `estimate_unconsumed_rows`.
+    """
+    lo = last_slot - max_lag
+    usable = {path: v for path, v in files.items() if v[0] >= lo}
+    if entry is None:
+        return sum(n for _, n, _ in usable.values())
+    cursor = entry.get("cursor")
+    if isinstance(cursor, dict) and isinstance(cursor.get("reservoir"), dict):
+        seen = set(cursor.get("seen") or [])
+        live = sum(
+            len(f.get("rows") or [])
+            for f in cursor["reservoir"].get("files", [])
+            if int(f.get("policy_step", -1)) >= lo
+        )
+        return live + sum(n for path, (_, n, _) in usable.items() if path not in seen)
+    if isinstance(entry.get("time"), int | float):
+        t = float(entry["time"])
+        return sum(n for p, n, mt in usable.values() if mt > t or p >= last_slot)
+    by_policy: dict[int, int] = {}
+    for p, n, _ in usable.values():
+        by_policy[p] = by_policy.get(p, 0) + n
+    return estimate_unconsumed_rows(by_policy, last_slot, max_lag, batch_size)
+
+
+def pacing_decision(
+    *,
+    policy_step: int,
+    last_slot: int,
+    unconsumed_rows: int,
+    max_lag: int,
+    batch_size: int,
+    max_steps_ahead: int,
+) -> PacingDecision:
+    """Produce iff rollouts from `policy_step` are usable by the next slot and we are not too far ahead.
+
+    next slot T = last_slot + 1. Pause "stale" when (T-1) - P > max_lag; pause "ahead" when
+    unconsumed_rows >= max_steps_ahead × batch_size.
+    """
+    nxt = last_slot + 1
+    lag = staleness.lag(nxt, policy_step)
+    if lag > max_lag:
+        return PacingDecision(
+            False,
+            f"stale: policy {policy_step} would have lag {lag} > max_lag={max_lag} in "
+            f"slot {nxt}; waiting for a newer policy",
+            nxt,
+            lag,
+        )
+    limit = max_steps_ahead * batch_size
+    if unconsumed_rows >= limit:
+        return PacingDecision(
+            False, f"ahead: ~{unconsumed_rows} unconsumed rows >= max_steps_ahead×batch_size={limit}", nxt, lag
+        )
+    return PacingDecision(True, "ok", nxt, lag)

@@ -1,0 +1,42 @@
+"""Watchdogs for phases that cannot be interrupted from Python (a hung JAX or network call).
+
+A phase run under `watchdog(phase, timeout_s)` that overruns logs a CRITICAL line naming the phase and the limit
+and ends the process with `os._exit(WATCHDOG_EXIT_CODE)`; the job runner restarts the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_EXIT_CODE = 3
+"""Process exit status when a phase overran its watchdog timeout."""
+
+
+def _exit_on_timeout(phase: str, timeout_s: float) -> None:
+    logger.critical("watchdog: phase %r exceeded %.1fs; exiting with status %d", phase, timeout_s, WATCHDOG_EXIT_CODE)
+    logging.shutdown()
+    os._exit(WATCHDOG_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def watchdog(
+    phase: str, timeout_s: float | None, on_timeout: Callable[[str, float], None] = _exit_on_timeout
+) -> Iterator[None]:
+    """Run the block under a timer thread: if it is still running after `timeout_s`, call
+    `on_timeout(phase, timeout_s)` (default: log CRITICAL and `os._exit(3)`). None/<=0 disables it."""
+    if timeout_s is None or timeout_s <= 0:
+        yield
+        return
+    timer = threading.Timer(timeout_s, on_timeout, args=(phase, timeout_s))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

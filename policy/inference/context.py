@@ -1,0 +1,44 @@
+"""The environments' `InferenceContext` over an inference backend, for one sampling call.
+
+Environments call `ctx.generate(prompts, n=..., temperature=..., max_tokens=..., stop_tokens=..., seed=...)`
+(`pipeline.environments.InferenceContext`); this adapter turns each call into one `GenerationRequest`, counts the
+tokens sampled, and collects the policy steps an external server reported during the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.environments.base import Completion
+from policy.inference.base import GenerationRequest, InferenceBackend
+
+
+class BackendContext:
+    """The `InferenceContext` an environment sees: `tokenizer` plus `generate` through `backend`."""
+
+    def __init__(self, tokenizer: Any, backend: InferenceBackend) -> None:
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.generated_tokens = 0
+        self.calls = 0
+        self.served_steps: set[int] = set()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stop_tokens: Sequence[int] | None,
+        seed: int,
+    ) -> list[list[Completion]]:
+        """`n` completions per prompt (see `policy.inference.base`; a too-long prompt raises PromptTooLongError)."""
+        request = GenerationRequest(prompts, n, temperature, max_tokens, stop_tokens, seed)
+        out = self.backend.generate(request)
+        self.calls += 1
+        self.generated_tokens += sum(len(c.tokens) for comps in out for c in comps)
+        if self.backend.last_served_steps:
+            self.served_steps |= set(self.backend.last_served_steps)
+        return out

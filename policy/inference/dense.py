@@ -1,0 +1,107 @@
+"""The `dense` backend: the fixed-shape jitted sampler of `policy.inference.dense_sampler`.
+
+One jitted prefill + `while_loop` decode per batch with a dense KV cache, compiled once per (batch bucket, prompt
+bucket, token bucket) shape. Batches are split into `max_seqs` rows and padded to a power of two (at most
+`max_seqs`); prompts to a power of two >= 8 tokens, `max_tokens` to a power of two >= 16. New weights of the same
+structure (`update_model`) never recompile.
+
+Compute dtype: `make_backend(..., compute_dtype=None)` picks float32 on CPU and bfloat16 on GPU/TPU (pass
+`ModelSpec.compute_dtype` to force one).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pipeline.config import DenseInferenceConfig
+from pipeline.environments.base import Completion
+from policy.inference.dense_sampler import DenseSampler, bucket
+from policy.inference.dtypes import default_compute_dtype
+from policy.inference.local import LocalBackend, SampleRow
+from policy.inference.registry import register_backend
+
+logger = logging.getLogger(__name__)
+
+
+@register_backend(DenseInferenceConfig)
+class DenseBackend(LocalBackend):
+    """The fixed-shape jitted sampler of `policy.inference.dense_sampler` (batches of at most `max_seqs` rows)."""
+
+    name = "dense"
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_seq_len: int,
+        *,
+        max_seqs: int,
+        compute_dtype: str,
+        fast_compile: bool = False,
+    ):
+        super().__init__(tokenizer, max_seq_len, model.Vocab.size)
+        self.max_seqs = int(max_seqs)
+        self.compute_dtype = compute_dtype
+        self.fast_compile = fast_compile
+        self.sampler: DenseSampler | None = DenseSampler(model, compute_dtype, fast_compile=fast_compile)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        *,
+        model: Any,
+        tokenizer: Any,
+        max_seq_len: int,
+        compute_dtype: str | None,
+        fast_compile: bool,
+    ) -> DenseBackend:
+        """A dense backend of `config.max_seqs` rows per batch (`compute_dtype=None`: `default_compute_dtype()`)."""
+        dtype = compute_dtype or default_compute_dtype()
+        return cls(
+            model, tokenizer, max_seq_len, max_seqs=config.max_seqs, compute_dtype=dtype, fast_compile=fast_compile
+        )
+
+    @property
+    def trace_count(self) -> int:
+        """How many times the sampler was traced (each new shape traces, and compiles, once)."""
+        return 0 if self.sampler is None else self.sampler.trace_count
+
+    def update_model(self, model: Any) -> None:
+        """Swap in `model`'s weights; a model of another structure gets a new sampler (and compiles)."""
+        if self.sampler is not None and self.sampler.compatible(model):
+            self.sampler.update_params(model)
+        else:
+            logger.info("dense: new model structure, building a new sampler")
+            self.sampler = DenseSampler(model, self.compute_dtype, fast_compile=self.fast_compile)
+        self.vocab_size = model.Vocab.size
+
+    def shutdown(self) -> None:
+        """Drop the sampler and its device buffers."""
+        self.sampler = None
+
+    def _generate_rows(
+        self, rows: list[SampleRow], *, temperature: float, stops: list[int], seed: int
+    ) -> list[Completion | None]:
+        if self.sampler is None:
+            raise RuntimeError("dense backend was shut down")
+        results: list[Completion | None] = []
+        T = bucket(max(r.max_tokens for r in rows), minimum=16)
+        for start in range(0, len(rows), self.max_seqs):
+            chunk = rows[start : start + self.max_seqs]
+            B = bucket(len(chunk), maximum=self.max_seqs)
+            out = self.sampler.generate(
+                [r.prompt for r in chunk],
+                [r.sample_id for r in chunk],
+                batch_size=B,
+                max_tokens=[r.max_tokens for r in chunk],
+                max_new_bucket=T,
+                stop_tokens=stops,
+                temperature=temperature,
+                seed=seed,
+            )
+            for i in range(len(chunk)):
+                k = int(out.lengths[i])
+                results.append(self._completion(out.tokens[i, :k], out.logprobs[i, :k], stops) if k > 0 else None)
+        return results

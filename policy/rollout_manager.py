@@ -1,0 +1,493 @@
+"""The RolloutManager: inference, the policy model, environments, rollout generation and evaluation.
+
+No storage and no weight sync (the rollout worker, `policy.rollout_worker`, owns those): usable on its own for
+offline evaluation and tests. Also the data it returns: `RolloutBatch` (rows + `RolloutMetadata` + every
+`RecordedFailure`) and its summary `RolloutBatchStats` (`batch_stats`).
+
+Semantics: generation is atomic per `sample_batch` call: `update_model` waits for a running call to finish, so
+no rollout mixes weights; every row carries the step the call started with. With an external server (`openai`
+backend) that reports a different policy step during one call, the whole call is re-rolled. An example that
+fails is retried (a fresh example of the same lesson is drawn, since environments choose examples by rng) up to
+`max_example_retries` more times; every failure is kept with its reason. Nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
+from pipeline.environments import Environment, load_environment
+from policy.inference import BackendContext, InferenceBackend, make_backend
+from schemas import EvalRow, EvalSummaryRow, RolloutRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutMetadata:
+    """Who sampled a batch, when, and with which policy step."""
+
+    worker_id: str
+    timestamp: float
+    weight_step: int
+
+
+@dataclass(frozen=True)
+class RecordedFailure:
+    """An example that produced no group in one attempt of a sampling call."""
+
+    example_id: str
+    reason: str
+    attempt: int
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (for ready markers and metrics)."""
+        return {"example_id": self.example_id, "reason": self.reason, "attempt": self.attempt}
+
+
+@dataclass
+class RolloutBatch:
+    """The rows of one sampling call with their metadata.
+
+    `rows` are `schemas.RolloutRow`s (`schemas.EvalRow`s from evaluation), grouped by `group_key`; every row
+    carries `policy_step == metadata.weight_step`, `worker_id == metadata.worker_id` and the batch temperature.
+    `failures` lists every per-example failure (all attempts); `env_metrics` the environment's metrics of
+    the last attempt plus totals. `successes[i]` says whether row i counts as a success (the environment's
+    own `info["success"]` when it gives one, else `episode_reward >= SUCCESS_REWARD`; not persisted).
+    """
+
+    batch_id: str
+    lesson_id: str
+    mode: str
+    temperature: float
+    metadata: RolloutMetadata
+    rows: list[RolloutRow]
+    failures: list[RecordedFailure] = field(default_factory=list)
+    n_examples_requested: int = 0
+    n_response_tokens: int = 0
+    generate_s: float = 0.0
+    env_metrics: dict[str, float] = field(default_factory=dict)
+    successes: list[bool] = field(default_factory=list)
+
+    @property
+    def groups(self) -> dict[str, list[RolloutRow]]:
+        """Rows by group key (insertion order)."""
+        out: dict[str, list[RolloutRow]] = {}
+        for r in self.rows:
+            out.setdefault(r.group_key, []).append(r)
+        return out
+
+
+@dataclass(frozen=True)
+class RolloutBatchStats:
+    """Summary of a batch; a pure function of the batch."""
+
+    lesson_id: str
+    policy_step: int
+    n_examples: int
+    n_groups: int
+    n_rows: int
+    n_failures: int
+    mean_reward: float
+    success_rate: float
+    mean_response_tokens: float
+    truncation_rate: float
+    temperature: float
+
+    def to_summary_row(self, eval_type: str, source: str, timestamp: float | None = None) -> EvalSummaryRow:
+        """The `schemas.EvalSummaryRow` of an evaluation batch (for `evals/step-S/<lesson>.summary.parquet`)."""
+        return EvalSummaryRow(
+            policy_step=self.policy_step,
+            lesson_id=self.lesson_id,
+            eval_type=eval_type,
+            n_examples=self.n_groups,
+            mean_reward=self.mean_reward,
+            success_rate=self.success_rate,
+            mean_response_tokens=self.mean_response_tokens,
+            truncation_rate=self.truncation_rate,
+            temperature=self.temperature,
+            source=source,
+            timestamp=time.time() if timestamp is None else timestamp,
+        )
+
+
+SUCCESS_REWARD = 1.0
+"""An episode without an environment success flag counts as a success when its reward is >= this."""
+
+
+def is_success(env_rollout: Any) -> bool:
+    """The environment's `info["success"]` when present, else `episode_reward >= SUCCESS_REWARD`."""
+    info = getattr(env_rollout, "info", None) or {}
+    if "success" in info:
+        return bool(info["success"] > 0)
+    return float(env_rollout.episode_reward) >= SUCCESS_REWARD
+
+
+def batch_stats(batch: RolloutBatch) -> RolloutBatchStats:
+    """Summary statistics of a batch: means over rows; success_rate = mean of `batch.successes` (or of
+    reward >= SUCCESS_REWARD when the batch carries no success flags)."""
+    rows = batch.rows
+    n = len(rows)
+    successes = batch.successes if len(batch.successes) == n else [r.episode_reward >= SUCCESS_REWARD for r in rows]
+    return RolloutBatchStats(
+        lesson_id=batch.lesson_id,
+        policy_step=batch.metadata.weight_step,
+        n_examples=batch.n_examples_requested,
+        n_groups=len(batch.groups),
+        n_rows=n,
+        n_failures=len(batch.failures),
+        mean_reward=float(np.mean([r.episode_reward for r in rows])) if n else 0.0,
+        success_rate=float(np.mean(successes)) if n else 0.0,
+        mean_response_tokens=float(np.mean([len(r.response_tokens) for r in rows])) if n else 0.0,
+        truncation_rate=float(np.mean([r.truncated for r in rows])) if n else 0.0,
+        temperature=batch.temperature,
+    )
+
+
+def _schema_rows(
+    rows_src: list[tuple[str, Any]],
+    lesson_id: str,
+    batch_id: str,
+    temperature: float,
+    step: int,
+    worker_id: str,
+    timestamp: float,
+    eval_type: str | None,
+) -> list[RolloutRow]:
+    """The `schemas` rows of (env group key, EnvRollout) pairs: `RolloutRow`s, or `EvalRow`s with `eval_type`.
+
+    `rollout_id` is `<batch_id>-<i>` and `group_key` `<lesson>/<env group key>/<batch_id>`.
+    """
+    rows: list[RolloutRow] = []
+    for i, (gkey, r) in enumerate(rows_src):
+        common: dict[str, Any] = dict(
+            rollout_id=f"{batch_id}-{i}",
+            env_name=r.env_name,
+            example_id=str(r.example_id),
+            lesson_id=lesson_id,
+            group_key=f"{lesson_id}/{gkey}/{batch_id}",
+            prompt_tokens=list(r.prompt_tokens),
+            response_tokens=list(r.response_tokens),
+            response_logprobs=list(r.response_logprobs),
+            token_rewards=list(r.token_rewards),
+            response_loss_mask=list(r.response_loss_mask),
+            episode_reward=float(r.episode_reward),
+            truncated=bool(r.truncated),
+            finish_reason=r.finish_reason,
+            temperature=float(temperature),
+            policy_step=int(step),
+            worker_id=worker_id,
+            timestamp=timestamp,
+        )
+        rows.append(EvalRow(**common, eval_type=eval_type) if eval_type else RolloutRow(**common))
+    return rows
+
+
+class RolloutManager:
+    """Inference lifecycle, the policy model, environments, rollout generation and evaluation.
+
+    Stateless in `weight_step` and `worker_id`: they are arguments of every call and end up in
+    the returned metadata and rows. Usable on its own (offline evaluation, tests): no storage, no weight
+    sync. Thread-safe: sampling calls and `update_model` are serialised by one lock, so a sampling call
+    never mixes two models.
+    """
+
+    def __init__(
+        self,
+        inference: InferenceConfig,
+        model_spec: ModelSpec,
+        curriculum: CurriculumConfig,
+        tokenizer: Any,
+        initial_model: Any,
+        *,
+        max_example_retries: int = 2,
+        backend: InferenceBackend | None = None,
+    ) -> None:
+        """Start the inference backend (`policy.inference.make_backend` unless `backend` is given), sampling in
+        `model_spec.compute_dtype` with sequences of at most `model_spec.max_seq_len` tokens."""
+        if max_example_retries < 0:
+            raise ValueError(f"max_example_retries={max_example_retries}: must be >= 0")
+        self.inference_config = inference
+        self.model_spec = model_spec
+        self.curriculum_config = curriculum
+        self.tokenizer = tokenizer
+        self.max_example_retries = max_example_retries
+        self._policy_model = initial_model
+        self._environments: dict[str, Environment] = {}
+        self._lock = threading.RLock()
+        if backend is None:
+            backend = make_backend(
+                inference, initial_model, tokenizer, model_spec.max_seq_len, compute_dtype=model_spec.compute_dtype
+            )
+        self._backend = backend
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def external_weights(self) -> bool:
+        """True when an external server owns the weights (the `openai` backend)."""
+        return self._backend.external_weights
+
+    def served_policy_step(self) -> int | None:
+        """The policy step an external server says it serves (None: in-process backend or not reported)."""
+        return self._backend.served_policy_step()
+
+    def update_model(self, model: Any) -> None:
+        """Swap in new policy weights; waits for a running sampling call to finish first."""
+        with self._lock:
+            self._policy_model = model
+            self._backend.update_model(model)
+        logger.info("policy model updated")
+
+    def shutdown(self) -> None:
+        """Release the inference backend."""
+        with self._lock:
+            self._backend.shutdown()
+
+    # -- environments -----------------------------------------------------------------------------
+
+    def _load_environment(self, lesson_id: str) -> Environment:
+        """The lesson's environment, built once per (class path, kwargs) and cached.
+
+        Raises KeyError naming an unknown lesson; EnvironmentLoadError naming the class path.
+        """
+        if lesson_id not in self.curriculum_config.lessons:
+            raise KeyError(f"unknown lesson {lesson_id!r}; known: {sorted(self.curriculum_config.lessons)}")
+        env_cfg = self.curriculum_config.lessons[lesson_id].env
+        key = f"{env_cfg.env_class}:{sorted(env_cfg.env_args.items())!r}"
+        if key not in self._environments:
+            logger.info("loading environment %s for lesson %s", env_cfg.env_class, lesson_id)
+            self._environments[key] = load_environment(env_cfg)
+        return self._environments[key]
+
+    # -- sampling ---------------------------------------------------------------------------------
+
+    def sample_batch(
+        self,
+        lesson_id: str,
+        n_examples: int,
+        n_generations: int,
+        mode: str,
+        rng: np.random.Generator | int,
+        weight_step: int,
+        worker_id: str,
+        *,
+        batch_id: str | None = None,
+        sampling: SamplingParams | None = None,
+        eval_type: str | None = None,
+    ) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Generate, score and group rollouts of one lesson with the current model.
+
+        Returns `(batch, metrics)`; `batch` is None when no example succeeded (then `metrics` says why:
+        `failures`, and the failures are logged). Rows carry `policy_step=weight_step` (or the step an
+        external server reports), `worker_id`, the sampling temperature and a timestamp; `rollout_id` is
+        `<batch_id>-<i>` and `group_key` `<lesson>/<env group key>/<batch_id>`. `batch_id` defaults to
+        `<worker_id>.<uuid4 hex[:12]>`; the worker passes its file stem. Sampling params: `sampling` if
+        given, else the lesson's training params (mode "train") or eval params (mode "eval").
+        Raises KeyError (unknown lesson), EnvironmentLoadError (environment cannot be built).
+        """
+        env = self._load_environment(lesson_id)
+        if sampling is None:
+            cur = self.curriculum_config
+            sampling = cur.sampling_for(lesson_id) if mode == "train" else cur.eval_sampling_for(lesson_id)
+        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        batch_id = batch_id or f"{worker_id}.{uuid.uuid4().hex[:12]}"
+        start = time.monotonic()
+        with self._lock:
+            rows_src, failures, env_metrics, tokens, step = self._sample_with_retries(
+                env, lesson_id, n_examples, n_generations, mode, gen, weight_step, sampling
+            )
+        generate_s = time.monotonic() - start
+        now = time.time()
+        rows = _schema_rows(rows_src, lesson_id, batch_id, sampling.temperature, step, worker_id, now, eval_type)
+        n_groups = len({r.group_key for r in rows})
+        metrics = {
+            **{f"env/{k}": float(v) for k, v in env_metrics.items()},
+            "rows": float(len(rows)),
+            "groups": float(n_groups),
+            "failures": float(len(failures)),
+            "failed_examples": float(max(0, n_examples - n_groups)),
+            "tokens": float(tokens),
+            "time/generate_s": generate_s,
+        }
+        for f in failures:
+            logger.warning("lesson %s example %s failed (attempt %d): %s", lesson_id, f.example_id, f.attempt, f.reason)
+        if not rows:
+            logger.warning("lesson %s: no rollouts generated (%d failures)", lesson_id, len(failures))
+            return None, metrics
+        batch = RolloutBatch(
+            batch_id=batch_id,
+            lesson_id=lesson_id,
+            mode=mode,
+            temperature=float(sampling.temperature),
+            metadata=RolloutMetadata(worker_id=worker_id, timestamp=now, weight_step=int(step)),
+            rows=rows,
+            failures=failures,
+            n_examples_requested=n_examples,
+            n_response_tokens=tokens,
+            generate_s=generate_s,
+            env_metrics=env_metrics,
+            successes=[is_success(r) for _, r in rows_src],
+        )
+        logger.info(
+            "lesson %s: %d groups, %d rows from policy %d (%d failures)",
+            lesson_id,
+            n_groups,
+            len(rows),
+            step,
+            len(failures),
+        )
+        return batch, metrics
+
+    def _sample_with_retries(
+        self,
+        env: Environment,
+        lesson_id: str,
+        n_examples: int,
+        n_generations: int,
+        mode: str,
+        rng: np.random.Generator,
+        weight_step: int,
+        sampling: SamplingParams,
+    ) -> tuple[list[tuple[str, Any]], list[RecordedFailure], dict[str, float], int, int]:
+        """Run `env.sample`, re-drawing failed examples up to `max_example_retries` times.
+
+        A call during which an external server reported more than one policy step is discarded whole and
+        re-rolled (counted as an attempt); if that keeps happening, its examples are recorded as failed.
+        Returns (rows as (env group key, EnvRollout)), failures, env metrics, sampled tokens, policy step).
+        """
+        rows: list[tuple[str, Any]] = []
+        failures: list[RecordedFailure] = []
+        env_metrics: dict[str, float] = {}
+        tokens = 0
+        remaining = n_examples
+        step: int | None = None
+        for attempt in range(self.max_example_retries + 1):
+            if remaining <= 0:
+                break
+            ctx = BackendContext(self.tokenizer, self._backend)
+            result = env.sample(
+                ctx,
+                n_examples=remaining,
+                n_generations=n_generations,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_tokens,
+                stop_tokens=sampling.stop_tokens,
+                rng=rng,
+                mode=mode,
+            )
+            served = ctx.served_steps
+            call_step = next(iter(served)) if len(served) == 1 else weight_step
+            if len(served) > 1 or (step is not None and result.groups and call_step != step):
+                # results from two policies are never mixed: the whole call is re-rolled
+                earlier = "" if step is None else f"; earlier attempts of this call: {step}"
+                reason = f"policy changed during sampling (server reported steps {sorted(served)}{earlier})"
+                logger.warning("lesson %s: %s; re-rolling %d examples", lesson_id, reason, remaining)
+                failures += [RecordedFailure(str(g.rollouts[0].example_id), reason, attempt) for g in result.groups]
+                failures += [RecordedFailure(str(f.example_id), f.reason, attempt) for f in result.failures]
+                continue
+            if served and call_step != weight_step:
+                logger.info(
+                    "server serves policy %d (caller said %d); tagging rows with %d", call_step, weight_step, call_step
+                )
+            if result.groups:
+                step = call_step
+            tokens += ctx.generated_tokens
+            for g in result.groups:
+                for r in g.rollouts:
+                    rows.append((g.key, r))
+            failures += [RecordedFailure(str(f.example_id), f.reason, attempt) for f in result.failures]
+            for k, v in result.metrics.items():
+                env_metrics[k] = env_metrics.get(k, 0.0) + float(v) if k.startswith("n_") else float(v)
+            remaining -= len(result.groups)
+            if result.failures and remaining > 0 and attempt < self.max_example_retries:
+                logger.info(
+                    "lesson %s: %d examples failed; retrying (attempt %d of %d)",
+                    lesson_id,
+                    len(result.failures),
+                    attempt + 1,
+                    self.max_example_retries,
+                )
+        return rows, failures, env_metrics, tokens, step if step is not None else weight_step
+
+    # -- evaluation -------------------------------------------------------------------------------
+
+    def evaluate_lesson(
+        self,
+        lesson_id: str,
+        n_examples: int,
+        eval_type: str,
+        rng: np.random.Generator | int,
+        step: int,
+        weight_step: int,
+        worker_id: str,
+    ) -> tuple[RolloutBatchStats, RolloutBatch | None]:
+        """Evaluate one lesson with its eval sampling params (mode "eval"); rows are `schemas.EvalRow`s.
+
+        `eval_type` is "eval" (full evaluation) or "micro_eval" (logged only). `step` is the caller's
+        progress counter (for logs). The curriculum is not updated here: in the file-based pipeline the
+        BatchMaker folds the evaluate step's summaries (one writer); callers persist what they want.
+        Returns (stats, batch); batch is None when every example failed (stats then count the failures).
+        """
+        if eval_type not in ("eval", "micro_eval"):
+            raise ValueError(f"eval_type={eval_type!r}: must be 'eval' or 'micro_eval'")
+        sp = self.curriculum_config.eval_sampling_for(lesson_id)
+        batch, metrics = self.sample_batch(
+            lesson_id,
+            n_examples,
+            sp.n_generations_per_prompt,
+            "eval",
+            rng,
+            weight_step,
+            worker_id,
+            sampling=sp,
+            eval_type=eval_type,
+        )
+        if batch is None:
+            stats = RolloutBatchStats(
+                lesson_id, weight_step, n_examples, 0, 0, int(metrics["failures"]), 0.0, 0.0, 0.0, 0.0, sp.temperature
+            )
+        else:
+            stats = batch_stats(batch)
+        logger.info(
+            "%s of %s at step %d (policy %d): mean reward %.3f, success %.3f",
+            eval_type,
+            lesson_id,
+            step,
+            stats.policy_step,
+            stats.mean_reward,
+            stats.success_rate,
+        )
+        return stats, batch
+
+    def evaluate_curriculum(
+        self,
+        eval_n_examples: int,
+        rng: np.random.Generator | int,
+        step: int,
+        weight_step: int,
+        worker_id: str,
+    ) -> dict[str, tuple[RolloutBatchStats, RolloutBatch | None]]:
+        """Full evaluation ("eval") of every lesson, in sorted lesson order: {lesson_id: (stats, batch)}."""
+        gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+        return {
+            lesson_id: self.evaluate_lesson(lesson_id, eval_n_examples, "eval", gen, step, weight_step, worker_id)
+            for lesson_id in sorted(self.curriculum_config.lessons)
+        }
+
+    def update_training_stats(self, lesson_id: str, batch: RolloutBatch, step: int) -> RolloutBatchStats:
+        """Training statistics of a batch (a pure summary).
+
+        In the file-based pipeline the curriculum state has one writer, the BatchMaker, which folds the
+        committed rollout files themselves; so this changes no state and only returns what to log.
+        """
+        if batch.lesson_id != lesson_id:
+            raise ValueError(f"batch is from lesson {batch.lesson_id!r}, not {lesson_id!r}")
+        return batch_stats(batch)

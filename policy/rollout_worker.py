@@ -1,0 +1,501 @@
+"""The rollout worker: polls for policies, asks a `RolloutManager` for rollouts, commits them, paces itself.
+
+What it reads and writes under the run root, its phases and its file-name rules are those of the rollout program
+(`python -m steps.rollout`, whose module docstring states them); every metric it logs is defined in `METRICS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipeline import layout, run_state, staleness
+from pipeline.config import RolloutStepConfig
+from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_weights
+from pipeline.metrics import MetricsWriter
+from pipeline.pacing import PacingDecision, count_unconsumed_rows, pacing_decision, signal_rows, usable_rows
+from pipeline.poll import WaitTimeout, poll_until
+from pipeline.storage import RunStore, StorageError
+from pipeline.tokenizer import load_tokenizer
+from pipeline.watchdog import watchdog
+from policy.rollout_manager import RolloutBatch, RolloutManager, batch_stats
+from schemas import ROLLOUT
+
+logger = logging.getLogger(__name__)
+
+METRICS: dict[str, str] = {
+    "rows": "rollout rows written in this write",
+    "groups": "RLOO/GRPO groups in this write",
+    "failures": "examples that failed in this write (each attempt counts; reasons in the ready marker)",
+    "failed_examples": "examples still missing after all retries (requested - produced)",
+    "tokens": "response tokens sampled by the policy in this write (loss-mask 1)",
+    "rollouts_per_s": "rows / generation seconds of this write",
+    "tokens_per_s": "tokens / generation seconds of this write",
+    "mean_reward": "mean episode reward of the rows of this write",
+    "reward/<lesson>": "mean episode reward of this write, keyed by its lesson",
+    "truncation_rate": "fraction of rows whose response hit max_tokens",
+    "policy_lag": "learner's newest committed policy minus the policy that sampled this write, at write time",
+    "slot_lag": "(T-1) - P for the next batch slot T at write time (usable iff 0 <= slot_lag <= max_lag)",
+    "time/generate_s": "seconds in manager.sample_batch",
+    "time/write_s": "seconds committing the parquet + marker",
+    "time/weight_load_s": "seconds loading policies since the previous write",
+    "time/pause_s": "seconds paused by pacing since the previous write",
+    "time/sample_lesson_s": "seconds reading curriculum state and drawing the lesson",
+}
+"""Every metric the rollout step logs, defined once."""
+
+
+def incarnation_nonce() -> str:
+    """A name part unique to this process start: `<unix ms, hex><4 random hex digits>`."""
+    return f"{int(time.time() * 1000):x}{secrets.token_hex(2)}"
+
+
+@dataclass
+class WorkerSummary:
+    """What one `RolloutWorker.run` did."""
+
+    files: list[str] = field(default_factory=list)
+    rows: int = 0
+    failures: int = 0
+    policy_steps: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+
+
+class RolloutWorker:
+    """Polls for policies, asks the manager for rollouts, commits them, logs metrics, paces itself.
+
+    `store`, `tokenizer`, `manager` and `load_model` can be injected (tests, the evaluate step); by default
+    they are built from the config. `load_model(step)` returns the policy model of a committed step.
+    """
+
+    def __init__(
+        self,
+        config: RolloutStepConfig,
+        *,
+        store: RunStore | None = None,
+        tokenizer: Any = None,
+        manager: RolloutManager | None = None,
+        load_model: Callable[[int], Any] | None = None,
+        stall_grace_s: float | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store or RunStore(config.store.run_root, config.store.storage_options)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.tokenizer)
+        self.worker_id = config.worker_id
+        self.name = layout.check_component(f"{config.worker_id}.{incarnation_nonce()}", "worker name")
+        self.metrics = MetricsWriter(self.store, "rollout", self.worker_id)
+        self._manager = manager
+        self._load_model_fn = load_model
+        self._stop = threading.Event()
+        self._stop_reason = ""
+        self._seq = 0
+        self._rng = np.random.default_rng([config.seed, int(time.time_ns() % (1 << 62))])
+        self._current_step: int | None = None
+        self._markers: dict[str, tuple[int, int, float]] = {}
+        self._entry_cache: tuple[int, dict[str, Any] | None] = (-1, None)
+        self._stall_grace_s = stall_grace_s if stall_grace_s is not None else max(2.0, 25 * config.poll_interval_s)
+        self._weight_load_s = 0.0
+        self._pause_s = 0.0
+        self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
+        self.summary = WorkerSummary()
+
+    # -- control ------------------------------------------------------------------------------------
+
+    def stop(self, reason: str = "stop requested") -> None:
+        """Ask the loop to end after the current phase (thread/signal safe)."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: finish the current phase, then exit cleanly. A second signal exits at once (130)."""
+
+        def handler(signum: int, _frame: Any) -> None:
+            if self._stop.is_set():
+                logger.error("second signal %d: exiting now", signum)
+                os._exit(130)
+            logger.info("signal %d: stopping after the current phase", signum)
+            self.stop(f"signal {signum}")
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+            signal.signal(signal.SIGINT, handler)
+
+    # -- reading the run root ----------------------------------------------------------------------
+
+    def _latest_policy(self) -> int | None:
+        return run_state.latest_policy_step(self.store)
+
+    def _last_batch_slot(self) -> int:
+        return run_state.last_committed_slot(self.store)
+
+    def _committed_rollouts(self, lo: int, hi: int) -> dict[str, tuple[int, int, float]]:
+        """Committed rollout files (all workers) of policies in [lo, hi]: path -> (policy, rows, marker time).
+
+        rows: what the file can contribute to batches (`usable_rows`). Markers are immutable, so each is read once.
+        """
+        out: dict[str, tuple[int, int, float]] = {}
+        for p in range(max(lo, 0), hi + 1):
+            for marker in self.store.list(layout.rollout_step_dir(p)):
+                if not marker.endswith(layout.READY_SUFFIX):
+                    continue
+                if marker not in self._markers:
+                    try:
+                        rec = self.store.read_marker(layout.data_of_marker(marker))
+                        n = usable_rows(
+                            rec.rows,
+                            rec.signal_rows,
+                            filter_zero_variance=self.config.train.filter_zero_variance,
+                            no_signal_fill_after=self.config.train.no_signal_fill_after,
+                        )
+                        self._markers[marker] = (p, n, rec.time)
+                    except (FileNotFoundError, StorageError) as e:
+                        logger.warning("pacing: unreadable marker %s (%s); counted as 0 rows", marker, e)
+                        self._markers[marker] = (p, 0, 0.0)
+                out[layout.data_of_marker(marker)] = self._markers[marker]
+        return out
+
+    def _log_entry(self, slot: int) -> dict[str, Any] | None:
+        """The batch log entry of `slot` (None for slot 0 or an unreadable entry); cached for the newest slot."""
+        if slot <= 0:
+            return None
+        if self._entry_cache[0] != slot:
+            try:
+                entry = self.store.read_log_entry(slot).to_dict()
+            except (FileNotFoundError, ValueError, StorageError) as e:
+                logger.warning("pacing: cannot read %s (%s)", layout.batch_log_entry(slot), e)
+                entry = None
+            self._entry_cache = (slot, entry if isinstance(entry, dict) else None)
+        return self._entry_cache[1]
+
+    def _should_stop(self, started: float) -> bool:
+        c = self.config
+        if self._stop.is_set():
+            return True
+        if self.store.exists(layout.STOP_FILE):
+            self.stop(f"{layout.STOP_FILE} exists")
+        elif c.max_rollouts is not None and self.summary.rows >= c.max_rollouts:
+            self.stop(f"max_rollouts={c.max_rollouts} reached")
+        elif c.max_seconds is not None and time.monotonic() - started >= c.max_seconds:
+            self.stop(f"max_seconds={c.max_seconds} reached")
+        elif not c.follow and c.max_rollouts is None and c.max_seconds is None and self.summary.files:
+            self.stop("one write done (not follow mode and no bounds)")
+        elif c.follow and (self._latest_policy() or -1) >= c.train.num_train_steps:
+            self.stop(f"learner finished (policy {c.train.num_train_steps} published)")
+        return self._stop.is_set()
+
+    # -- phases -------------------------------------------------------------------------------------
+
+    def _load_model(self, step: int) -> Any:
+        if self._load_model_fn is not None:
+            return self._load_model_fn(step)
+        from policy.model import load_policy, policy_metadata
+
+        return load_policy(self.store, step, self.config.model, policy_metadata(self.store, step).vocab_size)
+
+    def wait_for_policy(self) -> int:
+        """Block until a committed policy exists; return the newest step.
+
+        Raises `WaitTimeout` naming `policies/step-00000000/COMMITTED` after `wait_for_policy_timeout_s`, or
+        when the worker is stopped while waiting.
+        """
+
+        def check_stop() -> None:
+            if self._stop.is_set():
+                raise WaitTimeout("stopped while waiting for the first policy")
+
+        step, _ = poll_until(
+            self._latest_policy,
+            timeout_s=self.config.wait_for_policy_timeout_s,
+            what=f"{self.store.full_path(layout.policy_marker(0))} (or any policies/step-*/COMMITTED)",
+            interval_s=self.config.poll_interval_s,
+            setting="wait_for_policy_timeout_s",
+            on_wait=check_stop,
+        )
+        return step
+
+    def _load_step(self, step: int) -> Any:
+        t0 = time.monotonic()
+        with watchdog(f"weight load (policy {step})", self.config.weight_load_timeout_s):
+            model = self._load_model(step)
+        self._weight_load_s += time.monotonic() - t0
+        logger.info("loaded policy %d in %.2fs", step, time.monotonic() - t0)
+        return model
+
+    def sync_weights(self) -> bool:
+        """Load the newest committed policy if it is newer than the one held (never older). True if changed."""
+        if self._manager is not None and self._manager.external_weights:
+            return False
+        latest = self._latest_policy()
+        if latest is None or (self._current_step is not None and latest <= self._current_step):
+            if latest is not None and self._current_step is not None and latest < self._current_step:
+                logger.warning(
+                    "newest committed policy %d is older than held policy %d; keeping %d",
+                    latest,
+                    self._current_step,
+                    self._current_step,
+                )
+            return False
+        model = self._load_step(latest)
+        t0 = time.monotonic()
+        with watchdog(f"model update (policy {latest})", self.config.weight_load_timeout_s):
+            self.manager.update_model(model)
+        self._weight_load_s += time.monotonic() - t0
+        old, self._current_step = self._current_step, latest
+        self.metrics.log({"event": "weights", "from_step": old, "policy_step": latest})
+        return True
+
+    @property
+    def manager(self) -> RolloutManager:
+        """The RolloutManager (built on first use from the config and the newest policy)."""
+        if self._manager is None:
+            raise RuntimeError("manager not started: call start() first")
+        return self._manager
+
+    def start(self) -> None:
+        """Phase 1: wait for a policy, load it and build the manager (unless one was injected)."""
+        if self._manager is not None and self._manager.external_weights:
+            return
+        step = self.wait_for_policy()
+        if self._manager is None:
+            model = self._load_step(step)
+            self._manager = RolloutManager(
+                self.config.inference,
+                self.config.model,
+                self.config.curriculum,
+                self.tokenizer,
+                model,
+                max_example_retries=self.config.max_example_retries,
+            )
+        else:
+            self._manager.update_model(self._load_step(step))
+        self._current_step = step
+        self.metrics.log({"event": "weights", "from_step": None, "policy_step": step})
+
+    def _policy_for_pacing(self) -> int:
+        if self.manager.external_weights:
+            step = self.manager.served_policy_step()
+            if step is None:
+                raise RuntimeError(
+                    "the openai backend's server does not report its policy step (header X-Policy-Step or a "
+                    "model name ending in step-<N>); rollouts cannot be tagged"
+                )
+            return step
+        assert self._current_step is not None
+        return self._current_step
+
+    def pace(self) -> PacingDecision:
+        """Decide whether to produce now (see `pacing_decision`)."""
+        c = self.config
+        policy = self._policy_for_pacing()
+        last_slot = self._last_batch_slot()
+        files = self._committed_rollouts(last_slot - c.train.max_lag, max(policy, last_slot))
+        unconsumed = count_unconsumed_rows(
+            files, self._log_entry(last_slot), last_slot, c.train.max_lag, c.train.batch_size
+        )
+        return pacing_decision(
+            policy_step=policy,
+            last_slot=last_slot,
+            unconsumed_rows=unconsumed,
+            max_lag=c.train.max_lag,
+            batch_size=c.train.batch_size,
+            max_steps_ahead=c.max_steps_ahead,
+        )
+
+    def _choose_lesson(self) -> str:
+        state = load_latest_curriculum(self.store, self.config.curriculum)
+        return sample_lesson(sampling_weights(state, self.config.curriculum), self._rng)
+
+    def write(self, batch: RolloutBatch) -> str:
+        """Commit the batch as `rollouts/step-P/<name>-<seq>.parquet` (+ ready marker); return the path."""
+        P = batch.metadata.weight_step
+        rel = layout.rollout_file(P, self.name, self._seq)
+        table = ROLLOUT.to_table(batch.rows)
+        extra = {
+            "worker_id": self.worker_id,
+            "worker_name": self.name,
+            "policy_step": P,
+            "lesson_id": batch.lesson_id,
+            "mode": batch.mode,
+            "signal_rows": signal_rows(batch.rows),
+            "n_failures": len(batch.failures),
+            "failures": [f.to_json() for f in batch.failures[:200]],
+        }
+        with watchdog(f"write {rel}", self.config.write_timeout_s):
+            committed = self.store.commit_data(rel, table, ROLLOUT, extra=extra)
+        if not committed:
+            raise RuntimeError(f"{rel} was already committed: file names of this incarnation collided")
+        self._seq += 1
+        return rel
+
+    def _batch_id(self) -> str:
+        return f"{self.name}-{self._seq:08d}"
+
+    def run(self) -> WorkerSummary:
+        """Run the phases of the program (`steps/rollout.py`) until stopped; returns what was done."""
+        started = time.monotonic()
+        self.start()
+        self._progress = (self._last_batch_slot(), self._latest_policy(), time.monotonic())
+        writes = 0
+        try:
+            while not self._should_stop(started):
+                self.sync_weights()
+                if self._paused(self.pace()):
+                    continue
+                if self._produce_one(writes):
+                    writes += 1
+        finally:
+            self.summary.stop_reason = self._stop_reason or "error"
+            self.metrics.log(
+                {
+                    "event": "stop",
+                    "reason": self.summary.stop_reason,
+                    "rows": self.summary.rows,
+                    "files": len(self.summary.files),
+                }
+            )
+            self.metrics.flush()
+        logger.info(
+            "rollout worker %s stopped (%s): %d files, %d rows, %d failures",
+            self.name,
+            self.summary.stop_reason,
+            len(self.summary.files),
+            self.summary.rows,
+            self.summary.failures,
+        )
+        return self.summary
+
+    def _paused(self, decision: PacingDecision) -> bool:
+        """Wait one poll interval when pacing says pause; True if it did.
+
+        A pause "ahead" that saw no batch/policy progress for `stall_grace_s` lets one write through (a safety
+        net should the BatchMaker need more rows than counted), so pacing can never deadlock the run.
+        """
+        state = (self._last_batch_slot(), self._latest_policy())
+        if state != self._progress[:2]:
+            self._progress = (*state, time.monotonic())
+        if decision.produce:
+            return False
+        stalled = time.monotonic() - self._progress[2]
+        if not (decision.reason.startswith("ahead") and stalled >= self._stall_grace_s):
+            logger.debug("pausing: %s", decision.reason)
+            t0 = time.monotonic()
+            self._stop.wait(self.config.poll_interval_s)
+            self._pause_s += time.monotonic() - t0
+            return True
+        logger.info(
+            "pacing: no batch/policy progress for %.1fs while paused (%s); producing one write anyway",
+            stalled,
+            decision.reason,
+        )
+        self._progress = (*state, time.monotonic())
+        return False
+
+    def _produce_one(self, writes: int) -> bool:
+        """Sample a lesson, generate one batch under the watchdog and commit it; True if a file was written."""
+        c = self.config
+        t0 = time.monotonic()
+        lesson_id = self._choose_lesson()
+        t_lesson = time.monotonic() - t0
+        sp = c.curriculum.sampling_for(lesson_id)
+        n_examples = sp.n_prompts
+        if c.max_rollouts is not None:
+            left = c.max_rollouts - self.summary.rows
+            n_examples = max(1, min(n_examples, math.ceil(left / sp.n_generations_per_prompt)))
+        if c.curriculum.micro_eval_frequency and writes and writes % c.curriculum.micro_eval_frequency == 0:
+            self._micro_eval(lesson_id)
+        policy = self._policy_for_pacing()
+        with watchdog(f"generation (lesson {lesson_id})", c.generation_timeout_s):
+            batch, m = self.manager.sample_batch(
+                lesson_id,
+                n_examples,
+                sp.n_generations_per_prompt,
+                "train",
+                self._rng,
+                policy,
+                self.worker_id,
+                batch_id=self._batch_id(),
+            )
+        self.summary.failures += int(m["failures"])
+        if batch is None:
+            self.metrics.log({"event": "empty", "lesson_id": lesson_id, **m})
+            return False
+        t0 = time.monotonic()
+        rel = self.write(batch)
+        self._log_write(batch, m, rel, time.monotonic() - t0, t_lesson)
+        return True
+
+    def _micro_eval(self, lesson_id: str) -> None:
+        c = self.config
+        policy = self._policy_for_pacing()
+        with watchdog(f"micro-eval (lesson {lesson_id})", c.generation_timeout_s):
+            stats, _ = self.manager.evaluate_lesson(
+                lesson_id,
+                c.curriculum.micro_eval_n_examples,
+                "micro_eval",
+                self._rng,
+                len(self.summary.files),
+                policy,
+                self.worker_id,
+            )
+        self.metrics.log({"event": "micro_eval", **dataclasses.asdict(stats)})
+
+    def _log_write(self, batch: RolloutBatch, m: dict[str, float], rel: str, write_s: float, t_lesson: float) -> None:
+        c = self.config
+        P = batch.metadata.weight_step
+        latest = self._latest_policy()
+        last_slot = self._last_batch_slot()
+        stats = batch_stats(batch)
+        gen_s = max(batch.generate_s, 1e-9)
+        self.summary.files.append(rel)
+        self.summary.rows += len(batch.rows)
+        self.summary.policy_steps.append(P)
+        self.metrics.log(
+            {
+                "event": "write",
+                "file": rel,
+                "lesson_id": batch.lesson_id,
+                "policy_step": P,
+                **{k: v for k, v in m.items() if not k.startswith("time/")},
+                "rollouts_per_s": len(batch.rows) / gen_s,
+                "tokens_per_s": batch.n_response_tokens / gen_s,
+                "mean_reward": stats.mean_reward,
+                f"reward/{batch.lesson_id}": stats.mean_reward,
+                "truncation_rate": stats.truncation_rate,
+                "policy_lag": (latest if latest is not None else P) - P,
+                "slot_lag": staleness.lag(last_slot + 1, P),
+                "max_lag": c.train.max_lag,
+                "time/generate_s": batch.generate_s,
+                "time/write_s": write_s,
+                "time/weight_load_s": self._weight_load_s,
+                "time/pause_s": self._pause_s,
+                "time/sample_lesson_s": t_lesson,
+            }
+        )
+        self._weight_load_s = 0.0
+        self._pause_s = 0.0
+        logger.info(
+            "wrote %s: %d rows, lesson %s, policy %d, reward %.3f, %.1f tok/s",
+            rel,
+            len(batch.rows),
+            batch.lesson_id,
+            P,
+            stats.mean_reward,
+            batch.n_response_tokens / gen_s,
+        )
+
+    def shutdown(self) -> None:
+        """Release the manager's backend."""
+        if self._manager is not None:
+            self._manager.shutdown()
