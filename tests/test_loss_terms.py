@@ -119,11 +119,11 @@ def test_clamp_log_ratio_value_gradient_and_count() -> None:
 
 
 def test_max_log_ratio_is_validated_and_parsed() -> None:
-    with pytest.raises(ConfigError, match="loss.max_log_ratio"):
+    with pytest.raises(ConfigError, match=r"loss\.max_log_ratio"):
         RLOOLossConfig(max_log_ratio=0.0)
-    with pytest.raises(ConfigError, match="loss.aggregation"):
+    with pytest.raises(ConfigError, match=r"loss\.aggregation"):
         GSPOLossConfig(aggregation="token")
-    with pytest.raises(ConfigError, match="loss.clip_low"):
+    with pytest.raises(ConfigError, match=r"loss\.clip_low"):
         CISPOLossConfig(clip_low=1.5)
     import draccus
 
