@@ -4,7 +4,8 @@ cats reward of rollouts from the last 3 policies is >= 3x and >= 0.2 above that 
 
 Losses (module defaults unless stated): `gspo` with the GSPO paper's ε_low = 3e-4, ε_high = 4e-4; `cispo` with
 no lower bound and ε_high = 0.28. Measured on the shared 2-core VM (start -> end reward, 2 runs each):
-gspo SPREAD_GSPO; cispo SPREAD_CISPO.
+gspo 0.083 -> 0.582 and 0.090 -> 0.865; cispo 0.072 -> 1.000 and 0.094 -> 1.000 (one CISPO run at
+the demo yaml's ε_low = 0.2 also learned: 0.102 -> 0.995). Each run takes 1-3 minutes.
 """
 
 from __future__ import annotations
