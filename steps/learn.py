@@ -62,6 +62,7 @@ from pipeline.tokenizer import load_tokenizer
 from policy import checkpoints as ckpt
 from policy import model as M
 from policy.losses import Batch, RLLossModule, loss_module_from_config
+from policy.update_guard import guarded_update
 from schemas.records import BatchLogEntry, RecordError
 
 logger = logging.getLogger("steps.learn")
@@ -133,17 +134,17 @@ def train_step_for(loss: LossConfig, optimizer: OptimizerSpec, num_train_steps: 
 
 
 def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransformation, compute_dtype: str) -> Any:
-    """A jitted `(model, opt_state, reference, batch) -> (model, opt_state, metrics)`, compiled once per shape."""
+    """A jitted `(model, opt_state, reference, batch) -> (model, opt_state, metrics)`, compiled once per shape.
+
+    A step whose loss or gradient norm is not finite leaves model and optimizer state unchanged and reports
+    `skipped_nonfinite: 1` (see `policy.update_guard.guarded_update`)."""
     loss_fn = loss_module.create_loss_fn(None, make_logprob_fn(compute_dtype))
 
     @eqx.filter_jit
     def train_step(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
-        (_, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, reference, batch)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        params = eqx.filter(model, eqx.is_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        model = eqx.apply_updates(model, updates)
-        return model, opt_state, metrics
+        (loss, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, reference, batch)
+        model, opt_state, guard_metrics = guarded_update(optimizer, model, opt_state, grads, loss)
+        return model, opt_state, {**metrics, **guard_metrics}
 
     return train_step
 
@@ -444,8 +445,14 @@ def main(config: LearnerStepConfig) -> None:
             train_s = time.monotonic() - t0
             state = LearnerState(slot, model, opt_state, state.parent)
             trained_here += 1
-            if not np.isfinite(step_metrics["loss"]):
-                raise FloatingPointError(f"non-finite loss {step_metrics['loss']} at batch slot {slot} ({data_file})")
+            if step_metrics["skipped_nonfinite"]:  # parameters and optimizer state were left unchanged
+                logger.warning(
+                    "skipped the update of batch slot %d (%s): non-finite loss %s or grad norm %s",
+                    slot,
+                    data_file,
+                    step_metrics["loss"],
+                    step_metrics["grad_norm"],
+                )
             record = {
                 "step": slot,
                 "batch_file": data_file,

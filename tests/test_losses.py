@@ -10,7 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from pipeline.config import PPOClipLossConfig, RLOOLossConfig  # noqa: E402
+from pipeline.config import CISPOLossConfig, GSPOLossConfig, PPOClipLossConfig, RLOOLossConfig  # noqa: E402
 from policy import losses as L  # noqa: E402
 
 floats = st.floats(-5, 5, allow_nan=False, width=32)
@@ -38,6 +38,8 @@ def test_ratio_one_zero_advantage_zero_loss():
         PPOClipLossConfig(),
         RLOOLossConfig(tis_cap=2.0),
         RLOOLossConfig(aggregation="sequence"),
+        GSPOLossConfig(),
+        CISPOLossConfig(),
     ):
         module = L.loss_module_from_config(cfg)
         batch = make_batch([3, 5], adv=0.0)
@@ -123,12 +125,19 @@ def test_kl_term_and_reference_requirement():
 
 
 def test_rloo_advantages():
-    a = L.rloo_advantages(np.array([[1.0, 0.0, 0.0, 1.0]]))
-    np.testing.assert_allclose(a, [[2 / 3, -2 / 3, -2 / 3, 2 / 3]], rtol=1e-6)
+    """Advantages have one owner, the BatchMaker's estimator (the loss modules read them from the batch)."""
+    from pipeline.advantages import rloo_advantages
+
+    a = rloo_advantages(np.array([1.0, 0.0, 0.0, 1.0]))
+    np.testing.assert_allclose(a, [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)
     assert abs(a.sum()) < 1e-6
+    assert not hasattr(L, "rloo_advantages") and not hasattr(L, "mismatch_kl")
 
 
 def test_registry_chooses_module():
     assert isinstance(L.loss_module_from_config(RLOOLossConfig()), L.RLOOLoss)
     ppo = L.loss_module_from_config(PPOClipLossConfig(clip_epsilon=0.1))
     assert isinstance(ppo, L.PPOClipLoss) and ppo.eps_low == ppo.eps_high == 0.1
+    assert isinstance(L.loss_module_from_config(GSPOLossConfig()), L.GSPOLoss)
+    cispo = L.loss_module_from_config(CISPOLossConfig(clip_low=0.5, clip_high=0.1))
+    assert isinstance(cispo, L.CISPOLoss) and (cispo.eps_low, cispo.eps_high) == (0.5, 0.1)

@@ -125,7 +125,7 @@ AGGREGATIONS = ("token", "sequence")
 
 @dataclass(frozen=True)
 class LossConfig(draccus.ChoiceRegistry):
-    """A registered RL loss module, chosen once from config (`type: rloo` or `type: ppo`)."""
+    """A registered RL loss module, chosen once from config (`type:` rloo, ppo, gspo or cispo)."""
 
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference model; 0 builds no reference model at all."""
@@ -133,9 +133,13 @@ class LossConfig(draccus.ChoiceRegistry):
     """k1 (log ratio), k2 (squared log ratio / 2) or k3 (ratio - 1 - log ratio, non-negative)."""
     aggregation: str = "token"
     """'token': mean over all loss tokens of the batch; 'sequence': mean over sequences of per-sequence means."""
+    max_log_ratio: float = 20.0
+    """Learner/sampler log-ratios are clamped to [-max_log_ratio, max_log_ratio] before exp (float32 overflows
+    past ~88); clamped tokens get no gradient through the ratio and are counted (metric clamped_fraction)."""
 
     def __post_init__(self) -> None:
         require(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0")
+        require(self.max_log_ratio > 0, "loss.max_log_ratio", self.max_log_ratio, "must be > 0")
         require(self.kl_estimator in KL_ESTIMATORS, "loss.kl_estimator", self.kl_estimator, f"one of {KL_ESTIMATORS}")
         require(self.aggregation in AGGREGATIONS, "loss.aggregation", self.aggregation, f"one of {AGGREGATIONS}")
 
@@ -154,7 +158,9 @@ class RLOOLossConfig(LossConfig):
     clip_high: float = 0.28
     """ε_high: the ratio is clipped above at 1 + ε_high (clip-higher)."""
     tis_cap: float | None = None
-    """Truncated importance sampling: weight each token by min(π_learner_old/π_sampler, cap); None: off."""
+    """Truncated importance sampling: weight each token by min(π_learner_old/π_sampler, cap); None: off.
+    When set, the clipped ratio is taken to the learner's own pre-update policy (stop-gradient), not to the
+    sampler: with one optimizer step per batch it is exactly 1, so clipping never acts (clip_fraction 0)."""
     overlong_filter: bool = False
     """Zero the loss of truncated responses (overlong filtering)."""
 
@@ -175,3 +181,44 @@ class PPOClipLossConfig(LossConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 < self.clip_epsilon < 1, "loss.clip_epsilon", self.clip_epsilon, "must be in (0, 1)")
+
+
+@LossConfig.register_subclass("gspo")
+@dataclass(frozen=True)
+class GSPOLossConfig(LossConfig):
+    """GSPO: the sequence-level ratio s_i = (π_θ(y_i|x)/π_sampler(y_i|x))^(1/|y_i|), clipped per sequence,
+    averaged over sequences. No TIS (s_i is already taken to the sampler)."""
+
+    aggregation: str = "sequence"
+    """Must be 'sequence': GSPO's objective is a mean over sequences (the KL term, if any, follows it)."""
+    clip_low: float = 3e-4
+    """ε_low: s_i is clipped below at 1 - ε_low (sequence-level ratios stay near 1, hence a small range)."""
+    clip_high: float = 4e-4
+    """ε_high: s_i is clipped above at 1 + ε_high."""
+    overlong_filter: bool = False
+    """Zero the loss of truncated responses (overlong filtering)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.aggregation == "sequence", "loss.aggregation", self.aggregation, "GSPO needs 'sequence'")
+        require(0 <= self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in [0, 1)")
+        require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
+
+
+@LossConfig.register_subclass("cispo")
+@dataclass(frozen=True)
+class CISPOLossConfig(LossConfig):
+    """CISPO: every token's A·log π_θ weighted by sg(clip(π_θ/π_sampler, 1 - ε_low, 1 + ε_high)); token-level
+    aggregation by default. No TIS (the clipped weight is itself a truncated importance weight)."""
+
+    clip_low: float = 1.0
+    """ε_low: the weight is clipped below at 1 - ε_low; 1.0 (the default) sets no lower bound."""
+    clip_high: float = 0.28
+    """ε_high: the weight is clipped above at 1 + ε_high."""
+    overlong_filter: bool = False
+    """Zero the loss of truncated responses (overlong filtering)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.clip_low <= 1, "loss.clip_low", self.clip_low, "must be in [0, 1]")
+        require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")

@@ -1,0 +1,281 @@
+"""Registered loss modules: one per `LossConfig` subclass, built from the pure terms of `terms.py`.
+
+Notation as in `terms.py`; agg is the configured aggregation (`loss.aggregation`):
+  token:    Σ_t x_t m_t / Σ_t m_t over every loss token of the batch (long responses weigh more);
+  sequence: mean over sequences (packed segments) with ≥ 1 loss token of Σ_seq x m / Σ_seq m (every response
+            weighs the same). The two agree when every response has the same number of loss tokens.
+π_old is the sampler (`generator_logprobs`) in every module, except RLOO with `tis_cap` (below). Every module
+adds β · agg(KL_k(logp, logp_ref)) when `kl_coef` = β > 0 (no reference model is built when β = 0), and
+clamps log-ratios to ±`max_log_ratio` before `exp`. With `overlong_filter` (RLOO, GSPO, CISPO), tokens of
+truncated responses get m = 0.
+
+RLOOLoss (`type: rloo`): L = −agg( min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) ) with r = π_θ/π_sampler.
+  With truncated importance sampling (`tis_cap` = C set), the ratio is taken to the learner's own
+  pre-update policy, π_old = stop_gradient(π_θ), and the sampler mismatch is corrected by a capped weight:
+  L = −agg( min(π_old/π_sampler, C) · min(r'·A, clip(r')·A) ), r' = π_θ/π_old. With one optimizer step per
+  batch slot (the learner today) r' ≡ 1, so the clip never acts and `clip_fraction` is 0 by construction:
+  the gradient is the TIS-weighted policy gradient C-capped; clipping would act once several optimizer steps
+  share a batch (π_old then the pre-update policy). This is the decoupled form of TIS (the clip is to the
+  proximal policy, the weight to the sampler); clipping against the sampler as well would correct the
+  mismatch twice.
+PPOClipLoss (`type: ppo`): the same with a symmetric clip ε, no TIS, no overlong filter.
+GSPOLoss (`type: gspo`): sequence-level ratio s_i = (π_θ(y_i|x)/π_sampler(y_i|x))^{1/|y_i|}, clipped per
+  sequence: L = −(1/N) Σ_i min(s_i·A_i, clip(s_i, 1−ε_low, 1+ε_high)·A_i) over the N sequences with loss
+  tokens (always sequence-level aggregation, as in the GSPO paper). No TIS: s_i is already to the sampler.
+CISPOLoss (`type: cispo`): L = −agg( sg(clip(r_t, 1−ε_low, 1+ε_high)) · A_t · log π_θ(y_t) ), r_t = π_θ/π_sampler
+  (token aggregation by default, as in MiniMax-M1). Every token keeps a gradient; only its weight is clipped.
+  No TIS: the clipped weight is itself a truncated IS weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from pipeline.config import CISPOLossConfig, GSPOLossConfig, LossConfig, PPOClipLossConfig, RLOOLossConfig
+from policy.losses import terms as T
+
+Array = jax.Array
+Batch = dict[str, Array]
+"""Learner batch arrays, all [B, S]: tokens, segment_ids, position_ids, loss_mask (f32), advantages,
+generator_logprobs, temperature (per token), truncated (bool per token), seq_index (int: b·S + segment,
+B·S for padding)."""
+
+LogprobFn = Callable[[Any, Batch], tuple[Array, Array]]
+"""(model, batch) -> (logprobs [B, S], entropy [B, S]) at the batch temperatures."""
+
+LossFn = Callable[[Any, Any, Batch], tuple[Array, dict[str, Array]]]
+"""(model, reference_model | None, batch) -> (loss, metrics); the reference is an argument (not a closure)
+so that a jitted step does not bake its weights in as constants."""
+
+
+class RLLossModule(Protocol):
+    """What the learner needs from a loss module (chosen once from `LossConfig`)."""
+
+    config: LossConfig
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a reference model must exist (False: the learner never builds one)."""
+        ...
+
+    def build(self, reference_model: Any | None) -> Any | None:
+        """The reference model to keep (frozen), or None when KL is off."""
+        ...
+
+    def objective(
+        self, logp: Array, batch: Batch, logp_ref: Array | None, entropy: Array | None = None
+    ) -> tuple[Array, dict[str, Array]]:
+        """Loss and metrics from per-token policy logprobs (pure)."""
+        ...
+
+    def create_loss_fn(self, reference_model: Any | None, logprob_fn: LogprobFn) -> LossFn:
+        """(model, reference, batch) -> (loss, metrics): differentiable in `model`; the reference is held constant.
+
+        `reference_model` here only validates the configuration (a KL loss without one is an error when given);
+        the learner passes the built reference as the second argument of every call."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _LossModuleBase:
+    """Shared machinery: mask, KL term, common metrics, the loss function; subclasses give the policy term."""
+
+    config: LossConfig
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    tis_cap: float | None = None
+    overlong_filter: bool = False
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.config.kl_coef > 0
+
+    @property
+    def max_log_ratio(self) -> float:
+        return self.config.max_log_ratio
+
+    def build(self, reference_model: Any | None) -> Any | None:
+        return reference_model if self.needs_reference else None
+
+    def aggregate(self, x: Array, mask: Array, seq_index: Array) -> Array:
+        """`agg` of the module docstring, per `config.aggregation`."""
+        if self.config.aggregation == "sequence":
+            return T.sequence_mean(x, mask, seq_index, seq_index.size + 1)
+        return T.token_mean(x, mask)
+
+    def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
+        """(pg_loss, metrics) of this module's policy-gradient term."""
+        raise NotImplementedError
+
+    def objective(
+        self,
+        logp: Array,
+        batch: Batch,
+        logp_ref: Array | None,
+        entropy: Array | None = None,
+    ) -> tuple[Array, dict[str, Array]]:
+        """Loss and metrics from per-token policy logprobs (pure; used by the tests directly)."""
+        mask = batch["loss_mask"].astype(jnp.float32)
+        if self.overlong_filter:
+            mask = mask * (1.0 - batch["truncated"].astype(jnp.float32))
+        pg_loss, metrics = self.policy_term(logp, batch, mask)
+        # sampler mismatch of the current (pre-update) policy, per token, clamped like every ratio
+        logp_old = jax.lax.stop_gradient(logp)
+        mismatch, _ = T.clamp_log_ratio(logp_old - batch["generator_logprobs"], self.max_log_ratio)
+        metrics.update(
+            pg_loss=pg_loss,
+            mismatch_abs_logp=T.token_mean(jnp.abs(mismatch), mask),
+            # k3 estimate of KL(π_sampler‖π_θ), i.e. kl_k3(logp_gen, logp_old), on the clamped log-ratio
+            mismatch_kl=T.token_mean(T.k3(mismatch), mask),
+            advantage_mean=T.token_mean(batch["advantages"], mask),
+            loss_tokens=jnp.sum(mask),
+        )
+        loss = pg_loss
+        if logp_ref is not None and self.needs_reference:
+            kl = T.KL_ESTIMATORS[self.config.kl_estimator](logp, logp_ref)
+            kl_term = self.aggregate(kl, mask, batch["seq_index"])
+            loss = loss + self.config.kl_coef * kl_term
+            metrics["kl"] = kl_term
+        if entropy is not None:
+            metrics["entropy"] = T.token_mean(entropy, mask)
+        metrics["loss"] = loss
+        return loss, metrics
+
+    def create_loss_fn(self, reference_model: Any | None, logprob_fn: LogprobFn) -> LossFn:
+        needs_reference = self.needs_reference
+
+        def loss_fn(model: Any, reference: Any, batch: Batch) -> tuple[Array, dict[str, Array]]:
+            if needs_reference and reference is None:
+                raise ValueError(f"kl_coef={self.config.kl_coef} > 0 needs a reference model")
+            logp, entropy = logprob_fn(model, batch)
+            logp_ref = None
+            if needs_reference:
+                logp_ref = jax.lax.stop_gradient(logprob_fn(reference, batch)[0])
+            return self.objective(logp, batch, logp_ref, jax.lax.stop_gradient(entropy))
+
+        return loss_fn
+
+
+def _clamp_metrics(clamped: Array, weights: Array) -> dict[str, Array]:
+    """clamped_count (Σ clamped·w) and clamped_fraction (its share of Σ w) over loss tokens or sequences."""
+    count = jnp.sum(clamped * weights)
+    return {"clamped_count": count, "clamped_fraction": count / jnp.maximum(jnp.sum(weights), 1.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _ClipLossBase(_LossModuleBase):
+    """Token-level PPO clip with an optional TIS weight (RLOO and PPO)."""
+
+    def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
+        adv, logp_gen = batch["advantages"], batch["generator_logprobs"]
+        logp_old = jax.lax.stop_gradient(logp)
+        sampler_ratio, clamped = T.importance_ratio(logp, logp_gen, self.max_log_ratio)
+        if self.tis_cap is None:
+            ratio = sampler_ratio
+            weight = jnp.ones_like(logp)
+        else:
+            ratio, _ = T.importance_ratio(logp, logp_old, self.max_log_ratio)  # ≡ 1, see the module docstring
+            weight = T.truncated_is_weight(logp_old, logp_gen, self.tis_cap, self.max_log_ratio)
+        surrogate = weight * T.clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
+        pg_loss = -self.aggregate(surrogate, mask, batch["seq_index"])
+        metrics = {
+            "ratio_mean": T.token_mean(jax.lax.stop_gradient(ratio), mask),
+            "clip_fraction": T.token_mean(T.clip_indicator(ratio, adv, self.eps_low, self.eps_high), mask),
+            "tis_weight_mean": T.token_mean(weight, mask),
+            **_clamp_metrics(clamped, mask),
+        }
+        return pg_loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOOLoss(_ClipLossBase):
+    """Clip-higher PPO ratio to the sampler, optional TIS cap and overlong filter (advantages from the batch)."""
+
+    @classmethod
+    def from_config(cls, config: RLOOLossConfig) -> RLOOLoss:
+        return cls(config, config.clip_low, config.clip_high, config.tis_cap, config.overlong_filter)
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOClipLoss(_ClipLossBase):
+    """Plain PPO-clip: symmetric ε, ratio to the sampler, no TIS, no overlong filter."""
+
+    @classmethod
+    def from_config(cls, config: PPOClipLossConfig) -> PPOClipLoss:
+        return cls(config, config.clip_epsilon, config.clip_epsilon, None, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class GSPOLoss(_LossModuleBase):
+    """GSPO: sequence-level ratio to the sampler, clipped per sequence, mean over sequences.
+
+    Metrics `ratio_mean`, `clip_fraction`, `clamped_*` are per sequence (over sequences with loss tokens)."""
+
+    @classmethod
+    def from_config(cls, config: GSPOLossConfig) -> GSPOLoss:
+        return cls(config, config.clip_low, config.clip_high, None, config.overlong_filter)
+
+    def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
+        seq_index = batch["seq_index"]
+        n = seq_index.size + 1
+        log_s, counts = T.sequence_log_ratio(logp, batch["generator_logprobs"], mask, seq_index, n)
+        log_s, clamped = T.clamp_log_ratio(log_s, self.max_log_ratio)
+        s = jnp.exp(log_s)
+        adv = T.sequence_advantage(batch["advantages"], mask, seq_index, n)
+        pg_loss = -T.mean_over_sequences(T.clipped_surrogate(s, adv, self.eps_low, self.eps_high), counts)
+        has = (counts > 0).astype(jnp.float32)
+        metrics = {
+            "ratio_mean": T.mean_over_sequences(jax.lax.stop_gradient(s), counts),
+            "clip_fraction": T.mean_over_sequences(T.clip_indicator(s, adv, self.eps_low, self.eps_high), counts),
+            **_clamp_metrics(clamped, has),
+        }
+        return pg_loss, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class CISPOLoss(_LossModuleBase):
+    """CISPO: REINFORCE on every token weighted by the stop-gradient clipped IS ratio to the sampler.
+
+    `clip_fraction` counts tokens whose weight was clipped (they still contribute a gradient)."""
+
+    @classmethod
+    def from_config(cls, config: CISPOLossConfig) -> CISPOLoss:
+        return cls(config, config.clip_low, config.clip_high, None, config.overlong_filter)
+
+    def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
+        ratio, clamped = T.importance_ratio(
+            jax.lax.stop_gradient(logp), batch["generator_logprobs"], self.max_log_ratio
+        )
+        weight = T.cispo_weight(ratio, self.eps_low, self.eps_high)
+        surrogate = T.cispo_surrogate(weight, batch["advantages"], logp)
+        pg_loss = -self.aggregate(surrogate, mask, batch["seq_index"])
+        metrics = {
+            "ratio_mean": T.token_mean(ratio, mask),
+            "clip_fraction": T.token_mean(T.weight_clip_indicator(ratio, self.eps_low, self.eps_high), mask),
+            "is_weight_mean": T.token_mean(weight, mask),
+            **_clamp_metrics(clamped, mask),
+        }
+        return pg_loss, metrics
+
+
+LOSS_MODULES: dict[type[LossConfig], Any] = {
+    RLOOLossConfig: RLOOLoss,
+    PPOClipLossConfig: PPOClipLoss,
+    GSPOLossConfig: GSPOLoss,
+    CISPOLossConfig: CISPOLoss,
+}
+
+
+def loss_module_from_config(config: LossConfig) -> RLLossModule:
+    """The registered module for `config` (exact class match; raises ValueError naming the type)."""
+    try:
+        cls = LOSS_MODULES[type(config)]
+    except KeyError:
+        raise ValueError(f"loss config {type(config).__name__} has no registered loss module") from None
+    return cls.from_config(config)  # type: ignore[no-any-return]

@@ -1,0 +1,168 @@
+"""Pure loss terms: one function per formula, no config and no model.
+
+Notation, per token t of a batch row (arrays [B, S] unless stated): `logp` = log π_θ(y_t) of the policy being
+trained, `logp_gen` = log π_sampler(y_t) recorded by the sampler, `logp_ref` = log π_ref(y_t) of the frozen
+initial model, `A` = advantage, `m` = loss mask. δ = logp − logp_gen is the learner/sampler log-ratio.
+
+Every ratio is formed from a log-ratio clamped to [−M, M] (`max_log_ratio`) before `exp`, so no float32
+overflow can reach the loss: exp(20) ≈ 4.9e8 is finite, exp(100) is inf and inf · 0 is NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# ratios
+# ---------------------------------------------------------------------------------------------
+
+
+def clamp_log_ratio(log_ratio: Array, max_log_ratio: float) -> tuple[Array, Array]:
+    """(δ̂, clamped) with δ̂ = clip(δ, −M, M) and clamped = |δ| > M.
+
+    ∂δ̂/∂δ is exactly 1 for |δ| ≤ M and exactly 0 beyond (no tie split at the bound, no NaN from the
+    discarded branch)."""
+    clamped = jnp.abs(log_ratio) > max_log_ratio
+    bounded = jnp.clip(jax.lax.stop_gradient(log_ratio), -max_log_ratio, max_log_ratio)
+    return jnp.where(clamped, bounded, log_ratio), clamped
+
+
+def importance_ratio(logp: Array, logp_behaviour: Array, max_log_ratio: float) -> tuple[Array, Array]:
+    """(r, clamped): r = exp(clip(logp − logp_behaviour, −M, M)) = π_θ / π_behaviour, finite in float32."""
+    log_ratio, clamped = clamp_log_ratio(logp - logp_behaviour, max_log_ratio)
+    return jnp.exp(log_ratio), clamped
+
+
+def truncated_is_weight(logp_old: Array, logp_gen: Array, cap: float, max_log_ratio: float = 20.0) -> Array:
+    """w = min(π_old / π_sampler, C) = min(exp(clip(logp_old − logp_gen, −M, M)), C), no gradient (TIS)."""
+    ratio, _ = importance_ratio(logp_old, logp_gen, max_log_ratio)
+    return jax.lax.stop_gradient(jnp.minimum(ratio, cap))
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO clip (token level for RLOO / PPO, sequence level for GSPO)
+# ---------------------------------------------------------------------------------------------
+
+
+def clip_indicator(ratio: Array, advantages: Array, eps_low: float, eps_high: float) -> Array:
+    """1 where the clipped branch is strictly the minimum (no gradient):
+    (A > 0 ∧ r > 1 + ε_high) ∨ (A < 0 ∧ r < 1 − ε_low)."""
+    return ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
+
+
+def clipped_surrogate(ratio: Array, advantages: Array, eps_low: float, eps_high: float) -> Array:
+    """min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), the PPO objective (clip-higher if ε_high > ε_low).
+
+    The active branch is selected explicitly: r·A wherever r·A ≤ clip(r)·A (ties included), else the
+    constant clip(r)·A. So ∂/∂r = A exactly when `clip_indicator` is 0 and 0 when it is 1, the published
+    PPO gradient, also when r sits exactly on a bound (ε = 0); `jnp.minimum` would split a tie's gradient."""
+    clipped = clip_indicator(ratio, advantages, eps_low, eps_high)
+    bounded = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    return jnp.where(clipped, bounded * advantages, ratio * advantages)
+
+
+# ---------------------------------------------------------------------------------------------
+# CISPO
+# ---------------------------------------------------------------------------------------------
+
+
+def cispo_weight(ratio: Array, eps_low: float, eps_high: float) -> Array:
+    """w_t = sg(clip(r_t, 1 − ε_low, 1 + ε_high)): the clipped IS weight, no gradient through it."""
+    return jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+
+
+def weight_clip_indicator(ratio: Array, eps_low: float, eps_high: float) -> Array:
+    """1 where the CISPO weight is clipped: r_t > 1 + ε_high ∨ r_t < 1 − ε_low (the token still has a gradient)."""
+    return (ratio > 1.0 + eps_high) | (ratio < 1.0 - eps_low)
+
+
+def cispo_surrogate(weight: Array, advantages: Array, logp: Array) -> Array:
+    """w_t · A_t · log π_θ(y_t): ∂/∂ log π_θ(y_t) = w_t·A_t (REINFORCE weighted by the clipped IS weight)."""
+    return jax.lax.stop_gradient(weight) * advantages * logp
+
+
+# ---------------------------------------------------------------------------------------------
+# KL estimators
+# ---------------------------------------------------------------------------------------------
+
+
+def k3(log_ratio: Array) -> Array:
+    """exp(δ) − 1 − δ ≥ 0 for a log-ratio δ (zero at δ = 0)."""
+    return jnp.expm1(log_ratio) - log_ratio
+
+
+def kl_k1(logp: Array, logp_ref: Array) -> Array:
+    """k1 = log(π_θ/π_ref) = logp − logp_ref (unbiased for KL(π_θ‖π_ref) under π_θ; can be negative)."""
+    return logp - logp_ref
+
+
+def kl_k2(logp: Array, logp_ref: Array) -> Array:
+    """k2 = ½ (logp − logp_ref)² (low variance, biased, ≥ 0)."""
+    return 0.5 * jnp.square(logp - logp_ref)
+
+
+def kl_k3(logp: Array, logp_ref: Array) -> Array:
+    """k3 = π_ref/π_θ − 1 − log(π_ref/π_θ) = exp(δ) − 1 − δ with δ = logp_ref − logp (unbiased, ≥ 0).
+
+    With logp = log π_sampler and logp_ref = log π_learner it estimates KL(π_sampler‖π_learner) from sampler
+    draws (the learner's `mismatch_kl` metric)."""
+    return k3(logp_ref - logp)
+
+
+KL_ESTIMATORS: dict[str, Callable[[Array, Array], Array]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+def token_mean(x: Array, mask: Array) -> Array:
+    """Σ x·m / max(Σ m, 1): the mean over all loss tokens of the batch (0 when there is none)."""
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def segment_means(x: Array, mask: Array, seq_index: Array, num_segments: int) -> tuple[Array, Array]:
+    """(means [N], counts [N]): per sequence i, Σ_{t∈i} x·m / Σ_{t∈i} m (0 if empty) and |y_i| = Σ_{t∈i} m.
+
+    `seq_index` [B, S] assigns each token a global sequence id in [0, num_segments)."""
+    flat_idx = seq_index.reshape(-1)
+    sums = jax.ops.segment_sum((x * mask).reshape(-1), flat_idx, num_segments=num_segments)
+    counts = jax.ops.segment_sum(mask.reshape(-1), flat_idx, num_segments=num_segments)
+    return jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), 0.0), counts
+
+
+def mean_over_sequences(per_seq: Array, counts: Array) -> Array:
+    """mean of `per_seq` [N] over the sequences with ≥ 1 loss token (0 when there is none)."""
+    has = counts > 0
+    return jnp.sum(jnp.where(has, per_seq, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+
+
+def sequence_mean(x: Array, mask: Array, seq_index: Array, num_segments: int) -> Array:
+    """mean_{seq: Σ_seq m > 0} (Σ_seq x·m / Σ_seq m): each sequence's token mean, then the mean over sequences."""
+    means, counts = segment_means(x, mask, seq_index, num_segments)
+    return mean_over_sequences(means, counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# GSPO
+# ---------------------------------------------------------------------------------------------
+
+
+def sequence_log_ratio(
+    logp: Array, logp_gen: Array, mask: Array, seq_index: Array, num_segments: int
+) -> tuple[Array, Array]:
+    """(log s_i [N], |y_i| [N]): log s_i = (1/|y_i|) Σ_{t∈y_i} (logp_t − logp_gen_t) over the loss tokens of
+    sequence i, i.e. log of (π_θ(y_i|x)/π_sampler(y_i|x))^{1/|y_i|}; 0 for a sequence without loss tokens."""
+    return segment_means(logp - logp_gen, mask, seq_index, num_segments)
+
+
+def sequence_advantage(advantages: Array, mask: Array, seq_index: Array, num_segments: int) -> Array:
+    """A_i [N] = mean of A over the loss tokens of sequence i (the sequence's advantage when A is constant on it)."""
+    return segment_means(advantages, mask, seq_index, num_segments)[0]
