@@ -29,6 +29,7 @@ from pipeline.config import (
     LessonConfig,
     LossConfig,
     ModelSpec,
+    NoTrackerConfig,
     OptimizerSpec,
     RLOOLossConfig,
     RolloutStepConfig,
@@ -73,7 +74,7 @@ class RLJobConfig:
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )
     inference: InferenceConfig = field(default_factory=InferenceConfig)
-    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    tracker: TrackerConfig = field(default_factory=NoTrackerConfig)
     """Optional experiment tracker (levanter's json / tensorboard / wandb) for the learner's metrics."""
     num_rollout_workers: int = 2
     """Rollout worker processes."""

@@ -73,7 +73,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import draccus
 import numpy as np
 
 from pipeline import layout
@@ -1223,6 +1222,12 @@ def main(config: RolloutStepConfig) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m steps.rollout [--config_path F] [--field value …]`; returns the exit code."""
+    from steps.cli import run_program
+
+    return run_program(RolloutStepConfig, main, argv)
+
+
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise SystemExit(main(draccus.parse(RolloutStepConfig)))
+    raise SystemExit(cli())
