@@ -53,7 +53,7 @@ def recorded_model(store: RunStore) -> ModelSpec:
     """The model section of the run root's run.json; ConfigError naming `model` when there is none."""
     if not store.exists(layout.RUN_CONFIG):
         raise ConfigError(
-            "model", None, f"{store.full_path(layout.RUN_CONFIG)} does not exist: give the model flags (--model.…)"
+            "store.run_root", store.root, f"has no {layout.RUN_CONFIG} to read the model from: give --model.… flags"
         )
     record = json.loads(store.get(layout.RUN_CONFIG))
     try:
