@@ -109,7 +109,7 @@ def step_config(job: RLJob, step: str, overrides: Sequence[str]) -> Any:
         base = base[0]
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "step.yaml"
-        path.write_text(draccus.dump(base))
+        path.write_text(draccus.dump(base) or "")
         return parse_config(type(base), ["--config_path", str(path), *overrides])
 
 
