@@ -89,8 +89,8 @@ learn: setup ## The learner on RUN (bounded with ARGS="--max_steps N")
 evaluate: setup ## Evaluate committed policies of RUN (ARGS="--all true", "--follow true", "--steps [3,5]")
 	$(PY) -m steps.run step evaluate --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
 
-export: setup ## Export policy STEP of RUN as a Hugging Face folder OUT
-	$(PY) -m steps.learn export --run_root $(RUN) --step $(STEP) --out $(OUT)
+export: setup ## Export policy STEP (default: the newest) of RUN as a Hugging Face folder OUT (model from run.json)
+	$(PY) -m steps.export --store.run_root $(RUN) $(if $(STEP),--step $(STEP)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 report: setup ## Write the HTML report of RUN (RUN=runs/demo) from the run root alone
 	$(PY) -m pipeline.report $(RUN)

@@ -1,6 +1,6 @@
 """Learner throughput (tokens/s of full optimizer steps) for the tiny and a ~50M-parameter model.
 
-Runs the real jitted learner step (`steps.learn.make_train_step`, RLOO loss, AdamW) on synthetic fixed-shape
+Runs the real jitted learner step (`policy.learner.make_train_step`, RLOO loss, AdamW) on synthetic fixed-shape
 batches; the first step (compilation) is excluded. Prints a table naming the machine.
 
     JAX_PLATFORMS=cpu python bench/bench_learner.py [--sizes tiny,50m] [--steps 5]
@@ -22,9 +22,9 @@ import numpy as np
 
 from bench.common import machine_name
 from pipeline.config import ModelSpec, OptimizerSpec, RLOOLossConfig
+from policy import learner
 from policy import model as M
 from policy.losses import loss_module_from_config
-from steps import learn
 
 VOCAB = 512  # builtin:tiny
 SIZES: dict[str, tuple[ModelSpec, int, int]] = {
@@ -58,10 +58,10 @@ def synthetic_batch(B: int, S: int, seed: int = 0) -> dict[str, jax.Array]:
 def bench(name: str, steps: int) -> dict[str, object]:
     spec, B, S = SIZES[name]
     model = M.build_model(spec, VOCAB)
-    optimizer = learn.build_optimizer(OptimizerSpec(), 1000)
+    optimizer = learner.build_optimizer(OptimizerSpec(), 1000)
 
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
-    step = learn.make_train_step(loss_module_from_config(RLOOLossConfig()), optimizer, spec.compute_dtype)
+    step = learner.make_train_step(loss_module_from_config(RLOOLossConfig()), optimizer, spec.compute_dtype)
     batch = synthetic_batch(B, S)
     t0 = time.perf_counter()
     model, opt_state, metrics = step(model, opt_state, None, batch)

@@ -31,6 +31,7 @@ from pipeline.config import (
     LocalBackendConfig,
     LossConfig,
     ModelSpec,
+    NoTrackerConfig,
     OptimizerSpec,
     RLOOLossConfig,
     RolloutStepConfig,
@@ -62,7 +63,7 @@ class RLJobConfig:
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )
     inference: InferenceConfig = field(default_factory=DenseInferenceConfig)
-    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    tracker: TrackerConfig = field(default_factory=NoTrackerConfig)
     """Optional experiment tracker (levanter's json / tensorboard / wandb) for the learner's metrics."""
     num_rollout_workers: int = 2
     """Rollout worker processes."""

@@ -18,15 +18,18 @@ import argparse
 import logging
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline import layout
-from pipeline.job import RLJob
+from pipeline.job import RLJob, RLJobConfig
 from pipeline.storage import RunStore
 from schemas import ROLLOUT
+from steps.cli import run_command
+from steps.run import parse_job
 
 logger = logging.getLogger("rlpipe.demo")
 
@@ -69,31 +72,54 @@ def probe_answers(store: RunStore, cfg: Any, step: int) -> list[tuple[str, str]]
     return list(zip(PROBE_PROMPTS, answers, strict=False))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo; 0 when both learning checks pass."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@dataclass(frozen=True)
+class DemoArgs:
+    """The demo's command line: the job config (with the run root set) and whether to keep an existing root."""
+
+    job: RLJobConfig
+    keep: bool
+
+
+def parse_args(argv: list[str]) -> DemoArgs:
+    """`--config_path`, `--run_root`, `--keep` and job config overrides; UsageError names a bad field."""
+    parser = argparse.ArgumentParser(
+        prog="python -m steps.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config_path", default="configs/demo_cats.yaml")
     parser.add_argument("--run_root", default="runs/demo")
     parser.add_argument("--keep", default="false", help="true: continue an existing run root instead of starting fresh")
     args, rest = parser.parse_known_args(argv)
+    job = parse_job(["--config_path", args.config_path, "--store.run_root", args.run_root, *rest])
+    return DemoArgs(job=job, keep=args.keep.lower() == "true")
 
-    from steps.run import parse_job
 
-    cfg = parse_job(["--config_path", args.config_path, "--store.run_root", args.run_root, *rest])
-    root = Path(args.run_root)
-    if args.keep.lower() != "true" and root.exists():
+def main(args: DemoArgs) -> int:
+    """Run the demo; 0 when both learning checks pass."""
+    cfg = args.job
+    fresh_run_root(cfg.store.run_root, keep=args.keep)
+    rc = RLJob(cfg).run()  # 1. the job
+    if rc != 0:
+        logger.error("the job failed (exit %d); logs under %s", rc, Path(cfg.store.run_root) / "logs")
+        return rc
+    store = RunStore(cfg.store.run_root)
+    start, end = show_rewards(store)  # 2. learning, from the rollout files
+    hits = show_probes(store, cfg)  # 3. behaviour on fixed probes
+    from pipeline.report import build_report  # 4. the report
+
+    print(f"\nreport: {build_report(cfg.store.run_root)}")
+    return verdict(start, end, hits)
+
+
+def fresh_run_root(run_root: str, *, keep: bool) -> None:
+    """Remove an existing run root unless `keep` (the demo starts fresh by default)."""
+    root = Path(run_root)
+    if not keep and root.exists():
         logger.info("starting fresh: removing %s", root)
         shutil.rmtree(root)
 
-    # 1. the job
-    rc = RLJob(cfg).run()
-    if rc != 0:
-        logger.error("the job failed (exit %d); logs under %s", rc, root / "logs")
-        return rc
-    store = RunStore(cfg.store.run_root)
 
-    # 2. learning, from the rollout files
+def show_rewards(store: RunStore) -> tuple[float, float]:
+    """Print the mean reward by policy step; returns (start, end): the means over the first / last WINDOW."""
     by_policy = rewards_by_policy(store)
     steps = sorted(by_policy)
     start = float(np.mean([by_policy[s] for s in steps[:WINDOW]]))
@@ -101,24 +127,27 @@ def main(argv: list[str] | None = None) -> int:
     print("\nmean cats reward of rollouts, by policy step:")
     print("  " + "  ".join(f"{s}:{by_policy[s]:.2f}" for s in steps))
     print(f"start (policies {steps[:WINDOW]}): {start:.3f}   end (policies {steps[-WINDOW:]}): {end:.3f}")
+    return start, end
 
-    # 3. behaviour on fixed probes
+
+def show_probes(store: RunStore, cfg: RLJobConfig) -> int:
+    """Print the first and the final policy's probe answers; returns how many of the final's say 'cat'."""
     from pipeline.environments.cats import says_cat
     from policy.model import latest_policy_step
 
     final = latest_policy_step(store) or 0
+    hits = 0
     for step in (0, final):
         answers = probe_answers(store, cfg, step)
         hits = sum(says_cat(a) for _, a in answers)
         print(f"\npolicy {step}: {hits}/{len(answers)} probe answers say 'cat'")
         for prompt, answer in answers:
             print(f"  {prompt!r:40} -> {answer!r}")
-    # 4. the report
-    from pipeline.report import build_report
+    return hits
 
-    report = build_report(cfg.store.run_root)
-    print(f"\nreport: {report}")
 
+def verdict(start: float, end: float, hits: int) -> int:
+    """Print PASS/FAIL for both checks; 0 when both pass."""
     ok_reward = end >= REWARD_RATIO * max(start, 1e-6)
     ok_probe = hits >= MIN_PROBES_WITH_CAT
     print(f"{'PASS' if ok_reward else 'FAIL'}: end reward {end:.3f} >= {REWARD_RATIO:g} x start reward {start:.3f}")
@@ -128,5 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok_reward and ok_probe else 1
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m steps.demo [--config_path F] [--run_root R] [--keep true] [--field value …]`; the exit code."""
+    return run_command(parse_args, main, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -37,11 +37,10 @@ import time
 from pathlib import PurePosixPath
 from typing import Any
 
-import draccus
 import numpy as np
 
-from pipeline import layout
-from pipeline.config import EvaluateStepConfig
+from pipeline import layout, run_state
+from pipeline.config import ConfigError, EvaluateStepConfig
 from pipeline.metrics import MetricsWriter
 from pipeline.storage import RunStore
 from schemas import EVAL_ROW, EVAL_SUMMARY
@@ -96,9 +95,7 @@ class Evaluator:
     # -- what to do -------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
         """Committed policy steps, ascending (listing is the truth)."""
-        return sorted(
-            layout.parse_step(p) for p in self.store.list(layout.POLICIES) if self.store.exists(p + "/COMMITTED")
-        )
+        return run_state.committed_steps(self.store, layout.POLICIES)
 
     def missing_lessons(self, step: int, external: str | None = None) -> list[str]:
         """Lessons of `step` without a committed summary (all of them with --force)."""
@@ -119,43 +116,45 @@ class Evaluator:
             logger.info("policy %d: every lesson already evaluated", step)
             return 0
         manager = manager or self._load(step)
-        n = self.cfg.n_examples or self.cfg.curriculum.eval_n_examples
         for lesson in todo:
-            t0 = time.monotonic()
-            rng = np.random.default_rng(lesson_seed(self.cfg.seed, step, lesson))
-            stats, batch = manager.evaluate_lesson(lesson, n, "eval", rng, step, step, WORKER_ID)
-            rows = batch.rows if batch is not None else []
-            source = external or layout.policy_dir(step)
-            self.store.write_parquet(
-                layout.eval_rollouts_file(step, lesson, external=external), EVAL_ROW.to_table(rows), EVAL_ROW
-            )
-            summary = stats.to_summary_row("eval", source)
-            self.store.write_parquet(
-                layout.eval_summary_file(step, lesson, external=external),
-                EVAL_SUMMARY.to_table([summary]),
-                EVAL_SUMMARY,
-            )
-            self.metrics.log(
-                {
-                    "policy_step": step,
-                    "lesson_id": lesson,
-                    "mean_reward": stats.mean_reward,
-                    "success_rate": stats.success_rate,
-                    "n_rows": stats.n_rows,
-                    "failures": stats.n_failures,
-                    "eval_s": time.monotonic() - t0,
-                    "external": external or "",
-                }
-            )
-            logger.info(
-                "evaluated %s on %s: mean reward %.3f, success %.3f (%d rows)",
-                source,
-                lesson,
-                stats.mean_reward,
-                stats.success_rate,
-                stats.n_rows,
-            )
+            self.evaluate_lesson(manager, step, lesson, external)
         return len(todo)
+
+    def evaluate_lesson(self, manager: Any, step: int, lesson: str, external: str | None) -> None:
+        """Evaluate one lesson of policy `step`: rollouts, then the summary (its commit), then a metrics record."""
+        t0 = time.monotonic()
+        n = self.cfg.n_examples or self.cfg.curriculum.eval_n_examples
+        rng = np.random.default_rng(lesson_seed(self.cfg.seed, step, lesson))
+        stats, batch = manager.evaluate_lesson(lesson, n, "eval", rng, step, step, WORKER_ID)
+        rows = batch.rows if batch is not None else []
+        source = external or layout.policy_dir(step)
+        self.store.write_parquet(
+            layout.eval_rollouts_file(step, lesson, external=external), EVAL_ROW.to_table(rows), EVAL_ROW
+        )
+        summary = stats.to_summary_row("eval", source)
+        self.store.write_parquet(
+            layout.eval_summary_file(step, lesson, external=external), EVAL_SUMMARY.to_table([summary]), EVAL_SUMMARY
+        )
+        self.metrics.log(
+            {
+                "policy_step": step,
+                "lesson_id": lesson,
+                "mean_reward": stats.mean_reward,
+                "success_rate": stats.success_rate,
+                "n_rows": stats.n_rows,
+                "failures": stats.n_failures,
+                "eval_s": time.monotonic() - t0,
+                "external": external or "",
+            }
+        )
+        logger.info(
+            "evaluated %s on %s: mean reward %.3f, success %.3f (%d rows)",
+            source,
+            lesson,
+            stats.mean_reward,
+            stats.success_rate,
+            stats.n_rows,
+        )
 
     def evaluate_external(self, path: str) -> int:
         """Evaluate a Hugging Face checkpoint folder as a baseline (`evals/external-<name>/`)."""
@@ -174,27 +173,6 @@ class Evaluator:
         finally:
             manager.shutdown()
 
-    def follow(self) -> None:
-        """Evaluate every eval_frequency-th policy and the final one as they appear, until the final
-        one (`stop_after_step`) is evaluated or control/STOP exists."""
-        freq = max(1, self.cfg.curriculum.eval_frequency)
-        final = self.cfg.stop_after_step
-        while True:
-            steps = self.committed_steps()
-            wanted = [s for s in steps if s % freq == 0 or s == final]
-            for s in wanted:
-                if self.missing_lessons(s):
-                    self.evaluate_step(s)
-                    break  # re-list: a newer policy may have appeared meanwhile
-            else:
-                if final is not None and final in steps:
-                    logger.info("final policy %d evaluated; done", final)
-                    return
-                if self.store.exists(layout.STOP_FILE):
-                    logger.info("stop file found; done")
-                    return
-                time.sleep(self.cfg.poll_interval_s)
-
     def close(self) -> None:
         self.metrics.flush()
         if self._manager is not None:
@@ -202,38 +180,80 @@ class Evaluator:
 
 
 def main(cfg: EvaluateStepConfig) -> int:
-    """Evaluate what the config names; returns 0 on success."""
+    """Evaluate what the config names (phases: external baseline, then follow or the explicit targets); 0."""
     evaluator = Evaluator(cfg)
     try:
         if cfg.hf_checkpoint:
             evaluator.evaluate_external(cfg.hf_checkpoint)
-        # Explicit targets (--all, --steps, --hf_checkpoint) make a bounded run even when the config says follow:
-        # the job's evaluator config (follow mode) is the base of `steps.run step evaluate`, whose `--all true`
-        # must not silently fall back to following eval_frequency multiples.
-        explicit = bool(cfg.all or cfg.steps or cfg.hf_checkpoint)
-        if cfg.follow and not explicit:
-            evaluator.follow()
+        if following(cfg):
+            follow(evaluator)
         else:
-            if cfg.follow:
-                logger.info("explicit targets (--all/--steps/--hf_checkpoint) given: evaluating them, not following")
-            targets = evaluator.committed_steps() if cfg.all else sorted(set(cfg.steps))
-            committed = set(evaluator.committed_steps())
-            for s in targets:
-                if s not in committed:
-                    raise SystemExit(f"policy {s} is not committed ({layout.policy_marker(s)} is missing)")
+            for s in explicit_targets(cfg, evaluator):
                 evaluator.evaluate_step(s)
     finally:
         evaluator.close()
     return 0
 
 
-def cli() -> None:
-    """`python -m steps.evaluate` (draccus flags over EvaluateStepConfig)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def follow(evaluator: Evaluator) -> None:
+    """Evaluate every eval_frequency-th policy and the final one as they appear, until the final
+    one (`stop_after_step`) is evaluated or control/STOP exists."""
+    final = evaluator.cfg.stop_after_step
+    while True:
+        steps = evaluator.committed_steps()
+        step = next_to_follow(evaluator, steps)
+        if step is not None:
+            evaluator.evaluate_step(step)  # then re-list: a newer policy may have appeared meanwhile
+            continue
+        if final is not None and final in steps:
+            logger.info("final policy %d evaluated; done", final)
+            return
+        if evaluator.store.exists(layout.STOP_FILE):
+            logger.info("stop file found; done")
+            return
+        time.sleep(evaluator.cfg.poll_interval_s)
+
+
+def next_to_follow(evaluator: Evaluator, steps: list[int]) -> int | None:
+    """The oldest of `steps` of interest (a multiple of eval_frequency, or the final one) with a lesson not yet
+    evaluated; None when there is none."""
+    freq = max(1, evaluator.cfg.curriculum.eval_frequency)
+    for s in steps:
+        if (s % freq == 0 or s == evaluator.cfg.stop_after_step) and evaluator.missing_lessons(s):
+            return s
+    return None
+
+
+def following(cfg: EvaluateStepConfig) -> bool:
+    """Follow mode, unless explicit targets are given.
+
+    Explicit targets (--all, --steps, --hf_checkpoint) make a bounded run even when the config says follow:
+    the job's evaluator config (follow mode) is the base of `steps.run step evaluate`, whose `--all true`
+    must not silently fall back to following eval_frequency multiples.
+    """
+    explicit = bool(cfg.all or cfg.steps or cfg.hf_checkpoint)
+    if cfg.follow and explicit:
+        logger.info("explicit targets (--all/--steps/--hf_checkpoint) given: evaluating them, not following")
+    return cfg.follow and not explicit
+
+
+def explicit_targets(cfg: EvaluateStepConfig, evaluator: Evaluator) -> list[int]:
+    """The policies `--all` / `--steps` name, ascending; ConfigError naming `steps` for one not committed."""
+    committed = evaluator.committed_steps()
+    targets = committed if cfg.all else sorted(set(cfg.steps))
+    for s in targets:
+        if s not in committed:
+            raise ConfigError("steps", s, f"policy {s} is not committed ({layout.policy_marker(s)} is missing)")
+    return targets
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m steps.evaluate [--config_path F] [--field value …]`; returns the exit code."""
+    from steps.cli import run_program
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg = draccus.parse(EvaluateStepConfig, args=sys.argv[1:])
-    sys.exit(main(cfg))
+    return run_program(EvaluateStepConfig, main, argv)
 
 
 if __name__ == "__main__":
-    cli()
+    sys.exit(cli())

@@ -78,11 +78,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import draccus
-
 from pipeline.batch_maker import BatchResult
 from pipeline.batch_step import Maker, MakerState, SlotLost, StopRequested, new_slot_log
-from pipeline.config import BatchMakerStepConfig, ConfigError, validate_batch_maker
+from pipeline.config import BatchMakerStepConfig, validate_batch_maker
 from pipeline.lease import Lease, LeaseHeldError, LeaseLostError
 from pipeline.poll import WaitTimeout
 from pipeline.storage import RunStore
@@ -248,35 +246,18 @@ def cli(argv: list[str] | None = None) -> int:
     """
     if "pandas" not in sys.modules:
         sys.meta_path.insert(0, _NoPandas())  # type: ignore[arg-type]
-    logging.basicConfig(
-        level=os.environ.get("LOGLEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    from steps.cli import run_program
+
+    return run_program(
+        BatchMakerStepConfig,
+        lambda config: main(config) or 0,
+        argv,
+        exit_codes={
+            LeaseHeldError: (EXIT_LEASE_HELD, "another BatchMaker holds the run's lease; exiting"),
+            LeaseLostError: (EXIT_LEASE_LOST, "lost the BatchMaker lease"),
+            BatchWaitTimeout: (EXIT_TIMEOUT, "timed out"),
+        },
     )
-    try:
-        config = draccus.parse(BatchMakerStepConfig, args=sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        logger.error("invalid config: %s", e)
-        return EXIT_CONFIG
-    except draccus.utils.ParsingError as e:
-        cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, ConfigError):
-            cause = cause.__cause__ or cause.__context__
-        logger.error("invalid config: %s", cause if cause is not None else e)
-        return EXIT_CONFIG
-    try:
-        main(config)
-    except ConfigError as e:
-        logger.error("invalid config: %s", e)
-        return EXIT_CONFIG
-    except LeaseHeldError as e:
-        logger.error("another BatchMaker holds the run's lease: holder %r (%s); exiting", e.holder, e)
-        return EXIT_LEASE_HELD
-    except LeaseLostError as e:
-        logger.error("lost the BatchMaker lease: %s", e)
-        return EXIT_LEASE_LOST
-    except BatchWaitTimeout as e:
-        logger.error("%s", e)
-        return EXIT_TIMEOUT
-    return 0
 
 
 if __name__ == "__main__":

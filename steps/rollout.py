@@ -59,10 +59,6 @@ batch, the ready marker (`failures`) and the metrics (`failures`). Nothing is dr
 
 from __future__ import annotations
 
-import logging
-
-import draccus
-
 from pipeline.config import RolloutStepConfig
 from policy.rollout_worker import RolloutWorker
 
@@ -78,6 +74,12 @@ def main(config: RolloutStepConfig) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m steps.rollout [--config_path F] [--field value …]`; returns the exit code."""
+    from steps.cli import run_program
+
+    return run_program(RolloutStepConfig, main, argv)
+
+
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise SystemExit(main(draccus.parse(RolloutStepConfig)))
+    raise SystemExit(cli())

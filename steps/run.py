@@ -5,31 +5,34 @@ steps it starts. Algorithm: validate the whole config before any process starts 
 environment classes, batch size vs prompts × generations, lengths), write or check `run.json`,
 then supervise the steps (pipeline.runner).
 
-    python -m steps.run --config_path configs/demo_cats.yaml --run_root runs/demo
+    python -m steps.run --config_path configs/demo_cats.yaml --run_root runs/demo [--train.num_train_steps 5 …]
     python -m steps.run step learn   --config_path configs/demo_cats.yaml --run_root runs/demo --max_steps 5
     python -m steps.run step batches --config_path … --run_root … --max_batches 3
     python -m steps.run step rollout --config_path … --run_root … --worker_id w7 --max_rollouts 64
     python -m steps.run step evaluate --config_path … --run_root … --all true
 
-`--run_root X` is shorthand for `--store.run_root X`. Extra flags of `step` apply to that step's
-config (see `python -m steps.<module> --help`).
+`--run_root X` is shorthand for `--store.run_root X`. Without `step`, every other flag overrides the job
+config (draccus dotted flags); with `step NAME`, `--config_path` and `--store.*` describe the job and every
+other flag overrides that step's config (see `python -m steps.<module> --help`). A bad config is one line on
+stderr naming the field and the value, exit code 2, before anything starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
-import logging
 import sys
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import draccus
 
-from pipeline.config import ConfigError
 from pipeline.job import RLJob, RLJobConfig, check_run_config
-
-logger = logging.getLogger("rlpipe.run")
+from pipeline.storage import RunStore
+from steps.cli import parse_config, run_command
 
 STEP_MODULES = {
     "learn": ("learner", "steps.learn"),
@@ -37,84 +40,99 @@ STEP_MODULES = {
     "rollout": ("rollout", "steps.rollout"),
     "evaluate": ("evaluate", "steps.evaluate"),
 }
+"""`step NAME` -> (its key in RLJob.to_worker_configs(), the step program's module)."""
 
 
-def _rewrite_run_root(args: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Invocation:
+    """A parsed command line: the job's draccus arguments and, for `step NAME`, the step and its overrides."""
+
+    job_args: list[str]
+    step: str | None = None
+    step_args: tuple[str, ...] = ()
+
+
+def _add_job_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config_path", help="the job config YAML (an RLJobConfig)")
+    parser.add_argument("--run_root", "--store.run_root", dest="run_root", help="the run root (overrides the config)")
+    parser.add_argument("--store.storage_options", dest="storage_options", help="fsspec options of the run root")
+
+
+def job_parser() -> argparse.ArgumentParser:
+    """`python -m steps.run [job options] [--field value …]` (unknown flags are job config overrides)."""
+    parser = argparse.ArgumentParser(prog="python -m steps.run", allow_abbrev=False, description=__doc__)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    _add_job_options(parser)
+    return parser
+
+
+def step_parser() -> argparse.ArgumentParser:
+    """`python -m steps.run step NAME [job options] [--field value …]` (unknown flags: step overrides)."""
+    parser = argparse.ArgumentParser(prog="python -m steps.run step", allow_abbrev=False)
+    parser.add_argument("step", choices=sorted(STEP_MODULES), help="the step to run")
+    _add_job_options(parser)
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> Invocation:
+    """The invocation `argv` asks for (argparse errors exit 2 with argparse's message)."""
+    args = list(argv)
+    if args[:1] == ["step"]:
+        ns, rest = step_parser().parse_known_args(args[1:])
+        return Invocation(job_args=_job_args(ns), step=ns.step, step_args=tuple(rest))
+    ns, rest = job_parser().parse_known_args(args)
+    return Invocation(job_args=_job_args(ns) + rest)
+
+
+def _job_args(ns: argparse.Namespace) -> list[str]:
     out = []
-    for a in args:
-        if a == "--run_root":
-            out.append("--store.run_root")
-        elif a.startswith("--run_root="):
-            out.append("--store.run_root=" + a.split("=", 1)[1])
-        else:
-            out.append(a)
+    for flag, value in (
+        ("--config_path", ns.config_path),
+        ("--store.run_root", ns.run_root),
+        ("--store.storage_options", ns.storage_options),
+    ):
+        if value is not None:
+            out += [flag, value]
     return out
 
 
-def _split_job_args(args: list[str]) -> tuple[list[str], list[str]]:
-    """Job-level args (config path and store) vs step-level overrides."""
-    job, step = [], []
-    i = 0
-    while i < len(args):
-        a = args[i]
-        key = a.split("=", 1)[0]
-        takes_value = "=" not in a and i + 1 < len(args)
-        if key in ("--config_path",) or key.startswith("--store."):
-            job.append(a)
-            if takes_value:
-                job.append(args[i + 1])
-                i += 1
-        else:
-            step.append(a)
-            if takes_value and not args[i + 1].startswith("--"):
-                step.append(args[i + 1])
-                i += 1
-        i += 1
-    return job, step
+def parse_job(args: Sequence[str]) -> RLJobConfig:
+    """An RLJobConfig from draccus args (a config file plus overrides); UsageError names a bad field."""
+    return parse_config(RLJobConfig, args)
 
 
-def parse_job(args: list[str]) -> RLJobConfig:
-    """An RLJobConfig from CLI args (a config file plus overrides); ConfigError names a bad field."""
-    return draccus.parse(RLJobConfig, args=args)
-
-
-def run_step(step: str, args: list[str]) -> int:
-    """Run one step of the job described by the config, with step-level overrides."""
-    if step not in STEP_MODULES:
-        raise SystemExit(f"unknown step {step!r}; one of {sorted(STEP_MODULES)}")
-    key, module_name = STEP_MODULES[step]
-    job_args, step_args = _split_job_args(args)
-    job = RLJob(parse_job(job_args))
-    from pipeline.storage import RunStore
-
-    check_run_config(RunStore(job.config.store.run_root, job.config.store.storage_options), job.config)
+def step_config(job: RLJob, step: str, overrides: Sequence[str]) -> Any:
+    """The config of `step` the job gives, with the command line's step-level overrides applied."""
+    key, _ = STEP_MODULES[step]
     base: Any = job.to_worker_configs()[key]
     if isinstance(base, list):
         base = base[0]
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "step.yaml"
-        path.write_text(draccus.dump(base))
-        cfg = draccus.parse(type(base), config_path=str(path), args=step_args)
-    module = importlib.import_module(module_name)
-    result = module.main(cfg)
-    return int(result or 0)
+        path.write_text(draccus.dump(base) or "")
+        return parse_config(type(base), ["--config_path", str(path), *overrides])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry point."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = _rewrite_run_root(list(sys.argv[1:] if argv is None else argv))
-    try:
-        if args and args[0] == "step":
-            if len(args) < 2:
-                raise SystemExit("usage: python -m steps.run step {learn,batches,rollout,evaluate} [args]")
-            return run_step(args[1], args[2:])
-        job = RLJob(parse_job(args))
-        return job.run()
-    except ConfigError as e:
-        logger.error("invalid config: %s", e)
-        return 2
+def run_step(job: RLJob, step: str, overrides: Sequence[str]) -> int:
+    """Run one step of the job (run.json checked first); returns the step program's exit code."""
+    config = step_config(job, step, overrides)
+    check_run_config(RunStore(job.config.store.run_root, job.config.store.storage_options), job.config)
+    module = importlib.import_module(STEP_MODULES[step][1])
+    return int(module.main(config) or 0)
+
+
+def main(invocation: Invocation) -> int:
+    """Run the job (or the one step) the invocation names; returns the process exit code."""
+    job = RLJob(parse_job(invocation.job_args))
+    if invocation.step is not None:
+        return run_step(job, invocation.step, invocation.step_args)
+    return job.run()
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """`python -m steps.run …` (see the module docstring); returns the exit code."""
+    return run_command(parse_args, main, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

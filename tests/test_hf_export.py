@@ -1,8 +1,13 @@
-"""HF export: a committed tiny policy exported by `python -m steps.learn export` loads with transformers and
-gives the same next-token logprobs as levanter (within 1e-4); the folder also loads back into levanter."""
+"""HF export (`python -m steps.export`, `make export`): a committed policy exported as a Hugging Face folder loads
+with transformers and gives the same next-token logprobs as levanter (within 1e-4); the folder also loads back
+into levanter. `make export RUN=… STEP=… OUT=…` needs nothing else: the model comes from the run's run.json."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,28 +18,34 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import draccus  # noqa: E402
+from jobs import job_config  # noqa: E402
+from test_learner import write_batches  # noqa: E402
+
+from pipeline import layout  # noqa: E402
 from pipeline.config import ModelSpec  # noqa: E402
 from pipeline.storage import RunStore  # noqa: E402
 from policy import model as M  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
 
 
-@pytest.mark.slow
-def test_export_loads_in_transformers(tmp_path):
-    spec = ModelSpec(max_seq_len=32)
-    store = RunStore(str(tmp_path / "run"))
-    model = M.build_model(spec, VOCAB)
-    M.save_policy(store, 0, model, {"batch_slot": 0})
-    out = tmp_path / "hf"
-    subprocess.run(
-        [sys.executable, "-m", "steps.learn", "export", "--store.run_root", str(tmp_path / "run"),
-         "--model.max_seq_len", "32", "--step", "0", "--out", str(out)],
-        cwd=REPO, check=True, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+def make_export_command(**variables: str) -> list[str]:
+    """The Makefile's `export` recipe with make's variables set (`$(if $(V),…)` kept only when V is set)."""
+    recipe = re.search(r"^export:.*\n\t(.+)$", (REPO / "Makefile").read_text(), re.M)
+    assert recipe is not None, "the Makefile has no export target"
+    values = {"PY": sys.executable, "ARGS": "", **variables}
+    line = re.sub(r"\$\(if \$\((\w+)\),(.*?\$\(\1\))\)", lambda m: m.group(2) if values.get(m.group(1)) else "",
+                  recipe.group(1))  # fmt: skip
+    line = re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), ""), line)
+    return shlex.split(line)
+
+
+def check_export(out: Path, model: object) -> None:
+    """`out` loads in transformers (AutoModel + AutoTokenizer), matches `model`'s logprobs, and loads back."""
     assert (out / "config.json").exists()
-
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert len(tok) == VOCAB
@@ -45,7 +56,62 @@ def test_export_loads_in_transformers(tmp_path):
     lev_lp = np.asarray(M.teacher_forced_logprobs(model, tokens))[:, 1:]
     np.testing.assert_allclose(hf_lp, lev_lp, atol=1e-4)
 
+
+@pytest.mark.slow
+def test_export_with_model_flags_loads_in_transformers(tmp_path: Path) -> None:
+    """A run root without run.json: the model flags given on the command line describe the policy."""
+    spec = ModelSpec(max_seq_len=32)
+    store = RunStore(str(tmp_path / "run"))
+    model = M.build_model(spec, VOCAB)
+    M.save_policy(store, 0, model, {"batch_slot": 0})
+    out = tmp_path / "hf"
+    subprocess.run(
+        [sys.executable, "-m", "steps.export", "--store.run_root", str(tmp_path / "run"),
+         "--model.max_seq_len", "32", "--step", "0", "--out", str(out)],
+        cwd=REPO, check=True, env=ENV,
+    )  # fmt: skip
+    check_export(out, model)
     # round trip: the HF folder as a ModelSpec.hf_checkpoint gives the same weights
     back = M.build_model(ModelSpec(max_seq_len=32, hf_checkpoint=str(out)), VOCAB)
     for a, b in zip(M.numpy_params(model), M.numpy_params(back), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_make_export_needs_only_run_step_out(tmp_path: Path) -> None:
+    """A real run root (run.json written by `steps.run step learn`, two trained steps) whose model is not the
+    default shape; `make export RUN=… STEP=… OUT=…` reads the model from run.json."""
+    root = tmp_path / "run"
+    store = RunStore(str(root))
+    write_batches(store, range(1, 3))  # 4 rows x 16 tokens, token ids < 512
+    overrides = {
+        "train.num_train_steps": "2",
+        "train.batch_size": "4",
+        "train.seq_len": "16",
+        "train.replay_buffer_capacity": "4",
+        "curriculum.default_sampling.max_tokens": "8",
+        "curriculum.eval_sampling.max_tokens": "8",
+        "batch_wait_timeout_s": "60",
+    }
+    config = job_config(tmp_path, str(root), **overrides)
+    learn = subprocess.run(
+        [sys.executable, "-m", "steps.run", "step", "learn", "--config_path", str(config), "--run_root", str(root)],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert learn.returncode == 0, learn.stderr[-3000:]
+    assert M.latest_policy_step(store) == 2
+    spec = draccus.decode(ModelSpec, json.loads(store.get(layout.RUN_CONFIG))["config"]["model"])
+    assert spec != ModelSpec(), "the test needs a model whose shape differs from the default"
+
+    out = tmp_path / "hf"
+    proc = subprocess.run(make_export_command(RUN=str(root), STEP="2", OUT=str(out)), cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_export(out, M.load_policy(store, 2, spec, VOCAB))
+
+    # without STEP: the newest committed policy
+    newest = tmp_path / "hf-newest"
+    proc = subprocess.run(make_export_command(RUN=str(root), OUT=str(newest)), cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (newest / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()

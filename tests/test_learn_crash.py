@@ -28,6 +28,7 @@ pytest.importorskip("jax")
 
 from test_learner import VOCAB, tiny_config, write_batches
 
+from policy import learner
 from policy import model as M
 from steps import learn
 
@@ -80,10 +81,10 @@ def test_sigkill_resume_replays_exactly(tmp_path):
 
     kills = 0
     runs = 0
-    while not store.exists(learn.LEARNER_DONE):
+    while not store.exists(layout.LEARNER_DONE):
         assert runs < 40, "learner never finished"
         log_path = tmp_path / f"learn-{runs}.log"
-        newest_before = (learn.committed_checkpoints(store) or [None])[-1]
+        newest_before = (learner.committed_checkpoints(store) or [None])[-1]
         proc = _start(config_path, log_path, cache)
         runs += 1
         if kills < MIN_KILLS:

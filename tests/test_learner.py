@@ -18,6 +18,8 @@ from schemas.records import CommitMarker
 
 jax = pytest.importorskip("jax")
 
+from pipeline.poll import WaitTimeout  # noqa: E402
+from policy import learner  # noqa: E402
 from policy import model as M  # noqa: E402
 from steps import learn  # noqa: E402
 
@@ -113,8 +115,8 @@ def test_learner_trains_publishes_and_replays(tmp_path):
     learn.main(cfg)
 
     assert M.latest_policy_step(store) == 3
-    assert store.exists(learn.LEARNER_DONE)
-    assert learn.committed_checkpoints(store) == [2, 3]  # keep_checkpoints=2; step 1 collected
+    assert store.exists(layout.LEARNER_DONE)
+    assert learner.committed_checkpoints(store) == [2, 3]  # keep_checkpoints=2; step 1 collected
     p0 = M.load_policy(store, 0, cfg.model, VOCAB)
     p1 = M.load_policy(store, 1, cfg.model, VOCAB)
     p3 = M.load_policy(store, 3, cfg.model, VOCAB)
@@ -154,7 +156,7 @@ def test_rewarded_token_logprob_rises(tmp_path):
     cfg = tiny_config(root, steps=1)
     model0 = M.build_model(cfg.model, VOCAB)
     rows = make_rows(1, token=TOKEN)
-    arrays = learn.batch_arrays(rows, cfg.train, VOCAB, "x")
+    arrays = learner.batch_arrays(rows, cfg.train, VOCAB, "x")
     lp0 = np.asarray(
         M.teacher_forced_logprobs(
             model0, arrays["tokens"], segment_ids=arrays["segment_ids"], position_ids=arrays["position_ids"]
@@ -179,7 +181,7 @@ def test_packing_isolates_segments():
     spec = ModelSpec(max_seq_len=SEQ_LEN)
     model = M.build_model(spec, VOCAB)
     rows = make_rows(1)
-    a = learn.batch_arrays(
+    a = learner.batch_arrays(
         rows, TrainParams(batch_size=BATCH, seq_len=SEQ_LEN, replay_buffer_capacity=BATCH), VOCAB, "x"
     )
     lp = np.asarray(
@@ -195,13 +197,13 @@ def test_refuses_mismatched_batches(tmp_path):
     store = RunStore(root)
     cfg = tiny_config(root, steps=2)
     write_batch(store, 1, make_rows(1), seq_len=SEQ_LEN * 2)
-    with pytest.raises(learn.BatchMismatchError, match="seq_len"):
+    with pytest.raises(learner.BatchMismatchError, match="seq_len"):
         learn.main(cfg)
     root2 = str(tmp_path / "run2")
     store2 = RunStore(root2)
     rows = make_rows(1)[:2]
     write_batch(store2, 1, rows)
-    with pytest.raises(learn.BatchMismatchError, match="batch_size"):
+    with pytest.raises(learner.BatchMismatchError, match="batch_size"):
         learn.main(tiny_config(root2, steps=2))
     root3 = str(tmp_path / "run3")
     store3 = RunStore(root3)
@@ -209,14 +211,14 @@ def test_refuses_mismatched_batches(tmp_path):
     # (log entries do not record the tokenizer; the batch's token ids are what is checked)
     foreign = [dataclasses.replace(r, tokens=[VOCAB + 3 if t else t for t in r.tokens]) for r in make_rows(1)]
     write_batch(store3, 1, foreign)
-    with pytest.raises(learn.BatchMismatchError, match="tokenizer"):
+    with pytest.raises(learner.BatchMismatchError, match="tokenizer"):
         learn.main(tiny_config(root3, steps=2))
 
 
 def test_wait_timeout_names_the_file(tmp_path):
     root = str(tmp_path / "run")
     cfg = tiny_config(root, steps=2, batch_wait_timeout_s=0.3)
-    with pytest.raises(learn.BatchWaitTimeout, match=r"step-00000001\.json"):
+    with pytest.raises(WaitTimeout, match=r"batch_wait_timeout_s=0\.3\).*step-00000001\.json"):
         learn.main(cfg)
     # policy 0 was published before waiting
     assert M.latest_policy_step(RunStore(root)) == 0
@@ -229,10 +231,10 @@ def test_reference_model_absent_when_kl_off(tmp_path):
     cfg = tiny_config(str(tmp_path))
     module = loss_module_from_config(RLOOLossConfig(kl_coef=0.0))
     # no policy 0 exists: building a reference would fail, so None proves it is never built
-    assert learn.load_reference(store, cfg, VOCAB, module) is None
+    assert learner.load_reference(store, cfg, VOCAB, module) is None
     module_kl = loss_module_from_config(RLOOLossConfig(kl_coef=0.1))
     with pytest.raises(M.PolicyNotFoundError):
-        learn.load_reference(store, cfg, VOCAB, module_kl)
+        learner.load_reference(store, cfg, VOCAB, module_kl)
 
 
 def test_kl_learner_step(tmp_path):

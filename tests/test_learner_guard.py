@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipeline import layout
 from pipeline.storage import RunStore
 
 jax = pytest.importorskip("jax")
@@ -32,7 +33,7 @@ def test_non_finite_batch_is_skipped_and_training_goes_on(tmp_path):
     cfg = tiny_config(root, steps=3)
     learn.main(cfg)
 
-    assert store.exists(learn.LEARNER_DONE) and M.latest_policy_step(store) == 3
+    assert store.exists(layout.LEARNER_DONE) and M.latest_policy_step(store) == 3
     recs = {r["step"]: r for r in read_metrics(store, "learner") if "loss" in r}
     assert sorted(recs) == [1, 2, 3]
     assert recs[1]["skipped_nonfinite"] == 1.0 and not np.isfinite(recs[1]["loss"])

@@ -9,9 +9,16 @@ import os
 import struct
 from pathlib import Path
 
+import draccus
 import pytest
 
-from pipeline.config import ConfigError, TrackerConfig
+from pipeline.config import (
+    JsonTrackerConfig,
+    LearnerStepConfig,
+    TensorboardTrackerConfig,
+    TrackerConfig,
+    WandbTrackerConfig,
+)
 from pipeline.metrics import read_metrics
 from pipeline.storage import RunStore
 
@@ -19,7 +26,9 @@ pytest.importorskip("jax")
 
 from test_learner import tiny_config, write_batches
 
+from policy.trackers import TRACKERS, tracker_type
 from steps import learn
+from steps.cli import UsageError, parse_config
 
 STEPS = 3
 
@@ -55,7 +64,7 @@ def tfevents_scalars(path: str) -> dict[str, dict[int, float]]:
 
 def test_json_tracker_logs_every_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="levanter.json_logger"):
-        store = train(tmp_path, TrackerConfig(type="json"))
+        store = train(tmp_path, JsonTrackerConfig())
     logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "levanter.json_logger"]
     steps = {rec["step"]: rec["metrics"] for rec in logged if rec["event"] == "log"}
     losses = learner_losses(store)
@@ -67,7 +76,7 @@ def test_json_tracker_logs_every_step(tmp_path: Path, caplog: pytest.LogCaptureF
 
 
 def test_tensorboard_tracker_writes_event_files(tmp_path: Path) -> None:
-    store = train(tmp_path, TrackerConfig(type="tensorboard"))
+    store = train(tmp_path, TensorboardTrackerConfig())
     files = glob.glob(str(tmp_path / "run" / "trackers" / "run" / "events.out.tfevents.*"))
     assert len(files) == 1, files
     scalars = tfevents_scalars(files[0])
@@ -82,7 +91,7 @@ def test_wandb_offline_tracker_writes_a_run(tmp_path: Path) -> None:
     logdir = tmp_path / "wandb-files"
     os.environ.pop("WANDB_DIR", None)
     try:
-        store = train(tmp_path, TrackerConfig(type="wandb", mode="offline", logdir=str(logdir), name="tiny-run"))
+        store = train(tmp_path, WandbTrackerConfig(mode="offline", logdir=str(logdir), name="tiny-run"))
     finally:
         os.environ.pop("WANDB_DIR", None)
     runs = glob.glob(str(logdir / "wandb" / "offline-run-*-tiny-run" / "run-tiny-run.wandb"))
@@ -96,6 +105,33 @@ def test_wandb_offline_tracker_writes_a_run(tmp_path: Path) -> None:
         assert json.dumps(loss).encode() in data, loss
 
 
-def test_unknown_tracker_type_names_the_field() -> None:
-    with pytest.raises(ConfigError, match=r"tracker\.type"):
-        TrackerConfig(type="mlflow")
+def test_unknown_tracker_type_names_the_field(tmp_path: Path) -> None:
+    """An unknown tracker type, on the command line or in a config file, is refused naming tracker.type."""
+    with pytest.raises(UsageError, match=r"tracker\.type.*'mlflow'"):
+        parse_config(LearnerStepConfig, ["--tracker.type", "mlflow"])
+    path = tmp_path / "learner.yaml"
+    path.write_text("tracker: {type: mlflow}\n")
+    with pytest.raises(UsageError, match=r"tracker.*'mlflow'"):
+        parse_config(LearnerStepConfig, ["--config_path", str(path)])
+    with pytest.raises(UsageError, match=r"tracker\.mode='bad'"):
+        parse_config(LearnerStepConfig, ["--tracker.type", "wandb", "--tracker.mode", "bad"])
+
+
+@pytest.mark.parametrize(
+    ("spelling", "expected"),
+    [
+        ([], "none"),
+        (["--tracker.type", "json"], "json"),
+        (["--tracker.type", "tensorboard", "--tracker.logdir", "/tmp/tb"], "tensorboard"),
+        (["--tracker.type", "wandb", "--tracker.project", "p", "--tracker.mode", "disabled"], "wandb"),
+    ],
+)
+def test_tracker_spellings_choose_a_registered_tracker(spelling: list[str], expected: str) -> None:
+    """`--tracker.type NAME` (or `tracker: {type: NAME}`) picks the registered config class; every registered
+    class has a tracker builder, and a config round-trips through its YAML encoding."""
+    config = parse_config(LearnerStepConfig, spelling)
+    assert tracker_type(config.tracker) == expected
+    assert type(config.tracker) in TRACKERS
+    assert set(TrackerConfig.get_known_choices()) == {"none", "json", "tensorboard", "wandb"}
+    assert all(cls in TRACKERS for cls in TrackerConfig.get_known_choices().values())
+    assert draccus.decode(LearnerStepConfig, draccus.encode(config)) == config

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import draccus
+
 from pipeline.config.base import ConfigError, require
 from pipeline.config.curriculum import CurriculumConfig, LessonConfig
 from pipeline.config.model import DenseInferenceConfig, InferenceConfig, ModelSpec
@@ -63,28 +65,57 @@ class BatchMakerStepConfig:
         require(self.late_sweep_folders >= 0, "late_sweep_folders", self.late_sweep_folders, "must be >= 0")
 
 
-TRACKER_TYPES = ("none", "json", "tensorboard", "wandb")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
 @dataclass(frozen=True)
-class TrackerConfig:
+class TrackerConfig(draccus.ChoiceRegistry):
     """An optional experiment tracker for the learner's per-step metrics, through levanter's trackers (the run
-    root's metrics files and `make report` need none)."""
+    root's metrics files and `make report` need none). A registered choice: `tracker: {type: json}` in YAML,
+    `--tracker.type tensorboard` on the command line; `policy.trackers` builds the tracker of each type."""
 
-    type: str = "none"
-    """'none'; 'json' (levanter's JSON-lines logger, into the learner's log); 'tensorboard' (event files); 'wandb'."""
-    logdir: str | None = None
-    """Local folder for tensorboard / wandb files; None: `<run root>/trackers` for a local run root, else ./trackers."""
     name: str | None = None
     """Run name in the tracker; None: the run root's last path component."""
+
+    @classmethod
+    def default_choice_name(cls) -> str | None:
+        return "none"
+
+
+@TrackerConfig.register_subclass("none")
+@dataclass(frozen=True)
+class NoTrackerConfig(TrackerConfig):
+    """No tracker (the default)."""
+
+
+@TrackerConfig.register_subclass("json")
+@dataclass(frozen=True)
+class JsonTrackerConfig(TrackerConfig):
+    """levanter's JSON-lines logger, into the learner's log."""
+
+
+@TrackerConfig.register_subclass("tensorboard")
+@dataclass(frozen=True)
+class TensorboardTrackerConfig(TrackerConfig):
+    """TensorBoard event files under `<logdir>/<run name>/`."""
+
+    logdir: str | None = None
+    """Local folder for the event files; None: `<run root>/trackers` for a local run root, else ./trackers."""
+
+
+@TrackerConfig.register_subclass("wandb")
+@dataclass(frozen=True)
+class WandbTrackerConfig(TrackerConfig):
+    """Weights & Biases."""
+
+    logdir: str | None = None
+    """Local folder for wandb files; None: `<run root>/trackers` for a local run root, else ./trackers."""
     project: str = "rlpipe"
     """wandb project."""
     mode: str = "offline"
     """wandb mode: 'offline' (files only; `wandb sync` uploads them later), 'online' or 'disabled'."""
 
     def __post_init__(self) -> None:
-        require(self.type in TRACKER_TYPES, "tracker.type", self.type, f"must be one of {TRACKER_TYPES}")
         require(self.mode in WANDB_MODES, "tracker.mode", self.mode, f"must be one of {WANDB_MODES}")
 
 
@@ -97,7 +128,7 @@ class LearnerStepConfig:
     train: TrainParams = field(default_factory=TrainParams)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     loss: LossConfig = field(default_factory=RLOOLossConfig)
-    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    tracker: TrackerConfig = field(default_factory=NoTrackerConfig)
     policy_interval: int = 1
     """Publish a policy every this many steps (and at step 0 and the last step)."""
     checkpoint_interval: int = 10

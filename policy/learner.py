@@ -1,0 +1,318 @@
+"""The learner's library: optimizer and schedule, the jitted train step, batch arrays, checkpoints, reference.
+
+The step program (`steps/learn.py`) strings these together. Contracts kept here:
+  - a batch slot T is named by its commit object `batches/log/step-T.json` (`data_file` names the parquet,
+    read through `schemas.BATCH`); a batch whose row count, seq_len, tokenizer or token ids do not fit the run
+    is refused with `BatchMismatchError` naming the file and the field;
+  - a checkpoint `checkpoints/step-S/` holds model + optimizer state (safetensors) and a COMMITTED marker
+    written last, recording the batch slot consumed, the checkpoint resumed from and the slots trained since;
+  - the train step is a pure function of (model, optimizer state, reference, batch): no wall clock or host RNG
+    reaches the math, so replaying batches S+1..S+k from checkpoint S gives bitwise-identical parameters on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import schemas
+from pipeline import layout
+from pipeline.config import LearnerStepConfig, LossConfig, ModelSpec, OptimizerSpec, TrainParams
+from pipeline.poll import poll_until
+from pipeline.storage import RunStore
+from policy import checkpoints as ckpt
+from policy import model as M
+from policy.losses import Batch, RLLossModule, loss_module_from_config
+from policy.update_guard import guarded_update
+from schemas.records import BatchLogEntry, RecordError
+
+logger = logging.getLogger("policy.learner")
+
+MODEL_BLOB = "model"
+OPT_BLOB = "opt_state"
+
+
+class BatchMismatchError(ValueError):
+    """A committed batch does not fit this run (schema, shape, tokenizer); the message names file and field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer and the train step
+# ---------------------------------------------------------------------------------------------
+
+
+def learning_rate_schedule(spec: OptimizerSpec, num_train_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio · lr` at num_train_steps."""
+    decay_steps = max(num_train_steps - spec.warmup_steps, 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if spec.warmup_steps else spec.learning_rate,
+        peak_value=spec.learning_rate,
+        warmup_steps=spec.warmup_steps,
+        decay_steps=decay_steps + spec.warmup_steps,
+        end_value=spec.learning_rate * spec.min_lr_ratio,
+    )
+
+
+def build_optimizer(spec: OptimizerSpec, num_train_steps: int) -> optax.GradientTransformation:
+    """Global-norm clipping (if `max_grad_norm`) then AdamW on every parameter."""
+    parts = []
+    if spec.max_grad_norm is not None:
+        parts.append(optax.clip_by_global_norm(spec.max_grad_norm))
+    parts.append(
+        optax.adamw(
+            learning_rate_schedule(spec, num_train_steps),
+            b1=spec.beta1,
+            b2=spec.beta2,
+            eps=spec.epsilon,
+            weight_decay=spec.weight_decay,
+        )
+    )
+    return optax.chain(*parts)
+
+
+def make_logprob_fn(compute_dtype: str) -> Any:
+    """(model, batch) -> (logprobs, entropy) [B, S] at the batch's per-token temperatures."""
+
+    def logprob_fn(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        logits = M.forward_logits(
+            M.cast_for_compute(model, compute_dtype), batch["tokens"], batch["segment_ids"], batch["position_ids"]
+        )
+        return M.shifted_logprobs_and_entropy(logits, batch["tokens"], batch["segment_ids"], batch["temperature"])
+
+    return logprob_fn
+
+
+@functools.lru_cache(maxsize=8)
+def train_step_for(loss: LossConfig, optimizer: OptimizerSpec, num_train_steps: int, compute_dtype: str) -> Any:
+    """The jitted train step for these (hashable, frozen) configs; cached so one process compiles it once."""
+    return make_train_step(loss_module_from_config(loss), build_optimizer(optimizer, num_train_steps), compute_dtype)
+
+
+def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransformation, compute_dtype: str) -> Any:
+    """A jitted `(model, opt_state, reference, batch) -> (model, opt_state, metrics)`, compiled once per shape.
+
+    A step whose loss or gradient norm is not finite leaves model and optimizer state unchanged and reports
+    `skipped_nonfinite: 1` (see `policy.update_guard.guarded_update`)."""
+    loss_fn = loss_module.create_loss_fn(None, make_logprob_fn(compute_dtype))
+
+    @eqx.filter_jit
+    def train_step(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
+        (loss, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, reference, batch)
+        model, opt_state, guard_metrics = guarded_update(optimizer, model, opt_state, grads, loss)
+        return model, opt_state, {**metrics, **guard_metrics}
+
+    return train_step
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+# ---------------------------------------------------------------------------------------------
+
+
+def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) -> tuple[BatchLogEntry | None, float]:
+    """The commit object of batch `slot` and the seconds waited; (None, waited) if control/STOP appeared.
+
+    Raises `pipeline.poll.WaitTimeout` naming the log entry and `batch_wait_timeout_s` when nothing appears
+    within `timeout_s`, and BatchMismatchError naming the file and field when the entry is not a valid
+    `BatchLogEntry`.
+    """
+    entry = layout.batch_log_entry(slot)
+
+    def found() -> tuple[str, BatchLogEntry | None] | None:
+        if store.exists(entry):
+            try:
+                return "batch", store.read_log_entry(slot)
+            except RecordError as e:
+                raise BatchMismatchError(str(e)) from None
+        if store.exists(layout.STOP_FILE):
+            return "stop", None
+        return None
+
+    (_, value), waited = poll_until(
+        found,
+        timeout_s=timeout_s,
+        interval_s=poll_s,
+        what=lambda: store.full_path(entry),
+        setting="batch_wait_timeout_s",
+    )
+    return value, waited
+
+
+def batch_arrays(rows: list[schemas.BatchRow], train: TrainParams, vocab_size: int, path: str) -> Batch:
+    """Fixed-shape [batch_size, seq_len] learner arrays from batch rows; BatchMismatchError on any misfit."""
+    if len(rows) != train.batch_size:
+        raise BatchMismatchError(f"{path}: {len(rows)} rows, run expects train.batch_size={train.batch_size}")
+    B, S = train.batch_size, train.seq_len
+    out = {
+        "tokens": np.zeros((B, S), np.int32),
+        "segment_ids": np.full((B, S), -1, np.int32),
+        "position_ids": np.zeros((B, S), np.int32),
+        "loss_mask": np.zeros((B, S), np.float32),
+        "advantages": np.zeros((B, S), np.float32),
+        "generator_logprobs": np.zeros((B, S), np.float32),
+        "temperature": np.ones((B, S), np.float32),
+        "truncated": np.zeros((B, S), bool),
+        "seq_index": np.full((B, S), B * S, np.int32),
+    }
+    for b, row in enumerate(rows):
+        if len(row.tokens) != S:
+            raise BatchMismatchError(f"{path}: row {b} has {len(row.tokens)} tokens, run expects train.seq_len={S}")
+        tok = np.asarray(row.tokens, np.int64)
+        if tok.size and (tok.min() < 0 or tok.max() >= vocab_size):
+            raise BatchMismatchError(
+                f"{path}: row {b} has token id {int(tok.max())} outside the vocabulary [0, {vocab_size}) "
+                "(tokenizer mismatch?)"
+            )
+        seg = np.asarray(row.segment_ids, np.int32)
+        out["tokens"][b] = tok
+        out["segment_ids"][b] = seg
+        out["position_ids"][b] = row.position_ids
+        out["loss_mask"][b] = row.loss_mask
+        out["advantages"][b] = row.advantages
+        out["generator_logprobs"][b] = row.generator_logprobs
+        valid = seg >= 0
+        temps = np.asarray(row.temperatures, np.float32)
+        trunc = np.asarray(row.truncated, bool)
+        out["temperature"][b, valid] = temps[seg[valid]]
+        out["truncated"][b, valid] = trunc[seg[valid]]
+        out["seq_index"][b, valid] = b * S + seg[valid]
+    return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+def read_batch(
+    store: RunStore, slot: int, entry: BatchLogEntry, train: TrainParams, vocab_size: int
+) -> tuple[Batch, str]:
+    """Load and check batch `slot` named by its commit object; returns (arrays, data file)."""
+    if entry.seq_len != train.seq_len:
+        raise BatchMismatchError(
+            f"{layout.batch_log_entry(slot)}: seq_len={entry.seq_len!r}, this run has seq_len={train.seq_len!r}"
+        )
+    data_file = entry.data_file
+    table = store.read_parquet(data_file, schemas.BATCH)
+    rows = schemas.BATCH.from_table(table)
+    return batch_arrays(rows, train, vocab_size, data_file), data_file
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints, policies, the reference model
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LearnerState:
+    """What a full checkpoint holds: `step` batches consumed (slots 1..step), model, optimizer state."""
+
+    step: int
+    model: Any
+    opt_state: Any
+    parent: int | None
+    """The checkpoint this process resumed from (None: initialised)."""
+
+
+def committed_checkpoints(store: RunStore) -> list[int]:
+    """Committed, not garbage-collected checkpoint steps, ascending."""
+    return [
+        s
+        for s in ckpt.committed_steps(store, layout.CHECKPOINTS)
+        if not store.exists(layout.join(layout.checkpoint_dir(s), "COLLECTED"))
+    ]
+
+
+def save_checkpoint(store: RunStore, state: LearnerState, config: LearnerStepConfig, lineage_start: int) -> bool:
+    """Commit `checkpoints/step-S`: model + optimizer state, then COMMITTED recording slots consumed."""
+    meta = {
+        "kind": "checkpoint",
+        "step": state.step,
+        "batch_slot": state.step,
+        "parent": state.parent,
+        "slots": [lineage_start, state.step],
+        "tokenizer": config.model.tokenizer,
+        "seq_len": config.train.seq_len,
+        "vocab_size": int(state.model.Vocab.size),
+        "loss": type(config.loss).__name__,
+    }
+    blobs = {
+        MODEL_BLOB: ckpt.tree_to_safetensors(state.model),
+        OPT_BLOB: ckpt.tree_to_safetensors(state.opt_state),
+    }
+    return ckpt.write_committed(store, layout.checkpoint_dir(state.step), blobs, meta)
+
+
+def collect_old_checkpoints(store: RunStore, keep: int) -> None:
+    """Garbage-collect all but the newest `keep` checkpoints: tombstone first, then delete their data files.
+
+    The COMMITTED markers stay (commit objects are never deleted), so the lineage remains auditable.
+    """
+    steps = committed_checkpoints(store)
+    for s in steps[: max(len(steps) - keep, 0)]:
+        folder = layout.checkpoint_dir(s)
+        store.put_json_if_absent(layout.join(folder, "COLLECTED"), {"step": s})
+        for rel in store.list(folder):
+            if rel.endswith(".safetensors"):
+                store.delete(rel)
+        logger.info("garbage-collected checkpoint %d", s)
+
+
+def load_checkpoint(
+    store: RunStore, step: int, spec: ModelSpec, vocab_size: int, optimizer: optax.GradientTransformation
+) -> LearnerState:
+    """Restore checkpoint `step` (verified against its marker) into templates built from the config."""
+    folder = layout.checkpoint_dir(step)
+    record = ckpt.read_marker(store, folder)
+    template = M.model_template(spec, vocab_size)
+    model = ckpt.tree_from_safetensors(template, ckpt.read_blob(store, folder, record, MODEL_BLOB), source=folder)
+    abstract_params = eqx.filter(template, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_template = eqx.filter_eval_shape(optimizer.init, abstract_params)
+    opt_state = ckpt.tree_from_safetensors(opt_template, ckpt.read_blob(store, folder, record, OPT_BLOB), source=folder)
+    return LearnerState(step=step, model=model, opt_state=opt_state, parent=step)
+
+
+def resume_or_init(
+    store: RunStore, config: LearnerStepConfig, vocab_size: int, optimizer: optax.GradientTransformation
+) -> LearnerState:
+    """The newest committed checkpoint, or a fresh model (seeded, or an HF folder) if there is none.
+
+    A committed checkpoint that fails verification is skipped with an error log; if checkpoints exist
+    but none loads, this raises rather than silently restarting from scratch.
+    """
+    errors = []
+    for s in reversed(committed_checkpoints(store)):
+        try:
+            state = load_checkpoint(store, s, config.model, vocab_size, optimizer)
+        except ckpt.CheckpointError as e:
+            logger.error("checkpoint %d unusable, trying an older one: %s", s, e)
+            errors.append(str(e))
+            continue
+        logger.info("resuming from checkpoint %d (next batch slot %d)", s, s + 1)
+        return state
+    if errors:
+        raise ckpt.CheckpointError("no committed checkpoint loads: " + "; ".join(errors))
+    logger.info("no checkpoint: initialising %s model (seed %d)", config.model.family, config.model.seed)
+    model = M.build_model(config.model, vocab_size, jax.random.PRNGKey(config.model.seed))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    return LearnerState(step=0, model=model, opt_state=opt_state, parent=None)
+
+
+def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, module: RLLossModule) -> Any:
+    """The frozen reference model (policy 0, the initial weights) if the loss needs one; else None (never built)."""
+    if not module.needs_reference:
+        return None
+    return module.build(M.load_policy(store, 0, config.model, vocab_size))
+
+
+def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConfig) -> None:
+    """Commit policy `state.step` unless it already is (markers record the batch slot, tokenizer, seq_len)."""
+    M.save_policy(
+        store,
+        state.step,
+        state.model,
+        {"batch_slot": state.step, "tokenizer": config.model.tokenizer, "seq_len": config.train.seq_len},
+    )

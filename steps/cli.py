@@ -1,0 +1,143 @@
+"""The one command-line shape of every step program (`python -m steps.<name>`).
+
+`run_program(ConfigClass, main)` configures logging once, parses the step config with draccus
+(`--config_path file.yaml` plus dotted flags such as `--train.max_lag 2`), runs `main(config)` and returns
+its int as the process exit code. A bad config (a `ConfigError`, a value draccus cannot decode, an unknown
+flag, a missing config file) is reported as ONE line on stderr naming the field and the value, with exit
+code 2 and no traceback. Exceptions a program declares in `exit_codes` are logged in one line and mapped to
+their code, with what they mean; anything else propagates (a traceback is the right report of a bug).
+
+The log level is `--log_level LEVEL` (taken off the command line before draccus sees it) or the
+`LOGLEVEL` environment variable; INFO by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
+
+import draccus
+
+from pipeline.config import ConfigError
+
+C = TypeVar("C")
+A = TypeVar("A")
+
+EXIT_CONFIG = 2
+"""Exit code of a program refused for its configuration (argparse's own code for a usage error)."""
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+logger = logging.getLogger("rlpipe.cli")
+
+
+class UsageError(ValueError):
+    """The command line or the config file cannot give a valid config; the message is one line naming the
+    field and the value."""
+
+
+def configure_logging(level: str | None = None) -> None:
+    """Log records of every library to stderr, one line each, at `level` (else $LOGLEVEL, else INFO)."""
+    name = (level or os.environ.get("LOGLEVEL") or "INFO").upper()
+    logging.basicConfig(level=name if name in logging.getLevelNamesMapping() else "INFO", format=LOG_FORMAT)
+
+
+def pop_log_level(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """(the value of `--log_level`, the other arguments): the flag belongs to the program, not to its config."""
+    rest: list[str] = []
+    level = None
+    it = iter(argv)
+    for a in it:
+        if a == "--log_level":
+            level = next(it, None)
+        elif a.startswith("--log_level="):
+            level = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return level, rest
+
+
+def one_line(error: BaseException) -> str:
+    """The most specific message of a config error chain, on one line (a `ConfigError` if there is one)."""
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    config_errors = [c for c in chain if isinstance(c, ConfigError)]
+    if config_errors:
+        chosen: BaseException = config_errors[0]
+    elif isinstance(error, FileNotFoundError) and error.filename:
+        return f"config file not found: {error.filename}"
+    else:
+        # draccus's outer errors ("Couldn't instantiate class X") say less than the first one that names a field
+        named = [c for c in chain if "`" in str(c)]
+        chosen = named[0] if named else chain[-1] if isinstance(error, draccus.utils.ParsingError) else error
+    return " ".join(str(chosen).split())
+
+
+def parse_config(config_class: type[C], argv: Sequence[str]) -> C:
+    """`config_class` from `--config_path` and dotted flags; raises UsageError (one line naming the field and
+    the value) instead of printing draccus's traceback or argparse's usage text."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return draccus.parse(config_class, args=list(argv))
+    except SystemExit as e:  # argparse: unknown flag, bad choice; `--help` exits 0 and keeps its text
+        if not e.code:
+            sys.stderr.write(captured.getvalue())
+            raise
+        lines = [ln for ln in captured.getvalue().splitlines() if "error:" in ln]
+        message = lines[-1].split("error:", 1)[1].strip() if lines else f"bad arguments {list(argv)}"
+        raise UsageError(message) from None
+    except (ConfigError, draccus.utils.ParsingError, FileNotFoundError, ValueError, TypeError) as e:
+        raise UsageError(one_line(e)) from None
+
+
+def run_command(
+    parse: Callable[[list[str]], A],
+    main: Callable[[A], int],
+    argv: Sequence[str] | None = None,
+    *,
+    exit_codes: Mapping[type[BaseException], tuple[int, str]] | None = None,
+) -> int:
+    """Configure logging, `parse(argv)` (default: sys.argv[1:]), run `main(parsed)`, return the exit code.
+
+    A `UsageError` or `ConfigError` (from `parse` or from `main`) gives one stderr line and EXIT_CONFIG; an
+    exception of a type in `exit_codes` (type -> (code, what it means)) gives one log line and its code.
+    """
+    level, args = pop_log_level(sys.argv[1:] if argv is None else argv)
+    configure_logging(level)
+    try:
+        return int(main(parse(args)))
+    except (UsageError, ConfigError) as e:
+        print(f"error: invalid config: {one_line(e)}", file=sys.stderr)
+        return EXIT_CONFIG
+    except tuple(exit_codes or ()) as e:
+        code, meaning = next(v for t, v in (exit_codes or {}).items() if isinstance(e, t))
+        logging.getLogger(getattr(main, "__module__", None) or "rlpipe").error("%s: %s", meaning, e)
+        return code
+
+
+def run_program(
+    config_class: type[C],
+    main: Callable[[C], int],
+    argv: Sequence[str] | None = None,
+    *,
+    exit_codes: Mapping[type[BaseException], tuple[int, str]] | None = None,
+) -> int:
+    """`run_command` for a step program: the config is `config_class` parsed by draccus (and logged)."""
+
+    def parse(args: list[str]) -> C:
+        config = parse_config(config_class, args)
+        if dataclasses.is_dataclass(config):
+            logger.info("config: %s", json.dumps(draccus.encode(config), default=str, sort_keys=True))
+        return config
+
+    return run_command(parse, main, argv, exit_codes=exit_codes)

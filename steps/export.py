@@ -1,0 +1,89 @@
+"""The export step: write a committed policy as a Hugging Face (transformers-loadable) folder.
+
+Reads:  `run.json` (the run's own job config: the model's shape and tokenizer), `policies/step-S/` (committed).
+Writes: the output folder (`config.json`, weights, tokenizer files), local or an fsspec URL.
+
+The model flags need not be retyped: the model section recorded in the run root's run.json is used unless
+`--model.*` flags are given (then those win, for a run root without run.json).
+
+Run:
+  python -m steps.export --store.run_root runs/demo --step 12 --out /tmp/hf     # policy 12
+  python -m steps.export --store.run_root runs/demo --out /tmp/hf               # the newest committed policy
+  make export RUN=runs/demo STEP=12 OUT=/tmp/hf
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+
+import draccus
+
+from pipeline import layout
+from pipeline.config import ConfigError, ModelSpec, StoreConfig
+from pipeline.storage import RunStore
+
+logger = logging.getLogger("steps.export")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """`python -m steps.export`: write a committed policy as a transformers-loadable folder."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    model: ModelSpec | None = None
+    """The policy's model; None: the model recorded in the run root's run.json."""
+    step: int | None = None
+    """Policy step to export; None: the newest committed policy."""
+    out: str = "hf_export"
+    """Output folder (local or fsspec URL)."""
+
+
+def main(config: ExportConfig) -> int:
+    """Export policy `config.step` (default: the newest) to `config.out`; returns 0."""
+    store = RunStore(config.store.run_root, config.store.storage_options or None)
+    spec = config.model or recorded_model(store)
+    export(store, spec, config.step, config.out)
+    return 0
+
+
+def recorded_model(store: RunStore) -> ModelSpec:
+    """The model section of the run root's run.json; ConfigError naming `model` when there is none."""
+    if not store.exists(layout.RUN_CONFIG):
+        raise ConfigError(
+            "store.run_root", store.root, f"has no {layout.RUN_CONFIG} to read the model from: give --model.… flags"
+        )
+    record = json.loads(store.get(layout.RUN_CONFIG))
+    try:
+        return draccus.decode(ModelSpec, record["config"]["model"])
+    except (KeyError, TypeError, draccus.utils.ParsingError) as e:
+        raise ConfigError("model", None, f"{store.full_path(layout.RUN_CONFIG)} has no readable model ({e})") from e
+
+
+def export(store: RunStore, spec: ModelSpec, step: int | None, out: str) -> str:
+    """Write policy `step` (None: the newest committed) of `store` as an HF folder `out`; returns `out`."""
+    from pipeline.tokenizer import load_tokenizer
+    from policy import model as M
+
+    if step is None:
+        step = M.latest_policy_step(store)
+    if step is None:
+        raise M.PolicyNotFoundError(f"{store.full_path(layout.POLICIES)}: no committed policy to export")
+    tokenizer = load_tokenizer(spec.tokenizer)
+    model = M.load_policy(store, step, spec, M.model_vocab_size(tokenizer))
+    M.export_hf(model, out, tokenizer, family=spec.family)
+    logger.info("exported policy %d to %s", step, out)
+    return out
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """`python -m steps.export [--config_path F] [--field value …]`; returns the exit code."""
+    from steps.cli import run_program
+
+    return run_program(ExportConfig, main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
