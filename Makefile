@@ -58,8 +58,8 @@ format: setup ## Apply ruff format and autofixes
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-typecheck: setup ## mypy on pipeline/ and schemas/
-	$(VENV)/bin/mypy pipeline schemas
+typecheck: setup ## mypy on pipeline/, schemas/ and policy/
+	$(VENV)/bin/mypy pipeline schemas policy
 
 bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo
 	$(PY) -m bench.run_all $(ARGS)
