@@ -36,7 +36,7 @@ def estimate_unconsumed_rows(rows_by_policy: dict[int, int], last_slot: int, max
     estimate = max(0, usable - consumed). Rows of policies P >= B cannot be in any committed slot (a slot
     T holds P <= T - 1), so the estimate never falls below their count.
     """
-    lo = last_slot - max_lag
+    lo = staleness.oldest_allowed_policy(last_slot + 1, max_lag)  # usable by the next slot B+1
     usable = sum(n for p, n in rows_by_policy.items() if p >= lo)
     fresh = sum(n for p, n in rows_by_policy.items() if p >= last_slot)
     consumed = batch_size * min(max_lag, last_slot)
@@ -82,7 +82,7 @@ def count_unconsumed_rows(
       (which no slot <= B can hold);
     - otherwise `estimate_unconsumed_rows`.
     """
-    lo = last_slot - max_lag
+    lo = staleness.oldest_allowed_policy(last_slot + 1, max_lag)  # usable by the next slot B+1
     usable = {path: v for path, v in files.items() if v[0] >= lo}
     if entry is None:
         return sum(n for _, n, _ in usable.values())
