@@ -101,11 +101,12 @@ def _records(store: _PutStore, rel: str) -> list[dict[str, Any]]:
 class MetricsTail:
     """Follows the metrics records of some step kinds: each `new_records()` returns the records of the files
     committed since the previous call (every file is read once; files are immutable, so nothing is missed or
-    read twice), sorted by time."""
+    read twice), sorted by time. With `since` (unix seconds), older records are skipped."""
 
-    def __init__(self, store: _PutStore, kinds: tuple[str, ...]) -> None:
+    def __init__(self, store: _PutStore, kinds: tuple[str, ...], *, since: float | None = None) -> None:
         self._store = store
         self._kinds = kinds
+        self._since = since
         self._seen: set[str] = set()
 
     def new_records(self) -> list[dict[str, Any]]:
@@ -116,5 +117,7 @@ class MetricsTail:
                 if rel.endswith(".jsonl") and rel not in self._seen:
                     self._seen.add(rel)
                     out.extend(_records(self._store, rel))
+        if self._since is not None:
+            out = [r for r in out if float(r.get("time", 0.0)) >= self._since]
         out.sort(key=lambda r: r.get("time", 0.0))
         return out

@@ -77,10 +77,15 @@ class JobProgress:
         self._shown_step = -1
         self._last_line = time.monotonic()
         self._bar: Any = None
+        self._redirect: Any = None
         if self._terminal:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(total=total, desc="learner", unit="step", dynamic_ncols=True, file=sys.stderr)
+            # log lines of the runner print above the bar instead of through it
+            self._redirect = logging_redirect_tqdm(tqdm_class=tqdm)
+            self._redirect.__enter__()
         else:
             logger.info("job started: %d learner steps; one progress line per learner step follows", total)
 
@@ -121,3 +126,5 @@ class JobProgress:
         self.update(force=True)
         if self._bar is not None:
             self._bar.close()
+            self._redirect.__exit__(None, None, None)
+            self._bar = None

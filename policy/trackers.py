@@ -129,8 +129,9 @@ FORWARDED_KINDS = ("batchmaker", "rollout", "evaluate")
 class RunTracker:
     """The run's one tracker run, owned by the learner: its own records (`learner/<key>`) and, forwarded from
     the run root's metrics records, every other step's (`batches/<key>` per batch slot, `rollout/<key>`
-    summed or averaged over the writes since the previous learner step, `eval/<lesson>/<key>` per evaluated
-    policy). Same interface as a levanter tracker (`log(metrics, step=)`, `finish()`).
+    summed or averaged over the writes since the previous learner step, `rollout/rows_per_s` over the wall time
+    since the tracker started, `eval/<lesson>/<key>` per evaluated policy, at the learner step it arrives).
+    Same interface as a levanter tracker (`log(metrics, step=)`, `finish()`).
 
     A background thread reads the records (`pipeline.metrics.MetricsTail`), so the learner's step never waits on
     storage; they are logged from the learner's thread at its next step, at step max(record's step, the last
@@ -143,12 +144,14 @@ class RunTracker:
         from pipeline.metrics import MetricsTail
 
         self.tracker = tracker
-        self._tail = MetricsTail(store, FORWARDED_KINDS)
+        self._t0 = time.time()
+        # A restarted learner opens a new tracker run; it does not replay what the previous one already logged.
+        self._tail = MetricsTail(store, FORWARDED_KINDS, since=self._t0)
         self._tail_lock = threading.Lock()
         self._pending: list[dict[str, Any]] = []
         self._pending_lock = threading.Lock()
         self._step = 0
-        self._last_forward = time.time()
+        self._rollout_rows = 0.0
         self._stop = threading.Event()
         self._every = forward_every_s
         self._thread = threading.Thread(target=self._collect_loop, name="tracker-forward", daemon=True)
@@ -185,7 +188,7 @@ class RunTracker:
     def _forward(self) -> None:
         with self._pending_lock:
             records, self._pending = self._pending, []
-        rollouts = [r for r in records if r.get("kind") == "rollout"]
+        rollouts = [r for r in records if r.get("kind") == "rollout" and "rows" in r]
         for rec in records:
             kind = rec.get("kind")
             if kind == "batchmaker":
@@ -194,9 +197,10 @@ class RunTracker:
                 lesson = str(rec.get("lesson_id", "eval"))
                 self._log_at(_prefixed(f"eval/{lesson}", rec, skip=("lesson_id", "external")), self._step)
         if rollouts:
-            now = time.time()
-            self._log_at(rollout_summary(rollouts, now - self._last_forward), self._step)
-            self._last_forward = now
+            self._rollout_rows += sum(float(r["rows"]) for r in rollouts)
+            summary = rollout_summary(rollouts)
+            summary["rollout/rows_per_s"] = self._rollout_rows / max(time.time() - self._t0, 1e-9)
+            self._log_at(summary, self._step)
 
     def _log_at(self, metrics: dict[str, Any], step: int) -> None:
         self._step = max(self._step, step)
@@ -211,16 +215,12 @@ def _prefixed(prefix: str, rec: dict[str, Any], *, skip: tuple[str, ...] = ()) -
     }
 
 
-def rollout_summary(records: list[dict[str, Any]], wall_s: float) -> dict[str, float]:
-    """The rollout workers' writes since the previous forward, as one set of `rollout/...` metrics: rows and
-    tokens summed (and per wall second), reward and policy lag averaged over rows."""
-    rows = sum(float(r.get("rows", 0)) for r in records)
-    tokens = sum(float(r.get("tokens", 0)) for r in records)
+def rollout_summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The rollout workers' writes since the previous forward, as one set of `rollout/...` metrics: rows, tokens
+    and failures summed, reward, truncation rate and policy lag averaged over rows."""
     out = {
-        "rollout/rows": rows,
-        "rollout/tokens": tokens,
-        "rollout/rows_per_s": rows / max(wall_s, 1e-9),
-        "rollout/tokens_per_s": tokens / max(wall_s, 1e-9),
+        "rollout/rows": sum(float(r.get("rows", 0)) for r in records),
+        "rollout/tokens": sum(float(r.get("tokens", 0)) for r in records),
         "rollout/failures": sum(float(r.get("failures", 0)) for r in records),
     }
     for key in ("mean_reward", "policy_lag", "truncation_rate"):

@@ -34,7 +34,7 @@ def test_a_long_wait_says_what_it_waits_for(caplog: pytest.LogCaptureFixture) ->
     assert 4 <= len(lines) <= 6, lines
     assert all("the thing X" in ln and "x_timeout_s=5" in ln for ln in lines), lines
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pipeline.poll"), pytest.raises(WaitTimeout, match="x_timeout_s=0.2"):
+    with caplog.at_level(logging.INFO, logger="pipeline.poll"), pytest.raises(WaitTimeout, match=r"x_timeout_s=0\.2"):
         poll_until(lambda: None, timeout_s=0.2, what="Y", interval_s=0.01, setting="x_timeout_s", log_every_s=None)
     assert not [r for r in caplog.records if r.name == "pipeline.poll"]
 
