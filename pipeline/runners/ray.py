@@ -135,6 +135,9 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
     some of them deadlocks silently; refuse that up front (ConfigError naming `backend.resources`). A local
     cluster started here gets at least as many logical CPUs as the steps ask for (they are processes, not cores).
     """
+    # Every line of every step reaches the driver: Ray's default folds lines that differ only in numbers ("trained
+    # slot 3" after "trained slot 2") into "[repeated Nx]". Read when ray is first imported; the environment wins.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
     if not ray.is_initialized():
