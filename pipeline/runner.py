@@ -197,6 +197,9 @@ class JobRunner:
             if s.process.poll() is None:  # type: ignore[union-attr]
                 logger.warning("%s did not stop in %.0f s; killing it", s.name, STOP_GRACE_S)
                 s.process.kill()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 5.0  # a step's poll() after its exit completes (uploads) its log
+        while time.monotonic() < deadline and any(s.process.poll() is None for s in live):  # type: ignore[union-attr]
+            time.sleep(0.1)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self._stopping = True

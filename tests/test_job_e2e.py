@@ -30,7 +30,7 @@ def check_step_logs(store: RunStore, output: str, num_steps: int) -> None:
 def check_progress_lines(output: str, num_steps: int) -> None:
     """Without a terminal: a line at once, then exactly one progress line per learner step."""
     assert "job started:" in output
-    steps = [int(m) for m in re.findall(rf"learner step (\d+)/{num_steps} \(", output)]
+    steps = [int(m) for m in re.findall(rf"runner: learner step (\d+)/{num_steps} \(", output)]
     assert steps == list(range(1, num_steps + 1)), steps
 
 
