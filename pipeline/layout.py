@@ -19,7 +19,7 @@ All paths are relative to the run root and use '/'. Step numbers are zero-padded
     leases/<name>/…                            lease claims per epoch + renewals (pipeline.lease)
     control/STOP                               stop file: every follow-mode step exits cleanly
     control/LEARNER_DONE                       written once the learner trained train.num_train_steps
-    logs/<step>.log                            (local run roots) output of each step started by the job runner
+    logs/<step>/<attempt>.log                  output of one process start of a step run by the job runner
 """
 
 from __future__ import annotations
@@ -204,3 +204,11 @@ def lease_dir(name: str) -> str:
     """Folder of the lease named `name` (e.g. `batchmaker`): claims per epoch and renewals."""
     check_component(name, "lease name")
     return join(LEASES, name)
+
+
+LOGS = "logs"
+
+
+def step_log(step: str, attempt: str) -> str:
+    """`logs/<step>/<attempt>.log`: the output of one start (`attempt`, unique per start) of step `step`."""
+    return f"{LOGS}/{check_component(step, 'step name')}/{check_component(attempt, 'attempt id')}.log"

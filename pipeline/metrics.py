@@ -25,6 +25,11 @@ class _PutStore(Protocol):
     def get(self, rel: str) -> bytes: ...
 
 
+FLUSH_INTERVAL_S = 5.0
+"""A buffered record reaches the run root (and from there the tracker and the job's progress line) within about
+this long of the next record after it (or at `flush()`)."""
+
+
 class MetricsWriter:
     """Buffers metrics records of one process and flushes them as unique JSON-lines files.
 
@@ -39,7 +44,7 @@ class MetricsWriter:
         worker_id: str,
         *,
         flush_every: int = 50,
-        flush_interval_s: float = 10.0,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
     ) -> None:
         self._store = store
         self._kind = step_kind
@@ -76,13 +81,43 @@ def read_metrics(store: _PutStore, step_kind: str) -> list[dict[str, Any]]:
     """All committed records of one step kind, sorted by time."""
     out: list[dict[str, Any]] = []
     for rel in store.list(layout.join(layout.METRICS, step_kind)):
-        if not rel.endswith(".jsonl"):
-            continue
-        for line in store.get(rel).decode().splitlines():
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    logger.warning("skipping unreadable metrics line in %s", rel)
+        if rel.endswith(".jsonl"):
+            out.extend(_records(store, rel))
     out.sort(key=lambda r: r.get("time", 0.0))
     return out
+
+
+def _records(store: _PutStore, rel: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for line in store.get(rel).decode().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                logger.warning("skipping unreadable metrics line in %s", rel)
+    return out
+
+
+class MetricsTail:
+    """Follows the metrics records of some step kinds: each `new_records()` returns the records of the files
+    committed since the previous call (every file is read once; files are immutable, so nothing is missed or
+    read twice), sorted by time. With `since` (unix seconds), older records are skipped."""
+
+    def __init__(self, store: _PutStore, kinds: tuple[str, ...], *, since: float | None = None) -> None:
+        self._store = store
+        self._kinds = kinds
+        self._since = since
+        self._seen: set[str] = set()
+
+    def new_records(self) -> list[dict[str, Any]]:
+        """Records of the newly committed files, oldest first (each has `kind`, `worker` and `time`)."""
+        out: list[dict[str, Any]] = []
+        for kind in self._kinds:
+            for rel in self._store.list(layout.join(layout.METRICS, kind)):
+                if rel.endswith(".jsonl") and rel not in self._seen:
+                    self._seen.add(rel)
+                    out.extend(_records(self._store, rel))
+        if self._since is not None:
+            out = [r for r in out if float(r.get("time", 0.0)) >= self._since]
+        out.sort(key=lambda r: r.get("time", 0.0))
+        return out

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0
+"""How often a wait that has not ended says (at INFO) what it still waits for."""
 
 
 class WaitTimeout(TimeoutError):
@@ -22,15 +28,20 @@ def poll_until(
     setting: str | None = None,
     on_wait: Callable[[], None] | None = None,
     progress: Callable[[], object] | None = None,
+    log_every_s: float | None = LOG_EVERY_S,
+    log: logging.Logger | None = None,
 ) -> tuple[T, float]:
     """Call `condition` until it returns something other than None/False; return (that value, seconds waited).
 
     `on_wait` runs before each sleep (renew a lease, check a stop file: it may raise to abort the wait).
     With `progress`, the timeout restarts whenever `progress()` changes. Raises `WaitTimeout` naming `what`
     (and `setting`, the config field that bounds the wait) after `timeout_s` without success or progress.
+    While the wait lasts, one INFO line on `log` (default: this module's logger) every `log_every_s` seconds
+    says what is awaited, for how long so far and the bound (None: silent).
     """
     t0 = time.monotonic()
     deadline = t0 + timeout_s
+    next_log = t0 + log_every_s if log_every_s else float("inf")
     last = progress() if progress is not None else None
     while True:
         value = condition()
@@ -41,10 +52,16 @@ def poll_until(
             p = progress()
             if p != last:
                 last, deadline = p, now + timeout_s
+        bound = f"{setting}={timeout_s:g}" if setting else f"{timeout_s:g}s"
         if now > deadline:
-            desc = what() if callable(what) else what
-            bound = f" (> {setting}={timeout_s})" if setting else f" (> {timeout_s}s)"
-            raise WaitTimeout(f"waited {now - t0:.1f}s{bound} for {desc}")
+            raise WaitTimeout(f"waited {now - t0:.1f}s (> {bound}) for {_describe(what)}")
+        if now >= next_log:
+            (log or logger).info("waiting %.0fs for %s (gives up after %s)", now - t0, _describe(what), bound)
+            next_log = now + (log_every_s or float("inf"))
         if on_wait is not None:
             on_wait()
         time.sleep(interval_s)
+
+
+def _describe(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what

@@ -23,9 +23,11 @@ from typing import Any
 
 import draccus
 
-from pipeline import layout, run_state
+from pipeline import layout
 from pipeline.job import RLJob, check_run_config
+from pipeline.progress import JobProgress, RunProgress
 from pipeline.runners.base import STOP_GRACE_S, StepSpec, make_launcher
+from pipeline.step_logs import LogTarget, location, log_target
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,9 @@ class JobRunner:
         self._stopping = False
         self._on_progress = on_progress
         self._tmp = tempfile.TemporaryDirectory(prefix="rlpipe-job-")
-        self.log_dir = Path(self.store.root if self.store.is_local else self._tmp.name) / "logs"
+        self.log_dir = location(self.store, layout.LOGS)
+        self.logs: dict[str, LogTarget] = {}
+        """The log of each step's newest start (`logs/<step>/<attempt>.log` under the run root)."""
         self.launcher = make_launcher(self.cfg.backend)
         self.steps = self._build_specs()
 
@@ -65,7 +69,7 @@ class JobRunner:
         finally:
             self._stop_all()
             signal.signal(signal.SIGINT, previous)
-            logger.info("logs of every step are under %s", self.log_dir)
+            logger.info("logs of every step are under %s (<step>/<attempt>.log)", self.log_dir)
 
     def _build_specs(self) -> list[StepSpec]:
         configs = self.job.to_worker_configs()
@@ -90,18 +94,22 @@ class JobRunner:
         path.write_text(str(draccus.dump(cfg)))
         return str(path)
 
-    def _log_path(self, spec: StepSpec) -> Path:
-        return self.log_dir / f"{spec.name}.log"
+    def log_location(self, name: str) -> str:
+        """Where the newest start of step `name` logs (a path or URL under the run root)."""
+        return self.logs[name].location
 
     def _start(self, spec: StepSpec) -> None:
-        spec.process = self.launcher.start(spec, self._log_path(spec))
-        logger.info("started %s (%s) pid=%s", spec.name, spec.module, spec.process.pid)
+        target = log_target(self.cfg.store.run_root, self.cfg.store.storage_options, spec.name)
+        self.logs[spec.name] = target
+        spec.process = self.launcher.start(spec, target)
+        pid = f" pid={spec.process.pid}" if spec.process.pid is not None else ""
+        logger.info("started %s (%s)%s; log: %s", spec.name, spec.module, pid, target.location)
 
     def _supervise(self) -> int:
         """Poll every step until the job ends; returns the job's exit code (0, 1: a step failed too often, 130)."""
         for spec in self.steps:
             self._start(spec)
-        progress = _Progress(self.store, self.cfg.train.num_train_steps, self._on_progress)
+        progress = JobProgress(self.store, self.cfg.train.num_train_steps, self._on_progress)
         learner = self.steps[0]
         drain_deadline: float | None = None
         try:
@@ -139,7 +147,12 @@ class JobRunner:
         spec.exit_codes.append(rc)
         if rc == 0 or self._stopping or spec.terminated:
             spec.finished = True
-            logger.info("%s exited with %d", spec.name, rc)
+            if rc == 0:
+                logger.info("%s finished", spec.name)
+            elif self._stopping or spec.terminated:
+                logger.info("%s stopped (exit %d)", spec.name, rc)
+            else:
+                logger.info("%s exited with %d", spec.name, rc)
             return True
         spec.restarts += 1
         if spec.restarts > self.cfg.max_restarts:
@@ -148,12 +161,18 @@ class JobRunner:
                 spec.name,
                 spec.restarts,
                 rc,
-                self._log_path(spec),
+                self.log_location(spec.name),
             )
             return False
         delay = min(30.0, self.cfg.restart_backoff_s * 2 ** (spec.restarts - 1))
         logger.warning(
-            "%s exited with %d; restart %d/%d in %.1f s", spec.name, rc, spec.restarts, self.cfg.max_restarts, delay
+            "%s exited with %d (log: %s); restart %d/%d in %.1f s",
+            spec.name,
+            rc,
+            self.log_location(spec.name),
+            spec.restarts,
+            self.cfg.max_restarts,
+            delay,
         )
         spec.process = None
         spec.next_start = now + delay
@@ -178,6 +197,9 @@ class JobRunner:
             if s.process.poll() is None:  # type: ignore[union-attr]
                 logger.warning("%s did not stop in %.0f s; killing it", s.name, STOP_GRACE_S)
                 s.process.kill()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 5.0  # a step's poll() after its exit completes (uploads) its log
+        while time.monotonic() < deadline and any(s.process.poll() is None for s in live):  # type: ignore[union-attr]
+            time.sleep(0.1)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self._stopping = True
@@ -191,50 +213,6 @@ class JobRunner:
         }
 
 
-class _Progress:
-    """Live progress line: learner step, batch slot, reward, staleness, throughput."""
-
-    def __init__(self, store: Any, total: int, callback: Callable[[dict[str, Any]], None] | None) -> None:
-        from tqdm import tqdm
-
-        self._store = store
-        self._bar = tqdm(total=total, desc="learner", unit="step", dynamic_ncols=True, disable=None)
-        self._last = 0.0
-        self._callback = callback
-        self._metrics_cache: dict[str, list[dict[str, Any]]] = {}
-
-    def update(self) -> None:
-        now = time.monotonic()
-        if now - self._last < 2.0:
-            return
-        self._last = now
-        info = snapshot(self._store)
-        self._bar.n = info.get("policy_step", 0)
-        self._bar.set_postfix(
-            {k: info[k] for k in ("batch_slot", "reward", "staleness", "rollouts_per_s") if k in info}, refresh=True
-        )
-        if self._callback:
-            self._callback(info)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
 def snapshot(store: Any) -> dict[str, Any]:
-    """What a run root says about progress right now (cheap: listings plus the newest metrics)."""
-    from pipeline.metrics import read_metrics
-
-    info: dict[str, Any] = {}
-    info["policy_step"] = run_state.latest_policy_step(store) or 0
-    info["batch_slot"] = run_state.last_committed_slot(store)
-    bm = read_metrics(store, "batchmaker")
-    if bm:
-        last = bm[-1]
-        if "mean_reward" in last:
-            info["reward"] = round(float(last["mean_reward"]), 3)
-        if "staleness_mean" in last:
-            info["staleness"] = round(float(last["staleness_mean"]), 2)
-    ro = read_metrics(store, "rollout")
-    if ro and "rollouts_per_s" in ro[-1]:
-        info["rollouts_per_s"] = round(sum(float(r.get("rollouts_per_s", 0)) for r in ro[-4:]) / min(4, len(ro)), 1)
-    return info
+    """What a run root says about progress right now (see `pipeline.progress.RunProgress.snapshot`)."""
+    return RunProgress(store).snapshot()

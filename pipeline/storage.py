@@ -238,7 +238,9 @@ class RunStore(CommittedData):
         except FileNotFoundError:  # deleted between the collision and the read: not ours
             return False
         if existing == data:
-            logger.info("create-if-absent of %s found identical content (our own retried write); treated as ours", full)
+            # Expected, not a problem: a retried request whose first attempt landed, or a step redoing a write it
+            # made before a restart. Identical bytes carry the same attempt id, so the object is this writer's.
+            logger.debug("create-if-absent of %s: the object already holds these exact bytes; kept as written", full)
             return True
         return False
 

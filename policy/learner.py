@@ -52,6 +52,8 @@ class BatchMismatchError(ValueError):
 def learning_rate_schedule(spec: OptimizerSpec, num_train_steps: int) -> optax.Schedule:
     """Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio · lr` at num_train_steps."""
     decay_steps = max(num_train_steps - spec.warmup_steps, 1)
+    if not spec.warmup_steps:  # the same values; optax logs a note at every build of a zero-length warmup
+        return optax.cosine_decay_schedule(spec.learning_rate, decay_steps, alpha=spec.min_lr_ratio)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0 if spec.warmup_steps else spec.learning_rate,
         peak_value=spec.learning_rate,

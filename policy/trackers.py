@@ -5,12 +5,16 @@ A new tracker is one registered `TrackerConfig` subclass (pipeline/config/steps.
     @register_tracker(MyTrackerConfig)
     def _my_tracker(config: MyTrackerConfig, run: TrackerRun) -> Tracker: ...
 
-`make_tracker(config, run_root)` returns the levanter tracker (None for `type: none`).
+`make_tracker(config, run_root)` returns the levanter tracker (None for `type: none`); `make_run_tracker(config,
+store)` wraps it as the run's one tracker run: the learner owns it and forwards every step's metrics records from
+the run root to it (`RunTracker`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,6 +32,7 @@ from pipeline.run_state import is_local
 Tracker = Any
 """A `levanter.tracker.Tracker`: `log(metrics, step=)`, `finish()`."""
 T = TypeVar("T", bound=TrackerConfig)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,3 +119,119 @@ def _wandb_tracker(config: WandbTrackerConfig, run: TrackerRun) -> Tracker:
         os.environ["WANDB_DIR"] = logdir
     os.environ.setdefault("WANDB_SILENT", "true")
     return WandbConfig(project=config.project, name=run.name, mode=config.mode, save_code=False).init(run.name)
+
+
+FORWARD_EVERY_S = 2.0
+"""How often the other steps' metrics records are read from the run root for the tracker."""
+FORWARDED_KINDS = ("batchmaker", "rollout", "evaluate")
+
+
+class RunTracker:
+    """The run's one tracker run, owned by the learner: its own records (`learner/<key>`) and, forwarded from
+    the run root's metrics records, every other step's (`batches/<key>` per batch slot, `rollout/<key>`
+    summed or averaged over the writes since the previous learner step, `rollout/rows_per_s` over the wall time
+    since the tracker started, `eval/<lesson>/<key>` per evaluated policy, at the learner step it arrives).
+    Same interface as a levanter tracker (`log(metrics, step=)`, `finish()`).
+
+    A background thread reads the records (`pipeline.metrics.MetricsTail`), so the learner's step never waits on
+    storage; they are logged from the learner's thread at its next step, at step max(record's step, the last
+    step logged) so that every tracker sees non-decreasing steps. `finish()` forwards what is committed by then.
+    """
+
+    def __init__(self, tracker: Tracker, store: Any, *, forward_every_s: float = FORWARD_EVERY_S) -> None:
+        import threading
+
+        from pipeline.metrics import MetricsTail
+
+        self.tracker = tracker
+        self._t0 = time.time()
+        # A restarted learner opens a new tracker run; it does not replay what the previous one already logged.
+        self._tail = MetricsTail(store, FORWARDED_KINDS, since=self._t0)
+        self._tail_lock = threading.Lock()
+        self._pending: list[dict[str, Any]] = []
+        self._pending_lock = threading.Lock()
+        self._step = 0
+        self._rollout_rows = 0.0
+        self._stop = threading.Event()
+        self._every = forward_every_s
+        self._thread = threading.Thread(target=self._collect_loop, name="tracker-forward", daemon=True)
+        self._thread.start()
+
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
+        """Log `metrics` (already prefixed) at `step`, then the other steps' records collected since."""
+        self._step = max(self._step, step)
+        self.tracker.log(metrics, step=self._step)
+        self._forward()
+
+    def finish(self) -> None:
+        """Forward the records committed by now, then finish the tracker run."""
+        self._stop.set()
+        self._thread.join()
+        self._collect()
+        self._forward()
+        self.tracker.finish()
+
+    def _collect_loop(self) -> None:
+        while not self._stop.wait(self._every):
+            self._collect()
+
+    def _collect(self) -> None:
+        try:
+            with self._tail_lock:
+                records = self._tail.new_records()
+        except Exception as e:  # storage hiccup: the next round reads the same files again
+            logger.warning("could not read metrics records for the tracker: %s", e)
+            return
+        with self._pending_lock:
+            self._pending.extend(records)
+
+    def _forward(self) -> None:
+        with self._pending_lock:
+            records, self._pending = self._pending, []
+        rollouts = [r for r in records if r.get("kind") == "rollout" and "rows" in r]
+        for rec in records:
+            kind = rec.get("kind")
+            if kind == "batchmaker":
+                self._log_at(_prefixed("batches", rec, skip=("slot",)), int(rec.get("slot", 0)))
+            elif kind == "evaluate" and not rec.get("external"):
+                lesson = str(rec.get("lesson_id", "eval"))
+                self._log_at(_prefixed(f"eval/{lesson}", rec, skip=("lesson_id", "external")), self._step)
+        if rollouts:
+            self._rollout_rows += sum(float(r["rows"]) for r in rollouts)
+            summary = rollout_summary(rollouts)
+            summary["rollout/rows_per_s"] = self._rollout_rows / max(time.time() - self._t0, 1e-9)
+            self._log_at(summary, self._step)
+
+    def _log_at(self, metrics: dict[str, Any], step: int) -> None:
+        self._step = max(self._step, step)
+        self.tracker.log(metrics, step=self._step)
+
+
+def _prefixed(prefix: str, rec: dict[str, Any], *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`prefix/key` for every numeric field of a metrics record but its bookkeeping (time, kind, worker)."""
+    drop = {"time", "kind", "worker", *skip}
+    return {
+        f"{prefix}/{k}": v for k, v in rec.items() if k not in drop and isinstance(v, int | float) and v is not True
+    }
+
+
+def rollout_summary(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The rollout workers' writes since the previous forward, as one set of `rollout/...` metrics: rows, tokens
+    and failures summed, reward, truncation rate and policy lag averaged over rows."""
+    out = {
+        "rollout/rows": sum(float(r.get("rows", 0)) for r in records),
+        "rollout/tokens": sum(float(r.get("tokens", 0)) for r in records),
+        "rollout/failures": sum(float(r.get("failures", 0)) for r in records),
+    }
+    for key in ("mean_reward", "policy_lag", "truncation_rate"):
+        weighted = [(float(r[key]), float(r.get("rows", 1))) for r in records if key in r]
+        if weighted and sum(w for _, w in weighted) > 0:
+            out[f"rollout/{key}"] = sum(v * w for v, w in weighted) / sum(w for _, w in weighted)
+    return out
+
+
+def make_run_tracker(config: TrackerConfig, run_root: str, store: Any) -> RunTracker | None:
+    """The run's tracker (`make_tracker`) with the other steps' metrics forwarded from `store` (the run root's
+    RunStore); None for `type: none`."""
+    tracker = make_tracker(config, run_root)
+    return None if tracker is None else RunTracker(tracker, store)

@@ -33,6 +33,10 @@ A = TypeVar("A")
 EXIT_CONFIG = 2
 """Exit code of a program refused for its configuration (argparse's own code for a usage error)."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+QUIET_LIBRARIES = ("datasets",)
+"""Libraries logged from WARNING up only, as their own default verbosity is: `datasets` notes at INFO which
+frameworks it found at import (and, with the `USE_TORCH=0` a step sets to skip loading PyTorch, says "Disabling
+PyTorch because USE_TF is set", which is untrue)."""
 
 logger = logging.getLogger("rlpipe.cli")
 
@@ -46,6 +50,8 @@ def configure_logging(level: str | None = None) -> None:
     """Log records of every library to stderr, one line each, at `level` (else $LOGLEVEL, else INFO)."""
     name = (level or os.environ.get("LOGLEVEL") or "INFO").upper()
     logging.basicConfig(level=name if name in logging.getLevelNamesMapping() else "INFO", format=LOG_FORMAT)
+    for library in QUIET_LIBRARIES:  # their INFO lines are start-up notes; their warnings still show
+        logging.getLogger(library).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def pop_log_level(argv: Sequence[str]) -> tuple[str | None, list[str]]:

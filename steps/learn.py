@@ -44,7 +44,7 @@ from pipeline.tokenizer import load_tokenizer
 from policy import learner as L
 from policy import model as M
 from policy.losses import Batch, RLLossModule, loss_module_from_config
-from policy.trackers import make_tracker
+from policy.trackers import make_run_tracker
 
 logger = logging.getLogger("steps.learn")
 
@@ -122,7 +122,7 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
     config = learner.config
     learner.train_step = L.train_step_for(config.loss, config.optimizer, learner.total, config.model.compute_dtype)
     learner.metrics = MetricsWriter(learner.store, "learner", "learner")
-    learner.tracker = make_tracker(config.tracker, config.store.run_root)
+    learner.tracker = make_run_tracker(config.tracker, config.store.run_root, learner.store)
     progress = _progress(learner.total, state.step)
     try:
         while state.step < learner.total:

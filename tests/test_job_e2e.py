@@ -4,12 +4,34 @@ through the job runner, on a local run root and on the GCS emulator."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 from jobs import check_finished_run, job_config, run_job
 
+from pipeline import layout
 from pipeline.storage import RunStore
+
+STEP_NAMES = ("learner", "batches", "rollout-worker0", "rollout-worker1", "evaluate")
+
+
+def check_step_logs(store: RunStore, output: str, num_steps: int) -> None:
+    """Every step's output is under the run root as logs/<step>/<attempt>.log, at the location the runner printed
+    when it started the step; the learner's log holds its last step."""
+    for name in STEP_NAMES:
+        logs = store.list(f"{layout.LOGS}/{name}")
+        assert len(logs) == 1, (name, logs)
+        location = store.full_path(logs[0]) if store.is_local else f"{store.protocol}://{store.full_path(logs[0])}"
+        assert f"log: {location}" in output, location
+    assert f"trained slot {num_steps} " in store.get(store.list(f"{layout.LOGS}/learner")[0]).decode()
+
+
+def check_progress_lines(output: str, num_steps: int) -> None:
+    """Without a terminal: a line at once, then exactly one progress line per learner step."""
+    assert "job started:" in output
+    steps = [int(m) for m in re.findall(rf"runner: learner step (\d+)/{num_steps} \(", output)]
+    assert steps == list(range(1, num_steps + 1)), steps
 
 
 @pytest.mark.slow
@@ -17,7 +39,10 @@ def test_job_runs_end_to_end_on_local_run_root(tmp_path: Path) -> None:
     run_root = tmp_path / "run"
     proc = run_job(job_config(tmp_path, str(run_root)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_finished_run(RunStore(str(run_root)), num_steps=6, max_lag=1)
+    store = RunStore(str(run_root))
+    check_finished_run(store, num_steps=6, max_lag=1)
+    check_step_logs(store, proc.stderr, 6)
+    check_progress_lines(proc.stderr, 6)
 
 
 @pytest.mark.slow
@@ -31,4 +56,7 @@ def test_job_runs_with_run_root_on_gcs_emulator(tmp_path: Path, gcs_endpoint) ->
     )
     proc = run_job(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_finished_run(RunStore(run_root, gcs_endpoint.storage_options), num_steps=3, max_lag=1)
+    store = RunStore(run_root, gcs_endpoint.storage_options)
+    check_finished_run(store, num_steps=3, max_lag=1)
+    check_step_logs(store, proc.stderr, 3)
+    assert not (tmp_path / "run").exists()

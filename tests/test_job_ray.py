@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from jobs import check_finished_run, job_config, run_job
+from test_job_e2e import check_step_logs
 
 from pipeline.storage import RunStore
 
@@ -20,7 +21,15 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path) -> None:
     )
     proc = run_job(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_finished_run(RunStore(str(run_root)), num_steps=3, max_lag=1)
+    store = RunStore(str(run_root))
+    check_finished_run(store, num_steps=3, max_lag=1)
+    check_step_logs(store, proc.stderr, 3)
+    # the step output also reaches the driver (Ray's log_to_driver), and stopping the producers at the end is
+    # a clean stop, not a failure
+    assert "[learner] " in proc.stdout and "trained slot 3 " in proc.stdout, proc.stdout[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "TaskCancelledError" not in output and "Traceback" not in output, output[-3000:]
+    assert "exited with" not in output, [ln for ln in output.splitlines() if "exited with" in ln]
 
 
 @pytest.mark.slow

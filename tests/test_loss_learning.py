@@ -50,7 +50,8 @@ def demo_rewards(tmp_path: Path, loss: LossConfig) -> tuple[float, float, str]:
     last_policies = [int(x) for x in m.group(2).split(",")]
     assert max(last_policies) >= STEPS - 2, last_policies  # rollouts really came from late policies
     module = type(loss).__name__.removesuffix("Config")  # GSPOLossConfig -> GSPOLoss
-    assert f"loss {module};" in (tmp_path / "run" / "logs" / "learner.log").read_text()  # the learner used it
+    (learner_log,) = (tmp_path / "run" / "logs" / "learner").glob("*.log")
+    assert f"loss {module};" in learner_log.read_text()  # the learner used it
     return float(m.group(1)), float(m.group(3)), out
 
 

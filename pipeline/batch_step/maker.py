@@ -60,7 +60,8 @@ class Maker:
         self.lease = lease
         self.holder = lease.holder
         self.hash = config_hash(config)
-        self.metrics = MetricsWriter(store, "batchmaker", re.sub(r"[^A-Za-z0-9_.=+-]", "_", self.holder))
+        # One file per slot: the slot's record reaches the tracker and the progress line before the learner trains it.
+        self.metrics = MetricsWriter(store, "batchmaker", re.sub(r"[^A-Za-z0-9_.=+-]", "_", self.holder), flush_every=1)
         # the one writer of curriculum state: folds each committed slot's rollouts and named evals
         self.curriculum = CurriculumWriter(store, config.curriculum) if config.curriculum is not None else None
         self.scan = ScanWindow(store, config.train.max_lag)

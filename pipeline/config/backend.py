@@ -28,7 +28,8 @@ class JobBackendConfig(draccus.ChoiceRegistry):
 @JobBackendConfig.register_subclass("local")
 @dataclass(frozen=True)
 class LocalBackendConfig(JobBackendConfig):
-    """Every step as a child process of the job runner on this machine; output in `<run root>/logs/<step>.log`."""
+    """Every step as a child process of the job runner on this machine; output in
+    `<run root>/logs/<step>/<attempt>.log`."""
 
     launcher: ClassVar[str] = "pipeline.runners.local:LocalLauncher"
 
@@ -56,7 +57,7 @@ class StepResources:
 @JobBackendConfig.register_subclass("ray")
 @dataclass(frozen=True)
 class RayBackendConfig(JobBackendConfig):
-    """Every step as a Ray task with its own resources; the same step programs and supervision as `local`."""
+    """Every step in a Ray actor with its own resources; the same step programs and supervision as `local`."""
 
     launcher: ClassVar[str] = "pipeline.runners.ray:RayLauncher"
     address: str | None = None

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Protocol
 
 from pipeline.config import JobBackendConfig
+from pipeline.step_logs import LogTarget
 
 MODULES = {
     "learner": "steps.learn",
@@ -75,8 +75,8 @@ class Launcher(Protocol):
         """Before any step starts: connect to the backend and refuse (ConfigError) what it cannot run at once."""
         ...
 
-    def start(self, spec: StepSpec, log_path: Path) -> StepProcess:
-        """Start `spec`'s program with its config; output goes to `log_path` where the backend allows."""
+    def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
+        """Start `spec`'s program with its config; its stdout and stderr go to `log` (under the run root)."""
         ...
 
 

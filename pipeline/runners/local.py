@@ -1,4 +1,4 @@
-"""The local backend: every step as a child process of the job runner, output appended to a log file."""
+"""The local backend: every step as a child process of the job runner, output in its log under the run root."""
 
 from __future__ import annotations
 
@@ -7,21 +7,21 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from pipeline.config import LocalBackendConfig
 from pipeline.runners.base import StepProcess, StepSpec
+from pipeline.step_logs import LogTarget, StepLog
 
 
 class LocalProcess:
-    """A step as a local child process, output appended to a log file."""
+    """A step as a local child process, stdout and stderr appended to its `StepLog`."""
 
-    def __init__(self, module: str, config_path: str, log_path: Path, env: dict[str, str]) -> None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")  # noqa: SIM115 — lives as long as the process
+    def __init__(self, module: str, config_path: str, log: LogTarget, env: dict[str, str]) -> None:
+        self._log = StepLog(log)
+        self._file = self._log.open()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", module, "--config_path", config_path],
-            stdout=self._log,
+            stdout=self._file,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches the runner only; it stops children itself
@@ -33,9 +33,10 @@ class LocalProcess:
         return self._proc.pid
 
     def poll(self) -> int | None:
-        """The exit code once the child has ended (its log is then closed), else None."""
+        """The exit code once the child has ended (its log is then complete under the run root), else None."""
         rc = self._proc.poll()
-        if rc is not None and not self._log.closed:
+        if rc is not None and not self._file.closed:
+            self._file.close()
             self._log.close()
         return rc
 
@@ -59,7 +60,7 @@ class LocalLauncher:
     def prepare(self, steps: Sequence[StepSpec]) -> None:
         """Nothing to connect to."""
 
-    def start(self, spec: StepSpec, log_path: Path) -> StepProcess:
+    def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
         """Start the step's program as a child process, `RLPIPE_STEP` set to the step's name."""
         env = {**os.environ, "RLPIPE_STEP": spec.name}
-        return LocalProcess(spec.module, spec.config_path, log_path, env)
+        return LocalProcess(spec.module, spec.config_path, log, env)

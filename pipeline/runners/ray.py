@@ -1,10 +1,12 @@
-"""The Ray backend: every step as a Ray task that runs the step program with the resources asked for."""
+"""The Ray backend: every step as a Ray actor that runs the step program with the resources asked for; the
+step's output goes to its log under the run root and, through Ray's `log_to_driver`, to the driver."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,18 +16,29 @@ from typing import Any
 
 from pipeline.config import ConfigError, RayBackendConfig
 from pipeline.runners.base import STOP_GRACE_S, StepProcess, StepSpec
+from pipeline.step_logs import LogTarget, StepLog, pump
 
 logger = logging.getLogger(__name__)
 
 
 class RayProcess:
-    """A step as a Ray task that runs the step program with the resources asked for."""
+    """A step as a Ray actor that runs the step program with the resources asked for.
 
-    def __init__(self, module: str, config_yaml: str, num_cpus: float, num_gpus: float, env: dict[str, str]) -> None:
+    An actor rather than a task, so that stopping a step is a SIGTERM to its program (which exits cleanly,
+    code 0) instead of a cancelled task: the exit code is the program's own on every backend.
+    """
+
+    def __init__(
+        self, module: str, config_yaml: str, num_cpus: float, num_gpus: float, env: dict[str, str], log: LogTarget
+    ) -> None:
         import ray
 
         self._ray = ray
-        self._ref = _remote_run_step().options(num_cpus=num_cpus, num_gpus=num_gpus).remote(module, config_yaml, env)
+        self._name = log.step
+        self._actor = (
+            _step_actor().options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2, max_restarts=0).remote()
+        )
+        self._ref = self._actor.run.remote(module, config_yaml, env, log)
         self._rc: int | None = None
 
     @property
@@ -34,57 +47,85 @@ class RayProcess:
         return None
 
     def poll(self) -> int | None:
-        """The task's exit code once it has ended (1 if the task itself failed), else None."""
+        """The step program's exit code once it has ended (1 if its actor died), else None."""
         if self._rc is not None:
             return self._rc
         ready, _ = self._ray.wait([self._ref], timeout=0)
         if ready:
             try:
                 self._rc = int(self._ray.get(self._ref))
-            except Exception as e:
-                logger.warning("ray task for %s failed: %s", self._ref, e)
+            except self._ray.exceptions.RayError as e:  # the actor died (node lost, killed): a failed step
+                logger.warning("the Ray actor of %s died: %s", self._name, str(e).splitlines()[0])
                 self._rc = 1
+            self._ray.kill(self._actor)  # frees its resources
         return self._rc
 
     def terminate(self) -> None:
-        """Cancel the task (its step program gets SIGTERM)."""
+        """SIGTERM the step program (it stops after its current phase)."""
         if self._rc is None:
-            self._ray.cancel(self._ref, force=False)
+            self._actor.stop.remote(signal.SIGTERM)
 
     def kill(self) -> None:
-        """Cancel the task by force."""
+        """Kill the actor and its step program at once."""
         if self._rc is None:
-            self._ray.cancel(self._ref, force=True)
+            try:  # the program first: killing only the actor would orphan it
+                self._ray.get(self._actor.stop.remote(signal.SIGKILL), timeout=5.0)
+            except self._ray.exceptions.RayError as e:
+                logger.warning("could not signal the step program of %s: %s", self._name, str(e).splitlines()[0])
+            self._ray.kill(self._actor, no_restart=True)
+            self._rc = -signal.SIGKILL
 
 
-def _run_step(module: str, config_yaml: str, env: dict[str, str]) -> int:
-    """Body of the Ray task: write the config locally and run the step program to completion."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "step.yaml")
-        Path(path).write_text(config_yaml)
-        proc = subprocess.Popen([sys.executable, "-m", module, "--config_path", path], env={**os.environ, **env})
+class StepActor:
+    """Runs one step program on a Ray worker: `run` (to completion, output into the step's log under the run
+    root and onto this worker's stdout, which Ray forwards to the driver) and `stop` (a signal to it)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def run(self, module: str, config_yaml: str, env: dict[str, str], log: LogTarget) -> int:
+        """Write the config locally, run the step program, return its exit code."""
+        step_log = StepLog(log)
         try:
-            return proc.wait()
+            with tempfile.TemporaryDirectory() as d, step_log.open() as sink:
+                path = os.path.join(d, "step.yaml")
+                Path(path).write_text(config_yaml)
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", module, "--config_path", path],
+                    env={**os.environ, **env},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+                assert self._proc.stdout is not None
+                pump(self._proc.stdout, sink, echo_prefix=f"[{log.step}] ")
+                return self._proc.wait()
         finally:
-            if proc.poll() is None:
-                proc.terminate()
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.terminate()
                 try:
-                    proc.wait(timeout=STOP_GRACE_S)
+                    self._proc.wait(timeout=STOP_GRACE_S)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    self._proc.kill()
+            step_log.close()
+
+    def stop(self, signum: int) -> None:
+        """Send `signum` to the step program if it runs."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signum)
 
 
-_remote: Any = None
+_actor_class: Any = None
 
 
-def _remote_run_step() -> Any:
-    """`_run_step` as a Ray remote function (made once, after Ray is initialised)."""
-    global _remote
-    if _remote is None:
+def _step_actor() -> Any:
+    """`StepActor` as a Ray actor class (made once, after Ray is initialised); two threads, so `stop` runs while
+    `run` waits."""
+    global _actor_class
+    if _actor_class is None:
         import ray
 
-        _remote = ray.remote(max_retries=0)(_run_step)
-    return _remote
+        _actor_class = ray.remote(StepActor)
+    return _actor_class
 
 
 def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
@@ -94,13 +135,16 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
     some of them deadlocks silently; refuse that up front (ConfigError naming `backend.resources`). A local
     cluster started here gets at least as many logical CPUs as the steps ask for (they are processes, not cores).
     """
+    # Every line of every step reaches the driver: Ray's default folds lines that differ only in numbers ("trained
+    # slot 3" after "trained slot 2") into "[repeated Nx]". Read when ray is first imported; the environment wins.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {}
         if address is None and not os.environ.get("RAY_ADDRESS"):
             kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(need_cpus))
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True, **kwargs)
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, ignore_reinit_error=True, **kwargs)
     total = ray.cluster_resources()
     have_cpus, have_gpus = float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0))
     if have_cpus + 1e-9 < need_cpus or have_gpus + 1e-9 < need_gpus:
@@ -124,8 +168,8 @@ class RayLauncher:
         res = [self.config.resources.for_kind(s.kind) for s in steps]
         init_ray(self.config.address, sum(c for c, _ in res), sum(g for _, g in res))
 
-    def start(self, spec: StepSpec, log_path: Path) -> StepProcess:
-        """Start the step's program as a Ray task (its output stays in Ray's worker logs)."""
+    def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
+        """Start the step's program in a Ray actor; its output goes to `log` and to the driver."""
         cpus, gpus = self.config.resources.for_kind(spec.kind)
         config_yaml = Path(spec.config_path).read_text()
-        return RayProcess(spec.module, config_yaml, cpus, gpus, {"RLPIPE_STEP": spec.name})
+        return RayProcess(spec.module, config_yaml, cpus, gpus, {"RLPIPE_STEP": spec.name}, log)

@@ -1,0 +1,143 @@
+"""Step output kept under the run root: `logs/<step>/<attempt>.log`, one file per process start.
+
+On a local run root the step's output is written straight into that file. On any other run root (gs://, …)
+it is written to a local file and the whole file is uploaded under the same fixed name every
+`UPLOAD_EVERY_S` seconds while it grows, and once more when the step ends. Each upload replaces the object
+atomically (`RunStore.put_unique`): a reader sees an earlier complete upload or the newer one, never a torn
+file, and at most the last few seconds of output are missing until the step ends. A crash of the process
+that uploads loses at most those seconds; the local copy stays in the temporary folder until then.
+
+An attempt id is `<UTC time>-<8 hex>`, so the attempts of a step sort by start time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from pipeline import layout
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_EVERY_S = 3.0
+"""How often a growing log of a remote run root is uploaded."""
+
+
+def new_attempt() -> str:
+    """A fresh attempt id: sortable by start time, unique across processes and hosts."""
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class LogTarget:
+    """Where one process start of a step logs: picklable, so a Ray task can open it on its own node."""
+
+    run_root: str
+    storage_options: dict[str, Any] | None
+    step: str
+    attempt: str
+
+    @property
+    def rel(self) -> str:
+        """The path under the run root."""
+        return layout.step_log(self.step, self.attempt)
+
+    @property
+    def location(self) -> str:
+        """Where the user finds the log (an OS path or a URL)."""
+        from pipeline.storage import RunStore
+
+        return location(RunStore(self.run_root, self.storage_options), self.rel)
+
+
+def location(store: Any, rel: str) -> str:
+    """What a user types to find `rel` of `store`'s run root: an OS path (local) or a URL (`gs://bucket/…`)."""
+    full = str(store.full_path(rel))
+    return full if store.is_local else f"{store.protocol}://{full}"
+
+
+def log_target(run_root: str, storage_options: Mapping[str, Any] | None, step: str) -> LogTarget:
+    """The log of a new process start of `step` (a fresh attempt id)."""
+    return LogTarget(run_root, dict(storage_options) if storage_options else None, step, new_attempt())
+
+
+class StepLog:
+    """The open log file of one process start of a step (see the module docstring).
+
+    `open()` gives the file the step's output goes to; `close()` uploads the final state (remote roots).
+    On a remote root the (empty) object exists as soon as the StepLog is made, so a message may point at it.
+    """
+
+    def __init__(self, target: LogTarget, *, upload_every_s: float = UPLOAD_EVERY_S) -> None:
+        from pipeline.storage import RunStore
+
+        self.target = target
+        self.store = RunStore(target.run_root, target.storage_options)
+        self.rel = target.rel
+        self.location = location(self.store, self.rel)
+        self._upload_every_s = upload_every_s
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if self.store.is_local:
+            self.local_path = Path(self.location)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="rlpipe-log-")
+            self.local_path = Path(self._tmp.name) / f"{target.step}.log"
+        self.local_path.parent.mkdir(parents=True, exist_ok=True)
+        self.local_path.touch()
+        self._stop = threading.Event()
+        self._uploaded_size = -1
+        self._thread: threading.Thread | None = None
+        if not self.store.is_local:
+            self._upload()
+            self._thread = threading.Thread(target=self._upload_loop, name=f"log-upload-{target.step}", daemon=True)
+            self._thread.start()
+
+    def open(self) -> IO[bytes]:
+        """The file (append mode) that the step's output goes to; the caller closes it."""
+        return open(self.local_path, "ab")
+
+    def close(self) -> None:
+        """Stop the uploader and upload the final state (idempotent; a no-op for a local run root)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._upload()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _upload_loop(self) -> None:
+        while not self._stop.wait(self._upload_every_s):
+            self._upload()
+
+    def _upload(self) -> None:
+        try:
+            size = os.path.getsize(self.local_path)
+            if size == self._uploaded_size:
+                return
+            data = self.local_path.read_bytes()
+            self.store.put_unique(self.rel, data)
+            self._uploaded_size = len(data)
+        except Exception as e:  # the step goes on; the next upload retries
+            logger.warning("could not upload the log %s: %s", self.location, e)
+
+
+def pump(source: IO[bytes], sink: IO[bytes], *, echo_prefix: str | None = None) -> None:
+    """Copy `source` line by line into `sink` (flushed per line) until EOF; with `echo_prefix`, also print each
+    line on this process's stdout behind that prefix (how a Ray task's step output reaches the driver)."""
+    for line in iter(source.readline, b""):
+        sink.write(line)
+        sink.flush()
+        if echo_prefix is not None:
+            sys.stdout.write(echo_prefix + line.decode(errors="replace"))
+            sys.stdout.flush()

@@ -1,0 +1,77 @@
+"""Step logs under the run root (local and remote roots) and the waits that say what they wait for."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline import layout
+from pipeline.poll import WaitTimeout, poll_until
+from pipeline.step_logs import StepLog, log_target
+from pipeline.storage import RunStore
+
+
+def test_a_long_wait_says_what_it_waits_for(caplog: pytest.LogCaptureFixture) -> None:
+    """poll_until logs the awaited thing about every log_every_s while it waits, and nothing once it is over."""
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="pipeline.poll"):
+        value, waited = poll_until(
+            lambda: time.monotonic() - start > 0.55 or None,
+            timeout_s=5,
+            what="the thing X",
+            interval_s=0.01,
+            setting="x_timeout_s",
+            log_every_s=0.1,
+        )
+    assert value is True and waited >= 0.55
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.poll"]
+    assert 4 <= len(lines) <= 6, lines
+    assert all("the thing X" in ln and "x_timeout_s=5" in ln for ln in lines), lines
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline.poll"), pytest.raises(WaitTimeout, match=r"x_timeout_s=0\.2"):
+        poll_until(lambda: None, timeout_s=0.2, what="Y", interval_s=0.01, setting="x_timeout_s", log_every_s=None)
+    assert not [r for r in caplog.records if r.name == "pipeline.poll"]
+
+
+def test_local_step_log_is_the_file_under_the_run_root(tmp_path: Path) -> None:
+    target = log_target(str(tmp_path / "run"), None, "learner")
+    log = StepLog(target)
+    with log.open() as f:
+        subprocess.run([sys.executable, "-c", "print('hello from the step')"], stdout=f, check=True)
+    log.close()
+    path = Path(target.location)
+    assert path == tmp_path / "run" / "logs" / "learner" / f"{target.attempt}.log"
+    assert path.read_text() == "hello from the step\n"
+
+
+def test_remote_step_log_is_uploaded_while_it_grows_and_at_the_end() -> None:
+    """On a non-local root the log object exists at once, holds the output within a few upload periods while
+    the step runs, and all of it after close(); two starts of a step are two attempts."""
+    root = f"memory://logs-{uuid.uuid4().hex[:8]}/run"
+    store = RunStore(root)
+    target = log_target(root, None, "rollout-w0")
+    log = StepLog(target, upload_every_s=0.05)
+    assert store.get(target.rel) == b""
+    with log.open() as f:
+        f.write(b"line 1\n")
+        f.flush()
+        deadline = time.monotonic() + 5
+        while store.get(target.rel) != b"line 1\n" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.get(target.rel) == b"line 1\n"
+        f.write(b"line 2\n")
+    log.close()
+    assert store.get(target.rel) == b"line 1\nline 2\n"
+    assert target.location == f"{root}/{layout.step_log('rollout-w0', target.attempt)}"
+    again = log_target(root, None, "rollout-w0")
+    StepLog(again).close()
+    assert again.attempt != target.attempt
+    assert sorted(store.list("logs/rollout-w0")) == sorted(
+        [layout.step_log("rollout-w0", a) for a in (target.attempt, again.attempt)]
+    )

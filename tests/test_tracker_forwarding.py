@@ -1,0 +1,62 @@
+"""The run's tracker receives every step's metrics records from the run root, step-prefixed, at steps that
+never decrease, and not the records of before its start."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.metrics import MetricsWriter
+from pipeline.storage import RunStore
+from policy.trackers import RunTracker
+
+
+class RecordingTracker:
+    """A levanter-tracker-shaped recorder: what was logged, at which step, and whether the run finished."""
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, Any]]] = []
+        self.finished = False
+
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_records_of_every_step_reach_the_tracker(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path / "run"))
+    before = MetricsWriter(store, "batchmaker", "bm-old", flush_every=1)
+    before.log({"slot": 1, "mean_reward": 9.0, "staleness_mean": 9.0})  # a previous tracker run's record
+    time.sleep(0.01)
+    recorder = RecordingTracker()
+    tracker = RunTracker(recorder, store, forward_every_s=0.05)
+    bm = MetricsWriter(store, "batchmaker", "bm", flush_every=1)
+    ro = MetricsWriter(store, "rollout", "w0", flush_every=1)
+    ev = MetricsWriter(store, "evaluate", "evaluator", flush_every=1)
+    bm.log({"slot": 2, "mean_reward": 0.25, "staleness_mean": 0.5, "n_rollouts": 16})
+    ro.log({"rows": 16, "tokens": 100, "mean_reward": 0.5, "policy_lag": 1})
+    ro.log({"rows": 16, "tokens": 50, "mean_reward": 0.0, "policy_lag": 0})
+    time.sleep(0.3)
+    tracker.log({"learner/loss": 1.5}, step=2)
+    bm.log({"slot": 1, "mean_reward": 0.75, "staleness_mean": 0.0})  # arrives late: logged at the newest step
+    ev.log({"policy_step": 2, "lesson_id": "cats", "mean_reward": 0.5, "success_rate": 1.0, "external": ""})
+    tracker.finish()
+    assert recorder.finished
+    steps = [s for s, _ in recorder.logged]
+    assert steps == sorted(steps)
+    merged: dict[str, list[tuple[int, Any]]] = {}
+    for step, metrics in recorder.logged:
+        for k, v in metrics.items():
+            merged.setdefault(k, []).append((step, v))
+    assert merged["learner/loss"] == [(2, 1.5)]
+    assert merged["batches/mean_reward"] == [(2, 0.25), (2, 0.75)]
+    assert merged["batches/staleness_mean"] == [(2, 0.5), (2, 0.0)]
+    assert merged["rollout/rows"] == [(2, 32.0)]
+    assert merged["rollout/mean_reward"] == [(2, 0.25)]
+    assert merged["rollout/rows_per_s"][0][1] > 0
+    assert merged["eval/cats/mean_reward"] == [(2, 0.5)] and merged["eval/cats/success_rate"] == [(2, 1.0)]
+    assert not [k for k in merged if k.endswith(("/time", "/kind", "/worker", "/slot", "/lesson_id"))]
+    assert 9.0 not in [v for vs in merged.values() for _, v in vs]  # older than the tracker run: not replayed
