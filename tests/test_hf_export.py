@@ -115,3 +115,47 @@ def test_make_export_needs_only_run_step_out(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (newest / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+PROMPTS = ("Do you like cats?", "Tell me about your favorite animal.")
+
+
+@pytest.mark.slow
+def test_exported_folder_generates_like_our_sampler(tmp_path: Path) -> None:
+    """The exported folder as a user loads it: `AutoTokenizer` encodes a prompt to the ids the rollout workers
+    use (BOS included, no `token_type_ids`), `model.generate(**enc)` runs, and its greedy tokens equal the dense
+    sampler's greedy tokens for the same prompt; the folder holds what vLLM/SGLang loaders read."""
+    from pipeline.config import DenseInferenceConfig
+    from pipeline.environments.base import encode_prompt
+    from pipeline.tokenizer import BOS_ID, load_tokenizer
+    from policy.inference import GenerationRequest, make_backend
+
+    spec = ModelSpec(max_seq_len=64)
+    train_tok = load_tokenizer("builtin:tiny")
+    model = M.build_model(spec, VOCAB)
+    out = tmp_path / "hf"
+    M.export_hf(model, str(out), train_tok)
+
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json"):  # fmt: skip
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+    gen_config = json.loads((out / "generation_config.json").read_text())
+    assert (gen_config["bos_token_id"], gen_config["eos_token_id"], gen_config["pad_token_id"]) == (1, 2, 0)
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    sampler = make_backend(DenseInferenceConfig(max_seqs=4), model, train_tok, spec.max_seq_len, fast_compile=True)
+    for prompt in PROMPTS:
+        enc = tok(prompt, return_tensors="pt")
+        assert set(enc) == {"input_ids", "attention_mask"}
+        ids = enc["input_ids"][0].tolist()
+        assert ids[0] == BOS_ID and ids == encode_prompt(train_tok, prompt)
+        with torch.no_grad():
+            generated = hf.generate(**enc, do_sample=False, max_new_tokens=12)[0, len(ids) :].tolist()
+        ours = sampler.generate(
+            GenerationRequest([ids], n=1, temperature=0.0, max_tokens=12, stop_tokens=None, seed=0)
+        )[0][0].tokens
+        assert len(generated) > 1 and generated == list(ours), (prompt, generated, ours)
+        assert tok.decode(generated, skip_special_tokens=True) == train_tok.decode(ours, skip_special_tokens=True)
