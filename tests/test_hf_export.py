@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import draccus  # noqa: E402
 from jobs import job_config  # noqa: E402
+from makefile import recipe_command  # noqa: E402
 from test_learner import write_batches  # noqa: E402
 
 from pipeline import layout  # noqa: E402
@@ -33,14 +32,8 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
 
 
 def make_export_command(**variables: str) -> list[str]:
-    """The Makefile's `export` recipe with make's variables set (`$(if $(V),…)` kept only when V is set)."""
-    recipe = re.search(r"^export:.*\n\t(.+)$", (REPO / "Makefile").read_text(), re.M)
-    assert recipe is not None, "the Makefile has no export target"
-    values = {"PY": sys.executable, "ARGS": "", **variables}
-    line = re.sub(r"\$\(if \$\((\w+)\),(.*?\$\(\1\))\)", lambda m: m.group(2) if values.get(m.group(1)) else "",
-                  recipe.group(1))  # fmt: skip
-    line = re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), ""), line)
-    return shlex.split(line)
+    """The Makefile's `export` recipe with make's variables set."""
+    return recipe_command("export", **variables)
 
 
 def check_export(out: Path, model: object) -> None:
