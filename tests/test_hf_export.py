@@ -1,6 +1,7 @@
 """HF export (`python -m steps.export`, `make export`): a committed policy exported as a Hugging Face folder loads
 with transformers and gives the same next-token logprobs as levanter (within 1e-4); the folder also loads back
-into levanter. `make export RUN=… STEP=… OUT=…` needs nothing else: the model comes from the run's run.json."""
+into levanter; the exported tokenizer and `generate(**enc)` behave as the rollout workers do. (`make export RUN=…
+STEP=… OUT=…` on a real run, the model read from run.json: tests/test_readme_commands.py.)"""
 
 from __future__ import annotations
 
@@ -16,12 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import draccus  # noqa: E402
-from jobs import job_config  # noqa: E402
-from makefile import recipe_command  # noqa: E402
-from test_learner import write_batches  # noqa: E402
 
-from pipeline import layout  # noqa: E402
 from pipeline.config import ModelSpec  # noqa: E402
 from pipeline.storage import RunStore  # noqa: E402
 from policy import model as M  # noqa: E402
@@ -29,11 +25,6 @@ from policy import model as M  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
-
-
-def make_export_command(**variables: str) -> list[str]:
-    """The Makefile's `export` recipe with make's variables set."""
-    return recipe_command("export", **variables)
 
 
 def check_export(out: Path, model: object) -> None:
@@ -70,44 +61,7 @@ def test_export_with_model_flags_loads_in_transformers(tmp_path: Path) -> None:
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-@pytest.mark.slow
-def test_make_export_needs_only_run_step_out(tmp_path: Path) -> None:
-    """A real run root (run.json written by `steps.run step learn`, two trained steps) whose model is not the
-    default shape; `make export RUN=… STEP=… OUT=…` reads the model from run.json."""
-    root = tmp_path / "run"
-    store = RunStore(str(root))
-    write_batches(store, range(1, 3))  # 4 rows x 16 tokens, token ids < 512
-    overrides = {
-        "train.num_train_steps": "2",
-        "train.batch_size": "4",
-        "train.seq_len": "16",
-        "train.replay_buffer_capacity": "4",
-        "curriculum.default_sampling.max_tokens": "8",
-        "curriculum.eval_sampling.max_tokens": "8",
-        "batch_wait_timeout_s": "60",
-    }
-    config = job_config(tmp_path, str(root), **overrides)
-    learn = subprocess.run(
-        [sys.executable, "-m", "steps.run", "step", "learn", "--config_path", str(config), "--run_root", str(root)],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert learn.returncode == 0, learn.stderr[-3000:]
-    assert M.latest_policy_step(store) == 2
-    spec = draccus.decode(ModelSpec, json.loads(store.get(layout.RUN_CONFIG))["config"]["model"])
-    assert spec != ModelSpec(), "the test needs a model whose shape differs from the default"
-
-    out = tmp_path / "hf"
-    proc = subprocess.run(make_export_command(RUN=str(root), STEP="2", OUT=str(out)), cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check_export(out, M.load_policy(store, 2, spec, VOCAB))
-
-    # without STEP: the newest committed policy
-    newest = tmp_path / "hf-newest"
-    proc = subprocess.run(make_export_command(RUN=str(root), OUT=str(newest)), cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (newest / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+# `make export RUN=… STEP=… OUT=…` on a real run (model from run.json): tests/test_readme_commands.py.
 
 
 PROMPTS = ("Do you like cats?", "Tell me about your favorite animal.")

@@ -151,18 +151,35 @@ def test_make_report_has_every_plot_the_readme_names_and_samples(report_page: Pa
     assert len({r["policy_step"] for r in logged}) == len(logged)  # one per policy step (one worker)
 
 
-def test_make_export_generates_with_transformers(run_root: Path, tmp_path: Path) -> None:
+def test_make_export_needs_only_run_step_out_and_generates(run_root: Path, tmp_path: Path) -> None:
+    """`make export RUN=… STEP=… OUT=…` on a real run whose model is not the default shape: the model comes from
+    run.json; the folder matches the policy's logprobs in transformers (within 1e-4) and `generate(**enc)` runs;
+    without STEP the newest committed policy is exported."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    import draccus
+    from test_hf_export import VOCAB, check_export
+
+    from pipeline.config import ModelSpec
+    from policy import model as M
+
+    store = RunStore(str(run_root))
+    spec = draccus.decode(ModelSpec, json.loads(store.get(layout.RUN_CONFIG))["config"]["model"])
+    assert spec != ModelSpec(), "the test needs a model whose shape differs from the default"
     out = tmp_path / "hf"
-    _run("export", RUN=str(run_root), STEP=str(NUM_STEPS), OUT=str(out))
+    _run("export", RUN=str(run_root), STEP="1", OUT=str(out))
+    check_export(out, M.load_policy(store, 1, spec, VOCAB))
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     enc = tok("Do you like cats?", return_tensors="pt")
     with torch.no_grad():
         generated = model.generate(**enc, max_new_tokens=8, do_sample=False)
     assert generated.shape[1] > enc["input_ids"].shape[1]
-    assert isinstance(tok.decode(generated[0], skip_special_tokens=True), str)
+
+    newest = tmp_path / "hf-newest"  # no STEP: policy NUM_STEPS, the newest
+    _run("export", RUN=str(run_root), OUT=str(newest))
+    check_export(newest, M.load_policy(store, NUM_STEPS, spec, VOCAB))
+    assert (newest / "model.safetensors").read_bytes() != (out / "model.safetensors").read_bytes()
 
 
 def chromium() -> str | None:
