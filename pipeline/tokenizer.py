@@ -171,3 +171,37 @@ def load_tokenizer(spec: str) -> transformers.PreTrainedTokenizerFast:
     if not isinstance(tok, transformers.PreTrainedTokenizerFast):
         raise TokenizerLoadError(f"tokenizer at {spec!r} is not a fast tokenizer ({type(tok).__name__})")
     return tok
+
+
+EXPORT_INPUT_NAMES = ("input_ids", "attention_mask")
+"""What an exported tokenizer returns when called: exactly the inputs a causal LM's `generate` takes."""
+
+
+def save_for_export(tokenizer: transformers.PreTrainedTokenizerFast, directory: str | os.PathLike[str]) -> None:
+    """Write `tokenizer` into the local folder `directory` for users of the exported model.
+
+    Promises: `AutoTokenizer.from_pretrained(directory)(text)["input_ids"]` equals the prompt ids the rollout
+    workers use (`pipeline.environments.base.encode_prompt(tokenizer, text)`: BOS first when the tokenizer has
+    one), and the call returns only `input_ids` and `attention_mask`, so `model.generate(**enc)` works. The
+    folder holds `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json`.
+    """
+    import json
+
+    from tokenizers import processors
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    probe = tokenizer.encode("a")
+    if bos is not None and bos_id is not None and (not probe or probe[0] != bos_id):
+        # The training prompt carries BOS but this tokenizer's own encoding does not add it: add it on export.
+        backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, bos_id)]
+        )
+        backend.save(str(path / "tokenizer.json"))
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["model_input_names"] = list(EXPORT_INPUT_NAMES)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

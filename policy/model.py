@@ -23,12 +23,14 @@ token t's segment; T <= 0 (greedy) is treated as 1.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import tempfile
 from typing import Any
 
 import equinox as eqx
+import fsspec
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -337,23 +339,54 @@ def teacher_forced_logprobs(
 
 
 def export_hf(model: LmHeadModel, out_dir: str, tokenizer: Any, family: str = "llama") -> None:
-    """Write a transformers-loadable folder (config.json, safetensors, tokenizer) for `model`.
+    """Write a Hugging Face folder for `model` that transformers, vLLM and SGLang load as is.
 
-    Uses levanter's HFCheckpointConverter.save_pretrained with a locally written reference config,
-    so nothing is fetched from a hub. `out_dir` may be local or an fsspec URL.
+    The folder: `config.json` (with `architectures` and `torch_dtype`), `generation_config.json` (BOS, EOS and
+    pad ids), `model.safetensors`, and the tokenizer as `pipeline.tokenizer.save_for_export` writes it (it
+    encodes a prompt to the ids the rollout workers use, BOS included, and returns no `token_type_ids`).
+    Nothing is fetched from a hub. `out_dir` may be local or an fsspec URL.
     """
-    hf_config = model.config.to_hf_config(model.Vocab.size)
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
-    hf_config.architectures = [arch]
-    with tempfile.TemporaryDirectory() as ref_dir:
-        hf_config.save_pretrained(ref_dir)
-        spec = ModelSpec(family=family)
-        converter = _hf_converter(spec, ref_dir, tokenizer=tokenizer)
-        if not out_dir.startswith(("gs://", "s3://", "memory://")):
-            os.makedirs(out_dir, exist_ok=True)
-        with _host_mesh():
-            converter.save_pretrained(model, out_dir, save_reference_code=False, save_tokenizer=True)
+    remote = "://" in out_dir and not out_dir.startswith("file://")
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, "out") if remote else out_dir.removeprefix("file://")
+        os.makedirs(local, exist_ok=True)
+        _write_hf_folder(model, local, tokenizer, family, ref_dir=os.path.join(tmp, "ref"))
+        if remote:
+            fs, base = fsspec.core.url_to_fs(out_dir)
+            for name in sorted(os.listdir(local)):
+                fs.put_file(os.path.join(local, name), f"{base.rstrip('/')}/{name}")
     logger.info("exported HF checkpoint to %s", out_dir)
+
+
+def _write_hf_folder(model: LmHeadModel, out: str, tokenizer: Any, family: str, ref_dir: str) -> None:
+    import transformers
+
+    from pipeline.tokenizer import save_for_export
+
+    hf_config = model.config.to_hf_config(model.Vocab.size)
+    hf_config.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]]
+    hf_config.save_pretrained(ref_dir)
+    converter = _hf_converter(ModelSpec(family=family), ref_dir, tokenizer=tokenizer)
+    with _host_mesh():
+        converter.save_pretrained(model, out, save_reference_code=False, save_tokenizer=False)
+    save_for_export(tokenizer, out)
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config_file = os.path.join(out, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    # The generation defaults the converter copies into config.json (e.g. suppressing BOS/EOS/pad as the first
+    # token) are not how the policy samples: generation_config.json below holds the ones that apply.
+    for key in ("begin_suppress_tokens", "suppress_tokens", "decoder_start_token_id", "max_length"):
+        config.pop(key, None)
+    dtype = str(jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))[0].dtype)
+    config.update(ids, torch_dtype=dtype, dtype=dtype)
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    transformers.GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(out)
 
 
 def numpy_params(model: Any) -> list[np.ndarray]:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_
 from pipeline.metrics import MetricsWriter
 from pipeline.pacing import PacingDecision, count_unconsumed_rows, pacing_decision, signal_rows, usable_rows
 from pipeline.poll import WaitTimeout, poll_until
+from pipeline.samples import samples_record, to_samples
 from pipeline.storage import RunStore, StorageError
 from pipeline.tokenizer import load_tokenizer
 from pipeline.watchdog import watchdog
@@ -92,6 +94,7 @@ class RolloutWorker:
         self.config = config
         self.store = store or RunStore(config.store.run_root, config.store.storage_options)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.tokenizer)
+        self._samples_step: int | None = None  # policy step of the last samples record
         self.worker_id = config.worker_id
         self.name = layout.check_component(f"{config.worker_id}.{incarnation_nonce()}", "worker name")
         self.metrics = MetricsWriter(self.store, "rollout", self.worker_id)
@@ -434,7 +437,17 @@ class RolloutWorker:
         t0 = time.monotonic()
         rel = self.write(batch)
         self._log_write(batch, m, rel, time.monotonic() - t0, t_lesson)
+        self._log_samples(batch, rel)
         return True
+
+    def _log_samples(self, batch: RolloutBatch, rel: str) -> None:
+        """A few completions as text, once per policy step this worker writes (`pipeline.samples`)."""
+        step = batch.metadata.weight_step
+        if self._samples_step == step:
+            return
+        self._samples_step = step
+        decode = partial(self.tokenizer.decode, skip_special_tokens=True)
+        self.metrics.log(samples_record(to_samples(batch.rows, decode), rel))
 
     def _micro_eval(self, lesson_id: str) -> None:
         c = self.config

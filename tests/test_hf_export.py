@@ -1,13 +1,12 @@
 """HF export (`python -m steps.export`, `make export`): a committed policy exported as a Hugging Face folder loads
 with transformers and gives the same next-token logprobs as levanter (within 1e-4); the folder also loads back
-into levanter. `make export RUN=… STEP=… OUT=…` needs nothing else: the model comes from the run's run.json."""
+into levanter; the exported tokenizer and `generate(**enc)` behave as the rollout workers do. (`make export RUN=…
+STEP=… OUT=…` on a real run, the model read from run.json: tests/test_readme_commands.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import draccus  # noqa: E402
-from jobs import job_config  # noqa: E402
-from test_learner import write_batches  # noqa: E402
 
-from pipeline import layout  # noqa: E402
 from pipeline.config import ModelSpec  # noqa: E402
 from pipeline.storage import RunStore  # noqa: E402
 from policy import model as M  # noqa: E402
@@ -30,17 +25,6 @@ from policy import model as M  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
-
-
-def make_export_command(**variables: str) -> list[str]:
-    """The Makefile's `export` recipe with make's variables set (`$(if $(V),…)` kept only when V is set)."""
-    recipe = re.search(r"^export:.*\n\t(.+)$", (REPO / "Makefile").read_text(), re.M)
-    assert recipe is not None, "the Makefile has no export target"
-    values = {"PY": sys.executable, "ARGS": "", **variables}
-    line = re.sub(r"\$\(if \$\((\w+)\),(.*?\$\(\1\))\)", lambda m: m.group(2) if values.get(m.group(1)) else "",
-                  recipe.group(1))  # fmt: skip
-    line = re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), ""), line)
-    return shlex.split(line)
 
 
 def check_export(out: Path, model: object) -> None:
@@ -77,41 +61,48 @@ def test_export_with_model_flags_loads_in_transformers(tmp_path: Path) -> None:
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+# `make export RUN=… STEP=… OUT=…` on a real run (model from run.json): tests/test_readme_commands.py.
+
+
+PROMPTS = ("Do you like cats?", "Tell me about your favorite animal.")
+
+
 @pytest.mark.slow
-def test_make_export_needs_only_run_step_out(tmp_path: Path) -> None:
-    """A real run root (run.json written by `steps.run step learn`, two trained steps) whose model is not the
-    default shape; `make export RUN=… STEP=… OUT=…` reads the model from run.json."""
-    root = tmp_path / "run"
-    store = RunStore(str(root))
-    write_batches(store, range(1, 3))  # 4 rows x 16 tokens, token ids < 512
-    overrides = {
-        "train.num_train_steps": "2",
-        "train.batch_size": "4",
-        "train.seq_len": "16",
-        "train.replay_buffer_capacity": "4",
-        "curriculum.default_sampling.max_tokens": "8",
-        "curriculum.eval_sampling.max_tokens": "8",
-        "batch_wait_timeout_s": "60",
-    }
-    config = job_config(tmp_path, str(root), **overrides)
-    learn = subprocess.run(
-        [sys.executable, "-m", "steps.run", "step", "learn", "--config_path", str(config), "--run_root", str(root)],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert learn.returncode == 0, learn.stderr[-3000:]
-    assert M.latest_policy_step(store) == 2
-    spec = draccus.decode(ModelSpec, json.loads(store.get(layout.RUN_CONFIG))["config"]["model"])
-    assert spec != ModelSpec(), "the test needs a model whose shape differs from the default"
+def test_exported_folder_generates_like_our_sampler(tmp_path: Path) -> None:
+    """The exported folder as a user loads it: `AutoTokenizer` encodes a prompt to the ids the rollout workers
+    use (BOS included, no `token_type_ids`), `model.generate(**enc)` runs, and its greedy tokens equal the dense
+    sampler's greedy tokens for the same prompt; the folder holds what vLLM/SGLang loaders read."""
+    from pipeline.config import DenseInferenceConfig
+    from pipeline.environments.base import encode_prompt
+    from pipeline.tokenizer import BOS_ID, load_tokenizer
+    from policy.inference import GenerationRequest, make_backend
 
+    spec = ModelSpec(max_seq_len=64)
+    train_tok = load_tokenizer("builtin:tiny")
+    model = M.build_model(spec, VOCAB)
     out = tmp_path / "hf"
-    proc = subprocess.run(make_export_command(RUN=str(root), STEP="2", OUT=str(out)), cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check_export(out, M.load_policy(store, 2, spec, VOCAB))
+    M.export_hf(model, str(out), train_tok)
 
-    # without STEP: the newest committed policy
-    newest = tmp_path / "hf-newest"
-    proc = subprocess.run(make_export_command(RUN=str(root), OUT=str(newest)), cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (newest / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json"):  # fmt: skip
+        assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+    gen_config = json.loads((out / "generation_config.json").read_text())
+    assert (gen_config["bos_token_id"], gen_config["eos_token_id"], gen_config["pad_token_id"]) == (1, 2, 0)
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    sampler = make_backend(DenseInferenceConfig(max_seqs=4), model, train_tok, spec.max_seq_len, fast_compile=True)
+    for prompt in PROMPTS:
+        enc = tok(prompt, return_tensors="pt")
+        assert set(enc) == {"input_ids", "attention_mask"}
+        ids = enc["input_ids"][0].tolist()
+        assert ids[0] == BOS_ID and ids == encode_prompt(train_tok, prompt)
+        with torch.no_grad():
+            generated = hf.generate(**enc, do_sample=False, max_new_tokens=12)[0, len(ids) :].tolist()
+        ours = sampler.generate(
+            GenerationRequest([ids], n=1, temperature=0.0, max_tokens=12, stop_tokens=None, seed=0)
+        )[0][0].tokens
+        assert len(generated) > 1 and generated == list(ours), (prompt, generated, ours)
+        assert tok.decode(generated, skip_special_tokens=True) == train_tok.decode(ours, skip_special_tokens=True)

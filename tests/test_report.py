@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import html
 import json
 import re
 from collections.abc import Callable
@@ -17,8 +18,10 @@ from log_entries import put_log_entry
 
 from pipeline import layout, report
 from pipeline.metrics import MetricsWriter
+from pipeline.samples import samples_record, to_samples
 from pipeline.storage import RunStore
-from schemas import BATCH, EVAL_SUMMARY, BatchRow, EvalSummaryRow
+from pipeline.tokenizer import BOS_ID, BUILTIN_TINY, build_tiny_tokenizer_object
+from schemas import BATCH, EVAL_SUMMARY, ROLLOUT, BatchRow, EvalSummaryRow, RolloutRow
 from schemas.dropped import DROPPED, DroppedRow
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -56,10 +59,40 @@ def _dropped(slot: int, rows: list[tuple[str, str]]) -> pa.Table:
     )
 
 
+TINY = build_tiny_tokenizer_object()
+PROMPT, COMPLETION = "Do you like cats?", " I love cats <3\n  meow"
+
+
+def _rollout_row(policy_step: int, rid: str, reward: float) -> RolloutRow:
+    response = TINY.encode(COMPLETION).ids
+    return RolloutRow(
+        rollout_id=rid,
+        env_name="cats",
+        example_id="e0",
+        lesson_id="cats",
+        group_key="g0",
+        prompt_tokens=[BOS_ID, *TINY.encode(PROMPT).ids],
+        response_tokens=response,
+        response_logprobs=[-1.0] * len(response),
+        token_rewards=[0.0] * len(response),
+        response_loss_mask=[1] * len(response),
+        episode_reward=reward,
+        truncated=False,
+        finish_reason="stop",
+        temperature=1.0,
+        policy_step=policy_step,
+        worker_id="w0",
+        timestamp=1.0,
+    )
+
+
 def _write_run(root: Path) -> None:
     """A small run: 5 learner steps, 2 rollout workers, 2 lessons, evals, drops, curriculum."""
     store = RunStore(str(root))
-    store.put_json_if_absent(layout.RUN_CONFIG, {"model": {"name": "tiny-llama"}, "train": {"num_train_steps": 5}})
+    store.put_json_if_absent(
+        layout.RUN_CONFIG,
+        {"config": {"model": {"name": "tiny-llama", "tokenizer": BUILTIN_TINY}, "train": {"num_train_steps": 5}}},
+    )
 
     learner = MetricsWriter(store, "learner", "learner")
     bm = MetricsWriter(store, "batchmaker", "bm")
@@ -98,6 +131,7 @@ def _write_run(root: Path) -> None:
                     "lag": 0,
                 }
             )
+    workers[1].log(samples_record(to_samples([_rollout_row(N_STEPS - 1, "r-old", 0.5)], TINY.decode), "f"))
     # A malformed record: missing and non-numeric fields must be skipped, not crash the report.
     learner.log({"step": "oops", "tokens_per_s": None})
     # Not a rollout write (no training data): left out of reward and throughput.
@@ -149,6 +183,13 @@ def _write_run(root: Path) -> None:
     # A losing attempt at slot 3 (named by no log entry): its drops do not count.
     store.write_parquet(layout.dropped_file(3, "lost"), _dropped(3, [("y1", "stale")]), DROPPED)
 
+    # Rollout files: the samples of the latest policy come from the newest committed one (policy 4, sequence 2);
+    # an uncommitted newer file (no ready marker) is not read.
+    for policy_step, seq, reward in ((3, 0, 0.1), (4, 1, 0.2), (4, 2, 0.75)):
+        rows = [_rollout_row(policy_step, f"w0-{seq}-{i}", reward) for i in range(2)]
+        store.commit_data(layout.rollout_file(policy_step, "w0", seq), ROLLOUT.to_table(rows), ROLLOUT)
+    store.write_parquet(layout.rollout_file(4, "w0", 3), ROLLOUT.to_table([_rollout_row(4, "u", 0.9)]), ROLLOUT)
+
     # Each state lists every event so far (schemas.curriculum); the newest one is the truth.
     unlock = {"step": 3, "lesson_id": "addition_easy", "from_status": "locked", "to_status": "active",
               "reason": "cats reached 0.8 >= 0.8"}  # fmt: skip
@@ -177,7 +218,10 @@ def test_report_of_a_small_run(tmp_path: Path) -> None:
         assert f"<h2>{title}</h2>" in page
     summary = _section(page, "Summary")
     assert report.fmt(FINAL_REWARD) in summary and "0.1" in summary
-    assert "tiny-llama" in summary  # run config excerpt
+    assert page.index("<h2>Reward per lesson</h2>") < page.index("<h2>Summary</h2>")  # the curves lead
+    config = _section(page, "Run config")
+    assert page.rstrip().endswith(f"{config}</section>\n</body></html>")  # the folded config is last
+    assert "<details><summary>" in config and "tiny-llama" in config
     assert "0.25" in summary  # learner idle fraction 0.5 / (0.5 + 1.5)
     # Every data section has data: no 'no data' note anywhere.
     assert "no data" not in page and "section failed" not in page
@@ -197,6 +241,18 @@ def test_report_of_a_small_run(tmp_path: Path) -> None:
     curriculum = _section(page, "Curriculum events")
     assert curriculum.count("locked -&gt; active") == 1 and "cats reached 0.8" in curriculum
     assert "curriculum/state-00000005.json is not valid JSON" in summary
+
+    learner = _section(page, "Learner")
+    for term in ("learner_loss", "learner_kl"):
+        assert f'<img alt="{term}"' in learner
+    assert "not in the learner records (not drawn): entropy, clip_fraction, ratio_mean, grad_norm" in learner
+    samples = _section(page, "Sample completions")
+    assert "step 4" in samples and "w0-00000002.parquet" in samples and "<td>0.75</td>" in samples
+    assert f'<td class="text">{PROMPT}</td>' in samples
+    assert html.escape(COMPLETION) in samples  # decoded exactly, whitespace kept
+    assert "<td>4</td><td>cats</td>" in samples and "<td>0.5</td>" in samples  # the logged samples record
+    fates_groups = report.load_run(str(root)).metrics["batchmaker"]
+    assert all(r["groups_used"] == 4 for r in fates_groups)
 
     data = report.load_run(str(root))
     assert len(data.metrics["rollout"]) == 2 * N_STEPS  # the micro_eval event is not a write

@@ -1,8 +1,11 @@
 """One self-contained HTML report of a run, built from the run root alone (no tracker needed).
 
 Reads (all relative to the run root, any fsspec URL: local path, file://, gs://, memory://):
-    run.json                               run config excerpt for the summary table
-    metrics/{learner,batchmaker,rollout}/*.jsonl   metrics records (pipeline.metrics)
+    run.json                               the run config (a folded table) and its tokenizer
+    metrics/{learner,batchmaker,rollout}/*.jsonl   metrics records (pipeline.metrics), including the rollout
+                                           workers' `samples` records (pipeline.samples)
+    rollouts/step-P/*.parquet              the newest committed rollout file, decoded with the tokenizer that
+                                           run.json's config.model.tokenizer names (sample completions)
     evals/*/<lesson>.summary.parquet       evaluation summaries (schemas.EVAL_SUMMARY): per checkpoint
                                            (step-S) and of external baselines (external-<name>)
     batches/log/step-T.json                committed batch slots; the data and dropped files they name
@@ -16,15 +19,20 @@ report), and the same PNGs as `<out>/plots/<name>.png` for use elsewhere. The de
 `<run_root>/report` for a local run root and `./report-<run name>` for a remote one (a reader of a
 gs:// run needs no write access to it).
 
-Sections: summary, reward per lesson, evaluation, staleness, throughput, learner idle time,
-rollout fates, curriculum events. A section without data says "no data"; a section whose data is
-malformed says so with the error and the rest of the report is still written.
+Sections, in page order (`SECTION_TITLES`): the curves first — reward per lesson, evaluation, the learner
+(one plot per term of its metrics record: loss, KL, entropy, clip fraction, ratio, grad norm, mismatch KL,
+clamped fraction, skipped non-finite updates), staleness, throughput, learner idle time — then sample
+completions (latest policy and recent ones), the summary table, rollout fates, curriculum events, and the run
+config folded in a `<details>` at the end. A section without data says "no data" (a learner term no record
+carries is named in a note); a section whose data is malformed says so with the error and the rest of the
+report is still written.
 
 Run it:
     python -m pipeline.report RUN_ROOT [--out DIR]      (or `make report RUN=...`)
 
-Modules: `data` reads the run root into `RunData`, `sections` turns it into titled sections with plots
-(`plots` holds the figure and table helpers), `page` renders and writes the HTML, `cli` is the command line.
+Modules: `data` reads the run root into `RunData`, `sections` (with `learner` for the learner's curves and
+`text` for the samples and config) turns it into titled sections with plots (`plots` holds the figure and table
+helpers), `page` renders and writes the HTML, `cli` is the command line.
 """
 
 from pipeline.report.cli import main

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from pipeline import layout
 from pipeline.metrics import read_metrics
+from pipeline.samples import SAMPLES_EVENT, Sample, newest_rollout_file, newest_samples, tokenizer_decoder
 from pipeline.storage import CorruptFileError, RunStore, SchemaMismatchError
 from schemas import BATCH, EVAL_SUMMARY
 from schemas.dropped import DROPPED
@@ -90,6 +91,14 @@ class RunData:
     """Files set aside by any step (quarantine records)."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """Problems met while reading (unreadable files), shown in the summary."""
+    samples_file: str | None = None
+    """The newest committed rollout file (the samples of the latest policy come from it)."""
+    samples: list[Sample] = dataclasses.field(default_factory=list)
+    """Decoded completions of `samples_file`."""
+    samples_note: str | None = None
+    """Why `samples` is empty although there are rollouts (e.g. no tokenizer to decode with)."""
+    sample_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The `samples` metrics records of rollout workers (one per policy step and worker), by time."""
 
 
 def _read_run_config(store: RunStore, data: RunData) -> None:
@@ -248,6 +257,23 @@ def _read_curriculum(store: RunStore, data: RunData) -> None:
         return
 
 
+def _read_samples(store: RunStore, data: RunData) -> None:
+    """Decoded completions of the newest rollout file, with the tokenizer the run's config names."""
+    model = ((data.run_config or {}).get("config") or {}).get("model") or {}
+    spec = model.get("tokenizer") if isinstance(model, dict) else None
+    if not isinstance(spec, str):
+        data.samples_note = f"{layout.RUN_CONFIG} names no tokenizer (config.model.tokenizer) to decode rollouts"
+        data.samples_file = newest_rollout_file(store)
+        return
+    try:
+        decode = tokenizer_decoder(spec)
+    except (ValueError, OSError) as e:
+        data.samples_note = str(e)
+        data.samples_file = newest_rollout_file(store)
+        return
+    data.samples_file, data.samples = newest_samples(store, decode)
+
+
 def _normalise_metrics(metrics: dict[str, list[dict[str, Any]]]) -> None:
     """Fill canonical field names from known aliases and keep only rollout-write records.
 
@@ -259,6 +285,8 @@ def _normalise_metrics(metrics: dict[str, list[dict[str, Any]]]) -> None:
             if canonical not in rec and alias in rec:
                 rec[canonical] = rec[alias]
     if "rollout" in metrics:
+        samples = [r for r in metrics["rollout"] if r.get("event") == SAMPLES_EVENT]
+        metrics[SAMPLES_EVENT] = samples
         metrics["rollout"] = [r for r in metrics["rollout"] if r.get("event", "write") == "write"]
 
 
@@ -272,11 +300,17 @@ def load_run(run_root: str, storage_options: dict[str, Any] | None = None) -> Ru
     for kind in METRIC_KINDS:
         data.metrics[kind] = read_metrics(store, kind)
     _normalise_metrics(data.metrics)
+    data.sample_records = data.metrics.pop(SAMPLES_EVENT, [])
     _read_eval_summaries(store, data, bad)
     data_files, dropped_files, attempts = _read_batch_log(store, data)
     _read_lineage(store, data, [f for f in data_files if f not in bad])
     _read_dropped(store, data, [f for f in dropped_files if f not in bad], attempts)
     _read_curriculum(store, data)
+    try:
+        _read_samples(store, data)
+    except Exception as e:  # samples are a view: a failure to read them must not cost the report
+        logger.exception("report: cannot read sample completions")
+        data.samples_note = f"cannot read sample completions: {type(e).__name__}: {e}"
     return data
 
 

@@ -26,7 +26,10 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; padding-bottom:
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f3f3f3; } .nodata { color: #888; font-style: italic; } .warn { color: #a40; }
-img { max-width: 100%; } figcaption { color: #555; font-size: 0.85em; } nav a { margin-right: 1em; }
+img { max-width: 100%; } .grid { display: flex; flex-wrap: wrap; gap: 0.4em; }
+.grid figure { flex: 0 1 32%; margin: 0; } td.text { white-space: pre-wrap; font-family: monospace; max-width: 40em; }
+details > summary { cursor: pointer; font-weight: 600; }
+figcaption { color: #555; font-size: 0.85em; } nav a { margin-right: 1em; }
 """
 
 
@@ -62,12 +65,16 @@ def render_html(data: RunData, sections: Sequence[Section]) -> str:
     for sec in sections:
         parts.append(f'<section id="{_anchor(sec.title)}"><h2>{html.escape(sec.title)}</h2>')
         parts.extend(sec.body)
+        if sec.grid:
+            parts.append('<div class="grid">')
         for plot in sec.plots:
             b64 = base64.b64encode(plot.png).decode()
             parts.append(
                 f'<figure><img alt="{html.escape(plot.name)}" src="data:image/png;base64,{b64}">'
                 f"<figcaption>{html.escape(plot.caption)}</figcaption></figure>"
             )
+        if sec.grid:
+            parts.append("</div>")
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)

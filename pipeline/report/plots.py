@@ -30,6 +30,8 @@ class Section:
     title: str
     body: list[str] = dataclasses.field(default_factory=list)
     plots: list[Plot] = dataclasses.field(default_factory=list)
+    grid: bool = False
+    """Lay the plots out side by side (small multiples) instead of one per row."""
 
     def no_data(self, what: str) -> Section:
         """Add a 'no data' note naming what was looked for."""

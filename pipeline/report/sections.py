@@ -6,50 +6,40 @@ A builder whose data is missing returns a section that says "no data" and names 
 from __future__ import annotations
 
 import html
-import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.ticker import AutoLocator
 
-from pipeline import layout
 from pipeline.report.data import RunData, last_per, num, series, start_time
+from pipeline.report.learner import learner_section
 from pipeline.report.plots import Plot, Section, add_legend, fmt, html_table, new_figure, to_png
+from pipeline.report.text import config_section, samples_section
 
 SECTION_TITLES = (
-    "Summary",
     "Reward per lesson",
     "Evaluation",
+    "Learner",
     "Staleness",
     "Throughput",
     "Learner idle time",
+    "Sample completions",
+    "Summary",
     "Rollout fates",
     "Curriculum events",
+    "Run config",
 )
 """Every section of the report, in page order (each appears as an <h2>)."""
 
-_MAX_CONFIG_ROWS = 60
 _MAX_EVENT_ROWS = 500
 _GROUPS_FILTERED_PREFIX = "groups_filtered_"
 _LESSON_REWARD_PREFIX = "reward/"
 
 
-def _flatten(obj: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    """Dotted (key, scalar) pairs of a JSON value; lists of scalars are shown inline."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
-        for i, v in enumerate(obj):
-            yield from _flatten(v, f"{prefix}[{i}]")
-    else:
-        yield prefix, json.dumps(obj) if isinstance(obj, list) else obj
-
-
 def summary_section(data: RunData) -> Section:
-    """Headline numbers: steps, first/last reward, drops, idle fraction, latest evals, config excerpt."""
+    """Headline numbers: steps, first/last reward, drops, idle fraction, latest evals."""
     sec = Section("Summary")
     learner = last_per(data.metrics.get("learner", []), "step")
     bm = last_per(data.metrics.get("batchmaker", []), "slot")
@@ -92,14 +82,6 @@ def summary_section(data: RunData) -> Section:
     if data.notes:
         items = "".join(f"<li>{html.escape(n)}</li>" for n in data.notes)
         sec.body.append(f'<p class="warn">Problems met while reading the run root:</p><ul>{items}</ul>')
-    if data.run_config is None:
-        sec.no_data(f"{layout.RUN_CONFIG} (run config)")
-    else:
-        pairs = list(_flatten(data.run_config))
-        more = len(pairs) - _MAX_CONFIG_ROWS
-        table = html_table(["config field", "value"], pairs[:_MAX_CONFIG_ROWS])
-        tail = f"<p>… {more} more fields in {layout.RUN_CONFIG}</p>" if more > 0 else ""
-        sec.body.append(f"<details open><summary>Run config ({layout.RUN_CONFIG})</summary>{table}{tail}</details>")
     return sec
 
 
@@ -253,7 +235,7 @@ def throughput_section(data: RunData) -> Section:
         return bool(xs)
 
     panels = [
-        ("Rollouts/s per worker", "rollouts_per_s", worker_panel("rollouts_per_s")),
+        ("Rollout rows/s per worker", "rollouts_per_s", worker_panel("rollouts_per_s")),
         ("Rollout tokens/s per worker", "tokens_per_s", worker_panel("tokens_per_s")),
         ("Learner tokens/s", "tokens_per_s", learner_panel),
     ]
@@ -313,7 +295,7 @@ def fates_section(data: RunData) -> Section:
         for k in rec:
             if k.startswith(_GROUPS_FILTERED_PREFIX) and (v := num(rec, k)) is not None:
                 filtered[k[len(_GROUPS_FILTERED_PREFIX) :]] += v
-        if (v := num(rec, "groups_used")) is not None:
+        if (v := num(rec, "groups_used")) is not None or (v := num(rec, "n_groups")) is not None:
             filtered.setdefault("(used)", 0.0)
             filtered["(used)"] += v
     if not bars and not filtered:
@@ -373,13 +355,17 @@ def curriculum_section(data: RunData) -> Section:
 
 
 SECTIONS: tuple[Callable[[RunData], Section], ...] = (
-    summary_section,
     reward_section,
     eval_section,
+    learner_section,
     staleness_section,
     throughput_section,
     idle_section,
+    samples_section,
+    summary_section,
     fates_section,
     curriculum_section,
+    config_section,
 )
-"""Section builders in page order (titles: SECTION_TITLES)."""
+"""Section builders in page order (titles: SECTION_TITLES): the curves first, then the sample completions,
+then the rest; the run config (folded) last."""

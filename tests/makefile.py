@@ -1,0 +1,37 @@
+"""The Makefile's recipes as commands a test can run without `make` (whose targets depend on `setup`, which
+re-syncs the environment): a target's recipe line with make's variables substituted, and the environment the
+Makefile exports."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MAKEFILE = REPO / "Makefile"
+
+
+def recipe_command(target: str, **variables: str) -> list[str]:
+    """Target `target`'s one-line recipe as argv, with `$(VAR)` set from `variables` (PY: this interpreter,
+    unset ones empty) and `$(if $(V),…)` kept only when V is set."""
+    m = re.search(rf"^{re.escape(target)}:.*\n\t(.+)$", MAKEFILE.read_text(), re.M)
+    assert m is not None, f"the Makefile has no one-line recipe for {target!r}"
+    values = {"PY": sys.executable, "ARGS": "", **variables}
+    line = re.sub(r"\$\(if \$\((\w+)\),(.*?\$\(\1\))\)", lambda g: g.group(2) if values.get(g.group(1)) else "",
+                  m.group(1))  # fmt: skip
+    line = re.sub(r"\$\((\w+)\)", lambda g: values.get(g.group(1), ""), line)
+    # ARGS is spliced as make splices it: its words are split by the shell
+    return shlex.split(line)
+
+
+def make_env() -> dict[str, str]:
+    """This process's environment plus every `export NAME := value` / `?=` of the Makefile (`?=` only when unset)."""
+    env = dict(os.environ)
+    for name, op, value in re.findall(r"^export (\w+) (:=|\?=) ?(.*)$", MAKEFILE.read_text(), re.M):
+        value = value.replace("$(CURDIR)", str(REPO)).strip()
+        if op == ":=" or name not in env:
+            env[name] = value
+    return env
