@@ -56,7 +56,7 @@ def main(config: ReplayConfig) -> int:
 
     store = RunStore(config.store.run_root, config.store.storage_options or None)
     require_run(store)
-    learner_config = recorded_learner_config(store, config.store)
+    learner_config = recorded_learner_config(store)
     to_step = check_steps(store, config.from_step, config.to_step)
     replayed = replay(store, learner_config, config.from_step, to_step)  # 1 + 2
     scratch = RunStore(scratch_root(config, store), config.store.storage_options or None)
@@ -75,7 +75,7 @@ def main(config: ReplayConfig) -> int:
     return 1
 
 
-def recorded_learner_config(store: RunStore, store_config: StoreConfig) -> LearnerStepConfig:
+def recorded_learner_config(store: RunStore) -> LearnerStepConfig:
     """The learner's config as the run's run.json gives it (model, train, optimizer, loss)."""
     record = json.loads(store.get(layout.RUN_CONFIG))
     try:
