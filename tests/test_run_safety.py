@@ -207,7 +207,7 @@ def test_replay_of_the_last_slots_is_bitwise_equal(finished_run: Path, tmp_path:
     store = RunStore(str(finished_run))
     spec = recorded_learner_config(store).model
     p5 = M.load_policy(store, 5, spec, M.model_vocab_size(load_tokenizer(spec.tokenizer)))
-    p6 = M.load_policy(store, 6, spec.model, int(p5.Vocab.size))
+    p6 = M.load_policy(store, 6, spec, int(p5.Vocab.size))
     diffs = compare(p6, p5)
     assert diffs and all(v > 0 for v in diffs.values())
     assert compare(p6, p6) == {}
