@@ -37,7 +37,7 @@ A = TypeVar("A")
 
 EXIT_CONFIG = 2
 """Exit code of a program refused for its configuration (argparse's own code for a usage error)."""
-READ_ONLY_CONFIGS = frozenset({"EvaluateStepConfig", "ExportConfig", "ReplayConfig"})
+READ_ONLY_CONFIGS = frozenset({"EvaluateStepConfig", "ReplayConfig"})
 """Configs of programs that only read a run: refused on a run root without run.json (nothing is created)."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
