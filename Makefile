@@ -20,7 +20,7 @@ export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup demo test test-fast test-slow lint format typecheck bench bench-gpu rollout batches learn evaluate report run export clean
+.PHONY: help setup demo test test-fast test-slow lint format typecheck bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator clean
 
 help: ## List every target with a one-line description
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -38,8 +38,8 @@ $(VENV)/.synced: pyproject.toml uv.lock | $(UV)
 
 setup: $(VENV)/.synced ## Create the environment (uv, pinned by uv.lock)
 
-demo: setup ## Run the cats demo job on a local run root (RUN=runs/demo), print rewards, write the report
-	$(PY) -m steps.demo --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+demo: setup ## Run the cats demo job on RUN (runs/demo; an existing one is refused unless FRESH=1), print rewards, write the report
+	$(PY) -m steps.demo --config_path $(CONFIG) --run_root $(RUN) $(if $(filter 1 true yes,$(FRESH)),--fresh true) $(ARGS)
 
 test: setup ## Run the whole test suite (what CI runs)
 	$(PY) -m pytest -q -n 2 --dist loadfile --timeout 900 tests $(ARGS)
@@ -93,7 +93,14 @@ export: setup ## Export policy STEP (default: the newest) of RUN as a Hugging Fa
 	$(PY) -m steps.export --store.run_root $(RUN) $(if $(STEP),--step $(STEP)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 report: setup ## Write the HTML report of RUN (RUN=runs/demo) from the run root alone
-	$(PY) -m pipeline.report $(RUN)
+	$(PY) -m pipeline.report $(RUN) $(ARGS)
+
+replay: setup ## Re-train slots FROM+1..TO of RUN from checkpoint FROM in a scratch folder; exit 0 iff bitwise equal
+	$(PY) -m steps.replay --store.run_root $(RUN) --from_step $(FROM) $(if $(TO),--to_step $(TO)) $(ARGS)
+
+GCS_PORT ?= 4443
+gcs-emulator: setup ## Start the GCS emulator the tests use on 127.0.0.1:GCS_PORT (prints the env line to export)
+	$(PY) tests/gcs_emulator.py --port $(GCS_PORT) $(ARGS)
 
 clean: ## Remove the environment, local runs and the JAX compile cache
 	rm -rf .venv .tools runs .cache .pytest_cache .mypy_cache .ruff_cache

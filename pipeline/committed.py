@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from pipeline import layout
+from pipeline.config.base import ConfigError
 from schemas.base import SchemaMismatchError, TableSpec
 from schemas.records import BatchLogEntry, ReadyMarker, RecordError
 
@@ -39,6 +40,14 @@ TMP_PREFIX = ".tmp-"
 
 class StorageError(Exception):
     """Base of the named storage errors."""
+
+
+class StorageEndpointError(StorageError, ConfigError):
+    """The storage endpoint of a run root cannot be reached at all (its host does not resolve, or it refuses
+    connections): reported at once, naming the endpoint and where it came from, instead of retried as transient."""
+
+    def __init__(self, source: str, endpoint: str, why: str) -> None:
+        ConfigError.__init__(self, source, endpoint, why)
 
 
 class CorruptFileError(StorageError):

@@ -57,7 +57,7 @@ class JobRunner:
     # phases ----------------------------------------------------------------------------
     def run(self) -> int:
         """Check run.json, start every step, supervise, stop cleanly."""
-        check_run_config(self.store, self.cfg)
+        check_run_config(self.store, self.cfg, allow_change=self.job.allow_config_change)
         if self.store.exists(layout.STOP_FILE):
             logger.warning("removing a stale %s left by an earlier run", layout.STOP_FILE)
             self.store.delete(layout.STOP_FILE)

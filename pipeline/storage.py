@@ -25,6 +25,14 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
   and quarantined when permanently bad.
 - Transient errors (timeouts, connection resets, HTTP 408/429/5xx) are retried with exponential
   backoff (`RETRY_ATTEMPTS`) on top of gcsfs's own retries; other errors propagate unchanged.
+- Storage options: `storage_options_from(given)` is the one way every command builds them: the JSON object in
+  `$RLPIPE_STORAGE_OPTIONS`, overridden key by key by the command's own (`--store.storage_options '{…}'`).
+  A gs:// RunStore also takes the environment's options itself. gcsfs reads `STORAGE_EMULATOR_HOST`
+  (e.g. `http://127.0.0.1:4443`) as its endpoint when `endpoint_url` is not given.
+- An unreachable endpoint fails fast: the first gs:// RunStore of a process connects to its endpoint once
+  (`check_endpoint`); a host that does not resolve or refuses the connection raises `StorageEndpointError`
+  (a ConfigError: one line and exit code 2 in every step) naming the endpoint and where it came from, instead
+  of minutes of gcsfs retries. DNS failures are never retried as transient.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -43,6 +53,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline import layout
 from pipeline.committed import (
     TMP_PREFIX,
     CommittedData,
@@ -50,11 +61,13 @@ from pipeline.committed import (
     FileInfo,
     MissingDataError,
     NotCommittedError,
+    StorageEndpointError,
     StorageError,
     new_attempt_id,
 )
 from pipeline.committed import _sha256 as _sha256
 from pipeline.committed import check_rel as _check_rel
+from pipeline.config.base import ConfigError
 from schemas.base import SchemaMismatchError, TableSpec
 
 __all__ = [
@@ -62,12 +75,18 @@ __all__ = [
     "CorruptFileError",
     "FileInfo",
     "MissingDataError",
+    "MissingRunError",
     "NotCommittedError",
     "RunStore",
     "SchemaMismatchError",
+    "StorageEndpointError",
     "StorageError",
+    "check_endpoint",
+    "existing_run_root",
     "new_attempt_id",
     "parquet_write_options",
+    "require_run",
+    "storage_options_from",
 ]
 
 logger = logging.getLogger(__name__)
@@ -105,9 +124,100 @@ _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 _MEMORY_LOCK = threading.Lock()
 
 
+STORAGE_OPTIONS_ENV = "RLPIPE_STORAGE_OPTIONS"
+"""Environment variable: a JSON object of fsspec storage options for every command (flags override its keys)."""
+ENDPOINT_CHECK_TIMEOUT_S = 5.0
+_REACHABLE: set[str] = set()
+_REACHABLE_LOCK = threading.Lock()
+
+
+def storage_options_from(given: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The storage options of a command: `$RLPIPE_STORAGE_OPTIONS` (a JSON object), then `given` (a JSON object's
+    text, e.g. the value of `--store.storage_options`, or a mapping) key by key on top.
+
+    Raises ConfigError naming the flag or the variable and the value when either is not a JSON object."""
+    out = _json_object(STORAGE_OPTIONS_ENV, os.environ.get(STORAGE_OPTIONS_ENV) or None)
+    if isinstance(given, Mapping):
+        out.update(given)
+    else:
+        out.update(_json_object("store.storage_options", given))
+    return out
+
+
+def _json_object(name: str, text: str | None) -> dict[str, Any]:
+    if text is None or not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(name, text, f"not JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(name, text, 'must be a JSON object, e.g. \'{"token": "anon"}\'')
+    return value
+
+
+def existing_run_root(url: str, given: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The storage options of a read-only command (`storage_options_from(given)`) after checking that `url` holds a
+    run (its run.json exists); ConfigError naming `store.run_root` and the path otherwise. Creates nothing."""
+    options = storage_options_from(given)
+    require_run(RunStore(url, options))
+    return options
+
+
+class MissingRunError(ConfigError):
+    """A read-only command was pointed at a run root that does not exist or has no run.json."""
+
+    def __init__(self, url: str) -> None:
+        why = f"no run there (the path does not exist or has no {layout.RUN_CONFIG})"
+        super().__init__("store.run_root", url, why)
+
+
+def require_run(store: RunStore) -> None:
+    """Refuse (MissingRunError naming the path) a run root without run.json; creates nothing."""
+    if not store.exists(layout.RUN_CONFIG):
+        raise MissingRunError(store.url)
+
+
+def check_endpoint(endpoint: str, source: str, timeout_s: float = ENDPOINT_CHECK_TIMEOUT_S) -> None:
+    """Connect once to `endpoint` (an http(s) URL); StorageEndpointError naming it and `source` when its host
+    does not resolve or refuses the connection. A timeout is only logged (it may pass). Each reachable endpoint
+    is checked once per process."""
+    with _REACHABLE_LOCK:
+        if endpoint in _REACHABLE:
+            return
+    parts = urllib.parse.urlsplit(endpoint)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except socket.gaierror as e:
+        raise StorageEndpointError(source, endpoint, f"host {host!r} does not resolve ({e.strerror or e})") from None
+    except ConnectionRefusedError:
+        raise StorageEndpointError(source, endpoint, f"connection refused by {host}:{port}") from None
+    except OSError as e:
+        logger.warning("storage endpoint %s (%s) did not answer within %.0fs: %s", endpoint, source, timeout_s, e)
+        return
+    with _REACHABLE_LOCK:
+        _REACHABLE.add(endpoint)
+
+
+def _gcs_endpoint(opts: Mapping[str, Any]) -> tuple[str, str]:
+    """(the endpoint gcsfs will use for these options, the setting it comes from)."""
+    if opts.get("endpoint_url"):
+        return str(opts["endpoint_url"]), "store.storage_options.endpoint_url"
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if emulator not in ("", "default"):
+        url = emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
+        return url, "STORAGE_EMULATOR_HOST"
+    return "https://storage.googleapis.com", "the default GCS endpoint"
+
+
 def _is_transient(exc: BaseException) -> bool:
-    """Whether an error is worth retrying: timeouts, connection failures, HTTP 408/429/5xx."""
+    """Whether an error is worth retrying: timeouts, connection failures, HTTP 408/429/5xx; never a DNS failure
+    (a host that does not resolve will not resolve on the next try)."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
+        return False
+    if isinstance(exc, socket.gaierror) or isinstance(getattr(exc, "os_error", None), socket.gaierror):
         return False
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
@@ -164,6 +274,8 @@ class RunStore(CommittedData):
         else:
             opts = dict(self.storage_options)
             if protocol in ("gs", "gcs"):
+                opts = storage_options_from(opts)  # the environment's options under the given ones
+                check_endpoint(*_gcs_endpoint(opts))
                 # Discovery must be fresh: no listing cache, no shared instance with a stale cache.
                 opts.setdefault("use_listings_cache", False)
                 opts.setdefault("skip_instance_cache", True)

@@ -7,6 +7,10 @@ flag, a missing config file) is reported as ONE line on stderr naming the field 
 code 2 and no traceback. Exceptions a program declares in `exit_codes` are logged in one line and mapped to
 their code, with what they mean; anything else propagates (a traceback is the right report of a bug).
 
+Before `main` runs, a step config whose contract fields (model, train, optimizer, loss, curriculum) differ from
+its run root's run.json is refused the same way, unless `--allow_config_change true` is given (taken off the
+command line like `--log_level`; the change is then recorded in run.json's history).
+
 The log level is `--log_level LEVEL` (taken off the command line before draccus sees it) or the
 `LOGLEVEL` environment variable; INFO by default.
 """
@@ -26,12 +30,15 @@ from typing import TypeVar
 import draccus
 
 from pipeline.config import ConfigError
+from pipeline.job import ALLOW_CHANGE_FLAG
 
 C = TypeVar("C")
 A = TypeVar("A")
 
 EXIT_CONFIG = 2
 """Exit code of a program refused for its configuration (argparse's own code for a usage error)."""
+READ_ONLY_CONFIGS = frozenset({"EvaluateStepConfig", "ReplayConfig"})
+"""Configs of programs that only read a run: refused on a run root without run.json (nothing is created)."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUIET_LIBRARIES = ("datasets",)
 """Libraries logged from WARNING up only, as their own default verbosity is: `datasets` notes at INFO which
@@ -56,17 +63,54 @@ def configure_logging(level: str | None = None) -> None:
 
 def pop_log_level(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     """(the value of `--log_level`, the other arguments): the flag belongs to the program, not to its config."""
+    return pop_flag(argv, "--log_level")
+
+
+def pop_flag(argv: Sequence[str], flag: str) -> tuple[str | None, list[str]]:
+    """(the value of `flag` — `flag V` or `flag=V` — or None, the other arguments)."""
     rest: list[str] = []
-    level = None
+    value = None
     it = iter(argv)
     for a in it:
-        if a == "--log_level":
-            level = next(it, None)
-        elif a.startswith("--log_level="):
-            level = a.split("=", 1)[1]
+        if a == flag:
+            value = next(it, None)
+        elif a.startswith(f"{flag}="):
+            value = a.split("=", 1)[1]
         else:
             rest.append(a)
-    return level, rest
+    return value, rest
+
+
+def parse_bool(flag: str, value: str | None) -> bool:
+    """`true`/`false` (any case) of a command-line flag; UsageError naming the flag otherwise."""
+    if value is None:
+        return False
+    if value.lower() not in ("true", "false"):
+        raise UsageError(f"{flag}={value!r}: expected true or false")
+    return value.lower() == "true"
+
+
+def program_name(main: Callable[..., object]) -> str:
+    """`steps.learn` for a program's `main`, also when it runs as `python -m steps.learn` (module `__main__`)."""
+    module = getattr(main, "__module__", None) or "step"
+    if module == "__main__":
+        return f"steps.{os.path.splitext(os.path.basename(sys.argv[0]))[0]}"
+    return module
+
+
+def check_against_run(config: object, program: str, allow_change: bool) -> None:
+    """Refuse (RunConfigMismatchError, a ConfigError) a step config whose contract fields differ from its run
+    root's run.json, unless `allow_change` (then recorded in run.json's history)."""
+    from pipeline.job import check_step_config
+    from pipeline.storage import RunStore, require_run
+
+    store_config = getattr(config, "store", None)
+    if store_config is None:
+        return
+    store = RunStore(store_config.run_root, store_config.storage_options or None)
+    if type(config).__name__ in READ_ONLY_CONFIGS:
+        require_run(store)
+    check_step_config(store, config, by=program, allow_change=allow_change)
 
 
 def one_line(error: BaseException) -> str:
@@ -141,9 +185,11 @@ def run_program(
     """`run_command` for a step program: the config is `config_class` parsed by draccus (and logged)."""
 
     def parse(args: list[str]) -> C:
+        allow, args = pop_flag(args, ALLOW_CHANGE_FLAG)
         config = parse_config(config_class, args)
         if dataclasses.is_dataclass(config):
             logger.info("config: %s", json.dumps(draccus.encode(config), default=str, sort_keys=True))
+        check_against_run(config, program_name(main), parse_bool(ALLOW_CHANGE_FLAG, allow))
         return config
 
     return run_command(parse, main, argv, exit_codes=exit_codes)

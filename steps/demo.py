@@ -1,7 +1,9 @@
 """`make demo`: run the cats job on a local run root and show that it learned.
 
-Reads: a job config (default `configs/demo_cats.yaml`). Writes: the run root (default `runs/demo`,
-started fresh), and `<run root>/report/index.html`.
+Reads: a job config (default `configs/demo_cats.yaml`). Writes: the run root (default `runs/demo`), and
+`<run root>/report/index.html`. An existing, non-empty run root is never deleted silently: the demo refuses it
+(one line, exit code 2) unless `--fresh true` (`make demo FRESH=1`: delete it, saying so, and start over) or
+`--keep true` (continue it).
 
 Phases: (1) run the whole job (learner, BatchMaker, 2 rollout workers, evaluator) with the job runner;
 (2) measure learning from the committed rollout files alone: mean episode reward of rollouts sampled
@@ -9,7 +11,7 @@ from the first policies vs the last ones; (3) greedy answers of the first and th
 7 fixed probe prompts; (4) write the report. It prints PASS/FAIL for the two checks of the issue
 (end reward ≥ 3× start; ≥ 3 of 7 probes answered with "cat") and exits non-zero on a FAIL.
 
-    python -m steps.demo --config_path configs/demo_cats.yaml --run_root runs/demo [--keep true]
+    python -m steps.demo --config_path configs/demo_cats.yaml --run_root runs/demo [--fresh true | --keep true]
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from typing import Any
 import numpy as np
 
 from pipeline import layout
+from pipeline.config import ConfigError
 from pipeline.job import RLJob, RLJobConfig
 from pipeline.storage import RunStore
 from schemas import ROLLOUT
-from steps.cli import run_command
+from steps.cli import parse_bool, run_command
 from steps.run import parse_job
 
 logger = logging.getLogger("rlpipe.demo")
@@ -74,10 +77,11 @@ def probe_answers(store: RunStore, cfg: Any, step: int) -> list[tuple[str, str]]
 
 @dataclass(frozen=True)
 class DemoArgs:
-    """The demo's command line: the job config (with the run root set) and whether to keep an existing root."""
+    """The demo's command line: the job config (with the run root set) and what to do with an existing root."""
 
     job: RLJobConfig
     keep: bool
+    fresh: bool = False
 
 
 def parse_args(argv: list[str]) -> DemoArgs:
@@ -87,16 +91,20 @@ def parse_args(argv: list[str]) -> DemoArgs:
     )
     parser.add_argument("--config_path", default="configs/demo_cats.yaml")
     parser.add_argument("--run_root", default="runs/demo")
-    parser.add_argument("--keep", default="false", help="true: continue an existing run root instead of starting fresh")
+    parser.add_argument("--keep", default="false", help="true: continue an existing run root")
+    parser.add_argument("--fresh", default="false", help="true: delete an existing run root first (make demo FRESH=1)")
     args, rest = parser.parse_known_args(argv)
     job = parse_job(["--config_path", args.config_path, "--store.run_root", args.run_root, *rest])
-    return DemoArgs(job=job, keep=args.keep.lower() == "true")
+    keep, fresh = parse_bool("--keep", args.keep), parse_bool("--fresh", args.fresh)
+    if keep and fresh:
+        raise ConfigError("fresh", True, "--fresh true and --keep true contradict each other")
+    return DemoArgs(job=job, keep=keep, fresh=fresh)
 
 
 def main(args: DemoArgs) -> int:
     """Run the demo; 0 when both learning checks pass."""
     cfg = args.job
-    fresh_run_root(cfg.store.run_root, keep=args.keep)
+    prepare_run_root(cfg.store.run_root, keep=args.keep, fresh=args.fresh)
     rc = RLJob(cfg).run()  # 1. the job
     if rc != 0:
         logger.error("the job failed (exit %d); logs under %s", rc, Path(cfg.store.run_root) / "logs")
@@ -110,12 +118,25 @@ def main(args: DemoArgs) -> int:
     return verdict(start, end, hits)
 
 
-def fresh_run_root(run_root: str, *, keep: bool) -> None:
-    """Remove an existing run root unless `keep` (the demo starts fresh by default)."""
+def prepare_run_root(run_root: str, *, keep: bool, fresh: bool) -> None:
+    """Leave an absent or empty run root alone; continue a non-empty one if `keep`; delete it (logged) if `fresh`;
+    otherwise refuse it (ConfigError naming the path: one line, exit code 2). Nothing is deleted silently."""
     root = Path(run_root)
-    if not keep and root.exists():
-        logger.info("starting fresh: removing %s", root)
+    entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    if not entries and not root.is_file():
+        return
+    if keep:
+        logger.info("--keep true: continuing the existing run root %s", root)
+    elif fresh:
+        logger.warning("FRESH=1 (--fresh true): deleting the existing run root %s (%s)", root, ", ".join(entries))
         shutil.rmtree(root)
+    else:
+        raise ConfigError(
+            "run_root",
+            run_root,
+            "already holds a run: `make demo FRESH=1` (--fresh true) deletes it and starts over, "
+            "--keep true continues it, RUN=<other folder> keeps it",
+        )
 
 
 def show_rewards(store: RunStore) -> tuple[float, float]:
@@ -158,7 +179,8 @@ def verdict(start: float, end: float, hits: int) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """`python -m steps.demo [--config_path F] [--run_root R] [--keep true] [--field value …]`; the exit code."""
+    """`python -m steps.demo [--config_path F] [--run_root R] [--fresh true | --keep true] [--field value …]`; the
+    exit code."""
     return run_command(parse_args, main, argv)
 
 

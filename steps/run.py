@@ -14,7 +14,9 @@ then supervise the steps (pipeline.runner).
 `--run_root X` is shorthand for `--store.run_root X`. Without `step`, every other flag overrides the job
 config (draccus dotted flags); with `step NAME`, `--config_path` and `--store.*` describe the job and every
 other flag overrides that step's config (see `python -m steps.<module> --help`). A bad config is one line on
-stderr naming the field and the value, exit code 2, before anything starts.
+stderr naming the field and the value, exit code 2, before anything starts. So is a model / train / optimizer /
+loss / curriculum value that differs from the run root's run.json (unless `--allow_config_change true`: then
+recorded in run.json's history), and `step evaluate` on a run root without run.json.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import Any
 
 import draccus
 
-from pipeline.job import RLJob, RLJobConfig, check_run_config
-from pipeline.storage import RunStore
-from steps.cli import parse_config, run_command
+from pipeline.job import ALLOW_CHANGE_FLAG, RLJob, RLJobConfig, check_run_config, check_step_config
+from pipeline.storage import RunStore, require_run
+from steps.cli import parse_bool, parse_config, run_command
 
 STEP_MODULES = {
     "learn": ("learner", "steps.learn"),
@@ -50,12 +52,24 @@ class Invocation:
     job_args: list[str]
     step: str | None = None
     step_args: tuple[str, ...] = ()
+    allow_config_change: bool = False
+    """Accept contract fields that differ from run.json (recorded in its history) instead of refusing them."""
 
 
 def _add_job_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config_path", help="the job config YAML (an RLJobConfig)")
     parser.add_argument("--run_root", "--store.run_root", dest="run_root", help="the run root (overrides the config)")
-    parser.add_argument("--store.storage_options", dest="storage_options", help="fsspec options of the run root")
+    parser.add_argument(
+        "--store.storage_options",
+        dest="storage_options",
+        help='fsspec options of the run root (JSON: \'{"token": "anon"}\')',
+    )
+    parser.add_argument(
+        ALLOW_CHANGE_FLAG,
+        dest="allow_config_change",
+        default="false",
+        help="true: accept model/train/optimizer/loss/curriculum values that differ from run.json (recorded there)",
+    )
 
 
 def job_parser() -> argparse.ArgumentParser:
@@ -79,9 +93,12 @@ def parse_args(argv: Sequence[str]) -> Invocation:
     args = list(argv)
     if args[:1] == ["step"]:
         ns, rest = step_parser().parse_known_args(args[1:])
-        return Invocation(job_args=_job_args(ns), step=ns.step, step_args=tuple(rest))
+        allow = parse_bool(ALLOW_CHANGE_FLAG, ns.allow_config_change)
+        return Invocation(job_args=_job_args(ns), step=ns.step, step_args=tuple(rest), allow_config_change=allow)
     ns, rest = job_parser().parse_known_args(args)
-    return Invocation(job_args=_job_args(ns) + rest)
+    return Invocation(
+        job_args=_job_args(ns) + rest, allow_config_change=parse_bool(ALLOW_CHANGE_FLAG, ns.allow_config_change)
+    )
 
 
 def _job_args(ns: argparse.Namespace) -> list[str]:
@@ -113,17 +130,31 @@ def step_config(job: RLJob, step: str, overrides: Sequence[str]) -> Any:
         return parse_config(type(base), ["--config_path", str(path), *overrides])
 
 
+READ_ONLY_STEPS = frozenset({"evaluate"})
+"""Steps that only read a run: refused on a run root without run.json (nothing is created)."""
+
+
 def run_step(job: RLJob, step: str, overrides: Sequence[str]) -> int:
-    """Run one step of the job (run.json checked first); returns the step program's exit code."""
+    """Run one step of the job; returns the step program's exit code.
+
+    First, with nothing started: a read-only step refuses a run root without run.json (MissingRunError); any
+    other step writes run.json if absent; the step's config (job config plus the step-level overrides) is refused
+    when a contract field differs from run.json, unless the job allows config changes."""
     config = step_config(job, step, overrides)
-    check_run_config(RunStore(job.config.store.run_root, job.config.store.storage_options), job.config)
-    module = importlib.import_module(STEP_MODULES[step][1])
+    store = RunStore(job.config.store.run_root, job.config.store.storage_options or None)
+    module_name = STEP_MODULES[step][1]
+    if step in READ_ONLY_STEPS:
+        require_run(store)
+    else:
+        check_run_config(store, job.config, allow_change=job.allow_config_change, by=module_name)
+    check_step_config(store, config, by=module_name, allow_change=job.allow_config_change)
+    module = importlib.import_module(module_name)
     return int(module.main(config) or 0)
 
 
 def main(invocation: Invocation) -> int:
     """Run the job (or the one step) the invocation names; returns the process exit code."""
-    job = RLJob(parse_job(invocation.job_args))
+    job = RLJob(parse_job(invocation.job_args), allow_config_change=invocation.allow_config_change)
     if invocation.step is not None:
         return run_step(job, invocation.step, invocation.step_args)
     return job.run()

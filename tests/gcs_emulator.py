@@ -6,6 +6,11 @@
 The emulator runs with the in-memory backend on a free port. Its stderr is drained by a thread (the
 server blocks once the pipe fills). `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false` avoids gcsfs's 60 s
 gRPC probe against an endpoint that is not real GCS.
+
+As a program (`make gcs-emulator`), the same server runs in the foreground on a fixed port until Ctrl-C and
+prints the environment lines that point every rlpipe command at it:
+
+    python tests/gcs_emulator.py [--port 4443] [--bucket rlpipe] [--data DIR]
 """
 
 from __future__ import annotations
@@ -43,9 +48,11 @@ def _free_port() -> int:
 class GcsEmulator:
     """One fake-gcs-server process with one bucket; `endpoint`, `bucket`, `storage_options`."""
 
-    def __init__(self, bucket: str = "rlpipe-test") -> None:
+    def __init__(self, bucket: str = "rlpipe-test", port: int | None = None, data_dir: str | None = None) -> None:
         self.bucket = bucket
-        self.port = _free_port()
+        self.port = port or _free_port()
+        self.data_dir = data_dir
+        """None: objects live in memory; a folder: they are kept there (the server's filesystem backend)."""
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=50)
@@ -65,7 +72,7 @@ class GcsEmulator:
             "-scheme", "http",
             "-host", "127.0.0.1",
             "-port", str(self.port),
-            "-backend", "memory",
+            *self._backend_args(),
             "-external-url", self.endpoint,
             "-log-level", "error",
         ]  # fmt: skip
@@ -92,10 +99,19 @@ class GcsEmulator:
             headers={"Content-Type": "application/json"},
             method="POST",
         )
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            if resp.status not in (200, 201):
-                raise RuntimeError(f"could not create bucket {self.bucket}: HTTP {resp.status}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                if resp.status not in (200, 201):
+                    raise RuntimeError(f"could not create bucket {self.bucket}: HTTP {resp.status}")
+        except urllib.error.HTTPError as e:
+            if e.code != 409:  # 409: the bucket exists already (a kept data folder)
+                raise RuntimeError(f"could not create bucket {self.bucket}: HTTP {e.code}") from None
         return self
+
+    def _backend_args(self) -> list[str]:
+        if self.data_dir:
+            return ["-backend", "filesystem", "-filesystem-root", self.data_dir]
+        return ["-backend", "memory"]
 
     def _drain_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
@@ -123,3 +139,46 @@ class GcsEmulator:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def env_lines(emu: GcsEmulator) -> list[str]:
+    """The shell lines that point every rlpipe command (and gcsfs) at `emu`."""
+    return [
+        f"export STORAGE_EMULATOR_HOST={emu.endpoint}",
+        "export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false",
+        """export RLPIPE_STORAGE_OPTIONS='{"token": "anon"}'""",
+    ]
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the emulator in the foreground until Ctrl-C / SIGTERM, after printing the env lines to export."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python tests/gcs_emulator.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=4443)
+    parser.add_argument("--bucket", default="rlpipe")
+    parser.add_argument("--data", default=None, help="keep objects in this folder (default: in memory)")
+    args = parser.parse_args(argv)
+    emu = GcsEmulator(bucket=args.bucket, port=args.port, data_dir=args.data).start()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    print(f"fake-gcs-server on {emu.endpoint}, bucket {emu.bucket!r}; in another shell run:", flush=True)
+    for line in env_lines(emu):
+        print(f"  {line}", flush=True)
+    print(f"then use run roots like gs://{emu.bucket}/run1 (Ctrl-C stops the emulator)", flush=True)
+    try:
+        while emu._proc is not None and emu._proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        emu.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

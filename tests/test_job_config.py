@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,69 @@ def test_step_level_cross_field_checks_name_the_field() -> None:
     with pytest.raises(ConfigError) as e:
         RLJob(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=30, pad_multiple=8)))
     assert e.value.field == "train.pad_multiple"
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_out_of_range_value_is_one_line_naming_field_and_value(tmp_path: Path) -> None:
+    run_root = tmp_path / "run"
+    for args in (
+        ["-m", "steps.run", "--config_path", "configs/test_cats.yaml", "--run_root", str(run_root)],
+        ["-m", "steps.run", "step", "learn", "--config_path", "configs/test_cats.yaml", "--run_root", str(run_root)],
+        ["-m", "steps.learn", "--store.run_root", str(run_root)],
+    ):
+        proc = _cli(*args, "--train.max_lag", "-1")
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "train.max_lag=-1" in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not run_root.exists()
+
+
+def test_allowed_config_change_is_recorded_in_run_json_history(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(_demo(), store=dataclasses.replace(_demo().store, run_root=str(tmp_path)))
+    store = RunStore(str(tmp_path))
+    check_run_config(store, cfg)
+    fast = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=0.5))
+    with pytest.raises(RunConfigMismatchError) as e:
+        check_run_config(store, fast)
+    assert e.value.field == "optimizer.learning_rate" and e.value.value == 0.5
+    assert "0.003" in str(e.value) and "--allow_config_change" in str(e.value)
+    check_run_config(store, fast, allow_change=True, by="steps.learn")
+    record = json.loads(store.get("run.json"))
+    assert record["config"]["optimizer"]["learning_rate"] == 0.5  # the run's contract is now the new value
+    (entry,) = record["history"]
+    assert entry["by"] == "steps.learn" and entry["time"]
+    assert entry["changes"] == [{"field": "optimizer.learning_rate", "from": 0.003, "to": 0.5}]
+    check_run_config(store, fast)  # accepted from now on without the flag
+    with pytest.raises(RunConfigMismatchError):
+        check_run_config(store, cfg)  # and the old value is now the drift
+
+
+def test_step_config_is_checked_field_by_field_against_run_json(tmp_path: Path) -> None:
+    from pipeline.job import check_step_config
+
+    cfg = dataclasses.replace(_demo(), store=dataclasses.replace(_demo().store, run_root=str(tmp_path)))
+    store = RunStore(str(tmp_path))
+    steps = RLJob(cfg).to_worker_configs()
+    check_step_config(store, steps["learner"], by="steps.learn")  # no run.json yet: nothing to compare
+    check_run_config(store, cfg)
+    for key in ("learner", "batches", "evaluate"):
+        check_step_config(store, steps[key], by=key)  # the job's own step configs match (choice types included)
+    check_step_config(store, steps["rollout"][0], by="rollout")
+    drifted = dataclasses.replace(steps["batches"], train=dataclasses.replace(cfg.train, max_lag=3))
+    with pytest.raises(RunConfigMismatchError) as e:
+        check_step_config(store, drifted, by="steps.make_batches")
+    assert e.value.field == "train.max_lag" and e.value.value == 3
+
+
+def test_model_shape_flags_with_an_hf_checkpoint_are_refused_by_name() -> None:
+    from pipeline.config import ModelSpec
+
+    ModelSpec(hf_checkpoint="/some/hf/folder", max_seq_len=64)  # the context length stays ours
+    with pytest.raises(ConfigError) as e:
+        ModelSpec(hf_checkpoint="/some/hf/folder", num_layers=8)
+    assert e.value.field == "model.num_layers" and e.value.value == 8
+    assert "hf_checkpoint" in str(e.value)

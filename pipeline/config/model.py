@@ -13,6 +13,8 @@ from pipeline.config.base import require
 # ---------------------------------------------------------------------------------------
 
 MODEL_FAMILIES = ("llama", "qwen3")
+SHAPE_FIELDS = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads")
+"""The fields a `model.hf_checkpoint`'s own config.json decides (given with one, they would be ignored)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,15 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         require(self.family in MODEL_FAMILIES, "model.family", self.family, f"one of {MODEL_FAMILIES}")
+        if self.hf_checkpoint:
+            for name in SHAPE_FIELDS:
+                value = getattr(self, name)
+                require(
+                    value == getattr(ModelSpec, name),
+                    f"model.{name}",
+                    value,
+                    "not allowed with model.hf_checkpoint (its config.json sets the shape)",
+                )
         require(self.hidden_dim % self.num_heads == 0, "model.hidden_dim", self.hidden_dim, "must divide by num_heads")
         require(
             self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads, "must divide num_heads"

@@ -289,7 +289,9 @@ class CurriculumWriter:
     def _publish(self, state: CurriculumState) -> CurriculumState:
         path = layout.curriculum_state(state.step)
         doc = _state_document(state)
-        if self.store.put_json_if_absent(path, doc):
+        # One key per line and a final newline, so that `grep reason curriculum/state-*.json` prints each reason
+        # alone; the bytes are a function of the state, so a rebuild writes the same file.
+        if self.store.put_if_absent(path, json.dumps(doc, sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"):
             for e in state.events:
                 if e.step == state.step:
                     logger.info("curriculum: %s", e.reason)

@@ -6,7 +6,9 @@ import argparse
 import logging
 from collections.abc import Sequence
 
+from pipeline.config import ConfigError
 from pipeline.report.page import build_report
+from pipeline.storage import existing_run_root
 
 DESCRIPTION = "One self-contained HTML report of a run, built from the run root alone (no tracker needed)."
 
@@ -16,6 +18,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=DESCRIPTION)
     parser.add_argument("run_root", help="run root: local folder or fsspec URL (gs://bucket/run)")
     parser.add_argument("--out", default=None, help="output folder (default: <run_root>/report if local)")
+    parser.add_argument(
+        "--store.storage_options", dest="storage_options", help='fsspec options (JSON: \'{"token": "anon"}\')'
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    print(build_report(args.run_root, args.out))
+    try:  # a typo'd run root: one line, exit code 2, nothing created
+        options = existing_run_root(args.run_root, args.storage_options)
+    except ConfigError as e:
+        parser.exit(2, f"error: {e}\n")
+    print(build_report(args.run_root, args.out, options))
