@@ -29,6 +29,9 @@ from pipeline.progress import JobProgress, RunProgress
 from pipeline.runners.base import STOP_GRACE_S, StepSpec, make_launcher
 from pipeline.step_logs import LogTarget, location, log_target
 
+EXIT_CONFIG = 2
+"""The exit code of a step that refused its configuration (steps/cli.py): never restarted."""
+
 logger = logging.getLogger(__name__)
 
 EVALUATOR_DRAIN_S = 300.0
@@ -154,6 +157,10 @@ class JobRunner:
             else:
                 logger.info("%s exited with %d", spec.name, rc)
             return True
+        if rc == EXIT_CONFIG:  # a refused config (drift, bad value) fails the same way on every restart
+            logger.error("%s refused its configuration (exit %d); stopping the job; see %s", spec.name, rc,
+                         self.log_location(spec.name))  # fmt: skip
+            return False
         spec.restarts += 1
         if spec.restarts > self.cfg.max_restarts:
             logger.error(
