@@ -80,7 +80,8 @@ def trl_child(size: str, steps: int, out: str, t_start: float) -> None:
                 rows.append({"step": state.global_step, "reward": logs["reward"], "t": time.time() - t_start})
 
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES_PER_PROMPT,
         num_generations=SAMPLES_PER_PROMPT, max_completion_length=MAX_TOKENS, temperature=1.0, learning_rate=LR,
         lr_scheduler_type="constant", warmup_steps=0, beta=0.0, max_grad_norm=1.0, max_steps=steps, logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=True, seed=0, bf16=False, disable_tqdm=True,
