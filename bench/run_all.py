@@ -248,7 +248,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
         rows.append(
             (f"step start: {r['step']}", f"{r['warm_s']:.2f} s warm", f"{r['cold_s']:.2f} s cold", "-", "<= 3 s")
         )
-    trl_goals = {"steps_to_3x_start": "<= 1", "steps_to_0.5": "<= 1", "s_per_step": "<= 2 (0.2 s tiny)"}
+    trl_goals = {"steps_to_3x_start": "<= 1", "steps_to_0.5": "<= 1"}
     for r in results.get("trl") or []:
         if "ratio" not in r:
             continue
@@ -267,7 +267,10 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                     _f(r.get(key)),
                     f"TRL {_f(trl.get(key))}",
                     _f(r["ratio"].get(key), ".2f"),
-                    trl_goals.get(key, "-"),
+                    trl_goals.get(key)
+                    or {("tiny", "s_per_step"): "<= 0.2 s abs", ("50m", "s_per_step"): "<= 0.5"}.get(
+                        (r["size"], key), "-"
+                    ),
                 )
             )
     return rows

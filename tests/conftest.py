@@ -4,6 +4,12 @@
 - `store` (parametrized: local, file, memory, gs): an empty `RunStore` on a fresh root of that backend.
 - `local_store`: an empty `RunStore` on a fresh local folder.
 - `store_factory(backend)`: a fresh empty root of the named backend (for tests that pick backends themselves).
+
+Scheduling over xdist workers (`make test` runs `-n 2 --dist loadgroup`): a test that uses a module- or
+class-scoped fixture (a job shared by several assertions) is kept on one worker with the other users of that
+fixture (its `xdist_group` is the module or class), so the fixture runs once; every other test is scheduled on
+its own, so the long end-to-end tests spread over both workers instead of queueing behind one file. Slow tests
+are scheduled first, so the short ones fill in at the end. A test's own `xdist_group` mark wins.
 """
 
 from __future__ import annotations
@@ -32,6 +38,29 @@ BACKENDS = ("local", "file", "memory", "gs")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a slow test (crash suites, end-to-end runs)")
+
+
+def _shared_scope(item: pytest.Item) -> str | None:
+    """The widest of module / class a fixture of `item` is scoped to ("module" wins), or None."""
+    info = getattr(item, "_fixtureinfo", None)
+    scopes = {d.scope for defs in (info.name2fixturedefs.values() if info else ()) for d in defs}
+    if "module" in scopes or "package" in scopes:
+        return "module"
+    return "class" if "class" in scopes else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Group tests that share a module/class fixture; put slow tests first (see the module docstring)."""
+    for item in items:
+        if any(True for _ in item.iter_markers("xdist_group")):
+            continue
+        scope = _shared_scope(item)
+        if scope == "module":
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        elif scope == "class":
+            item.add_marker(pytest.mark.xdist_group("::".join(item.nodeid.split("::")[:2])))
+    items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1)
 
 
 @pytest.fixture(scope="session")
