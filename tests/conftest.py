@@ -14,11 +14,14 @@ are scheduled first, so the short ones fill in at the end. A test's own `xdist_g
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +39,7 @@ from pipeline.storage import RunStore
 BACKENDS = ("local", "file", "memory", "gs")
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _add_markers(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a slow test (crash suites, end-to-end runs)")
 
 
@@ -49,18 +52,68 @@ def _shared_scope(item: pytest.Item) -> str | None:
     return "class" if "class" in scopes else None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks
+_GROUPS_ENV = "RLPIPE_XDIST_GROUPS"
+
+
+def _group(item: pytest.Item) -> str | None:
+    """The xdist group of a test: its own `xdist_group` mark, else its module / class if it uses a fixture of
+    that scope (a shared job), else None (scheduled on its own)."""
+    for mark in item.iter_markers("xdist_group"):
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    scope = _shared_scope(item)
+    if scope == "module":
+        return item.nodeid.split("::")[0]
+    if scope == "class":
+        return "::".join(item.nodeid.split("::")[:2])
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """On the xdist controller with `--dist loadgroup`: a file where the workers leave the test groups."""
+    if getattr(config.option, "dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="rlpipe-xdist-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[_GROUPS_ENV] = path  # inherited by the workers, started after this hook
+    _add_markers(config)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group tests that share a module/class fixture; put slow tests first (see the module docstring)."""
-    for item in items:
-        if any(True for _ in item.iter_markers("xdist_group")):
-            continue
-        scope = _shared_scope(item)
-        if scope == "module":
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-        elif scope == "class":
-            item.add_marker(pytest.mark.xdist_group("::".join(item.nodeid.split("::")[:2])))
+    """Slow tests first, so the short ones fill in at the end; a worker records the groups for the scheduler."""
     items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1)
+    path = os.environ.get(_GROUPS_ENV)
+    if path and hasattr(config, "workerinput"):
+        groups = {it.nodeid: g for it in items if (g := _group(it)) is not None}
+        tmp = f"{path}.{config.workerinput['workerid']}"
+        Path(tmp).write_text(json.dumps(groups))
+        os.replace(tmp, path)  # every worker collects the same tests; the last complete write wins
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = os.environ.get(_GROUPS_ENV)
+    if path and not hasattr(config, "workerinput"):
+        Path(path).unlink(missing_ok=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` by the groups of `_group` (xdist's own `xdist_group` handling does not reach the
+    scheduler under pytest 9, whose node ids no longer follow `item._nodeid`)."""
+    path = os.environ.get(_GROUPS_ENV)
+    if getattr(config.option, "dist", "no") != "loadgroup" or not path:
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FixtureGroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:  # read once every worker has sent its collection (the file is written before)
+                text = Path(path).read_text()
+                self._groups = json.loads(text) if text else {}
+            return self._groups.get(nodeid, nodeid)
+
+    return FixtureGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
