@@ -12,9 +12,10 @@ group-normalised advantage and its own loss aggregation, rlpipe the job's `rloo`
 asynchronously (a batch may come from the previous policy, `max_lag: 1`), TRL synchronously.
 
 Per size: learner steps to 3x the start reward and to 0.5 (start = mean of the first 3 steps; a milestone is
-the first step whose 5-step trailing mean reaches it), wall seconds per learner step at steady state (median
-of step-to-step intervals after the first 3 steps), wall time to each milestone from process start, peak
-memory (RSS summed over the run's process tree, sampled every 0.2 s) and the ratio rlpipe / TRL of each.
+the first step whose 5-step trailing mean reaches it), wall seconds per learner step at steady state
+(median of step-to-step intervals after the first 3 steps; of all intervals in a run of 4 steps or fewer),
+wall time to each milestone from process start, peak memory (RSS summed over the run's process tree, sampled
+every 0.2 s) and the ratio rlpipe / TRL of each.
 
     python -m bench.bench_trl --sizes tiny,50m --steps 50 --steps_50m 10 --json out.json
 TRL runs in the interpreter named by --trl_python (default: this one); without `trl` there, the TRL column is
@@ -198,7 +199,8 @@ def milestones(rows: list[dict[str, float]]) -> dict[str, Any]:
         hit = next((i for i in range(len(rows)) if statistics.mean(rewards[max(0, i - 4) : i + 1]) >= target), None)
         out[f"steps_to_{name}"] = None if hit is None else int(rows[hit]["step"])
         out[f"s_to_{name}"] = None if hit is None else rows[hit]["t"]
-    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(rows)]
+    steady = rows[3:] if len(rows) > 4 else rows  # a short smoke run has no steady state: all intervals
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(steady)]
     out["s_per_step"] = statistics.median(gaps) if gaps else None
     return out
 
