@@ -41,14 +41,19 @@ setup: $(VENV)/.synced ## Create the environment (uv, pinned by uv.lock)
 demo: setup ## Run the cats demo job on RUN (runs/demo; an existing one is refused unless FRESH=1), print rewards, write the report
 	$(PY) -m steps.demo --config_path $(CONFIG) --run_root $(RUN) $(if $(filter 1 true yes,$(FRESH)),--fresh true) $(ARGS)
 
+# --dist loadgroup: tests sharing a module-scoped job fixture stay on one worker, every other test (the long
+# end-to-end ones included) is scheduled on its own, slow tests first (tests/conftest.py). --durations=25 prints
+# where the time went.
+PYTEST_DIST := -n 2 --dist loadgroup --durations=25
+
 test: setup ## Run the whole test suite (what CI runs)
-	$(PY) -m pytest -q -n 2 --dist loadfile --timeout 900 tests $(ARGS)
+	$(PY) -m pytest -q $(PYTEST_DIST) --timeout 900 tests $(ARGS)
 
 test-fast: setup ## Run the tests not marked slow
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests $(ARGS)
+	$(PY) -m pytest -q $(PYTEST_DIST) -m "not slow" tests $(ARGS)
 
 test-slow: setup ## Run only the tests marked slow (end-to-end, crash and learning tests)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m slow tests $(ARGS)
+	$(PY) -m pytest -q $(PYTEST_DIST) -m slow tests $(ARGS)
 
 lint: setup ## ruff check + format check
 	$(VENV)/bin/ruff check .
@@ -61,8 +66,14 @@ format: setup ## Apply ruff format and autofixes
 typecheck: setup ## mypy on pipeline/, schemas/ and policy/
 	$(VENV)/bin/mypy pipeline schemas policy
 
-bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo
-	$(PY) -m bench.run_all $(ARGS)
+# The bench dependency group (pyproject.toml): TRL for the side-by-side comparison, installed into .venv on first
+# use (CPU torch comes with setup). If it cannot be installed, the TRL part is skipped with a note.
+BENCH_PKGS := trl==1.16.0 accelerate==1.15.0
+
+bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo, step start, rlpipe vs TRL
+	@$(PY) -c "import trl, accelerate" 2>/dev/null || $(UV) pip install -q --python $(PY) $(BENCH_PKGS) || \
+	  echo "note: could not install $(BENCH_PKGS); the TRL comparison is skipped"
+	$(PY) -m bench.run_all $$($(PY) -c "import trl, torch" 2>/dev/null || echo --skip_trl) $(ARGS)
 
 # bench-gpu runs with the machine's own python3 (a GPU machine has the project's wheels installed, no .venv).
 # BENCH_PYTHONPATH: folders put first on PYTHONPATH (e.g. where the wheels were installed with pip --target);

@@ -9,7 +9,10 @@ JSON; this program prints each part's own table as it finishes, then the summary
 - learner: tokens/s of a levanter train step, tiny and ~50M-parameter models;
 - rollout: generation tokens/s, our dense sampler vs levanter's InferenceEngine (the peer), both sizes;
 - end to end: the demo job (`configs/demo_cats.yaml`) on a fresh run root: learner steps/min, fraction of
-  learner wall time spent waiting for batches, rollouts/s, reward at the first and last batch.
+  learner wall time spent waiting for batches, rollouts/s, reward at the first and last batch;
+- startup: each step's start (process start -> ready to work), cold and warm (goal <= 3 s);
+- trl: rlpipe vs TRL's GRPOTrainer on the cats task at the tiny and ~50M sizes (needs `trl` and CPU torch, the
+  `bench` dependency group that `make bench` installs; `--skip_trl` leaves it out).
 
     python -m bench.run_all                      # everything (~15-25 min on 2 cores)
     python -m bench.run_all --quick              # smaller sizes, for a smoke check (~5 min)
@@ -37,7 +40,7 @@ from bench.common import machine_name
 
 logger = logging.getLogger("rlpipe.bench")
 
-PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e")
+PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e", "startup", "trl")
 
 
 def _run(cmd: list[str], timeout_s: float) -> float:
@@ -82,6 +85,19 @@ def part_rollout(tmp: Path, quick: bool) -> list[dict[str, Any]]:
     sizes = "tiny" if quick else "tiny,50m"
     cmd = [sys.executable, "-m", "bench.bench_rollout", "--sizes", sizes, "--backends", "dense,levanter"]
     _run([*cmd, "--json", str(out)], 3600)
+    return list(json.loads(out.read_text())["rows"])
+
+
+def part_startup(tmp: Path, quick: bool) -> list[dict[str, Any]]:
+    out = tmp / "startup.json"
+    _run([sys.executable, "-m", "bench.bench_startup", "--starts", "2" if quick else "3", "--json", str(out)], 3600)
+    return list(json.loads(out.read_text())["rows"])
+
+
+def part_trl(tmp: Path, quick: bool) -> list[dict[str, Any]]:
+    out = tmp / "trl.json"
+    cmd = [sys.executable, "-m", "bench.bench_trl", "--sizes", "tiny" if quick else "tiny,50m"]
+    _run([*cmd, "--steps", "20" if quick else "50", "--steps_50m", "10", "--json", str(out)], 7200)
     return list(json.loads(out.read_text())["rows"])
 
 
@@ -228,6 +244,35 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 "-",
             )
         )
+    for r in results.get("startup") or []:
+        rows.append(
+            (f"step start: {r['step']}", f"{r['warm_s']:.2f} s warm", f"{r['cold_s']:.2f} s cold", "-", "<= 3 s")
+        )
+    trl_goals = {"steps_to_3x_start": "<= 1", "steps_to_0.5": "<= 1"}
+    for r in results.get("trl") or []:
+        if "ratio" not in r:
+            continue
+        trl = next(t for t in results["trl"] if t["size"] == r["size"] and t["system"] == "trl")
+        for key, label in (
+            ("steps_to_3x_start", "learner steps to 3x start reward"),
+            ("steps_to_0.5", "learner steps to reward 0.5"),
+            ("s_per_step", "wall s per learner step"),
+            ("s_to_3x_start", "wall s to 3x start reward"),
+            ("s_to_0.5", "wall s to reward 0.5"),
+            ("peak_rss_mib", "peak memory MiB"),
+        ):
+            rows.append(
+                (
+                    f"vs TRL, {r['size']}: {label}",
+                    _f(r.get(key)),
+                    f"TRL {_f(trl.get(key))}",
+                    _f(r["ratio"].get(key), ".2f"),
+                    trl_goals.get(key)
+                    or {("tiny", "s_per_step"): "<= 0.2 s abs", ("50m", "s_per_step"): "<= 0.5"}.get(
+                        (r["size"], key), "-"
+                    ),
+                )
+            )
     return rows
 
 
@@ -256,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke check, not the stated goals)")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     ap.add_argument("--out", default="runs/bench", help="folder for the results JSON")
+    ap.add_argument("--skip_trl", action="store_true", help="leave out the TRL comparison (no bench env)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    parts = [p for p in args.only.split(",") if p]
+    parts = [p for p in args.only.split(",") if p and not (args.skip_trl and p == "trl")]
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"--only: unknown part(s) {bad}; choose from {PARTS}")
@@ -275,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "learner": part_learner,
         "rollout": part_rollout,
         "e2e": part_e2e,
+        "startup": part_startup,
+        "trl": part_trl,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
     failed = []

@@ -3,3 +3,9 @@
 Imports point one way: `steps` (programs) -> `policy` (this package, JAX) -> `pipeline` (JAX-free run-root
 logic) -> `schemas` (declared records and tables).
 """
+
+# First, before any module of this package imports levanter: load levanter's submodules without its package
+# `__init__` (which imports datasets, pandas, ray and torch and costs ~10 s per step process). See _imports.py.
+from policy import _imports
+
+_imports.install()

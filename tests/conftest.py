@@ -4,15 +4,24 @@
 - `store` (parametrized: local, file, memory, gs): an empty `RunStore` on a fresh root of that backend.
 - `local_store`: an empty `RunStore` on a fresh local folder.
 - `store_factory(backend)`: a fresh empty root of the named backend (for tests that pick backends themselves).
+
+Scheduling over xdist workers (`make test` runs `-n 2 --dist loadgroup`): a test that uses a module- or
+class-scoped fixture (a job shared by several assertions) is kept on one worker with the other users of that
+fixture (its `xdist_group` is the module or class), so the fixture runs once; every other test is scheduled on
+its own, so the long end-to-end tests spread over both workers instead of queueing behind one file. Slow tests
+are scheduled first, so the short ones fill in at the end. A test's own `xdist_group` mark wins.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,8 +39,81 @@ from pipeline.storage import RunStore
 BACKENDS = ("local", "file", "memory", "gs")
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _add_markers(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a slow test (crash suites, end-to-end runs)")
+
+
+def _shared_scope(item: pytest.Item) -> str | None:
+    """The widest of module / class a fixture of `item` is scoped to ("module" wins), or None."""
+    info = getattr(item, "_fixtureinfo", None)
+    scopes = {d.scope for defs in (info.name2fixturedefs.values() if info else ()) for d in defs}
+    if "module" in scopes or "package" in scopes:
+        return "module"
+    return "class" if "class" in scopes else None
+
+
+_GROUPS_ENV = "RLPIPE_XDIST_GROUPS"
+
+
+def _group(item: pytest.Item) -> str | None:
+    """The xdist group of a test: its own `xdist_group` mark, else its module / class if it uses a fixture of
+    that scope (a shared job), else None (scheduled on its own)."""
+    for mark in item.iter_markers("xdist_group"):
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    scope = _shared_scope(item)
+    if scope == "module":
+        return item.nodeid.split("::")[0]
+    if scope == "class":
+        return "::".join(item.nodeid.split("::")[:2])
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """On the xdist controller with `--dist loadgroup`: a file where the workers leave the test groups."""
+    if getattr(config.option, "dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="rlpipe-xdist-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[_GROUPS_ENV] = path  # inherited by the workers, started after this hook
+    _add_markers(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow tests first, so the short ones fill in at the end; a worker records the groups for the scheduler."""
+    items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1)
+    path = os.environ.get(_GROUPS_ENV)
+    if path and hasattr(config, "workerinput"):
+        groups = {it.nodeid: g for it in items if (g := _group(it)) is not None}
+        tmp = f"{path}.{config.workerinput['workerid']}"
+        Path(tmp).write_text(json.dumps(groups))
+        os.replace(tmp, path)  # every worker collects the same tests; the last complete write wins
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = os.environ.get(_GROUPS_ENV)
+    if path and not hasattr(config, "workerinput"):
+        Path(path).unlink(missing_ok=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` by the groups of `_group` (xdist's own `xdist_group` handling does not reach the
+    scheduler under pytest 9, whose node ids no longer follow `item._nodeid`)."""
+    path = os.environ.get(_GROUPS_ENV)
+    if getattr(config.option, "dist", "no") != "loadgroup" or not path:
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FixtureGroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:  # read once every worker has sent its collection (the file is written before)
+                text = Path(path).read_text()
+                self._groups = json.loads(text) if text else {}
+            return self._groups.get(nodeid, nodeid)
+
+    return FixtureGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
