@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from pipeline.watch import Backoff, Waker
+
 T = TypeVar("T")
 
 
@@ -22,17 +24,25 @@ def poll_until(
     setting: str | None = None,
     on_wait: Callable[[], None] | None = None,
     progress: Callable[[], object] | None = None,
+    waker: Waker | None = None,
 ) -> tuple[T, float]:
     """Call `condition` until it returns something other than None/False; return (that value, seconds waited).
 
     `on_wait` runs before each sleep (renew a lease, check a stop file: it may raise to abort the wait).
     With `progress`, the timeout restarts whenever `progress()` changes. Raises `WaitTimeout` naming `what`
     (and `setting`, the config field that bounds the wait) after `timeout_s` without success or progress.
+
+    Between checks it sleeps on `waker` (`pipeline.watch.waker_for(store)`): on a local root a change under the
+    root ends the sleep at once; otherwise sleeps are adaptive, from a few ms doubling up to `interval_s`. No
+    sleep exceeds `interval_s`.
     """
+    waker = waker if waker is not None else Waker(None)
+    backoff = Backoff(interval_s)
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     last = progress() if progress is not None else None
     while True:
+        mark = waker.mark()
         value = condition()
         if value is not None and value is not False:
             return value, time.monotonic() - t0
@@ -47,4 +57,5 @@ def poll_until(
             raise WaitTimeout(f"waited {now - t0:.1f}s{bound} for {desc}")
         if on_wait is not None:
             on_wait()
-        time.sleep(interval_s)
+        if waker.sleep(backoff.next(waker.event_driven), mark):
+            backoff.reset()

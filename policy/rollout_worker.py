@@ -28,6 +28,7 @@ from pipeline.pacing import PacingDecision, count_unconsumed_rows, pacing_decisi
 from pipeline.poll import WaitTimeout, poll_until
 from pipeline.storage import RunStore, StorageError
 from pipeline.tokenizer import load_tokenizer
+from pipeline.watch import Backoff, waker_for
 from pipeline.watchdog import watchdog
 from policy.rollout_manager import RolloutBatch, RolloutManager, batch_stats
 from schemas import ROLLOUT
@@ -52,6 +53,9 @@ METRICS: dict[str, str] = {
     "time/weight_load_s": "seconds loading policies since the previous write",
     "time/pause_s": "seconds paused by pacing since the previous write",
     "time/sample_lesson_s": "seconds reading curriculum state and drawing the lesson",
+    "worker_noticed_at": "unix time this worker saw the sampling policy committed (before loading it)",
+    "generate_started_at / generated_at": "unix times generation of this write started / ended",
+    "rollout_committed_at": "unix time the write's ready marker was committed",
 }
 """Every metric the rollout step logs, defined once."""
 
@@ -108,6 +112,11 @@ class RolloutWorker:
         self._weight_load_s = 0.0
         self._pause_s = 0.0
         self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
+        self._noticed_at: dict[int, float] = {}
+        """policy step -> unix time this worker first saw it committed (recorded in its ready markers)."""
+        self._waker = waker_for(self.store)
+        self._mark = 0
+        self._backoff = Backoff(config.poll_interval_s)
         self.summary = WorkerSummary()
 
     # -- control ------------------------------------------------------------------------------------
@@ -117,6 +126,7 @@ class RolloutWorker:
         if not self._stop.is_set():
             self._stop_reason = reason
             self._stop.set()
+            self._waker.poke()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: finish the current phase, then exit cleanly. A second signal exits at once (130)."""
@@ -222,7 +232,9 @@ class RolloutWorker:
             interval_s=self.config.poll_interval_s,
             setting="wait_for_policy_timeout_s",
             on_wait=check_stop,
+            waker=self._waker,
         )
+        self._noticed_at.setdefault(step, time.time())
         return step
 
     def _load_step(self, step: int) -> Any:
@@ -247,6 +259,7 @@ class RolloutWorker:
                     self._current_step,
                 )
             return False
+        self._noticed_at.setdefault(latest, time.time())
         model = self._load_step(latest)
         t0 = time.monotonic()
         with watchdog(f"model update (policy {latest})", self.config.weight_load_timeout_s):
@@ -317,8 +330,10 @@ class RolloutWorker:
         state = load_latest_curriculum(self.store, self.config.curriculum)
         return sample_lesson(sampling_weights(state, self.config.curriculum), self._rng)
 
-    def write(self, batch: RolloutBatch) -> str:
-        """Commit the batch as `rollouts/step-P/<name>-<seq>.parquet` (+ ready marker); return the path."""
+    def write(self, batch: RolloutBatch, timing: dict[str, float] | None = None) -> str:
+        """Commit the batch as `rollouts/step-P/<name>-<seq>.parquet` (+ ready marker); return the path.
+
+        `timing` (unix times, `METRICS`) goes into the ready marker for the learner's per-hop breakdown."""
         P = batch.metadata.weight_step
         rel = layout.rollout_file(P, self.name, self._seq)
         table = ROLLOUT.to_table(batch.rows)
@@ -331,6 +346,7 @@ class RolloutWorker:
             "signal_rows": signal_rows(batch.rows),
             "n_failures": len(batch.failures),
             "failures": [f.to_json() for f in batch.failures[:200]],
+            **(timing or {}),
         }
         with watchdog(f"write {rel}", self.config.write_timeout_s):
             committed = self.store.commit_data(rel, table, ROLLOUT, extra=extra)
@@ -350,6 +366,7 @@ class RolloutWorker:
         writes = 0
         try:
             while not self._should_stop(started):
+                self._mark = self._waker.mark()  # before reading the root: a change from now on ends a pause
                 self.sync_weights()
                 if self._paused(self.pace()):
                     continue
@@ -386,12 +403,14 @@ class RolloutWorker:
         if state != self._progress[:2]:
             self._progress = (*state, time.monotonic())
         if decision.produce:
+            self._backoff.reset()
             return False
         stalled = time.monotonic() - self._progress[2]
         if not (decision.reason.startswith("ahead") and stalled >= self._stall_grace_s):
             logger.debug("pausing: %s", decision.reason)
             t0 = time.monotonic()
-            self._stop.wait(self.config.poll_interval_s)
+            if self._waker.sleep(self._backoff.next(self._waker.event_driven), self._mark):
+                self._backoff.reset()
             self._pause_s += time.monotonic() - t0
             return True
         logger.info(
@@ -416,6 +435,9 @@ class RolloutWorker:
         if c.curriculum.micro_eval_frequency and writes and writes % c.curriculum.micro_eval_frequency == 0:
             self._micro_eval(lesson_id)
         policy = self._policy_for_pacing()
+        timing = {"generate_started_at": time.time()}
+        if policy in self._noticed_at:
+            timing["worker_noticed_at"] = self._noticed_at[policy]
         with watchdog(f"generation (lesson {lesson_id})", c.generation_timeout_s):
             batch, m = self.manager.sample_batch(
                 lesson_id,
@@ -431,9 +453,11 @@ class RolloutWorker:
         if batch is None:
             self.metrics.log({"event": "empty", "lesson_id": lesson_id, **m})
             return False
+        timing["generated_at"] = time.time()
         t0 = time.monotonic()
-        rel = self.write(batch)
-        self._log_write(batch, m, rel, time.monotonic() - t0, t_lesson)
+        rel = self.write(batch, timing)
+        timing["rollout_committed_at"] = time.time()
+        self._log_write(batch, m, rel, time.monotonic() - t0, t_lesson, timing)
         return True
 
     def _micro_eval(self, lesson_id: str) -> None:
@@ -451,7 +475,15 @@ class RolloutWorker:
             )
         self.metrics.log({"event": "micro_eval", **dataclasses.asdict(stats)})
 
-    def _log_write(self, batch: RolloutBatch, m: dict[str, float], rel: str, write_s: float, t_lesson: float) -> None:
+    def _log_write(
+        self,
+        batch: RolloutBatch,
+        m: dict[str, float],
+        rel: str,
+        write_s: float,
+        t_lesson: float,
+        timing: dict[str, float],
+    ) -> None:
         c = self.config
         P = batch.metadata.weight_step
         latest = self._latest_policy()
@@ -481,6 +513,7 @@ class RolloutWorker:
                 "time/weight_load_s": self._weight_load_s,
                 "time/pause_s": self._pause_s,
                 "time/sample_lesson_s": t_lesson,
+                **timing,
             }
         )
         self._weight_load_s = 0.0
