@@ -44,12 +44,20 @@ def estimate_unconsumed_rows(rows_by_policy: dict[int, int], last_slot: int, max
 
 
 def signal_rows(rows: Sequence[RolloutRow]) -> int:
-    """Rows in groups (group_key, policy_step) whose episode rewards are not all equal: what a BatchMaker that
-    filters zero-variance groups can admit from them."""
+    """Rows with a learning signal: in a group (group_key, policy_step) whose episode rewards are not all equal,
+    and with a reward other than the group's mean (its advantage, leave-one-out or mean-centred, is then not 0).
+    What a BatchMaker that filters zero-variance groups and zero-advantage rows can admit; counting a row whose
+    advantage is exactly 0 would let pacing wait for rows that never come."""
     rewards: dict[tuple[str, int], list[float]] = {}
     for r in rows:
         rewards.setdefault((r.group_key, r.policy_step), []).append(r.episode_reward)
-    return sum(len(v) for v in rewards.values() if max(v) > min(v))
+    n = 0
+    for v in rewards.values():
+        if max(v) > min(v):
+            mean = sum(v) / len(v)
+            tol = 1e-9 * max(1.0, max(abs(x) for x in v))
+            n += sum(1 for x in v if abs(x - mean) > tol)
+    return n
 
 
 def usable_rows(rows: int, signal: int | None, *, filter_zero_variance: bool, no_signal_fill_after: int) -> int:

@@ -16,6 +16,7 @@ from matplotlib.ticker import AutoLocator
 
 from pipeline import layout
 from pipeline.report.data import RunData, last_per, num, series, start_time
+from pipeline.report.latency import latency_section
 from pipeline.report.plots import Plot, Section, add_legend, fmt, html_table, new_figure, to_png
 
 SECTION_TITLES = (
@@ -25,6 +26,7 @@ SECTION_TITLES = (
     "Staleness",
     "Throughput",
     "Learner idle time",
+    "Per-step latency",
     "Rollout fates",
     "Curriculum events",
 )
@@ -379,6 +381,7 @@ SECTIONS: tuple[Callable[[RunData], Section], ...] = (
     staleness_section,
     throughput_section,
     idle_section,
+    latency_section,
     fates_section,
     curriculum_section,
 )
