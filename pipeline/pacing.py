@@ -63,14 +63,17 @@ def signal_rows(rows: Sequence[RolloutRow]) -> int:
 def usable_rows(rows: int, signal: int | None, *, filter_zero_variance: bool, no_signal_fill_after: int) -> int:
     """Rows of one committed file that count toward pacing.
 
-    Without zero-variance filtering (or for a marker without `signal_rows`): every row. With it: the signal rows,
-    plus the other rows divided by `no_signal_fill_after + 1` (the BatchMaker admits no-signal rows only after that
-    many all-filtered files, and the next file fills the slot), or nothing for them when it never fills (0).
+    Without zero-variance filtering (or for a marker without `signal_rows`): every row. With it: a file with signal
+    counts its signal rows only (its other rows are admitted only while a slot is being filled, which files with
+    signal do not start; counting them made workers pause for rows that never came). A file without any signal
+    counts `rows / (no_signal_fill_after + 1)`: the BatchMaker admits no-signal rows only after that many
+    all-filtered files, and the next file fills the slot; nothing when it never fills (0).
     """
     if not filter_zero_variance or signal is None:
         return rows
-    rest = max(rows - signal, 0)
-    return signal + (math.ceil(rest / (no_signal_fill_after + 1)) if no_signal_fill_after > 0 else 0)
+    if signal > 0:
+        return signal
+    return math.ceil(rows / (no_signal_fill_after + 1)) if no_signal_fill_after > 0 else 0
 
 
 def count_unconsumed_rows(
