@@ -44,7 +44,7 @@ EVENTS = (
 HOPS = (
     "publish",
     "worker_notice",
-    "weight_load",
+    "load_and_pace",
     "generate",
     "rollout_commit",
     "batch_notice",
@@ -59,7 +59,7 @@ HOPS = (
 HOP_HELP = {
     "publish": "the previous policy being committed (background publish still running)",
     "worker_notice": "a rollout worker noticing the new policy",
-    "weight_load": "loading the policy, and pacing, before generation started",
+    "load_and_pace": "loading the policy, and pacing, before generation started",
     "generate": "generating the rollout file that completed the batch",
     "rollout_commit": "writing that rollout file and its ready marker",
     "batch_notice": "the BatchMaker noticing and reading that file (or the learner's policy, when paced)",
