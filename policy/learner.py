@@ -356,9 +356,14 @@ class PolicyPublisher:
                 keep.append(f)
         self._pending = keep
 
+    MAX_PENDING = 2
+    """Policies in flight at most (each holds a model in memory): a slower store makes the learner wait."""
+
     def submit(self, state: LearnerState) -> None:
         """Queue policy `state.step` for commit (after every policy queued before it)."""
         self._reap(wait=False)
+        while len(self._pending) >= self.MAX_PENDING:
+            self._pending.pop(0).result()
         self._pending.append(self._pool.submit(self._publish, state))
 
     def publish_now(self, state: LearnerState) -> None:
