@@ -457,7 +457,7 @@ class RolloutWorker:
         t0 = time.monotonic()
         rel = self.write(batch, timing)
         timing["rollout_committed_at"] = time.time()
-        self._log_write(batch, m, rel, time.monotonic() - t0, t_lesson, timing)
+        self._log_write(batch, {**m, **timing}, rel, time.monotonic() - t0, t_lesson)
         return True
 
     def _micro_eval(self, lesson_id: str) -> None:
@@ -475,15 +475,7 @@ class RolloutWorker:
             )
         self.metrics.log({"event": "micro_eval", **dataclasses.asdict(stats)})
 
-    def _log_write(
-        self,
-        batch: RolloutBatch,
-        m: dict[str, float],
-        rel: str,
-        write_s: float,
-        t_lesson: float,
-        timing: dict[str, float],
-    ) -> None:
+    def _log_write(self, batch: RolloutBatch, m: dict[str, float], rel: str, write_s: float, t_lesson: float) -> None:
         c = self.config
         P = batch.metadata.weight_step
         latest = self._latest_policy()
@@ -513,7 +505,6 @@ class RolloutWorker:
                 "time/weight_load_s": self._weight_load_s,
                 "time/pause_s": self._pause_s,
                 "time/sample_lesson_s": t_lesson,
-                **timing,
             }
         )
         self._weight_load_s = 0.0
