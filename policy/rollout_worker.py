@@ -112,6 +112,7 @@ class RolloutWorker:
         self._weight_load_s = 0.0
         self._pause_s = 0.0
         self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
+        self._no_signal: dict[str, int] = {}  # committed files without signal rows -> their rows
         self._noticed_at: dict[int, float] = {}
         """policy step -> unix time this worker first saw it committed (recorded in its ready markers)."""
         self._waker = waker_for(self.store)
@@ -170,6 +171,8 @@ class RolloutWorker:
                             no_signal_fill_after=self.config.train.no_signal_fill_after,
                         )
                         self._markers[marker] = (p, n, rec.time)
+                        if self.config.train.filter_zero_variance and rec.signal_rows == 0:
+                            self._no_signal[layout.data_of_marker(marker)] = rec.rows
                     except (FileNotFoundError, StorageError) as e:
                         logger.warning("pacing: unreadable marker %s (%s); counted as 0 rows", marker, e)
                         self._markers[marker] = (p, 0, 0.0)
@@ -315,7 +318,13 @@ class RolloutWorker:
         last_slot = self._last_batch_slot()
         files = self._committed_rollouts(last_slot - c.train.max_lag, max(policy, last_slot))
         unconsumed = count_unconsumed_rows(
-            files, self._log_entry(last_slot), last_slot, c.train.max_lag, c.train.batch_size
+            files,
+            self._log_entry(last_slot),
+            last_slot,
+            c.train.max_lag,
+            c.train.batch_size,
+            no_signal=self._no_signal,
+            no_signal_fill_after=c.train.no_signal_fill_after,
         )
         return pacing_decision(
             policy_step=policy,
