@@ -8,6 +8,7 @@ JSON; this program prints each part's own table as it finishes, then the summary
   bytes (goal >= 0.7), and memory at 1/4 and at the end of the files (bounded by the window);
 - learner: tokens/s of a levanter train step, tiny and ~50M-parameter models;
 - rollout: generation tokens/s, our dense sampler vs levanter's InferenceEngine (the peer), both sizes;
+- per-step latency: the demo job's per-hop breakdown and wall seconds per learner step (goal <= 0.2 s);
 - end to end: the demo job (`configs/demo_cats.yaml`) on a fresh run root: learner steps/min, fraction of
   learner wall time spent waiting for batches, rollouts/s, reward at the first and last batch;
 - startup: each step's start (process start -> ready to work), cold and warm (goal <= 3 s);
@@ -40,7 +41,7 @@ from bench.common import machine_name
 
 logger = logging.getLogger("rlpipe.bench")
 
-PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e", "startup", "trl")
+PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e", "startup", "trl", "latency")
 
 
 def _run(cmd: list[str], timeout_s: float) -> float:
@@ -146,6 +147,13 @@ def part_e2e(tmp: Path, quick: bool) -> dict[str, Any]:
     figs = e2e_figures(run_root, wall)
     figs["config"] = config
     return figs
+
+
+def part_latency(tmp: Path, quick: bool) -> dict[str, Any]:
+    out = tmp / "latency.json"
+    config = "configs/test_cats.yaml" if quick else "configs/demo_cats.yaml"
+    _run([sys.executable, "-m", "bench.bench_latency", "--config", config, "--json", str(out)], 3600)
+    return dict(json.loads(out.read_text()))
 
 
 def _f(x: Any, fmt: str = ".3g") -> str:
@@ -273,6 +281,18 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                     ),
                 )
             )
+    lat = results.get("latency")
+    if lat:
+        top = sorted(lat["hops_median_s"].items(), key=lambda kv: -kv[1])[:3]
+        rows.append(
+            (
+                f"per-step latency ({lat['config']}): wall s/learner step",
+                f"{_f(lat['steady_s_per_step'])} s",
+                "median hops " + ", ".join(f"{h} {_f(s)}" for h, s in top),
+                "-",
+                "<= 0.2 s",
+            )
+        )
     return rows
 
 
@@ -323,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "e2e": part_e2e,
         "startup": part_startup,
         "trl": part_trl,
+        "latency": part_latency,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
     failed = []

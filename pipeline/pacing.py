@@ -4,12 +4,12 @@ Pure functions, no I/O. A rollout from policy P is usable in batch slot T iff `0
 (`pipeline.staleness.lag`). A worker pauses while its policy would be stale for the next slot T = B + 1 (B = the
 newest committed batch slot), and while the unconsumed rows usable by slot T or later already cover
 `max_steps_ahead` batches (`count_unconsumed_rows`; with zero-variance filtering a file counts its rows with
-signal, recorded as `signal_rows` in its ready marker, see `usable_rows`).
+signal, recorded as `signal_rows` in its ready marker, see `usable_rows`, and files without signal count once they
+would let the BatchMaker fill a slot, see `fill_credit`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,25 +44,42 @@ def estimate_unconsumed_rows(rows_by_policy: dict[int, int], last_slot: int, max
 
 
 def signal_rows(rows: Sequence[RolloutRow]) -> int:
-    """Rows in groups (group_key, policy_step) whose episode rewards are not all equal: what a BatchMaker that
-    filters zero-variance groups can admit from them."""
+    """Rows with a learning signal: in a group (group_key, policy_step) whose episode rewards are not all equal,
+    and with a reward other than the group's mean (its advantage, leave-one-out or mean-centred, is then not 0).
+    What a BatchMaker that filters zero-variance groups and zero-advantage rows can admit; counting a row whose
+    advantage is exactly 0 would let pacing wait for rows that never come."""
     rewards: dict[tuple[str, int], list[float]] = {}
     for r in rows:
         rewards.setdefault((r.group_key, r.policy_step), []).append(r.episode_reward)
-    return sum(len(v) for v in rewards.values() if max(v) > min(v))
+    n = 0
+    for v in rewards.values():
+        if max(v) > min(v):
+            mean = sum(v) / len(v)
+            tol = 1e-9 * max(1.0, max(abs(x) for x in v))
+            n += sum(1 for x in v if abs(x - mean) > tol)
+    return n
 
 
 def usable_rows(rows: int, signal: int | None, *, filter_zero_variance: bool, no_signal_fill_after: int) -> int:
-    """Rows of one committed file that count toward pacing.
+    """Rows of one committed file that count toward pacing on their own.
 
-    Without zero-variance filtering (or for a marker without `signal_rows`): every row. With it: the signal rows,
-    plus the other rows divided by `no_signal_fill_after + 1` (the BatchMaker admits no-signal rows only after that
-    many all-filtered files, and the next file fills the slot), or nothing for them when it never fills (0).
+    Without zero-variance filtering (or for a marker without `signal_rows`): every row. With it: the signal rows
+    only. The other rows are admitted only while the BatchMaker fills a slot, which starts after
+    `no_signal_fill_after` files without any signal: `count_unconsumed_rows` credits those from the files without
+    signal it is given (`no_signal`), since the fill depends on how many there are, not on one file.
     """
     if not filter_zero_variance or signal is None:
         return rows
-    rest = max(rows - signal, 0)
-    return signal + (math.ceil(rest / (no_signal_fill_after + 1)) if no_signal_fill_after > 0 else 0)
+    return signal
+
+
+def fill_credit(no_signal_rows: list[int], no_signal_fill_after: int) -> int:
+    """Rows a BatchMaker can still admit by filling from files without signal (rows of each, in reading order):
+    the first `no_signal_fill_after` of them only start the fill (0 rows), every later one is admitted whole.
+    Assumes the files without signal come last (pessimistic: a fill started earlier admits more); 0 never fills."""
+    if no_signal_fill_after <= 0:
+        return 0
+    return sum(no_signal_rows[no_signal_fill_after:])
 
 
 def count_unconsumed_rows(
@@ -71,6 +88,9 @@ def count_unconsumed_rows(
     last_slot: int,
     max_lag: int,
     batch_size: int,
+    *,
+    no_signal: dict[str, int] | None = None,
+    no_signal_fill_after: int = 0,
 ) -> int:
     """Rollout rows usable by slot B+1 or later (policies P >= B - max_lag) that no committed slot consumed.
 
@@ -81,27 +101,32 @@ def count_unconsumed_rows(
     - the entry holds its commit `time`: rows of files committed after it, plus rows of policies >= B
       (which no slot <= B can hold);
     - otherwise `estimate_unconsumed_rows`.
+    `no_signal` (path -> rows) names the files without any signal (zero-variance filtering): the unconsumed ones
+    add `fill_credit` with `no_signal_fill_after`.
     """
     lo = staleness.oldest_allowed_policy(last_slot + 1, max_lag)  # usable by the next slot B+1
     usable = {path: v for path, v in files.items() if v[0] >= lo}
+    live = 0
     if entry is None:
-        return sum(n for _, n, _ in usable.values())
-    cursor = entry.get("cursor")
-    if isinstance(cursor, dict) and isinstance(cursor.get("reservoir"), dict):
+        fresh = list(usable)
+    elif isinstance(cursor := entry.get("cursor"), dict) and isinstance(cursor.get("reservoir"), dict):
         seen = set(cursor.get("seen") or [])
         live = sum(
             len(f.get("rows") or [])
             for f in cursor["reservoir"].get("files", [])
             if int(f.get("policy_step", -1)) >= lo
         )
-        return live + sum(n for path, (_, n, _) in usable.items() if path not in seen)
-    if isinstance(entry.get("time"), int | float):
+        fresh = [path for path in usable if path not in seen]
+    elif isinstance(entry.get("time"), int | float):
         t = float(entry["time"])
-        return sum(n for p, n, mt in usable.values() if mt > t or p >= last_slot)
-    by_policy: dict[int, int] = {}
-    for p, n, _ in usable.values():
-        by_policy[p] = by_policy.get(p, 0) + n
-    return estimate_unconsumed_rows(by_policy, last_slot, max_lag, batch_size)
+        fresh = [path for path, (p, _, mt) in usable.items() if mt > t or p >= last_slot]
+    else:
+        by_policy: dict[int, int] = {}
+        for p, n, _ in usable.values():
+            by_policy[p] = by_policy.get(p, 0) + n
+        return estimate_unconsumed_rows(by_policy, last_slot, max_lag, batch_size)
+    zero = [no_signal[path] for path in sorted(fresh) if no_signal and path in no_signal]
+    return live + sum(usable[path][1] for path in fresh) + fill_credit(zero, no_signal_fill_after)
 
 
 def pacing_decision(

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from pipeline.watch import Backoff, Waker
+
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ def poll_until(
     progress: Callable[[], object] | None = None,
     log_every_s: float | None = LOG_EVERY_S,
     log: logging.Logger | None = None,
+    waker: Waker | None = None,
 ) -> tuple[T, float]:
     """Call `condition` until it returns something other than None/False; return (that value, seconds waited).
 
@@ -38,12 +41,19 @@ def poll_until(
     (and `setting`, the config field that bounds the wait) after `timeout_s` without success or progress.
     While the wait lasts, one INFO line on `log` (default: this module's logger) every `log_every_s` seconds
     says what is awaited, for how long so far and the bound (None: silent).
+
+    Between checks it sleeps on `waker` (`pipeline.watch.waker_for(store)`): on a local root a change under the
+    root ends the sleep at once; otherwise sleeps are adaptive, from a few ms doubling up to `interval_s`. No
+    sleep exceeds `interval_s`.
     """
+    waker = waker if waker is not None else Waker(None)
+    backoff = Backoff(interval_s)
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     next_log = t0 + log_every_s if log_every_s else float("inf")
     last = progress() if progress is not None else None
     while True:
+        mark = waker.mark()
         value = condition()
         if value is not None and value is not False:
             return value, time.monotonic() - t0
@@ -60,7 +70,8 @@ def poll_until(
             next_log = now + (log_every_s or float("inf"))
         if on_wait is not None:
             on_wait()
-        time.sleep(interval_s)
+        if waker.sleep(backoff.next(waker.event_driven), mark):
+            backoff.reset()
 
 
 def _describe(what: str | Callable[[], str]) -> str:

@@ -30,6 +30,7 @@ from pipeline.poll import WaitTimeout, poll_until
 from pipeline.samples import samples_record, to_samples
 from pipeline.storage import RunStore, StorageError
 from pipeline.tokenizer import load_tokenizer
+from pipeline.watch import Backoff, waker_for
 from pipeline.watchdog import watchdog
 from policy.rollout_manager import RolloutBatch, RolloutManager, batch_stats
 from schemas import ROLLOUT
@@ -54,6 +55,9 @@ METRICS: dict[str, str] = {
     "time/weight_load_s": "seconds loading policies since the previous write",
     "time/pause_s": "seconds paused by pacing since the previous write",
     "time/sample_lesson_s": "seconds reading curriculum state and drawing the lesson",
+    "worker_noticed_at": "unix time this worker saw the sampling policy committed (before loading it)",
+    "generate_started_at / generated_at": "unix times generation of this write started / ended",
+    "rollout_committed_at": "unix time the write's ready marker was committed",
 }
 """Every metric the rollout step logs, defined once."""
 
@@ -111,6 +115,12 @@ class RolloutWorker:
         self._weight_load_s = 0.0
         self._pause_s = 0.0
         self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
+        self._no_signal: dict[str, int] = {}  # committed files without signal rows -> their rows
+        self._noticed_at: dict[int, float] = {}
+        """policy step -> unix time this worker first saw it committed (recorded in its ready markers)."""
+        self._waker = waker_for(self.store)
+        self._mark = 0
+        self._backoff = Backoff(config.poll_interval_s)
         self.summary = WorkerSummary()
 
     # -- control ------------------------------------------------------------------------------------
@@ -120,6 +130,7 @@ class RolloutWorker:
         if not self._stop.is_set():
             self._stop_reason = reason
             self._stop.set()
+            self._waker.poke()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: finish the current phase, then exit cleanly. A second signal exits at once (130)."""
@@ -163,6 +174,8 @@ class RolloutWorker:
                             no_signal_fill_after=self.config.train.no_signal_fill_after,
                         )
                         self._markers[marker] = (p, n, rec.time)
+                        if self.config.train.filter_zero_variance and rec.signal_rows == 0:
+                            self._no_signal[layout.data_of_marker(marker)] = rec.rows
                     except (FileNotFoundError, StorageError) as e:
                         logger.warning("pacing: unreadable marker %s (%s); counted as 0 rows", marker, e)
                         self._markers[marker] = (p, 0, 0.0)
@@ -225,7 +238,9 @@ class RolloutWorker:
             interval_s=self.config.poll_interval_s,
             setting="wait_for_policy_timeout_s",
             on_wait=check_stop,
+            waker=self._waker,
         )
+        self._noticed_at.setdefault(step, time.time())
         return step
 
     def _load_step(self, step: int) -> Any:
@@ -250,6 +265,7 @@ class RolloutWorker:
                     self._current_step,
                 )
             return False
+        self._noticed_at.setdefault(latest, time.time())
         model = self._load_step(latest)
         t0 = time.monotonic()
         with watchdog(f"model update (policy {latest})", self.config.weight_load_timeout_s):
@@ -305,7 +321,13 @@ class RolloutWorker:
         last_slot = self._last_batch_slot()
         files = self._committed_rollouts(last_slot - c.train.max_lag, max(policy, last_slot))
         unconsumed = count_unconsumed_rows(
-            files, self._log_entry(last_slot), last_slot, c.train.max_lag, c.train.batch_size
+            files,
+            self._log_entry(last_slot),
+            last_slot,
+            c.train.max_lag,
+            c.train.batch_size,
+            no_signal=self._no_signal,
+            no_signal_fill_after=c.train.no_signal_fill_after,
         )
         return pacing_decision(
             policy_step=policy,
@@ -320,8 +342,10 @@ class RolloutWorker:
         state = load_latest_curriculum(self.store, self.config.curriculum)
         return sample_lesson(sampling_weights(state, self.config.curriculum), self._rng)
 
-    def write(self, batch: RolloutBatch) -> str:
-        """Commit the batch as `rollouts/step-P/<name>-<seq>.parquet` (+ ready marker); return the path."""
+    def write(self, batch: RolloutBatch, timing: dict[str, float] | None = None) -> str:
+        """Commit the batch as `rollouts/step-P/<name>-<seq>.parquet` (+ ready marker); return the path.
+
+        `timing` (unix times, `METRICS`) goes into the ready marker for the learner's per-hop breakdown."""
         P = batch.metadata.weight_step
         rel = layout.rollout_file(P, self.name, self._seq)
         table = ROLLOUT.to_table(batch.rows)
@@ -334,6 +358,7 @@ class RolloutWorker:
             "signal_rows": signal_rows(batch.rows),
             "n_failures": len(batch.failures),
             "failures": [f.to_json() for f in batch.failures[:200]],
+            **(timing or {}),
         }
         with watchdog(f"write {rel}", self.config.write_timeout_s):
             committed = self.store.commit_data(rel, table, ROLLOUT, extra=extra)
@@ -353,6 +378,7 @@ class RolloutWorker:
         writes = 0
         try:
             while not self._should_stop(started):
+                self._mark = self._waker.mark()  # before reading the root: a change from now on ends a pause
                 self.sync_weights()
                 if self._paused(self.pace()):
                     continue
@@ -389,12 +415,14 @@ class RolloutWorker:
         if state != self._progress[:2]:
             self._progress = (*state, time.monotonic())
         if decision.produce:
+            self._backoff.reset()
             return False
         stalled = time.monotonic() - self._progress[2]
         if not (decision.reason.startswith("ahead") and stalled >= self._stall_grace_s):
             logger.debug("pausing: %s", decision.reason)
             t0 = time.monotonic()
-            self._stop.wait(self.config.poll_interval_s)
+            if self._waker.sleep(self._backoff.next(self._waker.event_driven), self._mark):
+                self._backoff.reset()
             self._pause_s += time.monotonic() - t0
             return True
         logger.info(
@@ -419,6 +447,9 @@ class RolloutWorker:
         if c.curriculum.micro_eval_frequency and writes and writes % c.curriculum.micro_eval_frequency == 0:
             self._micro_eval(lesson_id)
         policy = self._policy_for_pacing()
+        timing = {"generate_started_at": time.time()}
+        if policy in self._noticed_at:
+            timing["worker_noticed_at"] = self._noticed_at[policy]
         with watchdog(f"generation (lesson {lesson_id})", c.generation_timeout_s):
             batch, m = self.manager.sample_batch(
                 lesson_id,
@@ -434,9 +465,11 @@ class RolloutWorker:
         if batch is None:
             self.metrics.log({"event": "empty", "lesson_id": lesson_id, **m})
             return False
+        timing["generated_at"] = time.time()
         t0 = time.monotonic()
-        rel = self.write(batch)
-        self._log_write(batch, m, rel, time.monotonic() - t0, t_lesson)
+        rel = self.write(batch, timing)
+        timing["rollout_committed_at"] = time.time()
+        self._log_write(batch, {**m, **timing}, rel, time.monotonic() - t0, t_lesson)
         self._log_samples(batch, rel)
         return True
 

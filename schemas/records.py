@@ -317,6 +317,9 @@ class BatchLogEntry(_Record):
     """With a curriculum: the eval summaries folded at this slot (None: no curriculum)."""
     curriculum_eval_values: dict[str, list[float] | None] | None = None
     """With a curriculum: per folded summary, the success rates read (None: it was unreadable)."""
+    timing: dict[str, Any] | None = None
+    """Unix times for the learner's per-hop breakdown (`pipeline.hops`): `batch_noticed_at`, `batch_committed_at`,
+    `last_file` (the rollout file read last among the batch's sources) and `last_file_noticed_at`."""
 
 
 # ---------------------------------------------------------------------------------------------- markers

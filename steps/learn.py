@@ -38,6 +38,7 @@ import jax
 
 from pipeline import layout
 from pipeline.config import LearnerStepConfig
+from pipeline.hops import step_hops
 from pipeline.metrics import MetricsWriter
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
@@ -66,6 +67,8 @@ class Learner:
     train_step: Any = None
     metrics: Any = None
     tracker: Any = None
+    publisher: Any = None
+    """`policy.learner.PolicyPublisher`: policies are committed behind the next step's compute, in order."""
 
     @property
     def total(self) -> int:
@@ -123,7 +126,9 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
     learner.train_step = L.train_step_for(config.loss, config.optimizer, learner.total, config.model.compute_dtype)
     learner.metrics = MetricsWriter(learner.store, "learner", "learner")
     learner.tracker = make_run_tracker(config.tracker, config.store.run_root, learner.store)
+    learner.publisher = L.PolicyPublisher(learner.store, config)
     progress = _progress(learner.total, state.step)
+    started_at = time.time()
     try:
         while state.step < learner.total:
             if config.max_steps is not None and learner.trained_here >= config.max_steps:
@@ -132,12 +137,19 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
             entry, waited = L.wait_for_batch(learner.store, slot, config.batch_wait_timeout_s, config.poll_interval_s)
             if entry is None:
                 return state, "control/STOP"
+            events = {"learner_noticed_at": time.time(), **L.batch_events(learner.store, entry, learner.publisher)}
             batch, data_file = L.read_batch(learner.store, slot, entry, config.train, learner.vocab_size)
+            events["train_started_at"] = time.time()
             state, record = train_one(learner, state, batch, data_file, waited)
+            events["trained_at"] = time.time()
+            publish_on_interval(learner, state)
+            ended_at = time.time()
+            record.update(step_timing(started_at, ended_at, events))
+            started_at = ended_at
             log_step(learner, record)
             progress.update(1)
-            publish_on_interval(learner, state)
     finally:
+        learner.publisher.close()
         progress.close()
         learner.metrics.flush()
         if learner.tracker is not None:
@@ -176,11 +188,25 @@ def train_one(
     return L.LearnerState(slot, model, opt_state, state.parent), record
 
 
+def step_timing(started_at: float, ended_at: float, events: dict[str, float | None]) -> dict[str, Any]:
+    """The record's latency fields: the chain's unix times, `step_s` and its per-hop breakdown `hops`
+    (`pipeline.hops`: the hops add up to `step_s`)."""
+    return {
+        **{k: v for k, v in events.items() if v is not None},
+        "step_started_at": started_at,
+        "step_ended_at": ended_at,
+        "step_s": ended_at - started_at,
+        "hops": step_hops(started_at, ended_at, events),
+    }
+
+
 def log_step(learner: Learner, record: dict[str, Any]) -> None:
     """The step's record to the run root's metrics, the tracker and the log."""
     learner.metrics.log(record)
     if learner.tracker is not None:
-        learner.tracker.log({f"learner/{k}": v for k, v in record.items() if k != "batch_file"}, step=record["step"])
+        scalars = {k: v for k, v in record.items() if k not in ("batch_file", "hops") and not k.endswith("_at")}
+        scalars.update({f"hops/{k}": v for k, v in record.get("hops", {}).items()})
+        learner.tracker.log({f"learner/{k}": v for k, v in scalars.items()}, step=record["step"])
     logger.info(
         "trained slot %d (%s) loss=%.4f kl=%s grad_norm=%.3f wait=%.2fs train=%.2fs",
         record["step"],
@@ -197,7 +223,7 @@ def publish_on_interval(learner: Learner, state: L.LearnerState) -> None:
     """Policy every `policy_interval` steps, checkpoint every `checkpoint_interval` steps (both at the end)."""
     config, slot = learner.config, state.step
     if slot % config.policy_interval == 0 or slot == learner.total:
-        L.publish_policy(learner.store, state, config)
+        learner.publisher.submit(state)  # committed in order on the publisher's thread
     if slot % config.checkpoint_interval == 0 or slot == learner.total:
         checkpoint(learner, state)
         learner.metrics.flush()
@@ -214,6 +240,8 @@ def finish(learner: Learner, state: L.LearnerState, stop_reason: str) -> None:
     """Phase 3: checkpoint what is not yet; at num_train_steps, the final policy and LEARNER_DONE."""
     if state.step > learner.last_checkpoint:
         checkpoint(learner, state)
+    if learner.publisher is not None:
+        learner.publisher.drain()  # every policy handed off is committed before LEARNER_DONE
     if state.step >= learner.total:
         L.publish_policy(learner.store, state, learner.config)
         learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})

@@ -100,7 +100,16 @@ def _write_run(root: Path) -> None:
     for step in range(1, N_STEPS + 1):
         reward = 0.1 if step == 1 else (FINAL_REWARD if step == N_STEPS else 0.1 + 0.15 * step)
         learner.log(
-            {"step": step, "loss": 1.0 / step, "tokens_per_s": 900.0 + step, "wait_s": 0.5, "train_s": 1.5, "kl": 0.01}
+            {
+                "step": step,
+                "loss": 1.0 / step,
+                "tokens_per_s": 900.0 + step,
+                "wait_s": 0.5,
+                "train_s": 1.5,
+                "kl": 0.01,
+                "step_s": 2.0,
+                "hops": {"learner_notice": 0.5, "train": 1.5},
+            }
         )
         bm.log(
             {

@@ -193,9 +193,8 @@ def test_usable_rows_count_signal_and_a_share_of_no_signal_rows() -> None:
     assert signal_rows(rows) == 3  # only group a has unequal rewards
     assert usable_rows(32, 8, filter_zero_variance=False, no_signal_fill_after=4) == 32
     assert usable_rows(32, None, filter_zero_variance=True, no_signal_fill_after=4) == 32  # an older marker
-    assert usable_rows(32, 8, filter_zero_variance=True, no_signal_fill_after=4) == 8 + 5
-    assert usable_rows(32, 0, filter_zero_variance=True, no_signal_fill_after=4) == 7  # 4 filtered + 1 filling: a batch
-    assert usable_rows(32, 0, filter_zero_variance=True, no_signal_fill_after=0) == 0  # never filled: worth nothing
+    assert usable_rows(32, 8, filter_zero_variance=True, no_signal_fill_after=4) == 8  # only a fill admits the rest
+    assert usable_rows(32, 0, filter_zero_variance=True, no_signal_fill_after=4) == 0  # a fill: count_unconsumed_rows
 
 
 def test_count_unconsumed_rows_from_cursor_time_or_estimate() -> None:

@@ -30,6 +30,7 @@ from pipeline.metrics import MetricsWriter
 from pipeline.poll import poll_until
 from pipeline.prefetch import read_ahead
 from pipeline.storage import RunStore, new_attempt_id
+from pipeline.watch import waker_for
 from schemas import BATCH, ROLLOUT
 from schemas.dropped import DROPPED
 from schemas.records import BatchLogEntry
@@ -65,6 +66,7 @@ class Maker:
         # the one writer of curriculum state: folds each committed slot's rollouts and named evals
         self.curriculum = CurriculumWriter(store, config.curriculum) if config.curriculum is not None else None
         self.scan = ScanWindow(store, config.train.max_lag)
+        self.waker = waker_for(store)
         self._last_renew = time.monotonic()
         # write-behind: one thread encodes and writes slot T's files and log entry while slot T+1 is gathered
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="batch-writer") if config.write_behind else None
@@ -113,6 +115,7 @@ class Maker:
             setting=LATENCY_SETTING,
             on_wait=self._before_sleep,
             progress=progress,
+            waker=self.waker,
         )
         return waited
 
@@ -212,9 +215,7 @@ class Maker:
             self.raise_if_stopped()
             return None
 
-        def before_sleep() -> None:
-            self._before_sleep()
-            log["wait_s"] += self.config.poll_interval_s
+        ingest_before = log["ingest_s"]
 
         def what() -> str:
             n, _ = bm.eligible(slot)
@@ -224,14 +225,17 @@ class Maker:
                 f"{window_high} (newest published policy {latest})"
             )
 
-        poll_until(
+        _, waited = poll_until(
             one_round,
             timeout_s=self.train.max_batch_latency_s,
             what=what,
             interval_s=self.config.poll_interval_s,
             setting=LATENCY_SETTING,
-            on_wait=before_sleep,
+            on_wait=self._before_sleep,
+            waker=self.waker,
         )
+        log["wait_s"] += max(0.0, waited - (log["ingest_s"] - ingest_before))
+        log["batch_noticed_at"] = time.time()
 
     def sweep_late(
         self, st: MakerState, slot: int, latest: int, folders: list[int], log: dict[str, Any], limit: int | None
@@ -268,6 +272,7 @@ class Maker:
     ) -> None:
         """Feed one committed rollout file, as read by `read_committed` (None: quarantined, skipped)."""
         t0 = time.monotonic()
+        log["noticed"][path] = time.time()
         st.seen.add(path)
         if table is None:
             log["quarantined_files"].append(path)
@@ -370,6 +375,7 @@ class Maker:
                 "sweep_next": st.sweep_next,
             },
         }
+        entry["timing"] = slot_timing(batch, log)
         if self.curriculum is not None:
             # which eval summaries the curriculum folds at this slot, fixed now so a rebuild folds the same ones
             entry["curriculum_evals"] = self.curriculum.evals_to_fold(slot)
@@ -401,6 +407,8 @@ class Maker:
             dropped_file=dropped_path,
             dropped=dropped_counts,
         )
+        entry["timing"]["batch_committed_at"] = entry["time"]
+        log["batch_committed_at"] = entry["time"]
         path = layout.batch_log_entry(slot)
         ok = self.store.put_if_absent(path, BatchLogEntry.from_json(entry, path=path).to_json())
         log["write_s"] = time.monotonic() - t0
@@ -435,3 +443,14 @@ class Maker:
     def record(self, batch: BatchResult, log: dict[str, Any]) -> None:
         """One metrics record per committed batch (fields: `pipeline.batch_step.metrics.METRICS`)."""
         self.metrics.log(batch_metrics(batch, log))
+
+
+def slot_timing(batch: BatchResult, log: dict[str, Any]) -> dict[str, Any]:
+    """The log entry's `timing` (see `schemas.records.BatchLogEntry.timing`) as known before the write."""
+    noticed = {f: log["noticed"][f] for f in batch.source_files if f in log["noticed"]}
+    last = max(noticed, key=lambda f: noticed[f]) if noticed else None
+    return {
+        "batch_noticed_at": log["batch_noticed_at"],
+        "last_file": last,
+        "last_file_noticed_at": noticed[last] if last is not None else None,
+    }

@@ -20,6 +20,7 @@ METRICS = {
     "rows_filled_no_signal": "rows admitted with advantage 0 (train.no_signal_fill_after)",
     "files_ingested": "rollout files first read for this slot",
     "wait_s / ingest_s / build_s / write_s": "time waiting for the learner or rollouts / reading / building / writing",
+    "batch_noticed_at / batch_committed_at": "unix times the slot had all it needed / its log entry was written",
 }
 """The fields of a batchmaker metrics record, with what each measures."""
 
@@ -53,6 +54,8 @@ def batch_metrics(batch: BatchResult, log: dict[str, Any]) -> dict[str, Any]:
         "ingest_s": log["ingest_s"],
         "build_s": log["build_s"],
         "write_s": log["write_s"],
+        "batch_noticed_at": log["batch_noticed_at"],
+        "batch_committed_at": log.get("batch_committed_at"),
     }
     for reason, n in log["dropped"].items():
         rec[f"dropped_{reason}"] = n

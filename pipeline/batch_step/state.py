@@ -59,4 +59,6 @@ def new_slot_log() -> dict[str, Any]:
         "filled_no_signal": 0,
         "dropped": {},
         "tables": {},
+        "noticed": {},
+        "batch_noticed_at": None,
     }

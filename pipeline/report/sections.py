@@ -14,6 +14,7 @@ from matplotlib.axes import Axes
 from matplotlib.ticker import AutoLocator
 
 from pipeline.report.data import RunData, last_per, num, series, start_time
+from pipeline.report.latency import latency_section
 from pipeline.report.learner import learner_section
 from pipeline.report.plots import Plot, Section, add_legend, fmt, html_table, new_figure, to_png
 from pipeline.report.text import config_section, samples_section
@@ -25,6 +26,7 @@ SECTION_TITLES = (
     "Staleness",
     "Throughput",
     "Learner idle time",
+    "Per-step latency",
     "Sample completions",
     "Summary",
     "Rollout fates",
@@ -361,6 +363,7 @@ SECTIONS: tuple[Callable[[RunData], Section], ...] = (
     staleness_section,
     throughput_section,
     idle_section,
+    latency_section,
     samples_section,
     summary_section,
     fates_section,

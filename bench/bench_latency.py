@@ -1,0 +1,92 @@
+"""Per-step latency of the whole pipeline: runs a short job and prints where each learner step's wall time goes.
+
+Runs `python -m steps.run` on a fresh run root with a job config (default: the cats demo), then reads the
+learner's metrics records (`hops`, `step_s`; see `pipeline.hops`) and prints the median seconds per hop and
+wall seconds per learner step at steady state (after the first step, which is mostly compilation), two ways:
+the median of `step_s`, and the span from the end of step 2 to the last step divided by the steps in it.
+
+    python -m bench.bench_latency [--config configs/demo_cats.yaml] [--steps 20] [--json out.json]
+
+Goal (issue): <= 0.2 s wall per learner step on the tiny cats task. The figure depends on the machine's load
+(it runs 4-5 JAX processes): the machine name and load average are printed with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine_name
+
+GOAL_S_PER_STEP = 0.2
+
+
+def run_job(config: str, run_root: str, steps: int | None) -> float:
+    """Run the job to the end; returns its wall seconds."""
+    cmd = [sys.executable, "-m", "steps.run", "--config_path", config, "--run_root", run_root]
+    if steps is not None:
+        cmd += ["--train.num_train_steps", str(steps)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, timeout=3600, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def latency_figures(run_root: str) -> dict[str, Any]:
+    """Median hops, median step_s and steady-state wall s/step of a finished run (from its metrics alone)."""
+    from pipeline.report import load_run
+    from pipeline.report.latency import latency_summary
+
+    data = load_run(run_root)
+    learner = sorted(
+        (r for r in data.metrics.get("learner", []) if "hops" in r and "step" in r), key=lambda r: r["step"]
+    )
+    if len(learner) < 3:
+        raise RuntimeError(f"{run_root}: fewer than 3 learner records with hops")
+    summary = latency_summary(data)
+    span = learner[-1]["step_ended_at"] - learner[1]["step_ended_at"]
+    return {
+        "steps": len(learner),
+        "median_step_s": summary["step_s"],
+        "steady_s_per_step": span / (len(learner) - 2),
+        "median_train_s": statistics.median(float(r["train_s"]) for r in learner[1:]),
+        "hops_median_s": summary["hops"],
+    }
+
+
+def print_figures(fig: dict[str, Any]) -> None:
+    print(f"per-step latency ({fig['config']}, {fig['steps']} learner steps, wall {fig['wall_s']:.0f} s)")
+    print(f"machine: {fig['machine']}")
+    for hop, s in fig["hops_median_s"].items():
+        print(f"  {hop:<16} {s * 1000:8.1f} ms (median)")
+    print(f"  {'step (median)':<16} {fig['median_step_s'] * 1000:8.1f} ms")
+    print(f"wall s per learner step at steady state: {fig['steady_s_per_step']:.3f} (goal <= {GOAL_S_PER_STEP})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/demo_cats.yaml")
+    ap.add_argument("--steps", type=int, default=None, help="train.num_train_steps (default: the config's)")
+    ap.add_argument("--run_root", default=None, help="where to run (default: a fresh temporary folder)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="rlpipe-latency-") as tmp:
+        run_root = args.run_root or str(Path(tmp) / "run")
+        wall = run_job(args.config, run_root, args.steps)
+        fig = {"config": args.config, "wall_s": wall, "machine": machine_name(), **latency_figures(run_root)}
+    print_figures(fig)
+    if args.json:
+        Path(args.json).write_text(json.dumps(fig, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
