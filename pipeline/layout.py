@@ -20,7 +20,7 @@ All paths are relative to the run root and use '/'. Step numbers are zero-padded
     control/STOP                               stop file: every follow-mode step exits cleanly
     control/LEARNER_DONE                       written once the learner trained train.num_train_steps
     logs/<step>.log                            (local run roots) output of each step started by the job runner
-    lineage/slots-<first>-<last>-<attempt>.parquet   fates of the rollouts of slots first..last (retention)
+    lineage/slots-<first>-<last>-<attempt>.parquet  fates of the rollouts of slots first..last (retention)
     gc/plan-<NNNNNNNN>.json                    what garbage-collection run N deletes (create-if-absent)
     gc/plan-<NNNNNNNN>.done.json               run N finished deleting
 """

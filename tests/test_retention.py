@@ -1,0 +1,160 @@
+"""Retention end to end: a real job (GC off) on a local run root, fates computed from its files, then real
+`python -m steps.gc` processes on copies of the root: lineage equals the fates, old data is gone, markers never
+outlive their data, what the next slot reads stays, the report renders; SIGKILLed collections rerun to the end."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jobs import ROOT, job_config, run_job
+
+from pipeline import layout, run_state, staleness
+from pipeline.retention import read_index
+from pipeline.storage import RunStore
+from schemas import BATCH
+from schemas.dropped import DROPPED
+
+pytestmark = pytest.mark.slow
+
+N_STEPS = 10
+WINDOW = 2
+GC_FLAGS = [
+    "--retention.keep_policies",
+    "2",
+    "--retention.keep_every",
+    "5",
+    "--retention.data_window_slots",
+    str(WINDOW),
+]
+
+
+def fates(store: RunStore) -> dict[str, collections.Counter[tuple[str, int]]]:
+    """rollout_id -> Counter of (fate, slot), from the batch and dropped files named by the batch log."""
+    out: dict[str, collections.Counter[tuple[str, int]]] = collections.defaultdict(collections.Counter)
+    for slot in range(1, run_state.last_committed_slot(store) + 1):
+        entry = store.read_log_entry(slot)
+        for ids in store.read_parquet(entry.data_file, BATCH).column("rollout_ids").to_pylist():
+            for rid in ids:
+                out[rid][("used", slot)] += 1
+        if entry.dropped_file:
+            d = store.read_parquet(entry.dropped_file, DROPPED)
+            for rid, reason in zip(d.column("rollout_id").to_pylist(), d.column("reason").to_pylist(), strict=True):
+                out[rid][(reason, slot)] += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def finished_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    tmp = tmp_path_factory.mktemp("retention")
+    root = tmp / "run"
+    cfg = job_config(tmp, str(root), **{"train.num_train_steps": str(N_STEPS), "checkpoint_interval": "2"})
+    proc = run_job(cfg)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, fates(RunStore(str(root)))
+
+
+def gc(root: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "steps.gc", "--store.run_root", str(root), *GC_FLAGS, *extra],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def check_safe(store: RunStore) -> None:
+    """No marker without its data; everything a later slot (or a restarted step) reads is still there."""
+    for step_dir in store.list(layout.ROLLOUTS):
+        for marker in [p for p in store.list(step_dir) if p.endswith(layout.READY_SUFFIX)]:
+            assert store.exists(layout.data_of_marker(marker)), marker
+    for root in (layout.POLICIES, layout.CHECKPOINTS):
+        for s in run_state.committed_steps(store, root):
+            folder = layout.join(root, layout.step_name(s))
+            marker = store.get_json(layout.join(folder, layout.COMMIT_MARKER))
+            if not store.exists(layout.join(folder, "COLLECTED")):
+                for name in marker["files"]:
+                    assert store.exists(layout.join(folder, name)), (folder, name)
+    last = run_state.last_committed_slot(store)
+    for f in store.read_log_entry(last).cursor.reservoir.files:  # the BatchMaker's next slot reads these
+        assert store.read_marker(f.path) and store.exists(f.path), f.path
+    newest = run_state.committed_steps(store, layout.CHECKPOINTS)[-1]
+    for slot in range(newest + 1, last + 1):  # a restarted learner reads these
+        assert store.exists(store.read_log_entry(slot).data_file), slot
+    low = staleness.oldest_allowed_policy(last + 1, 1)
+    for s in range(max(low, 0), N_STEPS + 1):
+        assert store.exists(layout.policy_marker(s)), s
+
+
+def check_collected(store: RunStore, before: dict) -> None:
+    index = read_index(store)
+    got: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for rid, fate, slot in zip(*(index.column(c).to_pylist() for c in ("rollout_id", "fate", "slot")), strict=True):
+        got[rid][(fate, slot)] += 1
+    last = run_state.last_committed_slot(store)
+    horizon = last - WINDOW
+    expected = {rid: collections.Counter({k: n for k, n in c.items() if k[1] <= horizon}) for rid, c in before.items()}
+    assert {r: c for r, c in got.items() if c} == {r: c for r, c in expected.items() if c}
+    for rel in store.list(layout.BATCH_DATA):
+        assert layout.parse_step(rel) > horizon, rel  # batch data of old slots is gone
+    policies = run_state.committed_steps(store, layout.POLICIES)
+    assert set(policies) == {0, 5, N_STEPS - 1, N_STEPS}, policies
+    deleted = [rid for rid, c in before.items() if c and max(s for _, s in c) <= horizon]
+    assert deleted, "nothing old enough to delete"
+
+
+def test_gc_keeps_lineage_and_report(finished_root: tuple[Path, dict], tmp_path: Path) -> None:
+    src, before = finished_root
+    root = tmp_path / "run"
+    shutil.copytree(src, root)
+    from pipeline.report import build_report, load_run
+
+    report_before = load_run(str(root))
+    bytes_before = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    proc = gc(root)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+    store = RunStore(str(root))
+    check_collected(store, before)
+    check_safe(store)
+    assert sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) < bytes_before
+    second = gc(root)  # a rerun finds nothing new and changes nothing
+    assert second.wait(timeout=300) == 0
+    check_collected(store, before)
+    report_after = load_run(str(root))  # the report's counts come from the lineage index now
+    assert report_after.rollout_uses == report_before.rollout_uses and report_before.rollout_uses
+    assert report_after.rollouts_used == report_before.rollouts_used
+    assert report_after.dropped_by_reason == report_before.dropped_by_reason
+    assert not report_after.notes, report_after.notes
+    assert Path(build_report(str(root), str(tmp_path / "report"))).stat().st_size > 0
+
+
+def test_killed_gc_is_safe_and_a_rerun_completes(finished_root: tuple[Path, dict], tmp_path: Path) -> None:
+    src, before = finished_root
+    root = tmp_path / "run"
+    shutil.copytree(src, root)
+    rng = random.Random(17)
+    kills = 0
+    for _ in range(40):
+        proc = gc(root)
+        time.sleep(rng.uniform(0.3, 3.0))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            kills += 1
+        check_safe(RunStore(str(root)))
+        if kills >= 10:
+            break
+    assert kills >= 10
+    final = gc(root)
+    assert final.wait(timeout=300) == 0
+    store = RunStore(str(root))
+    check_safe(store)
+    check_collected(store, before)
