@@ -8,6 +8,7 @@ JSON; this program prints each part's own table as it finishes, then the summary
   bytes (goal >= 0.7), and memory at 1/4 and at the end of the files (bounded by the window);
 - learner: tokens/s of a levanter train step, tiny and ~50M-parameter models;
 - rollout: generation tokens/s, our dense sampler vs levanter's InferenceEngine (the peer), both sizes;
+- retention: run-root bytes of a 100-step tiny cats job with retention off and on (`bench.bench_retention`);
 - end to end: the demo job (`configs/demo_cats.yaml`) on a fresh run root: learner steps/min, fraction of
   learner wall time spent waiting for batches, rollouts/s, reward at the first and last batch.
 
@@ -37,7 +38,7 @@ from bench.common import machine_name
 
 logger = logging.getLogger("rlpipe.bench")
 
-PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e")
+PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e", "retention")
 
 
 def _run(cmd: list[str], timeout_s: float) -> float:
@@ -130,6 +131,13 @@ def part_e2e(tmp: Path, quick: bool) -> dict[str, Any]:
     figs = e2e_figures(run_root, wall)
     figs["config"] = config
     return figs
+
+
+def part_retention(tmp: Path, quick: bool) -> dict[str, Any]:
+    out = tmp / "retention.json"
+    steps = "30" if quick else "100"
+    _run([sys.executable, "-m", "bench.bench_retention", "--steps", steps, "--json", str(out)], 3600)
+    return dict(json.loads(out.read_text()))
 
 
 def _f(x: Any, fmt: str = ".3g") -> str:
@@ -228,6 +236,18 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 "-",
             )
         )
+    rt = results.get("retention")
+    if rt:
+        off, on = (r["bytes"]["total"] for r in rt["rows"])
+        rows.append(
+            (
+                f"run root bytes after {rt['steps']} steps, retention on",
+                f"{on / 2**20:.1f} MiB",
+                f"retention off {off / 2**20:.1f} MiB",
+                f"{rt['ratio_on_to_off']:.2f}",
+                "< 1",
+            )
+        )
     return rows
 
 
@@ -275,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "learner": part_learner,
         "rollout": part_rollout,
         "e2e": part_e2e,
+        "retention": part_retention,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
     failed = []

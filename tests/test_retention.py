@@ -81,8 +81,8 @@ def check_safe(store: RunStore) -> None:
             folder = layout.join(root, layout.step_name(s))
             marker = store.get_json(layout.join(folder, layout.COMMIT_MARKER))
             if not store.exists(layout.join(folder, "COLLECTED")):
-                for name in marker["files"]:
-                    assert store.exists(layout.join(folder, name)), (folder, name)
+                for f in marker["files"].values():
+                    assert store.exists(layout.join(folder, f["path"])), (folder, f)
     last = run_state.last_committed_slot(store)
     for f in store.read_log_entry(last).cursor.reservoir.files:  # the BatchMaker's next slot reads these
         assert store.read_marker(f.path) and store.exists(f.path), f.path
@@ -158,3 +158,54 @@ def test_killed_gc_is_safe_and_a_rerun_completes(finished_root: tuple[Path, dict
     store = RunStore(str(root))
     check_safe(store)
     check_collected(store, before)
+
+
+def test_job_with_retention_on_gcs_emulator(tmp_path: Path, gcs_endpoint) -> None:
+    """The job runner collects while the job runs (every 3 slots) and at the end, on a gs:// run root."""
+    run_root = f"gs://{gcs_endpoint.bucket}/retention-{os.getpid()}"
+    overrides = {
+        "train.num_train_steps": str(N_STEPS),
+        "checkpoint_interval": "2",
+        "retention.enabled": "true",
+        "retention.gc_every_slots": "3",
+        "retention.keep_policies": "2",
+        "retention.keep_every": "5",
+        "retention.data_window_slots": str(WINDOW),
+    }
+    proc = run_job(job_config(tmp_path, run_root, gcs_endpoint.storage_options, **overrides))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = RunStore(run_root, gcs_endpoint.storage_options)
+    check_safe(store)
+    last = run_state.last_committed_slot(store)
+    horizon = last - WINDOW
+    assert all(layout.parse_step(rel) > horizon for rel in store.list(layout.BATCH_DATA))
+    from pipeline.retention import covered_through, index_files
+
+    assert covered_through(index_files(store)) == horizon
+    index = read_index(store)
+    used = collections.Counter(
+        s
+        for s, f in zip(index.column("slot").to_pylist(), index.column("fate").to_pylist(), strict=True)
+        if f == "used"
+    )
+    dropped = collections.Counter(
+        (rid, s)
+        for rid, s, f in zip(*(index.column(c).to_pylist() for c in ("rollout_id", "slot", "fate")), strict=True)
+        if f != "used"
+    )
+    for slot in range(1, horizon + 1):
+        entry = store.read_log_entry(slot)
+        assert used[slot] == sum(1 for _ in range(entry.lineage.n_rollouts)), (
+            slot
+        )  # one used row per rollout the slot's batch holds
+        if entry.dropped_file:
+            d = store.read_parquet(entry.dropped_file, DROPPED)  # dropped records stay, and the index has them
+            for rid in d.column("rollout_id").to_pylist():
+                assert (rid, slot) in dropped, (rid, slot)
+    assert set(run_state.committed_steps(store, layout.POLICIES)) == {0, 5, N_STEPS - 1, N_STEPS}
+    assert not any(rel.endswith(".parquet") for d in store.list(layout.ROLLOUTS)[:1] for rel in store.list(d))
+    from pipeline.report import load_run
+
+    data = load_run(run_root, gcs_endpoint.storage_options)
+    assert not data.notes, data.notes
+    assert data.rollout_uses and data.rollout_uses >= sum(used.values())

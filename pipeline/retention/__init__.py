@@ -1,7 +1,7 @@
 """Retention: deleting old policies, checkpoints, rollout and batch data from a run root while keeping lineage.
 
 What is kept (`pipeline.config.RetentionConfig`, the job's `retention:` section; rules in `retention.keep`):
-the newest `keep_policies` committed policies, every `keep_every`-th, every policy the next batch slot may still
+policy 0 (the reference model), the newest `keep_policies` committed policies, every `keep_every`-th, every policy the next batch slot may still
 use (staleness window) and every policy with an unfinished evaluation; the newest `keep_checkpoints` committed
 checkpoints and every `keep_checkpoint_every`-th. Rollout and batch data files go once the batch slot that last
 used or dropped their rows is `data_window_slots` older than the newest committed slot and consumed by the newest

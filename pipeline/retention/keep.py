@@ -1,6 +1,7 @@
 """What retention keeps: pure decisions over step numbers (no storage access).
 
-- Policies: the newest `keep_policies` committed ones, every multiple of `keep_every`, every policy whose
+- Policies: policy 0 (the learner's reference model, reloaded at every restart), the newest `keep_policies`
+  committed ones, every multiple of `keep_every`, every policy whose
   rollouts the next batch slot may still use (the staleness window: a rollout worker may be sampling from it),
   and every policy with an unfinished evaluation (supplied by the caller).
 - Checkpoints: the newest `keep_checkpoints` committed ones (the learner resumes from the newest) and every
@@ -22,7 +23,7 @@ def kept_policies(
     committed: list[int], retention: RetentionConfig, last_slot: int, max_lag: int, pending_evals: Iterable[int]
 ) -> set[int]:
     """The committed policy steps retention keeps (see the module doc)."""
-    keep = set(sorted(committed)[-retention.keep_policies :])
+    keep = set(sorted(committed)[-retention.keep_policies :]) | ({0} & set(committed))
     if retention.keep_every > 0:
         keep |= {s for s in committed if s % retention.keep_every == 0}
     oldest_usable = staleness.oldest_allowed_policy(last_slot + 1, max_lag)
