@@ -140,6 +140,11 @@ def _claims(root: Path) -> int:
     return len(list((root / layout.lease_dir("gc")).glob("epoch-*.json")))
 
 
+def _progress(root: Path) -> int:
+    """Lineage files and plans written so far (committed or not)."""
+    return len(list((root / layout.LINEAGE).glob("*"))) + len(list((root / layout.GC).glob("*")))
+
+
 def _plans(root: Path) -> int:
     return len([p for p in (root / layout.GC).glob("plan-*.json") if ".done" not in p.name])
 
@@ -151,25 +156,30 @@ def _open_plans(root: Path) -> int:
 
 
 def test_killed_gc_is_safe_and_a_rerun_completes(finished_root: tuple[Path, dict], tmp_path: Path) -> None:
-    """SIGKILL at a random point of each collection's work (after it claimed the lease: its imports are done);
-    a small deletion budget spreads the work over many runs so that kills land in every phase."""
+    """SIGKILL at a random point of each collection's work (timed from its lease claim, when its imports are done);
+    a small deletion budget spreads the work over many runs. The kill window adapts to the machine's speed: it
+    widens after a kill that left no progress (no lineage file, no plan) and narrows after a run that finished."""
     src, before = finished_root
     root = tmp_path / "run"
     shutil.copytree(src, root)
     rng = random.Random(17)
     kills = interrupted = 0
-    for _ in range(60):
-        claims = _claims(root)
+    window = 0.5
+    for _ in range(80):
+        claims, progress = _claims(root), _progress(root)
         proc = gc(root, "--retention.max_deletions", "3")
         deadline = time.monotonic() + 120
         while proc.poll() is None and _claims(root) == claims and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.4))
+        time.sleep(rng.uniform(0.0, window))
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             kills += 1
             interrupted += _open_plans(root) > 0
+            window *= 1.5 if _progress(root) == progress else 1.0
+        else:
+            window *= 0.7
         check_safe(RunStore(str(root)))
         if kills >= 12 and interrupted >= 4:
             break
