@@ -136,6 +136,26 @@ def test_gc_keeps_lineage_and_report(finished_root: tuple[Path, dict], tmp_path:
     assert Path(build_report(str(root), str(tmp_path / "report"))).stat().st_size > 0
 
 
+def check_rollouts_collected(store: RunStore, index) -> None:
+    """Every rollout file left below the scan window is in the reservoir or has a row of unrecorded fate (or one
+    recorded after the covered slots); and some rollout files were deleted."""
+    ids: dict[str, set[str]] = collections.defaultdict(set)
+    for rid, src in zip(index.column("rollout_id").to_pylist(), index.column("source_file").to_pylist(), strict=True):
+        ids[src].add(rid)
+    last = run_state.last_committed_slot(store)
+    live = {f.path for f in store.read_log_entry(last).cursor.reservoir.files}
+    low = staleness.oldest_allowed_policy(last + 1, 1)
+    left = [
+        (rel, store.read_marker(rel).rows, len(ids.get(rel, ())))
+        for p in run_state.rollout_folders(store)
+        if p < low
+        for rel in store.list_committed(layout.rollout_step_dir(p))
+        if rel not in live
+    ]
+    assert not [x for x in left if x[1] == x[2]], left  # fully accounted files must be gone
+    assert any(not store.exists(src) for src in ids), "no rollout file was deleted"
+
+
 def _claims(root: Path) -> int:
     return len(list((root / layout.lease_dir("gc")).glob("epoch-*.json")))
 
@@ -165,20 +185,25 @@ def test_killed_gc_is_safe_and_a_rerun_completes(finished_root: tuple[Path, dict
     rng = random.Random(17)
     kills = interrupted = 0
     window = 0.5
-    for _ in range(80):
-        claims, progress = _claims(root), _progress(root)
+    for i in range(80):
+        claims, progress, plans = _claims(root), _progress(root), _plans(root)
         proc = gc(root, "--retention.max_deletions", "3")
         deadline = time.monotonic() + 120
         while proc.poll() is None and _claims(root) == claims and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, window))
+        if i % 2:  # aimed at the deletions: kill as soon as this run's plan exists
+            while proc.poll() is None and _plans(root) == plans and time.monotonic() < deadline:
+                time.sleep(0.002)
+        else:
+            time.sleep(rng.uniform(0.0, window))
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             kills += 1
             interrupted += _open_plans(root) > 0
-            window *= 1.5 if _progress(root) == progress else 1.0
-        else:
+            if not i % 2:
+                window *= 1.5 if _progress(root) == progress else 1.0
+        elif not i % 2:
             window *= 0.7
         check_safe(RunStore(str(root)))
         if kills >= 12 and interrupted >= 4:
@@ -239,7 +264,7 @@ def test_job_with_retention_on_gcs_emulator(tmp_path: Path, gcs_endpoint) -> Non
             for rid in d.column("rollout_id").to_pylist():
                 assert (rid, slot) in dropped, (rid, slot)
     assert set(run_state.committed_steps(store, layout.POLICIES)) == {0, 5, N_STEPS - 1, N_STEPS}
-    assert not any(rel.endswith(".parquet") for d in store.list(layout.ROLLOUTS)[:1] for rel in store.list(d))
+    check_rollouts_collected(store, index)
     from pipeline.report import load_run
 
     data = load_run(run_root, gcs_endpoint.storage_options)
