@@ -1,12 +1,13 @@
 """Retention: deleting old policies, checkpoints, rollout and batch data from a run root while keeping lineage.
 
-What is kept (`pipeline.config.RetentionConfig`, the job's `retention:` section; rules in `retention.keep`):
-policy 0 (the reference model), the newest `keep_policies` committed policies, every `keep_every`-th, every policy the next batch slot may still
-use (staleness window) and every policy with an unfinished evaluation; the newest `keep_checkpoints` committed
-checkpoints and every `keep_checkpoint_every`-th. Rollout and batch data files go once the batch slot that last
-used or dropped their rows is `data_window_slots` older than the newest committed slot and consumed by the newest
-checkpoint, every row of the rollout file has a recorded fate, the file is out of the BatchMaker's scan window
-and not in its reservoir. Batch log entries, dropped records, evaluations, metrics and curriculum states stay.
+What is kept (`pipeline.config.RetentionConfig`, the job's `retention:` section; rules in `retention.keep`): policy
+0 (the reference model), the newest `keep_policies` committed policies, every `keep_every`-th, every policy the next
+batch slot may still use (staleness window) and every policy with an unfinished evaluation; the newest
+`keep_checkpoints` committed checkpoints and every `keep_checkpoint_every`-th. Rollout and batch data files go once
+the batch slot that last used or dropped their rows is `data_window_slots` older than the newest committed slot and
+consumed by the newest checkpoint, every row of the rollout file has a recorded fate, the file is out of the
+BatchMaker's scan window and not in its reservoir. Batch log entries, dropped records, evaluations, metrics and
+curriculum states stay.
 
 Lineage first: before deleting the data files of slots `a..b`, a run commits `lineage/slots-a-b-<attempt>.parquet`
 (`schemas.lineage.LINEAGE`: rollout_id, source_file, policy_step, fate, slot), so "what happened to rollout X"
