@@ -61,7 +61,7 @@ format: setup ## Apply ruff format and autofixes
 typecheck: setup ## mypy on pipeline/ and schemas/
 	$(VENV)/bin/mypy pipeline schemas
 
-bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo
+bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo, retention
 	$(PY) -m bench.run_all $(ARGS)
 
 # bench-gpu runs with the machine's own python3 (a GPU machine has the project's wheels installed, no .venv).
