@@ -20,7 +20,7 @@ export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup demo test test-fast test-slow lint format typecheck bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator clean
+.PHONY: help setup demo test test-fast test-slow lint format typecheck bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc clean
 
 help: ## List every target with a one-line description
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -70,7 +70,7 @@ typecheck: setup ## mypy on pipeline/, schemas/ and policy/
 # use (CPU torch comes with setup). If it cannot be installed, the TRL part is skipped with a note.
 BENCH_PKGS := trl==1.16.0 accelerate==1.15.0
 
-bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo, step start, rlpipe vs TRL
+bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo, step start, rlpipe vs TRL, latency, retention
 	@$(PY) -c "import trl, accelerate" 2>/dev/null || $(UV) pip install -q --python $(PY) $(BENCH_PKGS) || \
 	  echo "note: could not install $(BENCH_PKGS); the TRL comparison is skipped"
 	$(PY) -m bench.run_all $$($(PY) -c "import trl, torch" 2>/dev/null || echo --skip_trl) $(ARGS)
@@ -102,6 +102,9 @@ evaluate: setup ## Evaluate committed policies of RUN (ARGS="--all true", "--fol
 
 export: setup ## Export policy STEP (default: the newest) of RUN as a Hugging Face folder OUT (model from run.json)
 	$(PY) -m steps.export --store.run_root $(RUN) $(if $(STEP),--step $(STEP)) $(if $(OUT),--out $(OUT)) $(ARGS)
+
+gc: setup ## Garbage-collect RUN under its retention settings (lineage index first; bounded, safe to rerun)
+	$(PY) -m steps.gc --store.run_root $(RUN) $(ARGS)
 
 report: setup ## Write the HTML report of RUN (RUN=runs/demo) from the run root alone
 	$(PY) -m pipeline.report $(RUN) $(ARGS)

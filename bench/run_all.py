@@ -9,6 +9,7 @@ JSON; this program prints each part's own table as it finishes, then the summary
 - learner: tokens/s of a levanter train step, tiny and ~50M-parameter models;
 - rollout: generation tokens/s, our dense sampler vs levanter's InferenceEngine (the peer), both sizes;
 - per-step latency: the demo job's per-hop breakdown and wall seconds per learner step (goal <= 0.2 s);
+- retention: run-root bytes of a 100-step tiny cats job with retention off and on (`bench.bench_retention`);
 - end to end: the demo job (`configs/demo_cats.yaml`) on a fresh run root: learner steps/min, fraction of
   learner wall time spent waiting for batches, rollouts/s, reward at the first and last batch;
 - startup: each step's start (process start -> ready to work), cold and warm (goal <= 3 s);
@@ -41,7 +42,7 @@ from bench.common import machine_name
 
 logger = logging.getLogger("rlpipe.bench")
 
-PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e", "startup", "trl", "latency")
+PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e", "startup", "trl", "latency", "retention")
 
 
 def _run(cmd: list[str], timeout_s: float) -> float:
@@ -153,6 +154,13 @@ def part_latency(tmp: Path, quick: bool) -> dict[str, Any]:
     out = tmp / "latency.json"
     config = "configs/test_cats.yaml" if quick else "configs/demo_cats.yaml"
     _run([sys.executable, "-m", "bench.bench_latency", "--config", config, "--json", str(out)], 3600)
+    return dict(json.loads(out.read_text()))
+
+
+def part_retention(tmp: Path, quick: bool) -> dict[str, Any]:
+    out = tmp / "retention.json"
+    steps = "30" if quick else "100"
+    _run([sys.executable, "-m", "bench.bench_retention", "--steps", steps, "--json", str(out)], 3600)
     return dict(json.loads(out.read_text()))
 
 
@@ -293,6 +301,18 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 "<= 0.2 s",
             )
         )
+    rt = results.get("retention")
+    if rt:
+        off, on = (r["bytes"]["total"] for r in rt["rows"])
+        rows.append(
+            (
+                f"run root bytes after {rt['steps']} steps, retention on",
+                f"{on / 2**20:.1f} MiB",
+                f"retention off {off / 2**20:.1f} MiB",
+                f"{rt['ratio_on_to_off']:.2f}",
+                "< 1",
+            )
+        )
     return rows
 
 
@@ -344,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "startup": part_startup,
         "trl": part_trl,
         "latency": part_latency,
+        "retention": part_retention,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
     failed = []

@@ -37,6 +37,7 @@ from pipeline.config import (
     ModelSpec,
     NoTrackerConfig,
     OptimizerSpec,
+    RetentionConfig,
     RLOOLossConfig,
     RolloutStepConfig,
     StoreConfig,
@@ -86,6 +87,9 @@ class RLJobConfig:
     batch_wait_timeout_s: float = 600.0
     poll_interval_s: float = 0.2
     seed: int = 0
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    """What garbage collection keeps; with `retention.enabled` the job runner collects every few slots
+    (`pipeline.retention`)."""
 
     def __post_init__(self) -> None:
         if self.num_rollout_workers < 1:
@@ -119,6 +123,8 @@ class RLJob:
             checkpoint_interval=c.checkpoint_interval,
             batch_wait_timeout_s=c.batch_wait_timeout_s,
             poll_interval_s=c.poll_interval_s,
+            # with retention on, garbage collection decides which checkpoints go (the learner keeps them all)
+            **({"keep_checkpoints": 1_000_000_000} if c.retention.enabled else {}),
         )
         batches = BatchMakerStepConfig(
             store=c.store,

@@ -20,6 +20,9 @@ All paths are relative to the run root and use '/'. Step numbers are zero-padded
     control/STOP                               stop file: every follow-mode step exits cleanly
     control/LEARNER_DONE                       written once the learner trained train.num_train_steps
     logs/<step>/<attempt>.log                  output of one process start of a step run by the job runner
+    lineage/slots-<first>-<last>-<attempt>.parquet  fates of the rollouts of slots first..last (retention)
+    gc/plan-<NNNNNNNN>.json                    what garbage-collection run N deletes (create-if-absent)
+    gc/plan-<NNNNNNNN>.done.json               run N finished deleting
 """
 
 from __future__ import annotations
@@ -212,3 +215,24 @@ LOGS = "logs"
 def step_log(step: str, attempt: str) -> str:
     """`logs/<step>/<attempt>.log`: the output of one start (`attempt`, unique per start) of step `step`."""
     return f"{LOGS}/{check_component(step, 'step name')}/{check_component(attempt, 'attempt id')}.log"
+
+
+# retention ------------------------------------------------------------------------------
+LINEAGE = "lineage"
+GC = "gc"
+
+
+def lineage_file(first_slot: int, last_slot: int, attempt_id: str) -> str:
+    """Lineage index of batch slots `first_slot..last_slot`, written before their data files are deleted."""
+    check_component(attempt_id, "attempt_id")
+    return join(LINEAGE, f"slots-{first_slot:0{STEP_WIDTH}d}-{last_slot:0{STEP_WIDTH}d}-{attempt_id}.parquet")
+
+
+def gc_plan(run: int) -> str:
+    """What garbage-collection run `run` deletes (written before its first deletion)."""
+    return join(GC, f"plan-{run:0{STEP_WIDTH}d}.json")
+
+
+def gc_done(run: int) -> str:
+    """Written once garbage-collection run `run` has deleted everything its plan names."""
+    return join(GC, f"plan-{run:0{STEP_WIDTH}d}.done.json")

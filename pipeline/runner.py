@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 
 import draccus
 
-from pipeline import layout
+from pipeline import layout, run_state
 from pipeline.job import RLJob, check_run_config
 from pipeline.progress import JobProgress, RunProgress
 from pipeline.runners.base import STOP_GRACE_S, StepSpec, make_launcher
@@ -113,6 +114,7 @@ class JobRunner:
         for spec in self.steps:
             self._start(spec)
         progress = JobProgress(self.store, self.cfg.train.num_train_steps, self._on_progress)
+        gc = _Collections(self.store, self.cfg.retention)
         learner = self.steps[0]
         drain_deadline: float | None = None
         try:
@@ -122,6 +124,7 @@ class JobRunner:
                     if not self._tend(spec, now):
                         return 1
                 progress.update()
+                gc.tick()
                 if self._stopping:
                     logger.info("interrupted: stopping every step")
                     return 130
@@ -131,10 +134,12 @@ class JobRunner:
                 if drain_deadline is not None and (
                     all(s.finished or s.process is None for s in self.steps) or now > drain_deadline
                 ):
+                    gc.final()
                     return 0
                 time.sleep(0.25)
         finally:
             progress.close()
+            gc.wait()
 
     def _tend(self, spec: StepSpec, now: float) -> bool:
         """Start a step that is due, record an exit, schedule a restart; False when it failed too often."""
@@ -218,6 +223,51 @@ class JobRunner:
             for s in self.steps
             if s.process is not None and s.process.pid is not None and s.process.poll() is None
         }
+
+
+class _Collections:
+    """With `retention.enabled`: one garbage collection in a background thread each time `gc_every_slots` new
+    batch slots are committed, and a last one when the job ends (`pipeline.retention`)."""
+
+    def __init__(self, store: Any, retention: Any) -> None:
+        self._store = store
+        self._retention = retention
+        self._done_slot = 0
+        self._last_check = 0.0
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if not self._retention.enabled or now - self._last_check < 2.0:
+            return
+        self._last_check = now
+        if self._thread is not None and self._thread.is_alive():
+            return
+        slot = run_state.last_committed_slot(self._store)
+        if slot >= self._done_slot + self._retention.gc_every_slots:
+            self._done_slot = slot
+            self._thread = threading.Thread(target=self._collect, name="rlpipe-gc", daemon=True)
+            self._thread.start()
+
+    def final(self) -> None:
+        if self._retention.enabled:
+            self.wait()
+            self._collect()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def _collect(self) -> None:
+        from pipeline.retention import collect
+
+        try:
+            result = collect(self._store, self._retention, holder=f"gc@{socket.gethostname()}-{os.getpid()}")
+            logger.info(
+                "garbage collection: %d files, %d folders deleted", result.deleted_files, result.deleted_folders
+            )
+        except Exception:  # a failed collection deletes nothing more; the next one retries
+            logger.exception("garbage collection failed")
 
 
 def snapshot(store: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from schemas.base import (
 from schemas.batch import BATCH, BatchRow
 from schemas.dropped import DROP_REASONS, DROPPED, DroppedRow
 from schemas.evaluation import EVAL_ROW, EVAL_SUMMARY, EvalRow, EvalSummaryRow
+from schemas.lineage import LINEAGE, LineageRow
 from schemas.records import (
     BatchLogEntry,
     CommitMarker,
@@ -31,6 +32,7 @@ __all__ = [
     "DROP_REASONS",
     "EVAL_ROW",
     "EVAL_SUMMARY",
+    "LINEAGE",
     "ROLLOUT",
     "SCHEMA_NAME_KEY",
     "SCHEMA_VERSION_KEY",
@@ -41,6 +43,7 @@ __all__ = [
     "EvalRow",
     "EvalSummaryRow",
     "LatestPointer",
+    "LineageRow",
     "ReadyMarker",
     "RecordError",
     "RolloutRow",

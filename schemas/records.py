@@ -40,6 +40,7 @@ __all__ = [
     "CommitFile",
     "CommitMarker",
     "Cursor",
+    "GcPlan",
     "LatestPointer",
     "Lineage",
     "ReadyMarker",
@@ -389,3 +390,22 @@ class LatestPointer(_Record):
     VERSION: ClassVar[int] = 1
 
     step: int
+
+
+# ---------------------------------------------------------------------------------------------- retention
+@dataclasses.dataclass(frozen=True)
+class GcPlan(_Record):
+    """`gc/plan-N.json`: what garbage-collection run N deletes, written (create-if-absent) before its first
+    deletion so that a rerun after a crash finishes exactly these deletions."""
+
+    VERSION: ClassVar[int] = 1
+
+    run: int
+    holder: str
+    time: float
+    lineage_file: str | None
+    """The lineage index committed for this run's slots (None: no new slots were covered)."""
+    data_files: list[str]
+    """Data files to delete: the ready marker (if any) first, then the data."""
+    folders: list[str]
+    """Policy or checkpoint folders to delete: COMMITTED first, then every other file."""

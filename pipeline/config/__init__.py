@@ -26,6 +26,7 @@ from pipeline.config.model import (
     ModelSpec,
     OpenAIInferenceConfig,
 )
+from pipeline.config.retention import GcStepConfig, RetentionConfig
 from pipeline.config.steps import (
     WANDB_MODES,
     BatchMakerStepConfig,
@@ -76,6 +77,7 @@ __all__ = [
     "EnvConfig",
     "EvaluateStepConfig",
     "GSPOLossConfig",
+    "GcStepConfig",
     "InferenceConfig",
     "JobBackendConfig",
     "JsonTrackerConfig",
@@ -92,6 +94,7 @@ __all__ = [
     "PPOClipLossConfig",
     "RLOOLossConfig",
     "RayBackendConfig",
+    "RetentionConfig",
     "RolloutStepConfig",
     "SamplingParams",
     "StepResources",

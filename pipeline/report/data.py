@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from pipeline import layout
 from pipeline.metrics import read_metrics
+from pipeline.retention.lineage import used_through
 from pipeline.samples import SAMPLES_EVENT, Sample, newest_rollout_file, newest_samples, tokenizer_decoder
 from pipeline.storage import CorruptFileError, RunStore, SchemaMismatchError
 from schemas import BATCH, EVAL_SUMMARY
@@ -179,11 +180,12 @@ def _read_batch_log(store: RunStore, data: RunData) -> tuple[list[str], list[str
     return sorted(data_files), sorted(dropped_files), attempts
 
 
-def _read_lineage(store: RunStore, data: RunData, data_files: Sequence[str]) -> None:
-    """Count rollout uses from the `rollout_ids` lineage column of committed batch files."""
-    if not data_files:
+def _read_lineage(store: RunStore, data: RunData, data_files: Sequence[str], prior: Sequence[str] = ()) -> None:
+    """Count rollout uses from the `rollout_ids` lineage column of committed batch files, plus the `prior` uses
+    the lineage index records for slots whose batch files retention deleted."""
+    if not data_files and not prior:
         return
-    ids: list[str] = []
+    ids: list[str] = list(prior)
     unreadable = 0
     for rel, blob in zip(data_files, _get_many(store, data_files), strict=True):
         if blob is None:
@@ -303,7 +305,8 @@ def load_run(run_root: str, storage_options: dict[str, Any] | None = None) -> Ru
     data.sample_records = data.metrics.pop(SAMPLES_EVENT, [])
     _read_eval_summaries(store, data, bad)
     data_files, dropped_files, attempts = _read_batch_log(store, data)
-    _read_lineage(store, data, [f for f in data_files if f not in bad])
+    covered, indexed_uses = used_through(store)  # slots 1..covered: the lineage index, not the batch files
+    _read_lineage(store, data, [f for f in data_files if f not in bad and layout.parse_step(f) > covered], indexed_uses)
     _read_dropped(store, data, [f for f in dropped_files if f not in bad], attempts)
     _read_curriculum(store, data)
     try:
