@@ -13,6 +13,8 @@ fails is retried (a fresh example of the same lesson is drawn, since environment
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -234,6 +236,21 @@ class RolloutManager:
     def external_weights(self) -> bool:
         """True when an external server owns the weights (the `openai` backend)."""
         return self._backend.external_weights
+
+    @property
+    def manages_weights(self) -> bool:
+        """True when the backend's server is told which committed policy to load (the `server` backend)."""
+        return self._backend.manages_weights
+
+    def attach_run(self, run_root: str, log_path: str | None = None) -> None:
+        """Name the run root whose policies a weight-managing server loads."""
+        self._backend.attach(run_root, json.dumps(dataclasses.asdict(self.model_spec)), log_path)  # type: ignore[attr-defined]
+
+    def load_policy(self, step: int) -> float:
+        """Make the server serve committed policy `step` once the running sampling call finished (requests in
+        flight complete on the policy they started with); returns the seconds it took."""
+        with self._lock:
+            return float(self._backend.load_policy(step))  # type: ignore[attr-defined]
 
     def served_policy_step(self) -> int | None:
         """The policy step an external server says it serves (None: in-process backend or not reported)."""

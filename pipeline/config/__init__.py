@@ -25,6 +25,7 @@ from pipeline.config.model import (
     LevanterInferenceConfig,
     ModelSpec,
     OpenAIInferenceConfig,
+    ServerInferenceConfig,
 )
 from pipeline.config.steps import (
     WANDB_MODES,
@@ -94,6 +95,7 @@ __all__ = [
     "RayBackendConfig",
     "RolloutStepConfig",
     "SamplingParams",
+    "ServerInferenceConfig",
     "StepResources",
     "StoreConfig",
     "TensorboardTrackerConfig",

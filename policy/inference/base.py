@@ -100,6 +100,8 @@ class InferenceBackend(abc.ABC):
     name: str = "abstract"
     external_weights: bool = False
     """True when a server owns the weights: `update_model` is a no-op and the server reports its policy step."""
+    manages_weights: bool = False
+    """True when the worker tells the server which committed policy to load (`attach` + `load_policy`)."""
 
     def __init__(self) -> None:
         self.stats = GenerationStats()

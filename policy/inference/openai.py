@@ -338,6 +338,7 @@ class OpenAIBackend(InferenceBackend):
         if r.status_code != 200:
             raise OpenAIBackendError(f"POST {self._completions_url} -> {r.status_code}: {r.text[:500]}")
         payload = r.json()
+        self._check_prompts(payload, entries)
         header = r.headers.get(POLICY_STEP_HEADER)
         step = int(header) if header is not None else policy_step_from_model_name(payload.get("model"))
         choices = sorted(payload.get("choices") or [], key=lambda c: int(c.get("index", 0)))
@@ -346,6 +347,21 @@ class OpenAIBackend(InferenceBackend):
                 f"{self._completions_url}: asked for {len(entries) * n} choices, got {len(choices)}"
             )
         return [self._parse_choice(c, max_tokens, stops) for c in choices], step
+
+    def _check_prompts(self, payload: dict[str, Any], entries: list[list[int]]) -> None:
+        """The server saw exactly the prompt ids sent: `prompt_token_ids` per choice (vLLM) or the prompt token
+        count in `usage` (servers that tokenise text prompts); OpenAIResponseError otherwise."""
+        for c in payload.get("choices") or []:
+            got = c.get("prompt_token_ids")
+            if got is not None and [int(t) for t in got] not in entries:
+                raise OpenAIResponseError(f"{self._completions_url}: server prompt ids {got[:16]} were not sent")
+        usage = payload.get("usage") or {}
+        if self._prompt_format == "text" and usage.get("prompt_tokens") is not None:
+            sent = sum(len(e) for e in entries)
+            if int(usage["prompt_tokens"]) != sent:
+                raise OpenAIResponseError(
+                    f"{self._completions_url}: server counted {usage['prompt_tokens']} prompt tokens, sent {sent}"
+                )
 
     def _token_ids(self, choice: dict[str, Any], tokens: list[Any] | None) -> list[int]:
         if choice.get("token_ids") is not None:
