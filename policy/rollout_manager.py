@@ -27,6 +27,7 @@ import numpy as np
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
 from pipeline.environments import Environment, load_environment
 from policy.inference import BackendContext, InferenceBackend, make_backend
+from policy.inference.base import SamplingControls
 from schemas import EvalRow, EvalSummaryRow, RolloutRow
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,11 @@ def _schema_rows(
         )
         rows.append(EvalRow(**common, eval_type=eval_type) if eval_type else RolloutRow(**common))
     return rows
+
+
+def controls_of(sampling: SamplingParams) -> SamplingControls:
+    """The top-p / top-k / min-p controls of a lesson's sampling params."""
+    return SamplingControls(top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p)
 
 
 class RolloutManager:
@@ -389,7 +395,7 @@ class RolloutManager:
         for attempt in range(self.max_example_retries + 1):
             if remaining <= 0:
                 break
-            ctx = BackendContext(self.tokenizer, self._backend)
+            ctx = BackendContext(self.tokenizer, self._backend, controls_of(sampling))
             result = env.sample(
                 ctx,
                 n_examples=remaining,

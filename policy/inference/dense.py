@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.config import DenseInferenceConfig
 from pipeline.environments.base import Completion
+from policy.inference.base import NO_CONTROLS, SamplingControls
 from policy.inference.dense_sampler import DenseSampler, bucket
 from policy.inference.dtypes import default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
@@ -82,7 +83,13 @@ class DenseBackend(LocalBackend):
         self.sampler = None
 
     def _generate_rows(
-        self, rows: list[SampleRow], *, temperature: float, stops: list[int], seed: int
+        self,
+        rows: list[SampleRow],
+        *,
+        temperature: float,
+        stops: list[int],
+        seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> list[Completion | None]:
         if self.sampler is None:
             raise RuntimeError("dense backend was shut down")
@@ -100,6 +107,7 @@ class DenseBackend(LocalBackend):
                 stop_tokens=stops,
                 temperature=temperature,
                 seed=seed,
+                controls=controls,
             )
             for i in range(len(chunk)):
                 k = int(out.lengths[i])

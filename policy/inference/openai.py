@@ -48,7 +48,13 @@ import httpx
 
 from pipeline.config import OpenAIInferenceConfig
 from pipeline.environments import Completion
-from policy.inference.base import GenerationRequest, InferenceBackend, PromptTooLongError
+from policy.inference.base import (
+    NO_CONTROLS,
+    GenerationRequest,
+    InferenceBackend,
+    PromptTooLongError,
+    SamplingControls,
+)
 from policy.inference.registry import register_backend
 
 logger = logging.getLogger(__name__)
@@ -245,7 +251,14 @@ class OpenAIBackend(InferenceBackend):
         ]
         jobs = [
             self._pool.submit(
-                self._complete_chunk, [p for _, p in chunk], per_entry_n, temperature, b, stops, seed + 7919 * ci
+                self._complete_chunk,
+                [p for _, p in chunk],
+                per_entry_n,
+                temperature,
+                b,
+                stops,
+                seed + 7919 * ci,
+                request.controls,
             )
             for ci, (b, chunk) in enumerate(chunks)
         ]
@@ -282,7 +295,14 @@ class OpenAIBackend(InferenceBackend):
         return texts
 
     def _body(
-        self, entries: list[list[int]], n: int, temperature: float, max_tokens: int, stops: list[int], seed: int
+        self,
+        entries: list[list[int]],
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stops: list[int],
+        seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.config.openai_model,
@@ -300,6 +320,11 @@ class OpenAIBackend(InferenceBackend):
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
         }
+        if not controls.is_default:
+            if self._server_kind == "levanter":
+                raise ValueError(f"{self.base_url}: levanter's server has no top-p/top-k/min-p ({controls})")
+            # OpenAI's top_p; vLLM and SGLang extensions top_k (-1: off) and min_p
+            body.update(top_p=controls.top_p, top_k=controls.top_k or -1, min_p=controls.min_p)
         if len(stops) == 1:
             # Text servers (levanter) tokenise `stop` strings and treat their ids as one sequence: only a
             # single stop token can be expressed that way; the client-side cut handles the rest.
@@ -326,15 +351,22 @@ class OpenAIBackend(InferenceBackend):
         raise AssertionError("unreachable")
 
     def _complete_chunk(
-        self, entries: list[list[int]], n: int, temperature: float, max_tokens: int, stops: list[int], seed: int
+        self,
+        entries: list[list[int]],
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stops: list[int],
+        seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> tuple[list[Completion], int | None]:
-        r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed))
+        r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed, controls))
         if r.status_code == 422 and self._prompt_format == "auto" and "prompt" in r.text:
             logger.warning(
                 "server %s refused token-id prompts (422); sending verified text prompts from now on", self.base_url
             )
             self._prompt_format = "text"
-            r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed))
+            r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed, controls))
         if r.status_code != 200:
             raise OpenAIBackendError(f"POST {self._completions_url} -> {r.status_code}: {r.text[:500]}")
         payload = r.json()

@@ -169,11 +169,20 @@ class ServerBackend(OpenAIBackend):
             time.sleep(0.2)
 
     def load_policy(self, step: int) -> float:
-        """Make the server serve committed policy `step` and confirm it; returns the seconds it took."""
+        """Make the server serve committed policy `step` and confirm it; returns the seconds it took.
+
+        A child server that dies while loading is restarted and asked again (within `max_restarts`)."""
         t0 = time.monotonic()
-        self._ensure_server(step)
         policy_dir, hf_dir = self._dirs(step)
-        self.adapter.load(step, policy_dir, hf_dir, self.server_config.load_timeout_s)
+        while True:
+            self._ensure_server(step)
+            try:
+                self.adapter.load(step, policy_dir, hf_dir, self.server_config.load_timeout_s)
+                break
+            except ServerLoadError:
+                if not self._died():
+                    raise
+                logger.warning("server died while loading policy %d; restarting it", step)
         deadline = time.monotonic() + self.server_config.load_timeout_s
         while (served := self.adapter.served_step()) != step:
             if time.monotonic() > deadline:
@@ -184,6 +193,16 @@ class ServerBackend(OpenAIBackend):
         logger.info("server %s serves policy %d (%.2fs)", self.root_url, step, time.monotonic() - t0)
         return time.monotonic() - t0
 
+    def _died(self) -> bool:
+        """True when a child server is gone (a failed request may be seen a moment before its exit is)."""
+        if self.process is None or self.process.proc is None:
+            return False
+        try:
+            self.process.proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def served_policy_step(self) -> int | None:
         """The step the server reports (through the adapter)."""
         return self.adapter.served_step()
@@ -193,7 +212,7 @@ class ServerBackend(OpenAIBackend):
         try:
             return super().generate(request)
         except OpenAIBackendError:
-            if self.process is None or self.process.alive() or self.loaded_step is None:
+            if self.loaded_step is None or not self._died():
                 raise
             logger.warning("server died during generation; restarting it with policy %d", self.loaded_step)
             self.load_policy(self.loaded_step)
