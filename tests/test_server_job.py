@@ -74,3 +74,7 @@ def test_job_with_a_levanter_server_in_the_loop(tmp_path: Path) -> None:
                 assert set(rows) == {step}, (name, set(rows))
                 confirmed.add(step)
     assert len(confirmed) >= 2  # rollouts from more than one policy the server confirmed
+    # the worker itself restarted its server: one worker incarnation (one server log), two server starts
+    logs = list(Path(run_root, "logs", "server").iterdir())
+    assert len(logs) == 1, logs
+    assert logs[0].read_text().count("levanter server: policy") == 2

@@ -21,11 +21,20 @@ logger = logging.getLogger(__name__)
 class RayProcess:
     """A step as a Ray task that runs the step program with the resources asked for."""
 
-    def __init__(self, module: str, config_yaml: str, num_cpus: float, num_gpus: float, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        module: str,
+        config_yaml: str,
+        num_cpus: float,
+        num_gpus: float,
+        env: dict[str, str],
+        resources: dict[str, float] | None = None,
+    ) -> None:
         import ray
 
         self._ray = ray
-        self._ref = _remote_run_step().options(num_cpus=num_cpus, num_gpus=num_gpus).remote(module, config_yaml, env)
+        options = _remote_run_step().options(num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {})
+        self._ref = options.remote(module, config_yaml, env)
         self._rc: int | None = None
 
     @property
@@ -128,4 +137,5 @@ class RayLauncher:
         """Start the step's program as a Ray task (its output stays in Ray's worker logs)."""
         cpus, gpus = self.config.resources.for_kind(spec.kind)
         config_yaml = Path(spec.config_path).read_text()
-        return RayProcess(spec.module, config_yaml, cpus, gpus, {"RLPIPE_STEP": spec.name})
+        node = self.config.resources.node_resources(spec.kind)
+        return RayProcess(spec.module, config_yaml, cpus, gpus, {"RLPIPE_STEP": spec.name}, node)
