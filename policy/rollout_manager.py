@@ -78,6 +78,8 @@ class RolloutBatch:
     generate_s: float = 0.0
     env_metrics: dict[str, float] = field(default_factory=dict)
     successes: list[bool] = field(default_factory=list)
+    sampling: dict[str, float] = field(default_factory=dict)
+    """The sampling controls every row of this batch was drawn with (temperature, top_p, top_k, min_p, max_tokens)."""
 
     @property
     def groups(self) -> dict[str, list[RolloutRow]]:
@@ -358,6 +360,13 @@ class RolloutManager:
             generate_s=generate_s,
             env_metrics=env_metrics,
             successes=[is_success(r) for _, r in rows_src],
+            sampling={
+                "temperature": float(sampling.temperature),
+                "top_p": float(sampling.top_p),
+                "top_k": int(sampling.top_k),
+                "min_p": float(sampling.min_p),
+                "max_tokens": int(sampling.max_tokens),
+            },
         )
         logger.info(
             "lesson %s: %d groups, %d rows from policy %d (%d failures)",

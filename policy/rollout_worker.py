@@ -344,6 +344,7 @@ class RolloutWorker:
             "policy_step": P,
             "lesson_id": batch.lesson_id,
             "mode": batch.mode,
+            "sampling": batch.sampling,
             "signal_rows": signal_rows(batch.rows),
             "n_failures": len(batch.failures),
             "failures": [f.to_json() for f in batch.failures[:200]],

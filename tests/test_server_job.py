@@ -72,6 +72,8 @@ def test_job_with_a_levanter_server_in_the_loop(tmp_path: Path) -> None:
             if name.endswith(".parquet"):
                 rows = store.read_parquet(name, ROLLOUT).column("policy_step").to_pylist()
                 assert set(rows) == {step}, (name, set(rows))
+                marker = store.read_marker(name)
+                assert marker.extra["sampling"]["top_p"] == 1.0 and marker.extra["policy_step"] == step
                 confirmed.add(step)
     assert len(confirmed) >= 2  # rollouts from more than one policy the server confirmed
     # the worker itself restarted its server: one worker incarnation (one server log), two server starts

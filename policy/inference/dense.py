@@ -4,8 +4,8 @@ One jitted prefill + `while_loop` decode per batch with a dense KV cache, compil
 bucket, token bucket) shape. Rows are grouped by prompt-length bucket (a power of two >= 8 tokens) and each group
 split into device batches of at most `max_seqs` rows, padded to a power of two: a prompt is padded only up to its
 own bucket, never to a longer prompt's. `max_tokens` is padded to a power of two >= 16; the KV cache of a batch
-holds `prompt bucket + token bucket` slots per row (so it follows `max_seqs`, `max_seq_len` and `max_tokens`). New weights of the same
-structure (`update_model`) never recompile.
+holds `prompt bucket + token bucket` slots per row (so it follows `max_seqs`, `max_seq_len` and `max_tokens`).
+New weights of the same structure (`update_model`) never recompile.
 
 Compute dtype: `make_backend(..., compute_dtype=None)` picks float32 on CPU and bfloat16 on GPU/TPU (pass
 `ModelSpec.compute_dtype` to force one).
