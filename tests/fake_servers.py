@@ -18,6 +18,8 @@ class FakeServer:
         self.kind = kind
         self.model_path = model_path
         self.requests: list[tuple[str, str, Any]] = []
+        self.echo_prompt_shift = 0
+        """Nonzero: the prompt ids the server says it saw are shifted by this much (a misbehaving server)."""
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -78,7 +80,7 @@ class FakeServer:
             for _ in range(body.get("n", 1)):
                 ids = [(7 + k) % 100 + 4 for k in range(body["max_tokens"])]
                 choices.append({"index": len(choices), "text": "", "finish_reason": "length", "token_ids": ids,
-                                "prompt_token_ids": list(prompt),
+                                "prompt_token_ids": [t + self.echo_prompt_shift for t in prompt],
                                 "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
                                              "token_logprobs": [-1.0] * len(ids)}})  # fmt: skip
         return {"id": "cmpl-1", "object": "text_completion", "model": body["model"], "choices": choices}

@@ -13,6 +13,8 @@ from pipeline.config import ServerInferenceConfig
 from pipeline.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, make_backend
 from policy.inference.adapters.base import step_from_path
+from policy.inference.base import SamplingControls
+from policy.inference.openai import OpenAIResponseError
 from policy.inference.server import ServerBackend
 
 
@@ -54,6 +56,24 @@ def test_generate_returns_token_ids_and_checks_the_prompt(served: tuple[FakeServ
     assert [len(c.tokens) for c in out[0]] == [4, 4] and out[0][0].logprobs == [-1.0] * 4
     body = next(b for m, p, b in server.requests if p == "/v1/completions")
     assert body["prompt"] == [[1, 5, 6]] and body["logprobs"] == 1 and body["return_token_ids"] is True
+
+
+def test_a_prompt_the_server_did_not_receive_is_refused(served: tuple[FakeServer, ServerBackend]) -> None:
+    server, backend = served
+    backend.load_policy(1)
+    server.echo_prompt_shift = 1
+    with pytest.raises(OpenAIResponseError, match="were not sent"):
+        backend.generate(GenerationRequest([[1, 5, 6]], n=1, temperature=1.0, max_tokens=2, stop_tokens=[], seed=0))
+
+
+def test_sampling_controls_are_sent(served: tuple[FakeServer, ServerBackend]) -> None:
+    server, backend = served
+    backend.load_policy(1)
+    controls = SamplingControls(top_p=0.9, top_k=20, min_p=0.05)
+    backend.generate(GenerationRequest([[1, 5]], n=1, temperature=1.0, max_tokens=2, stop_tokens=[], seed=0,
+                                       controls=controls))  # fmt: skip
+    body = [b for m, p, b in server.requests if p == "/v1/completions"][-1]
+    assert (body["top_p"], body["top_k"], body["min_p"]) == (0.9, 20, 0.05)
 
 
 def test_step_from_path() -> None:
