@@ -1,11 +1,13 @@
 """Rollout generation throughput (generated tokens/s) of the inference backends on this machine.
 
 For the tiny model (`ModelSpec()` defaults) and a ~50M-parameter Llama (the same shape as
-bench_learner's "50m"), random weights, the builtin tiny vocabulary: `--prompts` random prompts of
+bench_learner's "50m"), random weights, the builtin tiny vocabulary: `--prompts` prompts of random words,
 `--prompt-len` tokens, `n` samples each, `--max-tokens` new tokens each (no stop token, so every sample
 is full length), temperature 1. The first call (compilation) is timed separately; the figure is the
-median over `--repeats` further calls. Backends: `dense` (policy.inference.dense_sampler) and `levanter`
-(levanter's InferenceEngine wrapped by policy.inference.levanter_engine, the peer). Prints one table naming the machine.
+median over `--repeats` further calls. Backends: `dense` (policy.inference.dense_sampler), `levanter`
+(levanter's InferenceEngine wrapped by policy.inference.levanter_engine, the peer) and `server` (levanter's
+InferenceServer as a child process over loopback HTTP, through policy.inference.server: HTTP, text prompts
+verified by round trip, and the server's own batching included). Prints one table naming the machine.
 
     JAX_PLATFORMS=cpu python -m bench.bench_rollout [--sizes tiny,50m] [--backends dense,levanter]
 """
@@ -37,6 +39,41 @@ SIZES: dict[str, ModelSpec] = {
 }
 
 
+WORDS = ["give", "me", "moar", "cats", "the", "a", "cat", "dog", "sat", "on", "mat", "please", "more"]
+
+
+def _text_prompt(tok: Any, rng: np.random.Generator, length: int) -> list[int]:
+    """BOS + `length - 1` ids of random words that survive decode/encode (text-only servers need that)."""
+    while True:
+        ids = tok.encode(" ".join(rng.choice(WORDS, size=length * 2)))[: length - 1]
+        if tok(tok.decode(ids), add_special_tokens=False)["input_ids"] == ids:
+            return [tok.bos_token_id, *ids]
+
+
+def _server_backend(spec: ModelSpec, model: Any, tok: Any, *, max_seqs: int) -> Any:
+    """The `server` backend with levanter's InferenceServer started as a child process (loopback HTTP), serving
+    `model` committed as policy 0 of a scratch run root."""
+    import dataclasses
+    import sys
+    import tempfile
+
+    from pipeline.config import ServerInferenceConfig
+    from pipeline.storage import RunStore
+    from policy.model import save_policy
+
+    root = tempfile.mkdtemp(prefix="bench_server_")
+    save_policy(RunStore(root), 0, model)
+    command = (
+        f"{sys.executable} -m policy.inference.adapters.levanter_server --run_root {{run_root}} --host {{host}} "
+        f"--port {{port}} --model_json {{model_json}} --step {{step}} --max_seqs {max_seqs}"
+    )
+    config = ServerInferenceConfig(command=command, port=0, max_seqs=max_seqs, startup_timeout_s=600)
+    be = make_backend(config, None, tok, spec.max_seq_len)
+    be.attach(root, json.dumps(dataclasses.asdict(spec)), os.path.join(root, "server.log"))  # type: ignore[attr-defined]
+    be.load_policy(0)  # type: ignore[attr-defined]
+    return be
+
+
 def bench_one(
     size: str, backend: str, *, prompts: int, n: int, prompt_len: int, max_tokens: int, repeats: int
 ) -> dict[str, float | int | str]:
@@ -45,8 +82,12 @@ def bench_one(
     tok = load_tokenizer(spec.tokenizer)
     model = build_model(spec, VOCAB)
     rng = np.random.default_rng(0)
-    batch = [[1, *rng.integers(4, VOCAB, prompt_len - 1).tolist()] for _ in range(prompts)]
-    be = make_backend(InferenceConfig.get_choice_class(backend)(max_seqs=prompts * n), model, tok, spec.max_seq_len)
+    batch = [_text_prompt(tok, rng, prompt_len) for _ in range(prompts)]
+    if backend == "server":
+        be = _server_backend(spec, model, tok, max_seqs=prompts * n)
+    else:
+        config = InferenceConfig.get_choice_class(backend)(max_seqs=prompts * n)
+        be = make_backend(config, model, tok, spec.max_seq_len)
     kwargs: dict[str, Any] = dict(n=n, temperature=1.0, max_tokens=max_tokens, stop_tokens=[])
     t0 = time.perf_counter()
     out = be.generate(GenerationRequest(batch, seed=0, **kwargs))
@@ -74,7 +115,7 @@ def bench_one(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="tiny,50m")
-    ap.add_argument("--backends", default="dense,levanter")
+    ap.add_argument("--backends", default="dense,levanter,server")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=16)

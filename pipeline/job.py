@@ -151,7 +151,10 @@ class RLJob:
         evaluate = EvaluateStepConfig(
             store=c.store,
             model=c.model,
-            inference=c.inference,
+            # the evaluator scores the policies it loads itself: a rollout server's config would not fit it
+            inference=DenseInferenceConfig(max_seqs=c.inference.max_seqs)
+            if c.inference.backend == "server"
+            else c.inference,
             curriculum=c.curriculum,
             follow=True,
             stop_after_step=c.train.num_train_steps,

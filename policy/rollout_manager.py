@@ -13,6 +13,8 @@ fails is retried (a fresh example of the same lesson is drawn, since environment
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -25,6 +27,7 @@ import numpy as np
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
 from pipeline.environments import Environment, load_environment
 from policy.inference import BackendContext, InferenceBackend, make_backend
+from policy.inference.base import SamplingControls
 from schemas import EvalRow, EvalSummaryRow, RolloutRow
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,8 @@ class RolloutBatch:
     generate_s: float = 0.0
     env_metrics: dict[str, float] = field(default_factory=dict)
     successes: list[bool] = field(default_factory=list)
+    sampling: dict[str, float] = field(default_factory=dict)
+    """The sampling controls every row of this batch was drawn with (temperature, top_p, top_k, min_p, max_tokens)."""
 
     @property
     def groups(self) -> dict[str, list[RolloutRow]]:
@@ -190,6 +195,11 @@ def _schema_rows(
     return rows
 
 
+def controls_of(sampling: SamplingParams) -> SamplingControls:
+    """The top-p / top-k / min-p controls of a lesson's sampling params."""
+    return SamplingControls(top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p)
+
+
 class RolloutManager:
     """Inference lifecycle, the policy model, environments, rollout generation and evaluation.
 
@@ -234,6 +244,21 @@ class RolloutManager:
     def external_weights(self) -> bool:
         """True when an external server owns the weights (the `openai` backend)."""
         return self._backend.external_weights
+
+    @property
+    def manages_weights(self) -> bool:
+        """True when the backend's server is told which committed policy to load (the `server` backend)."""
+        return self._backend.manages_weights
+
+    def attach_run(self, run_root: str, log_path: str | None = None) -> None:
+        """Name the run root whose policies a weight-managing server loads."""
+        self._backend.attach(run_root, json.dumps(dataclasses.asdict(self.model_spec)), log_path)  # type: ignore[attr-defined]
+
+    def load_policy(self, step: int) -> float:
+        """Make the server serve committed policy `step` once the running sampling call finished (requests in
+        flight complete on the policy they started with); returns the seconds it took."""
+        with self._lock:
+            return float(self._backend.load_policy(step))  # type: ignore[attr-defined]
 
     def served_policy_step(self) -> int | None:
         """The policy step an external server says it serves (None: in-process backend or not reported)."""
@@ -335,6 +360,13 @@ class RolloutManager:
             generate_s=generate_s,
             env_metrics=env_metrics,
             successes=[is_success(r) for _, r in rows_src],
+            sampling={
+                "temperature": float(sampling.temperature),
+                "top_p": float(sampling.top_p),
+                "top_k": int(sampling.top_k),
+                "min_p": float(sampling.min_p),
+                "max_tokens": int(sampling.max_tokens),
+            },
         )
         logger.info(
             "lesson %s: %d groups, %d rows from policy %d (%d failures)",
@@ -372,7 +404,7 @@ class RolloutManager:
         for attempt in range(self.max_example_retries + 1):
             if remaining <= 0:
                 break
-            ctx = BackendContext(self.tokenizer, self._backend)
+            ctx = BackendContext(self.tokenizer, self._backend, controls_of(sampling))
             result = env.sample(
                 ctx,
                 n_examples=remaining,

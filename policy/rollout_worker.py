@@ -32,6 +32,8 @@ from pipeline.storage import RunStore, StorageError
 from pipeline.tokenizer import load_tokenizer
 from pipeline.watch import Backoff, waker_for
 from pipeline.watchdog import watchdog
+from policy.inference import backend_class
+from policy.inference.hf_publish import publish_hf_if_needed, run_root_of, server_log_path
 from policy.rollout_manager import RolloutBatch, RolloutManager, batch_stats
 from schemas import ROLLOUT
 
@@ -251,9 +253,16 @@ class RolloutWorker:
         logger.info("loaded policy %d in %.2fs", step, time.monotonic() - t0)
         return model
 
+    def _serve_step(self, step: int) -> None:
+        """Tell a weight-managing server to load committed policy `step` (HF folder first when it needs one)."""
+        with watchdog(f"server load (policy {step})", self.config.weight_load_timeout_s):
+            publish_hf_if_needed(self.store, self.config, step, self.tokenizer)
+            self._weight_load_s += self.manager.load_policy(step)
+
     def sync_weights(self) -> bool:
         """Load the newest committed policy if it is newer than the one held (never older). True if changed."""
-        if self._manager is not None and self._manager.external_weights:
+        managed = self._manager is not None and self._manager.manages_weights
+        if self._manager is not None and self._manager.external_weights and not managed:
             return False
         latest = self._latest_policy()
         if latest is None or (self._current_step is not None and latest <= self._current_step):
@@ -266,11 +275,14 @@ class RolloutWorker:
                 )
             return False
         self._noticed_at.setdefault(latest, time.time())
-        model = self._load_step(latest)
-        t0 = time.monotonic()
-        with watchdog(f"model update (policy {latest})", self.config.weight_load_timeout_s):
-            self.manager.update_model(model)
-        self._weight_load_s += time.monotonic() - t0
+        if managed:
+            self._serve_step(latest)
+        else:
+            model = self._load_step(latest)
+            t0 = time.monotonic()
+            with watchdog(f"model update (policy {latest})", self.config.weight_load_timeout_s):
+                self.manager.update_model(model)
+            self._weight_load_s += time.monotonic() - t0
         old, self._current_step = self._current_step, latest
         self.metrics.log({"event": "weights", "from_step": old, "policy_step": latest})
         return True
@@ -284,11 +296,12 @@ class RolloutWorker:
 
     def start(self) -> None:
         """Phase 1: wait for a policy, load it and build the manager (unless one was injected)."""
-        if self._manager is not None and self._manager.external_weights:
+        if self._manager is not None and self._manager.external_weights and not self._manager.manages_weights:
             return
         step = self.wait_for_policy()
+        managed = backend_class(self.config.inference).manages_weights if self._manager is None else None
         if self._manager is None:
-            model = self._load_step(step)
+            model = None if managed else self._load_step(step)
             self._manager = RolloutManager(
                 self.config.inference,
                 self.config.model,
@@ -297,13 +310,16 @@ class RolloutWorker:
                 model,
                 max_example_retries=self.config.max_example_retries,
             )
-        else:
+        if self._manager.manages_weights:
+            self._manager.attach_run(run_root_of(self.store), server_log_path(self.store, self.name))
+            self._serve_step(step)
+        elif managed is None:
             self._manager.update_model(self._load_step(step))
         self._current_step = step
         self.metrics.log({"event": "weights", "from_step": None, "policy_step": step})
 
     def _policy_for_pacing(self) -> int:
-        if self.manager.external_weights:
+        if self.manager.external_weights and not self.manager.manages_weights:
             step = self.manager.served_policy_step()
             if step is None:
                 raise RuntimeError(
@@ -355,6 +371,7 @@ class RolloutWorker:
             "policy_step": P,
             "lesson_id": batch.lesson_id,
             "mode": batch.mode,
+            "sampling": batch.sampling,
             "signal_rows": signal_rows(batch.rows),
             "n_failures": len(batch.failures),
             "failures": [f.to_json() for f in batch.failures[:200]],

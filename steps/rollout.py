@@ -21,7 +21,11 @@ Algorithm (RolloutWorker.run, named phases):
     2. loop until stopped (SIGTERM/SIGINT, control/STOP, bounds, or -- in follow mode -- the learner published
        policy `train.num_train_steps`):
        a. sync_weights   newest committed policy P' > P? load it and `manager.update_model` (an older step
-                         published later is ignored: P only grows).
+                         published later is ignored: P only grows). With `inference: {type: server}` the
+                         worker instead tells its server to load `policies/step-P'` (after the running
+                         sampling call finished; HF folder `policies/step-P'/hf/` first when
+                         `inference.export_hf`) and samples only once the server reports P' (a dead child
+                         server is restarted and told again; `policy.inference.server`).
        b. pace           next batch slot T = B + 1 (B = newest committed batch slot). A rollout from policy P
                          is usable in slot T iff 0 <= (T-1) - P <= max_lag. Pause while (T-1) - P > max_lag
                          (it would arrive stale; wait for a newer policy), and while the unconsumed rows

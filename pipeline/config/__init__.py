@@ -25,6 +25,7 @@ from pipeline.config.model import (
     LevanterInferenceConfig,
     ModelSpec,
     OpenAIInferenceConfig,
+    ServerInferenceConfig,
 )
 from pipeline.config.retention import GcStepConfig, RetentionConfig
 from pipeline.config.steps import (
@@ -97,6 +98,7 @@ __all__ = [
     "RetentionConfig",
     "RolloutStepConfig",
     "SamplingParams",
+    "ServerInferenceConfig",
     "StepResources",
     "StoreConfig",
     "TensorboardTrackerConfig",

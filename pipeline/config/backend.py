@@ -45,6 +45,16 @@ class StepResources:
     batches_cpus: float = 0.5
     evaluate_cpus: float = 0.5
     evaluate_gpus: float = 0.0
+    rollout_node_resource: str | None = None
+    """A Ray custom resource that only inference nodes offer (`ray start --resources '{"inference": 1000}'`):
+    rollout workers (and the servers they start) then run only there; None: wherever CPUs/GPUs fit."""
+    learner_node_resource: str | None = None
+    """A Ray custom resource that only the learner's node offers: the learner then runs only there."""
+
+    def node_resources(self, kind: str) -> dict[str, float]:
+        """Ray custom resources a step of `kind` asks for (a sliver of the node label, so steps can share)."""
+        label = {"rollout": self.rollout_node_resource, "learner": self.learner_node_resource}.get(kind)
+        return {label: 0.001} if label else {}
 
     def for_kind(self, kind: str) -> tuple[float, float]:
         """(CPUs, GPUs) for a step of `kind` (learner, batches, rollout, evaluate)."""

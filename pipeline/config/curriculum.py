@@ -26,6 +26,12 @@ class SamplingParams:
     """Maximum new tokens per completion (per turn in multi-turn environments)."""
     stop_tokens: tuple[int, ...] | None = None
     """Token ids that end a completion (the stop token is kept in the output); None: the tokenizer's EOS."""
+    top_p: float = 1.0
+    """Nucleus sampling: only the most probable tokens whose mass reaches top_p (1: off)."""
+    top_k: int = 0
+    """Only the top_k most probable tokens (0: off)."""
+    min_p: float = 0.0
+    """Only tokens with probability >= min_p times the most probable one's (0: off)."""
 
     def __post_init__(self) -> None:
         require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
@@ -37,6 +43,9 @@ class SamplingParams:
             "must be >= 1",
         )
         require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        require(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        require(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0: off)")
+        require(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
 
 
 @dataclass(frozen=True)

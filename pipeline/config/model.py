@@ -121,5 +121,51 @@ class OpenAIInferenceConfig(InferenceConfig):
         require(self.request_timeout_s > 0, "inference.request_timeout_s", self.request_timeout_s, "must be > 0")
 
 
-INFERENCE_BACKENDS = ("dense", "levanter", "openai")
+SERVER_ADAPTERS = ("levanter", "sglang", "vllm")
+
+
+@InferenceConfig.register_subclass("server")
+@dataclass(frozen=True)
+class ServerInferenceConfig(OpenAIInferenceConfig):
+    """An OpenAI-compatible server the rollout worker owns or is pointed at, told to load each committed policy.
+
+    `command` given: the worker starts it as a child process (placeholders `{port}`, `{host}`, `{run_root}`,
+    `{step}`, `{policy_dir}`) and restarts it if it dies; `openai_base_url` then defaults to
+    `http://{host}:{port}/v1`. Without `command`, `openai_base_url` names a running server.
+    """
+
+    adapter: str = "levanter"
+    """How the server is told to load policy S: levanter (rlpipe's levanter server), sglang, vllm."""
+    command: str | None = None
+    """Shell-split command line that starts the server; None: the server at `openai_base_url` is already up."""
+    host: str = "127.0.0.1"
+    """Host the started server binds to (and the worker connects to)."""
+    port: int = 8000
+    """Port of the started server (0: a free port chosen by the worker)."""
+    startup_timeout_s: float = 300.0
+    """Seconds a started server has to answer its health check."""
+    load_timeout_s: float = 600.0
+    """Seconds a server has to load a policy and report its step."""
+    max_restarts: int = 5
+    """Restarts of a dead child server before the worker gives up."""
+    export_hf: bool = False
+    """Publish `policies/step-S/hf/` (a Hugging Face folder) before asking the server to load step S."""
+
+    def __post_init__(self) -> None:
+        InferenceConfig.__post_init__(self)
+        require(self.adapter in SERVER_ADAPTERS, "inference.adapter", self.adapter, f"one of {SERVER_ADAPTERS}")
+        require(
+            bool(self.openai_base_url or self.command),
+            "inference.openai_base_url",
+            self.openai_base_url,
+            "is required with inference type 'server' unless inference.command starts the server",
+        )
+        require(0 <= self.port < 65536, "inference.port", self.port, "must be in [0, 65536)")
+        require(self.request_timeout_s > 0, "inference.request_timeout_s", self.request_timeout_s, "must be > 0")
+        require(self.startup_timeout_s > 0, "inference.startup_timeout_s", self.startup_timeout_s, "must be > 0")
+        require(self.load_timeout_s > 0, "inference.load_timeout_s", self.load_timeout_s, "must be > 0")
+        require(self.max_restarts >= 0, "inference.max_restarts", self.max_restarts, "must be >= 0")
+
+
+INFERENCE_BACKENDS = ("dense", "levanter", "openai", "server")
 """The registered inference config types (`inference: {type: ...}`)."""

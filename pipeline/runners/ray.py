@@ -29,14 +29,29 @@ class RayProcess:
     """
 
     def __init__(
-        self, module: str, config_yaml: str, num_cpus: float, num_gpus: float, env: dict[str, str], log: LogTarget
+        self,
+        module: str,
+        config_yaml: str,
+        num_cpus: float,
+        num_gpus: float,
+        env: dict[str, str],
+        log: LogTarget,
+        resources: dict[str, float] | None = None,
     ) -> None:
         import ray
 
         self._ray = ray
         self._name = log.step
         self._actor = (
-            _step_actor().options(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2, max_restarts=0).remote()
+            _step_actor()
+            .options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                resources=resources or {},
+                max_concurrency=2,
+                max_restarts=0,
+            )
+            .remote()
         )
         self._ref = self._actor.run.remote(module, config_yaml, env, log)
         self._rc: int | None = None
@@ -172,4 +187,5 @@ class RayLauncher:
         """Start the step's program in a Ray actor; its output goes to `log` and to the driver."""
         cpus, gpus = self.config.resources.for_kind(spec.kind)
         config_yaml = Path(spec.config_path).read_text()
-        return RayProcess(spec.module, config_yaml, cpus, gpus, {"RLPIPE_STEP": spec.name}, log)
+        node = self.config.resources.node_resources(spec.kind)
+        return RayProcess(spec.module, config_yaml, cpus, gpus, {"RLPIPE_STEP": spec.name}, log, node)

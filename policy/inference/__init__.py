@@ -13,7 +13,7 @@ OpenAI-compatible server). A new backend is one module here, registered with `@r
 imported below, plus one registered `pipeline.config.InferenceConfig` subclass.
 """
 
-from policy.inference import dense, levanter_engine, openai  # noqa: F401  (each registers its backend)
+from policy.inference import dense, levanter_engine, openai, server  # noqa: F401  (each registers its backend)
 from policy.inference.base import (
     GenerationError,
     GenerationRequest,

@@ -11,15 +11,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.environments.base import Completion
-from policy.inference.base import GenerationRequest, InferenceBackend
+from policy.inference.base import NO_CONTROLS, GenerationRequest, InferenceBackend, SamplingControls
 
 
 class BackendContext:
     """The `InferenceContext` an environment sees: `tokenizer` plus `generate` through `backend`."""
 
-    def __init__(self, tokenizer: Any, backend: InferenceBackend) -> None:
+    def __init__(self, tokenizer: Any, backend: InferenceBackend, controls: SamplingControls = NO_CONTROLS) -> None:
+        """`controls` (top-p / top-k / min-p) apply to every `generate` call of this context."""
         self.tokenizer = tokenizer
         self.backend = backend
+        self.controls = controls
         self.generated_tokens = 0
         self.calls = 0
         self.served_steps: set[int] = set()
@@ -35,7 +37,7 @@ class BackendContext:
         seed: int,
     ) -> list[list[Completion]]:
         """`n` completions per prompt (see `policy.inference.base`; a too-long prompt raises PromptTooLongError)."""
-        request = GenerationRequest(prompts, n, temperature, max_tokens, stop_tokens, seed)
+        request = GenerationRequest(prompts, n, temperature, max_tokens, stop_tokens, seed, self.controls)
         out = self.backend.generate(request)
         self.calls += 1
         self.generated_tokens += sum(len(c.tokens) for comps in out for c in comps)

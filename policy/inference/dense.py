@@ -1,9 +1,11 @@
 """The `dense` backend: the fixed-shape jitted sampler of `policy.inference.dense_sampler`.
 
 One jitted prefill + `while_loop` decode per batch with a dense KV cache, compiled once per (batch bucket, prompt
-bucket, token bucket) shape. Batches are split into `max_seqs` rows and padded to a power of two (at most
-`max_seqs`); prompts to a power of two >= 8 tokens, `max_tokens` to a power of two >= 16. New weights of the same
-structure (`update_model`) never recompile.
+bucket, token bucket) shape. Rows are grouped by prompt-length bucket (a power of two >= 8 tokens) and each group
+split into device batches of at most `max_seqs` rows, padded to a power of two: a prompt is padded only up to its
+own bucket, never to a longer prompt's. `max_tokens` is padded to a power of two >= 16; the KV cache of a batch
+holds `prompt bucket + token bucket` slots per row (so it follows `max_seqs`, `max_seq_len` and `max_tokens`).
+New weights of the same structure (`update_model`) never recompile.
 
 Compute dtype: `make_backend(..., compute_dtype=None)` picks float32 on CPU and bfloat16 on GPU/TPU (pass
 `ModelSpec.compute_dtype` to force one).
@@ -16,6 +18,7 @@ from typing import Any
 
 from pipeline.config import DenseInferenceConfig
 from pipeline.environments.base import Completion
+from policy.inference.base import NO_CONTROLS, SamplingControls
 from policy.inference.dense_sampler import DenseSampler, bucket
 from policy.inference.dtypes import default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
@@ -82,14 +85,20 @@ class DenseBackend(LocalBackend):
         self.sampler = None
 
     def _generate_rows(
-        self, rows: list[SampleRow], *, temperature: float, stops: list[int], seed: int
+        self,
+        rows: list[SampleRow],
+        *,
+        temperature: float,
+        stops: list[int],
+        seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> list[Completion | None]:
         if self.sampler is None:
             raise RuntimeError("dense backend was shut down")
-        results: list[Completion | None] = []
+        results: list[Completion | None] = [None] * len(rows)
         T = bucket(max(r.max_tokens for r in rows), minimum=16)
-        for start in range(0, len(rows), self.max_seqs):
-            chunk = rows[start : start + self.max_seqs]
+        for idx in self._chunks_by_prompt_bucket(rows):
+            chunk = [rows[i] for i in idx]
             B = bucket(len(chunk), maximum=self.max_seqs)
             out = self.sampler.generate(
                 [r.prompt for r in chunk],
@@ -100,8 +109,21 @@ class DenseBackend(LocalBackend):
                 stop_tokens=stops,
                 temperature=temperature,
                 seed=seed,
+                controls=controls,
             )
-            for i in range(len(chunk)):
+            for i, row_index in enumerate(idx):
                 k = int(out.lengths[i])
-                results.append(self._completion(out.tokens[i, :k], out.logprobs[i, :k], stops) if k > 0 else None)
+                results[row_index] = self._completion(out.tokens[i, :k], out.logprobs[i, :k], stops) if k > 0 else None
         return results
+
+    def _chunks_by_prompt_bucket(self, rows: list[SampleRow]) -> list[list[int]]:
+        """Row indices in device batches of at most `max_seqs`, each holding prompts of one length bucket, so a
+        short prompt is never padded to a long one's length beyond its own power-of-two bucket."""
+        by_bucket: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_bucket.setdefault(bucket(len(r.prompt), minimum=8), []).append(i)
+        return [
+            group[k : k + self.max_seqs]
+            for _, group in sorted(by_bucket.items())
+            for k in range(0, len(group), self.max_seqs)
+        ]

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from policy.inference.base import NO_CONTROLS, SamplingControls
 from policy.inference.dense_params import (
     DenseArch,
     UnsupportedModelError,
@@ -199,15 +200,43 @@ class _Model:
         return x[:, 0], new_k, new_v
 
 
+def truncate_logits(z: jax.Array, top_p: jax.Array, top_k: jax.Array, min_p: jax.Array) -> jax.Array:
+    """`z` [B, V] with the tokens that top-k / top-p / min-p exclude set to -inf (the rules of
+    `policy.inference.base.SamplingControls`; `top_k = 0`, `top_p = 1`, `min_p = 0` switch a rule off)."""
+    V = z.shape[-1]
+    probs = jax.nn.softmax(z.astype(jnp.float32), axis=-1)
+    desc = -jnp.sort(-probs, axis=-1)  # [B, V], most probable first
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V).astype(jnp.int32)
+    kth = jax.lax.dynamic_index_in_dim(desc, k - 1, axis=-1, keepdims=True)  # [B, 1]
+    # top-p: sorted token i is kept while the mass before it is < top_p (so at least one token)
+    before = jnp.cumsum(desc, axis=-1) - desc
+    n_p = jnp.maximum(jnp.sum(before < top_p, axis=-1, keepdims=True), 1)
+    pth = jnp.take_along_axis(desc, n_p - 1, axis=-1)
+    threshold = jnp.maximum(jnp.maximum(kth, pth), min_p * desc[:, :1])
+    keep = (probs >= threshold) | (probs >= desc[:, :1])
+    return jnp.where(keep, z, -jnp.inf)
+
+
 def sample_tokens(
-    logits: jax.Array, temperature: jax.Array, seq_keys: jax.Array, t: jax.Array
+    logits: jax.Array,
+    temperature: jax.Array,
+    seq_keys: jax.Array,
+    t: jax.Array,
+    controls: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B], logprobs [B]): z = logits / T; token ~ categorical(z) (argmax when T = 0);
-    logprob = z[token] - logsumexp(z), with T treated as 1 when T = 0."""
+    """(tokens [B], logprobs [B]): z = logits / T; token ~ categorical(z truncated by `controls` = (top_p,
+    top_k, min_p), see `truncate_logits`) (argmax when T = 0); logprob = z[token] - logsumexp(z) of the
+    untruncated z, with T treated as 1 when T = 0."""
     safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     z = logits / safe_t
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(seq_keys, t)
-    sampled = jax.vmap(jax.random.categorical)(step_keys, z)
+    if controls is None:
+        zs = z
+    else:
+        top_p, top_k, min_p = controls
+        active = (top_p < 1.0) | (top_k > 0) | (min_p > 0.0)
+        zs = jax.lax.cond(active, lambda: truncate_logits(z, top_p, top_k, min_p), lambda: z)
+    sampled = jax.vmap(jax.random.categorical)(step_keys, zs)
     tok = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
     chosen = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0]
     return tok, chosen - jax.nn.logsumexp(z, axis=-1)
@@ -268,6 +297,7 @@ class DenseSampler:
         seq_keys: jax.Array,
         stop_ids: jax.Array,
         temperature: jax.Array,
+        controls: tuple[jax.Array, jax.Array, jax.Array],
         *,
         max_new: int,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -299,7 +329,7 @@ class DenseSampler:
             # sample token t from the carried logits, record it, then feed it (one sampling site keeps
             # the compiled program small; the feed after the last token is one wasted step per call)
             t, logits, done, stopped, n_gen, out_tok, out_lp, kcs, vcs = state
-            tok, lp = sample_tokens(logits, temperature, seq_keys, t)
+            tok, lp = sample_tokens(logits, temperature, seq_keys, t, controls)
             live = ~done
             out_tok = jax.lax.dynamic_update_slice_in_dim(out_tok, jnp.where(live, tok, -1)[:, None], t, 1)
             out_lp = jax.lax.dynamic_update_slice_in_dim(out_lp, jnp.where(live, lp, 0.0)[:, None], t, 1)
@@ -332,6 +362,7 @@ class DenseSampler:
         stop_tokens: list[int],
         temperature: float,
         seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> DenseOutput:
         """Sample one continuation per prompt (len(prompts) <= batch_size) in one device call.
 
@@ -367,6 +398,7 @@ class DenseSampler:
             seq_keys,
             jnp.asarray(stops),
             jnp.float32(temperature),
+            (jnp.float32(controls.top_p), jnp.int32(controls.top_k), jnp.float32(controls.min_p)),
             max_new=max_new_bucket,
         )
         out_tok, out_lp, n_gen, stopped = jax.device_get(out)

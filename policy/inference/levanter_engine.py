@@ -17,6 +17,7 @@ import numpy as np
 
 from pipeline.config import LevanterInferenceConfig
 from pipeline.environments.base import Completion
+from policy.inference.base import NO_CONTROLS, SamplingControls
 from policy.inference.dtypes import cast_floating, default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
 from policy.inference.registry import register_backend
@@ -122,8 +123,16 @@ class LevanterEngineBackend(LocalBackend):
         self._model = None
 
     def _generate_rows(
-        self, rows: list[SampleRow], *, temperature: float, stops: list[int], seed: int
+        self,
+        rows: list[SampleRow],
+        *,
+        temperature: float,
+        stops: list[int],
+        seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> list[Completion | None]:
+        if not controls.is_default:
+            raise ValueError(f"levanter engine: top-p/top-k/min-p are not supported by levanter's sampler ({controls})")
         if self._model is None:
             raise RuntimeError("levanter backend was shut down")
         if len(stops) > self.max_stop_tokens:

@@ -19,10 +19,12 @@ from pipeline.environments.base import Completion
 from policy.inference.base import (
     FINISH_LENGTH,
     FINISH_STOP,
+    NO_CONTROLS,
     GenerationError,
     GenerationRequest,
     InferenceBackend,
     PromptTooLongError,
+    SamplingControls,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,9 @@ class LocalBackend(InferenceBackend):
         if not rows:
             return []
         t0 = time.perf_counter()
-        results = self._generate_rows(rows, temperature=float(request.temperature), stops=stops, seed=int(request.seed))
+        results = self._generate_rows(
+            rows, temperature=float(request.temperature), stops=stops, seed=int(request.seed), controls=request.controls
+        )
         elapsed = time.perf_counter() - t0
         out: list[list[Completion]] = [[] for _ in request.prompts]
         missing: list[tuple[int, int]] = []
@@ -116,6 +120,12 @@ class LocalBackend(InferenceBackend):
 
     @abc.abstractmethod
     def _generate_rows(
-        self, rows: list[SampleRow], *, temperature: float, stops: list[int], seed: int
+        self,
+        rows: list[SampleRow],
+        *,
+        temperature: float,
+        stops: list[int],
+        seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> list[Completion | None]:
-        """One completion per row (None: failed to produce it)."""
+        """One completion per row (None: failed to produce it), sampled under `controls`."""

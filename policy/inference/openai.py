@@ -48,7 +48,13 @@ import httpx
 
 from pipeline.config import OpenAIInferenceConfig
 from pipeline.environments import Completion
-from policy.inference.base import GenerationRequest, InferenceBackend, PromptTooLongError
+from policy.inference.base import (
+    NO_CONTROLS,
+    GenerationRequest,
+    InferenceBackend,
+    PromptTooLongError,
+    SamplingControls,
+)
 from policy.inference.registry import register_backend
 
 logger = logging.getLogger(__name__)
@@ -245,7 +251,14 @@ class OpenAIBackend(InferenceBackend):
         ]
         jobs = [
             self._pool.submit(
-                self._complete_chunk, [p for _, p in chunk], per_entry_n, temperature, b, stops, seed + 7919 * ci
+                self._complete_chunk,
+                [p for _, p in chunk],
+                per_entry_n,
+                temperature,
+                b,
+                stops,
+                seed + 7919 * ci,
+                request.controls,
             )
             for ci, (b, chunk) in enumerate(chunks)
         ]
@@ -282,7 +295,14 @@ class OpenAIBackend(InferenceBackend):
         return texts
 
     def _body(
-        self, entries: list[list[int]], n: int, temperature: float, max_tokens: int, stops: list[int], seed: int
+        self,
+        entries: list[list[int]],
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stops: list[int],
+        seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.config.openai_model,
@@ -300,6 +320,11 @@ class OpenAIBackend(InferenceBackend):
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
         }
+        if not controls.is_default:
+            if self._server_kind == "levanter":
+                raise ValueError(f"{self.base_url}: levanter's server has no top-p/top-k/min-p ({controls})")
+            # OpenAI's top_p; vLLM and SGLang extensions top_k (-1: off) and min_p
+            body.update(top_p=controls.top_p, top_k=controls.top_k or -1, min_p=controls.min_p)
         if len(stops) == 1:
             # Text servers (levanter) tokenise `stop` strings and treat their ids as one sequence: only a
             # single stop token can be expressed that way; the client-side cut handles the rest.
@@ -326,18 +351,26 @@ class OpenAIBackend(InferenceBackend):
         raise AssertionError("unreachable")
 
     def _complete_chunk(
-        self, entries: list[list[int]], n: int, temperature: float, max_tokens: int, stops: list[int], seed: int
+        self,
+        entries: list[list[int]],
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        stops: list[int],
+        seed: int,
+        controls: SamplingControls = NO_CONTROLS,
     ) -> tuple[list[Completion], int | None]:
-        r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed))
+        r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed, controls))
         if r.status_code == 422 and self._prompt_format == "auto" and "prompt" in r.text:
             logger.warning(
                 "server %s refused token-id prompts (422); sending verified text prompts from now on", self.base_url
             )
             self._prompt_format = "text"
-            r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed))
+            r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed, controls))
         if r.status_code != 200:
             raise OpenAIBackendError(f"POST {self._completions_url} -> {r.status_code}: {r.text[:500]}")
         payload = r.json()
+        self._check_prompts(payload, entries)
         header = r.headers.get(POLICY_STEP_HEADER)
         step = int(header) if header is not None else policy_step_from_model_name(payload.get("model"))
         choices = sorted(payload.get("choices") or [], key=lambda c: int(c.get("index", 0)))
@@ -346,6 +379,21 @@ class OpenAIBackend(InferenceBackend):
                 f"{self._completions_url}: asked for {len(entries) * n} choices, got {len(choices)}"
             )
         return [self._parse_choice(c, max_tokens, stops) for c in choices], step
+
+    def _check_prompts(self, payload: dict[str, Any], entries: list[list[int]]) -> None:
+        """The server saw exactly the prompt ids sent: `prompt_token_ids` per choice (vLLM) or the prompt token
+        count in `usage` (servers that tokenise text prompts); OpenAIResponseError otherwise."""
+        for c in payload.get("choices") or []:
+            got = c.get("prompt_token_ids")
+            if got is not None and [int(t) for t in got] not in entries:
+                raise OpenAIResponseError(f"{self._completions_url}: server prompt ids {got[:16]} were not sent")
+        usage = payload.get("usage") or {}
+        if self._prompt_format == "text" and usage.get("prompt_tokens") is not None:
+            sent = sum(len(e) for e in entries)
+            if int(usage["prompt_tokens"]) != sent:
+                raise OpenAIResponseError(
+                    f"{self._completions_url}: server counted {usage['prompt_tokens']} prompt tokens, sent {sent}"
+                )
 
     def _token_ids(self, choice: dict[str, Any], tokens: list[Any] | None) -> list[int]:
         if choice.get("token_ids") is not None:

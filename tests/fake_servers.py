@@ -1,0 +1,89 @@
+"""Loopback HTTP servers implementing exactly the weight-reload endpoints and payloads of the pinned SGLang and vLLM
+versions (see `policy/inference/adapters/sglang.py` and `vllm.py`), plus `/v1/completions` in vLLM's response
+format (token ids, prompt token ids, logprobs). They record every request they receive.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class FakeServer:
+    """`kind` "sglang" or "vllm"; serves on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, kind: str, model_path: str) -> None:
+        self.kind = kind
+        self.model_path = model_path
+        self.requests: list[tuple[str, str, Any]] = []
+        self.echo_prompt_shift = 0
+        """Nonzero: the prompt ids the server says it saw are shifted by this much (a misbehaving server)."""
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, code: int, obj: Any) -> None:
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                owner.requests.append(("GET", self.path, None))
+                code, obj = owner.get(self.path)
+                self._send(code, obj)
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                owner.requests.append(("POST", self.path, body))
+                code, obj = owner.post(self.path, body)
+                self._send(code, obj)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def get(self, path: str) -> tuple[int, Any]:
+        if path == "/health":
+            return 200, {}
+        if self.kind == "sglang" and path == "/get_model_info":
+            return 200, {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": "policy", "object": "model"}]}
+        return 404, {"detail": "Not Found"}
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        if self.kind == "sglang" and path == "/update_weights_from_disk":
+            self.model_path = body["model_path"]
+            return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        if self.kind == "vllm" and path == "/collective_rpc":
+            if body["method"] == "update_config":
+                self.model_path = body["args"][0]["model_config"]["model"]
+            return 200, {"results": [None]}
+        if self.kind == "vllm" and path == "/reset_prefix_cache":
+            return 200, {}
+        if path == "/v1/completions":
+            return 200, self.completion(body)
+        return 404, {"detail": "Not Found"}
+
+    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's completion format: `token_ids`, `prompt_token_ids`, `logprobs.token_logprobs` per choice."""
+        choices = []
+        for prompt in body["prompt"]:
+            for _ in range(body.get("n", 1)):
+                ids = [(7 + k) % 100 + 4 for k in range(body["max_tokens"])]
+                choices.append({"index": len(choices), "text": "", "finish_reason": "length", "token_ids": ids,
+                                "prompt_token_ids": [t + self.echo_prompt_shift for t in prompt],
+                                "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
+                                             "token_logprobs": [-1.0] * len(ids)}})  # fmt: skip
+        return {"id": "cmpl-1", "object": "text_completion", "model": body["model"], "choices": choices}
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
