@@ -90,6 +90,7 @@ def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_
     tokenizer = load_tokenizer(spec.tokenizer)
     if step is None:
         step, _ = poll_until(lambda: latest_policy_step(store), timeout_s=3600.0, what=f"a policy in {run_root}")
+    assert step is not None  # poll_until returns only a found value
     vocab = policy_metadata(store, step).vocab_size
     state = {"step": int(step)}
     lock = threading.Lock()
