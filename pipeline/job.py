@@ -23,9 +23,11 @@ from pipeline.config import (
     ConfigError,
     CurriculumConfig,
     DenseInferenceConfig,
+    DistributedConfig,
     EvaluateStepConfig,
     InferenceConfig,
     JobBackendConfig,
+    LearnerPlacement,
     LearnerStepConfig,
     LessonConfig,
     LocalBackendConfig,
@@ -82,6 +84,8 @@ class RLJobConfig:
     batch_wait_timeout_s: float = 600.0
     poll_interval_s: float = 0.2
     seed: int = 0
+    learner: LearnerPlacement = field(default_factory=LearnerPlacement)
+    """The learner's device mesh and process count (`learner: {mesh: {data, fsdp, model}, num_processes}`)."""
 
     def __post_init__(self) -> None:
         if self.num_rollout_workers < 1:
@@ -111,6 +115,8 @@ class RLJob:
             checkpoint_interval=c.checkpoint_interval,
             batch_wait_timeout_s=c.batch_wait_timeout_s,
             poll_interval_s=c.poll_interval_s,
+            mesh=c.learner.mesh,
+            distributed=DistributedConfig(num_processes=c.learner.num_processes),
         )
         batches = BatchMakerStepConfig(
             store=c.store,

@@ -42,6 +42,7 @@ from pipeline.metrics import MetricsWriter
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
 from policy import learner as L
+from policy import mesh as mesh_lib
 from policy import model as M
 from policy.losses import Batch, RLLossModule, loss_module_from_config
 from policy.trackers import make_tracker
@@ -66,6 +67,8 @@ class Learner:
     train_step: Any = None
     metrics: Any = None
     tracker: Any = None
+    mesh: Any = None
+    """The device mesh (`policy.mesh.LearnerMesh`) parameters, optimizer state and batches live on."""
 
     @property
     def total(self) -> int:
@@ -77,7 +80,8 @@ def main(config: LearnerStepConfig) -> int:
     learner = open_learner(config)
     state = resume(learner)
     if state.step >= learner.total:
-        learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
+        if mesh_lib.is_writer():
+            learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
         logger.info("already trained %d steps; nothing to do", state.step)
         return 0
     state, stop_reason = train(learner, state)
@@ -86,7 +90,10 @@ def main(config: LearnerStepConfig) -> int:
 
 
 def open_learner(config: LearnerStepConfig) -> Learner:
-    """The run root, the tokenizer's vocabulary size, the loss module and the optimizer of this run."""
+    """The run root, the tokenizer's vocabulary size, the loss module, the optimizer and the device mesh.
+
+    With several learner processes, `jax.distributed` is started here, before any device is touched."""
+    mesh_lib.initialize_distributed(config.distributed)
     tokenizer = load_tokenizer(config.model.tokenizer)
     return Learner(
         config=config,
@@ -94,13 +101,14 @@ def open_learner(config: LearnerStepConfig) -> Learner:
         vocab_size=M.model_vocab_size(tokenizer),
         loss_module=loss_module_from_config(config.loss),
         optimizer=L.build_optimizer(config.optimizer, config.train.num_train_steps),
+        mesh=mesh_lib.build_mesh(config.mesh),
     )
 
 
 def resume(learner: Learner) -> L.LearnerState:
     """Phase 1: the newest checkpoint or a fresh model; policy 0 (or the resumed policy) committed."""
     store, config = learner.store, learner.config
-    state = L.resume_or_init(store, config, learner.vocab_size, learner.optimizer)
+    state = L.shard_state(L.resume_or_init(store, config, learner.vocab_size, learner.optimizer), learner.mesh)
     learner.lineage_start = state.step + 1
     learner.last_checkpoint = state.step
     if not store.exists(layout.policy_marker(state.step)):
@@ -120,9 +128,10 @@ def resume(learner: Learner) -> L.LearnerState:
 def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]:
     """Phase 2: train slot after slot until num_train_steps, max_steps or control/STOP; returns (state, why)."""
     config = learner.config
-    learner.train_step = L.train_step_for(config.loss, config.optimizer, learner.total, config.model.compute_dtype)
-    learner.metrics = MetricsWriter(learner.store, "learner", "learner")
-    learner.tracker = make_tracker(config.tracker, config.store.run_root)
+    learner.train_step = L.mesh_train_step(config, learner.mesh)
+    writer = mesh_lib.is_writer()  # one process writes metrics and tracker records
+    learner.metrics = MetricsWriter(learner.store, "learner", "learner") if writer else _NoMetrics()
+    learner.tracker = make_tracker(config.tracker, config.store.run_root) if writer else None
     progress = _progress(learner.total, state.step)
     try:
         while state.step < learner.total:
@@ -132,7 +141,7 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
             entry, waited = L.wait_for_batch(learner.store, slot, config.batch_wait_timeout_s, config.poll_interval_s)
             if entry is None:
                 return state, "control/STOP"
-            batch, data_file = L.read_batch(learner.store, slot, entry, config.train, learner.vocab_size)
+            batch, data_file = L.read_batch(learner.store, slot, entry, config.train, learner.vocab_size, learner.mesh)
             state, record = train_one(learner, state, batch, data_file, waited)
             log_step(learner, record)
             progress.update(1)
@@ -216,9 +225,20 @@ def finish(learner: Learner, state: L.LearnerState, stop_reason: str) -> None:
         checkpoint(learner, state)
     if state.step >= learner.total:
         L.publish_policy(learner.store, state, learner.config)
-        learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
+        if mesh_lib.is_writer():
+            learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
         stop_reason = "num_train_steps"
     logger.info("learner stopped at step %d (%s)", state.step, stop_reason)
+
+
+class _NoMetrics:
+    """The metrics sink of a learner process other than process 0 (which alone writes metrics)."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        del record
+
+    def flush(self) -> None:
+        pass
 
 
 def _progress(total: int, initial: int) -> Any:

@@ -17,6 +17,7 @@ from pipeline.config.curriculum import (
     SamplingParams,
     find_cycle,
 )
+from pipeline.config.mesh import DistributedConfig, LearnerPlacement, MeshConfig
 from pipeline.config.model import (
     INFERENCE_BACKENDS,
     MODEL_FAMILIES,
@@ -54,6 +55,7 @@ from pipeline.config.train import (
 )
 from pipeline.config.validate import (
     check_importable,
+    check_learner_layout,
     validate_batch_maker,
     validate_job,
     validate_learner,
@@ -73,18 +75,21 @@ __all__ = [
     "ConfigError",
     "CurriculumConfig",
     "DenseInferenceConfig",
+    "DistributedConfig",
     "EnvConfig",
     "EvaluateStepConfig",
     "GSPOLossConfig",
     "InferenceConfig",
     "JobBackendConfig",
     "JsonTrackerConfig",
+    "LearnerPlacement",
     "LearnerStepConfig",
     "LessonConfig",
     "LessonDependency",
     "LevanterInferenceConfig",
     "LocalBackendConfig",
     "LossConfig",
+    "MeshConfig",
     "ModelSpec",
     "NoTrackerConfig",
     "OpenAIInferenceConfig",
@@ -101,6 +106,7 @@ __all__ = [
     "TrainParams",
     "WandbTrackerConfig",
     "check_importable",
+    "check_learner_layout",
     "find_cycle",
     "require",
     "validate_batch_maker",
