@@ -79,10 +79,21 @@ def build_optimizer(spec: OptimizerSpec, num_train_steps: int) -> optax.Gradient
     return optax.chain(*parts)
 
 
-def make_logprob_fn(compute_dtype: str) -> Any:
-    """(model, batch) -> (logprobs, entropy) [B, S] at the batch's per-token temperatures."""
+def make_logprob_fn(compute_dtype: str, block_size: int | None = None) -> Any:
+    """(model, batch) -> (logprobs, entropy) [B, S] at the batch's per-token temperatures.
+
+    With `block_size`, computed that many vocabulary entries at a time (`policy.model.blocked_logprobs_and_entropy`)."""
 
     def logprob_fn(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        if block_size is not None:
+            return M.blocked_logprobs_and_entropy(
+                M.cast_for_compute(model, compute_dtype),
+                batch["tokens"],
+                batch["segment_ids"],
+                batch["position_ids"],
+                batch["temperature"],
+                block_size,
+            )
         logits = M.forward_logits(
             M.cast_for_compute(model, compute_dtype), batch["tokens"], batch["segment_ids"], batch["position_ids"]
         )
@@ -111,7 +122,7 @@ def mesh_train_step(config: LearnerStepConfig, lm: mesh_lib.LearnerMesh) -> Any:
     return make_mesh_train_step(
         loss_module_from_config(config.loss),
         build_optimizer(config.optimizer, train.num_train_steps),
-        make_logprob_fn(config.model.compute_dtype),
+        make_logprob_fn(config.model.compute_dtype, config.model.logprob_block_size),
         lm,
         num_microbatches,
     )

@@ -67,6 +67,9 @@ def main(argv: list[str]) -> None:
 
     state = L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None)
     state = L.shard_state(state, lm)
+    if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:  # FSDP or tensor parallel: parameters really split
+        leaves = [x for x in jax.tree_util.tree_leaves(state.model) if isinstance(x, jax.Array)]
+        assert any(not x.sharding.is_fully_replicated for x in leaves), "parameters are not sharded"
     step = L.mesh_train_step(config, lm)
     start, stop = mesh_lib.process_rows(B)
     for slot in range(1, STEPS + 1):
@@ -75,6 +78,9 @@ def main(argv: list[str]) -> None:
         m, o, metrics = step(state.model, state.opt_state, None, batch)
         state = L.LearnerState(slot, m, o, None)
         print("slot", slot, "loss", float(metrics["loss"]), flush=True)
+    if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:
+        leaves = [x for x in jax.tree_util.tree_leaves(state.model) if isinstance(x, jax.Array)]
+        assert any(not x.sharding.is_fully_replicated for x in leaves), "trained parameters are not sharded"
     params = M.numpy_params(mesh_lib.to_host(state.model))
     if mesh_lib.is_writer():
         np.savez(out, *params)
