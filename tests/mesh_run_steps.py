@@ -2,10 +2,13 @@
 
 `python -m tests/mesh_run_steps.py OUT.npz DATA FSDP MODEL MICROBATCH [COORDINATOR NUM_PROCESSES PROCESS_ID]`
 Set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting (the device count is fixed at JAX start).
+With MESH_CKPT_ROOT set: MESH_CKPT_MODE=save commits a learner checkpoint of step 2 under that run root (and
+trains on); MESH_CKPT_MODE=resume starts from that checkpoint instead of initialising, and trains slot 3.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -66,18 +69,28 @@ def main(argv: list[str]) -> None:
     import equinox as eqx
 
     state = L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None)
+    ckpt_root, mode = os.environ.get("MESH_CKPT_ROOT"), os.environ.get("MESH_CKPT_MODE")
+    store = None
+    if ckpt_root:
+        from pipeline.storage import RunStore
+
+        store = RunStore(ckpt_root)
+        if mode == "resume":
+            state = L.load_checkpoint(store, 2, config.model, VOCAB, optimizer)
     state = L.shard_state(state, lm)
     if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:  # FSDP or tensor parallel: parameters really split
         leaves = [x for x in jax.tree_util.tree_leaves(state.model) if isinstance(x, jax.Array)]
         assert any(not x.sharding.is_fully_replicated for x in leaves), "parameters are not sharded"
     step = L.mesh_train_step(config, lm)
     start, stop = mesh_lib.process_rows(B)
-    for slot in range(1, STEPS + 1):
+    for slot in range(state.step + 1, STEPS + 1):
         local = {k: v[start:stop] for k, v in synthetic_rows(slot).items()}
         batch = mesh_lib.global_batch(local, lm, B)
         m, o, metrics = step(state.model, state.opt_state, None, batch)
         state = L.LearnerState(slot, m, o, None)
         print("slot", slot, "loss", float(metrics["loss"]), flush=True)
+        if store is not None and mode == "save" and slot == 2:
+            L.save_checkpoint(store, state, config, 1)
     if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:
         leaves = [x for x in jax.tree_util.tree_leaves(state.model) if isinstance(x, jax.Array)]
         assert any(not x.sharding.is_fully_replicated for x in leaves), "trained parameters are not sharded"

@@ -23,8 +23,8 @@ ROOT = SCRIPT.parent.parent
 RTOL = 1e-5
 
 
-def _env(devices: int) -> dict[str, str]:
-    env = dict(os.environ)
+def _env(devices: int, **extra: str) -> dict[str, str]:
+    env = {**os.environ, **extra}
     env.update(
         JAX_PLATFORMS="cpu",
         HF_HUB_OFFLINE="1",
@@ -35,9 +35,9 @@ def _env(devices: int) -> dict[str, str]:
     return env
 
 
-def _start(out: Path, devices: int, *args: object) -> subprocess.Popen[str]:
+def _start(out: Path, devices: int, *args: object, **env: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, str(SCRIPT), str(out), *map(str, args)]
-    return subprocess.Popen(cmd, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, env=_env(devices, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float = 400) -> None:
@@ -63,17 +63,20 @@ def _assert_close(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every mesh case once: reference, FSDP×4, data 2 × model 2, microbatches 4×8, two processes × 2 devices."""
+    """Every mesh case once: reference, FSDP×4 (committing a checkpoint of step 2), data 2 × model 2,
+    microbatches 4×8, the FSDP×4 checkpoint resumed on 2 devices (data 2), two processes × 2 devices."""
     d = tmp_path_factory.mktemp("mesh")
-    out = {name: d / f"{name}.npz" for name in ("ref", "fsdp4", "dp2tp2", "micro", "two_proc")}
+    names = ("ref", "fsdp4", "dp2tp2", "micro", "resumed", "two_proc")
+    out = {name: d / f"{name}.npz" for name in names}
+    ckpt = {"MESH_CKPT_ROOT": str(d / "root")}
     # two at a time: the CI machine has 2 cores
-    for group in (
-        [(out["ref"], 1, 1, -1, 1, 0), (out["fsdp4"], 4, 1, 4, 1, 0)],
-        [(out["dp2tp2"], 4, 2, 1, 2, 0), (out["micro"], 1, 1, -1, 1, 8)],
-    ):
-        procs = [_start(o, n, *a) for o, n, *a in group]
-        for p in procs:
-            _finish(p)
+    procs = [_start(out["ref"], 1, 1, -1, 1, 0), _start(out["fsdp4"], 4, 1, 4, 1, 0, **ckpt, MESH_CKPT_MODE="save")]
+    for p in procs:
+        _finish(p)
+    procs = [_start(out["dp2tp2"], 4, 2, 1, 2, 0), _start(out["micro"], 1, 1, -1, 1, 8)]
+    procs.append(_start(out["resumed"], 2, 2, 1, 1, 0, **ckpt, MESH_CKPT_MODE="resume"))
+    for p in procs:
+        _finish(p)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -84,7 +87,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["fsdp4", "dp2tp2", "micro", "two_proc"])
+@pytest.mark.parametrize("case", ["fsdp4", "dp2tp2", "micro", "resumed", "two_proc"])
 def test_mesh_shapes_give_the_same_parameters(runs: dict[str, Path], case: str) -> None:
     ref = _params(runs["ref"])
     other = _params(runs[case])
