@@ -147,3 +147,10 @@ def barrier(name: str) -> None:
 def is_writer() -> bool:
     """Whether this process writes commit objects (policies, checkpoints, metrics, LEARNER_DONE): process 0."""
     return jax.process_index() == 0
+
+
+def agree_with_writer(flag: bool) -> bool:
+    """Process 0's value of `flag` on every process (its own value when there is one process)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))

@@ -114,6 +114,8 @@ def resume(learner: Learner) -> L.LearnerState:
     if not store.exists(layout.policy_marker(state.step)):
         L.publish_policy(store, state, config)  # policy 0, or a crash fell between checkpoint S and policy S
     learner.reference = L.load_reference(store, config, learner.vocab_size, learner.loss_module)
+    if learner.reference is not None:
+        learner.reference = mesh_lib.shard_params(learner.reference, learner.mesh)
     logger.info(
         "learner at step %d of %d; %d parameters; loss %s; reference model %s",
         state.step,
@@ -139,8 +141,12 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
                 return state, "max_steps"
             slot = state.step + 1
             entry, waited = L.wait_for_batch(learner.store, slot, config.batch_wait_timeout_s, config.poll_interval_s)
-            if entry is None:
+            # several processes: all follow process 0's decision (a committed batch never disappears, so a
+            # process that saw control/STOP first can still read the batch process 0 found)
+            if mesh_lib.agree_with_writer(entry is None):
                 return state, "control/STOP"
+            if entry is None:
+                entry = learner.store.read_log_entry(slot)
             batch, data_file = L.read_batch(learner.store, slot, entry, config.train, learner.vocab_size, learner.mesh)
             state, record = train_one(learner, state, batch, data_file, waited)
             log_step(learner, record)
