@@ -42,7 +42,7 @@ from bench.common import machine_name
 
 logger = logging.getLogger("rlpipe.bench")
 
-PARTS = ("storage", "batchmaker", "learner", "rollout", "e2e", "startup", "trl", "latency", "retention")
+PARTS = ("storage", "batchmaker", "learner", "learner_mesh", "rollout", "e2e", "startup", "trl", "latency", "retention")
 
 
 def _run(cmd: list[str], timeout_s: float) -> float:
@@ -79,6 +79,12 @@ def part_learner(tmp: Path, quick: bool) -> list[dict[str, Any]]:
     out = tmp / "learner.json"
     sizes = "tiny" if quick else "tiny,50m"
     _run([sys.executable, "-m", "bench.bench_learner", "--sizes", sizes, "--steps", "3", "--json", str(out)], 3600)
+    return list(json.loads(out.read_text())["rows"])
+
+
+def part_learner_mesh(tmp: Path, quick: bool) -> list[dict[str, Any]]:
+    out = tmp / "learner_mesh.json"
+    _run([sys.executable, "-m", "bench.bench_learner_mesh", "--devices", "1,4", "--json", str(out)], 1800)
     return list(json.loads(out.read_text())["rows"])
 
 
@@ -212,6 +218,17 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 f"batch {r['batch']}",
                 "-",
                 "-",
+            )
+        )
+    mesh_rows = results.get("learner_mesh") or []
+    for r in mesh_rows:
+        rows.append(
+            (
+                f"learner on {r['devices']} simulated CPU device(s), FSDP",
+                f"{r['tokens_per_s']:,.0f} tokens/s",
+                f"1 device: {mesh_rows[0]['tokens_per_s']:,.0f} tokens/s",
+                f"{r['tokens_per_s'] / mesh_rows[0]['tokens_per_s']:.2f}",
+                "same loss (correct scaling; simulated devices share the cores)",
             )
         )
     ro = results.get("rollout") or []
@@ -359,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "storage": part_storage,
         "batchmaker": part_batchmaker,
         "learner": part_learner,
+        "learner_mesh": part_learner_mesh,
         "rollout": part_rollout,
         "e2e": part_e2e,
         "startup": part_startup,

@@ -27,9 +27,11 @@ from pipeline.config import (
     ConfigError,
     CurriculumConfig,
     DenseInferenceConfig,
+    DistributedConfig,
     EvaluateStepConfig,
     InferenceConfig,
     JobBackendConfig,
+    LearnerPlacement,
     LearnerStepConfig,
     LessonConfig,
     LocalBackendConfig,
@@ -90,6 +92,8 @@ class RLJobConfig:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     """What garbage collection keeps; with `retention.enabled` the job runner collects every few slots
     (`pipeline.retention`)."""
+    learner: LearnerPlacement = field(default_factory=LearnerPlacement)
+    """The learner's device mesh and process count (`learner: {mesh: {data, fsdp, model}, num_processes}`)."""
 
     def __post_init__(self) -> None:
         if self.num_rollout_workers < 1:
@@ -125,6 +129,8 @@ class RLJob:
             poll_interval_s=c.poll_interval_s,
             # with retention on, garbage collection decides which checkpoints go (the learner keeps them all)
             **({"keep_checkpoints": 1_000_000_000} if c.retention.enabled else {}),
+            mesh=c.learner.mesh,
+            distributed=DistributedConfig(num_processes=c.learner.num_processes),
         )
         batches = BatchMakerStepConfig(
             store=c.store,

@@ -84,7 +84,12 @@ class JobRunner:
             configs["batches"], holder_id=f"batches@{socket.gethostname()}-{os.getpid()}", lease_take_over_own=True
         )
         specs = [
-            StepSpec("learner", "learner", self._write_config("learner", configs["learner"])),
+            StepSpec(
+                "learner",
+                "learner",
+                self._write_config("learner", configs["learner"]),
+                processes=configs["learner"].distributed.num_processes,
+            ),
             StepSpec("batches", "batches", self._write_config("batches", configs["batches"])),
         ]
         for rc in configs["rollout"]:

@@ -33,6 +33,7 @@ from pipeline.poll import poll_until
 from pipeline.storage import RunStore
 from pipeline.watch import waker_for
 from policy import checkpoints as ckpt
+from policy import mesh as mesh_lib
 from policy import model as M
 from policy.losses import Batch, RLLossModule, loss_module_from_config
 from policy.update_guard import guarded_update
@@ -84,10 +85,21 @@ def build_optimizer(spec: OptimizerSpec, num_train_steps: int) -> optax.Gradient
     return optax.chain(*parts)
 
 
-def make_logprob_fn(compute_dtype: str) -> Any:
-    """(model, batch) -> (logprobs, entropy) [B, S] at the batch's per-token temperatures."""
+def make_logprob_fn(compute_dtype: str, block_size: int | None = None) -> Any:
+    """(model, batch) -> (logprobs, entropy) [B, S] at the batch's per-token temperatures.
+
+    With `block_size`, computed that many vocabulary entries at a time (`policy.model.blocked_logprobs_and_entropy`)."""
 
     def logprob_fn(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        if block_size is not None:
+            return M.blocked_logprobs_and_entropy(
+                M.cast_for_compute(model, compute_dtype),
+                batch["tokens"],
+                batch["segment_ids"],
+                batch["position_ids"],
+                batch["temperature"],
+                block_size,
+            )
         logits = M.forward_logits(
             M.cast_for_compute(model, compute_dtype), batch["tokens"], batch["segment_ids"], batch["position_ids"]
         )
@@ -100,6 +112,26 @@ def make_logprob_fn(compute_dtype: str) -> Any:
 def train_step_for(loss: LossConfig, optimizer: OptimizerSpec, num_train_steps: int, compute_dtype: str) -> Any:
     """The jitted train step for these (hashable, frozen) configs; cached so one process compiles it once."""
     return make_train_step(loss_module_from_config(loss), build_optimizer(optimizer, num_train_steps), compute_dtype)
+
+
+def mesh_train_step(config: LearnerStepConfig, lm: mesh_lib.LearnerMesh) -> Any:
+    """The jitted train step of this run on mesh `lm`, accumulating over `train.microbatch_size` microbatches."""
+    from policy.sharding import make_mesh_train_step
+
+    train = config.train
+    num_microbatches = train.batch_size // (train.microbatch_size or train.batch_size)
+    if (train.batch_size // num_microbatches) % lm.data_ways:
+        raise BatchMismatchError(
+            f"train.microbatch_size={train.microbatch_size}: rows per pass must divide over {lm.data_ways} "
+            "data-parallel devices"
+        )
+    return make_mesh_train_step(
+        loss_module_from_config(config.loss),
+        build_optimizer(config.optimizer, train.num_train_steps),
+        make_logprob_fn(config.model.compute_dtype, config.model.logprob_block_size),
+        lm,
+        num_microbatches,
+    )
 
 
 def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransformation, compute_dtype: str) -> Any:
@@ -155,21 +187,37 @@ def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) 
 
 def batch_arrays(rows: list[schemas.BatchRow], train: TrainParams, vocab_size: int, path: str) -> Batch:
     """Fixed-shape [batch_size, seq_len] learner arrays from batch rows; BatchMismatchError on any misfit."""
+    return {k: jnp.asarray(v) for k, v in host_batch_arrays(rows, train, vocab_size, path).items()}
+
+
+def host_batch_arrays(
+    rows: list[schemas.BatchRow],
+    train: TrainParams,
+    vocab_size: int,
+    path: str,
+    start: int = 0,
+    stop: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Rows [start, stop) of the slot's [batch_size, seq_len] learner arrays (numpy; `seq_index` numbered over the
+    whole slot); BatchMismatchError on any misfit."""
     if len(rows) != train.batch_size:
         raise BatchMismatchError(f"{path}: {len(rows)} rows, run expects train.batch_size={train.batch_size}")
     B, S = train.batch_size, train.seq_len
+    stop = B if stop is None else stop
+    n = stop - start
     out = {
-        "tokens": np.zeros((B, S), np.int32),
-        "segment_ids": np.full((B, S), -1, np.int32),
-        "position_ids": np.zeros((B, S), np.int32),
-        "loss_mask": np.zeros((B, S), np.float32),
-        "advantages": np.zeros((B, S), np.float32),
-        "generator_logprobs": np.zeros((B, S), np.float32),
-        "temperature": np.ones((B, S), np.float32),
-        "truncated": np.zeros((B, S), bool),
-        "seq_index": np.full((B, S), B * S, np.int32),
+        "tokens": np.zeros((n, S), np.int32),
+        "segment_ids": np.full((n, S), -1, np.int32),
+        "position_ids": np.zeros((n, S), np.int32),
+        "loss_mask": np.zeros((n, S), np.float32),
+        "advantages": np.zeros((n, S), np.float32),
+        "generator_logprobs": np.zeros((n, S), np.float32),
+        "temperature": np.ones((n, S), np.float32),
+        "truncated": np.zeros((n, S), bool),
+        "seq_index": np.full((n, S), B * S, np.int32),
     }
-    for b, row in enumerate(rows):
+    for b in range(start, stop):
+        row, r = rows[b], b - start
         if len(row.tokens) != S:
             raise BatchMismatchError(f"{path}: row {b} has {len(row.tokens)} tokens, run expects train.seq_len={S}")
         tok = np.asarray(row.tokens, np.int64)
@@ -179,25 +227,33 @@ def batch_arrays(rows: list[schemas.BatchRow], train: TrainParams, vocab_size: i
                 "(tokenizer mismatch?)"
             )
         seg = np.asarray(row.segment_ids, np.int32)
-        out["tokens"][b] = tok
-        out["segment_ids"][b] = seg
-        out["position_ids"][b] = row.position_ids
-        out["loss_mask"][b] = row.loss_mask
-        out["advantages"][b] = row.advantages
-        out["generator_logprobs"][b] = row.generator_logprobs
+        out["tokens"][r] = tok
+        out["segment_ids"][r] = seg
+        out["position_ids"][r] = row.position_ids
+        out["loss_mask"][r] = row.loss_mask
+        out["advantages"][r] = row.advantages
+        out["generator_logprobs"][r] = row.generator_logprobs
         valid = seg >= 0
         temps = np.asarray(row.temperatures, np.float32)
         trunc = np.asarray(row.truncated, bool)
-        out["temperature"][b, valid] = temps[seg[valid]]
-        out["truncated"][b, valid] = trunc[seg[valid]]
-        out["seq_index"][b, valid] = b * S + seg[valid]
-    return {k: jnp.asarray(v) for k, v in out.items()}
+        out["temperature"][r, valid] = temps[seg[valid]]
+        out["truncated"][r, valid] = trunc[seg[valid]]
+        out["seq_index"][r, valid] = b * S + seg[valid]
+    return out
 
 
 def read_batch(
-    store: RunStore, slot: int, entry: BatchLogEntry, train: TrainParams, vocab_size: int
+    store: RunStore,
+    slot: int,
+    entry: BatchLogEntry,
+    train: TrainParams,
+    vocab_size: int,
+    lm: mesh_lib.LearnerMesh | None = None,
 ) -> tuple[Batch, str]:
-    """Load and check batch `slot` named by its commit object; returns (arrays, data file)."""
+    """Load and check batch `slot` named by its commit object; returns (arrays, data file).
+
+    With a mesh, this process converts only its own rows (`policy.mesh.process_rows`) and the arrays returned
+    are global arrays on the mesh, rows split over its data-parallel axes."""
     if entry.seq_len != train.seq_len:
         raise BatchMismatchError(
             f"{layout.batch_log_entry(slot)}: seq_len={entry.seq_len!r}, this run has seq_len={train.seq_len!r}"
@@ -205,7 +261,11 @@ def read_batch(
     data_file = entry.data_file
     table = store.read_parquet(data_file, schemas.BATCH)
     rows = schemas.BATCH.from_table(table)
-    return batch_arrays(rows, train, vocab_size, data_file), data_file
+    if lm is None:
+        return batch_arrays(rows, train, vocab_size, data_file), data_file
+    start, stop = mesh_lib.process_rows(train.batch_size)
+    local = host_batch_arrays(rows, train, vocab_size, data_file, start, stop)
+    return mesh_lib.global_batch(local, lm, train.batch_size), data_file
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,18 +306,22 @@ def save_checkpoint(store: RunStore, state: LearnerState, config: LearnerStepCon
         "vocab_size": int(state.model.Vocab.size),
         "loss": type(config.loss).__name__,
     }
-    blobs = {
-        MODEL_BLOB: ckpt.tree_to_safetensors(state.model),
-        OPT_BLOB: ckpt.tree_to_safetensors(state.opt_state),
-    }
+    # every process takes part in gathering the sharded state; only process 0 writes (one writer of commits)
+    model, opt_state = mesh_lib.to_host(state.model), mesh_lib.to_host(state.opt_state)
+    if not mesh_lib.is_writer():
+        return False
+    blobs = {MODEL_BLOB: ckpt.tree_to_safetensors(model), OPT_BLOB: ckpt.tree_to_safetensors(opt_state)}
     return ckpt.write_committed(store, layout.checkpoint_dir(state.step), blobs, meta)
 
 
 def collect_old_checkpoints(store: RunStore, keep: int) -> None:
     """Garbage-collect all but the newest `keep` checkpoints: tombstone first, then delete their data files.
 
-    The COMMITTED markers stay (commit objects are never deleted), so the lineage remains auditable.
+    The COMMITTED markers stay (commit objects are never deleted), so the lineage remains auditable. Only the
+    writer process (process 0) collects.
     """
+    if not mesh_lib.is_writer():
+        return
     steps = committed_checkpoints(store)
     for s in steps[: max(len(steps) - keep, 0)]:
         folder = layout.checkpoint_dir(s)
@@ -304,8 +368,17 @@ def resume_or_init(
         raise ckpt.CheckpointError("no committed checkpoint loads: " + "; ".join(errors))
     logger.info("no checkpoint: initialising %s model (seed %d)", config.model.family, config.model.seed)
     model = M.build_model(config.model, vocab_size, jax.random.PRNGKey(config.model.seed))
+    if config.model.param_dtype not in ("float32", "fp32"):
+        model = M.cast_for_compute(model, config.model.param_dtype)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     return LearnerState(step=0, model=model, opt_state=opt_state, parent=None)
+
+
+def shard_state(state: LearnerState, lm: mesh_lib.LearnerMesh) -> LearnerState:
+    """`state` with model and optimizer state placed on mesh `lm` (any mesh: checkpoints are mesh-independent)."""
+    model = mesh_lib.shard_params(state.model, lm)
+    opt_state = mesh_lib.shard_params(state.opt_state, lm)
+    return LearnerState(step=state.step, model=model, opt_state=opt_state, parent=state.parent)
 
 
 def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, module: RLLossModule) -> Any:
@@ -316,11 +389,16 @@ def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, 
 
 
 def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConfig) -> None:
-    """Commit policy `state.step` unless it already is (markers record the batch slot, tokenizer, seq_len)."""
+    """Commit policy `state.step` unless it already is (markers record the batch slot, tokenizer, seq_len).
+
+    The sharded parameters are gathered once into host memory (every process takes part; process 0 writes)."""
+    model = mesh_lib.to_host(state.model)
+    if not mesh_lib.is_writer():
+        return
     M.save_policy(
         store,
         state.step,
-        state.model,
+        model,
         {"batch_slot": state.step, "tokenizer": config.model.tokenizer, "seq_len": config.train.seq_len},
     )
 

@@ -95,13 +95,13 @@ def levanter_config(spec: ModelSpec) -> LlamaConfig:
     """The levanter config for `spec`.
 
     From scratch: the spec's sizes. From an HF folder: the folder's config.json (the spec's
-    size fields are then ignored), with `seq_len = spec.max_seq_len`. Gradient checkpointing is
-    off (small models, CPU); layers are scanned.
+    size fields are then ignored), with `seq_len = spec.max_seq_len`. Gradient checkpointing
+    (remat of each transformer block) per `spec.gradient_checkpointing`; layers are scanned.
     """
     common = dict(
         seq_len=spec.max_seq_len,
         attn_backend=_attn_backend(spec),
-        gradient_checkpointing=False,
+        gradient_checkpointing=spec.gradient_checkpointing,
         scan_layers=True,
     )
     cls = _FAMILIES[spec.family]
@@ -295,6 +295,64 @@ def shifted_logprobs_and_entropy(
     lp = jnp.concatenate([zeros, jnp.where(valid, lp, 0.0)], axis=1)
     ent = jnp.concatenate([zeros, jnp.where(valid, ent, 0.0)], axis=1)
     return lp, ent
+
+
+def blocked_logprobs_and_entropy(
+    model: LmHeadModel,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None,
+    position_ids: jax.Array | None,
+    temperature: jax.Array | float,
+    block_size: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The same (logprobs, entropy) [B, S] as `shifted_logprobs_and_entropy(forward_logits(...))`, computed
+    `block_size` vocabulary entries at a time: [B, S, V] logits are never held at once (peak [B, S, block]).
+
+    An online log-sum-exp over the blocks gives log Z, the target's logit and Σ_v p_v z_v (so entropy =
+    log Z − Σ p z); each block is recomputed in the backward pass (jax.checkpoint) rather than stored."""
+    B, S = tokens.shape
+    ids = hax.named(tokens.astype(jnp.int32), (BATCH_AXIS, POS_AXIS))
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    pos = hax.named(position_ids.astype(jnp.int32), (BATCH_AXIS, POS_AXIS))
+    hidden = model.activations(ids, attention_mask(segment_ids), pos_ids=pos)
+    h = hidden.rearrange((BATCH_AXIS, POS_AXIS, "embed")).array[:, :-1]
+    w = model.get_lm_head().rearrange(("embed", "vocab")).array
+    V = w.shape[1]
+    nb = -(-V // block_size)
+    w = jnp.pad(w, ((0, 0), (0, nb * block_size - V))).reshape(w.shape[0], nb, block_size).transpose(1, 0, 2)
+    starts = jnp.arange(nb, dtype=jnp.int32) * block_size
+    temp = _per_token_temperature(temperature, (B, S))[:, 1:, None]
+    target = tokens[:, 1:].astype(jnp.int32)
+
+    @jax.checkpoint
+    def block(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[jax.Array, ...], None]:
+        m, total, pz, tgt = carry
+        wb, start = xs
+        in_vocab = (start + jnp.arange(block_size)) < V
+        z = jnp.einsum("bse,ev->bsv", h, wb).astype(jnp.float32) / temp
+        z = jnp.where(in_vocab, z, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+        scale = jnp.exp(m - m_new)
+        e = jnp.exp(z - m_new[..., None])
+        total = total * scale + jnp.sum(e, axis=-1)
+        pz = pz * scale + jnp.sum(e * jnp.where(in_vocab, z, 0.0), axis=-1)
+        local = jnp.clip(target - start, 0, block_size - 1)
+        hit = (target >= start) & (target < start + block_size)
+        tgt = tgt + jnp.where(hit, jnp.take_along_axis(z, local[..., None], axis=-1)[..., 0], 0.0)
+        return (m_new, total, pz, tgt), None
+
+    zeros = jnp.zeros((B, S - 1), jnp.float32)
+    init = (jnp.full((B, S - 1), -1e30, jnp.float32), zeros, zeros, zeros)
+    (m, total, pz, tgt), _ = jax.lax.scan(block, init, (w, starts))
+    log_z = m + jnp.log(total)
+    lp, ent = tgt - log_z, log_z - pz / total
+    valid = jnp.ones((B, S - 1), dtype=bool) if segment_ids is None else segment_ids[:, 1:] == segment_ids[:, :-1]
+    pad = jnp.zeros((B, 1), jnp.float32)
+    return (
+        jnp.concatenate([pad, jnp.where(valid, lp, 0.0)], axis=1),
+        jnp.concatenate([pad, jnp.where(valid, ent, 0.0)], axis=1),
+    )
 
 
 @eqx.filter_jit

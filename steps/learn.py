@@ -43,6 +43,7 @@ from pipeline.metrics import MetricsWriter
 from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
 from policy import learner as L
+from policy import mesh as mesh_lib
 from policy import model as M
 from policy.losses import Batch, RLLossModule, loss_module_from_config
 from policy.trackers import make_run_tracker
@@ -69,6 +70,8 @@ class Learner:
     tracker: Any = None
     publisher: Any = None
     """`policy.learner.PolicyPublisher`: policies are committed behind the next step's compute, in order."""
+    mesh: Any = None
+    """The device mesh (`policy.mesh.LearnerMesh`) parameters, optimizer state and batches live on."""
 
     @property
     def total(self) -> int:
@@ -80,7 +83,8 @@ def main(config: LearnerStepConfig) -> int:
     learner = open_learner(config)
     state = resume(learner)
     if state.step >= learner.total:
-        learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
+        if mesh_lib.is_writer():
+            learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
         logger.info("already trained %d steps; nothing to do", state.step)
         return 0
     state, stop_reason = train(learner, state)
@@ -89,7 +93,10 @@ def main(config: LearnerStepConfig) -> int:
 
 
 def open_learner(config: LearnerStepConfig) -> Learner:
-    """The run root, the tokenizer's vocabulary size, the loss module and the optimizer of this run."""
+    """The run root, the tokenizer's vocabulary size, the loss module, the optimizer and the device mesh.
+
+    With several learner processes, `jax.distributed` is started here, before any device is touched."""
+    mesh_lib.initialize_distributed(config.distributed)
     tokenizer = load_tokenizer(config.model.tokenizer)
     return Learner(
         config=config,
@@ -97,18 +104,21 @@ def open_learner(config: LearnerStepConfig) -> Learner:
         vocab_size=M.model_vocab_size(tokenizer),
         loss_module=loss_module_from_config(config.loss),
         optimizer=L.build_optimizer(config.optimizer, config.train.num_train_steps),
+        mesh=mesh_lib.build_mesh(config.mesh),
     )
 
 
 def resume(learner: Learner) -> L.LearnerState:
     """Phase 1: the newest checkpoint or a fresh model; policy 0 (or the resumed policy) committed."""
     store, config = learner.store, learner.config
-    state = L.resume_or_init(store, config, learner.vocab_size, learner.optimizer)
+    state = L.shard_state(L.resume_or_init(store, config, learner.vocab_size, learner.optimizer), learner.mesh)
     learner.lineage_start = state.step + 1
     learner.last_checkpoint = state.step
     if not store.exists(layout.policy_marker(state.step)):
         L.publish_policy(store, state, config)  # policy 0, or a crash fell between checkpoint S and policy S
     learner.reference = L.load_reference(store, config, learner.vocab_size, learner.loss_module)
+    if learner.reference is not None:
+        learner.reference = mesh_lib.shard_params(learner.reference, learner.mesh)
     logger.info(
         "learner at step %d of %d; %d parameters; loss %s; reference model %s",
         state.step,
@@ -123,9 +133,10 @@ def resume(learner: Learner) -> L.LearnerState:
 def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]:
     """Phase 2: train slot after slot until num_train_steps, max_steps or control/STOP; returns (state, why)."""
     config = learner.config
-    learner.train_step = L.train_step_for(config.loss, config.optimizer, learner.total, config.model.compute_dtype)
-    learner.metrics = MetricsWriter(learner.store, "learner", "learner")
-    learner.tracker = make_run_tracker(config.tracker, config.store.run_root, learner.store)
+    learner.train_step = L.mesh_train_step(config, learner.mesh)
+    writer = mesh_lib.is_writer()  # one process writes metrics and tracker records
+    learner.metrics = MetricsWriter(learner.store, "learner", "learner") if writer else _NoMetrics()
+    learner.tracker = make_run_tracker(config.tracker, config.store.run_root, learner.store) if writer else None
     learner.publisher = L.PolicyPublisher(learner.store, config)
     progress = _progress(learner.total, state.step)
     started_at = time.time()
@@ -135,10 +146,14 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
                 return state, "max_steps"
             slot = state.step + 1
             entry, waited = L.wait_for_batch(learner.store, slot, config.batch_wait_timeout_s, config.poll_interval_s)
-            if entry is None:
+            # several processes: all follow process 0's decision (a committed batch never disappears, so a
+            # process that saw control/STOP first can still read the batch process 0 found)
+            if mesh_lib.agree_with_writer(entry is None):
                 return state, "control/STOP"
+            if entry is None:
+                entry = learner.store.read_log_entry(slot)
             events = {"learner_noticed_at": time.time(), **L.batch_events(learner.store, entry, learner.publisher)}
-            batch, data_file = L.read_batch(learner.store, slot, entry, config.train, learner.vocab_size)
+            batch, data_file = L.read_batch(learner.store, slot, entry, config.train, learner.vocab_size, learner.mesh)
             events["train_started_at"] = time.time()
             state, record = train_one(learner, state, batch, data_file, waited)
             events["trained_at"] = time.time()
@@ -244,9 +259,20 @@ def finish(learner: Learner, state: L.LearnerState, stop_reason: str) -> None:
         learner.publisher.drain()  # every policy handed off is committed before LEARNER_DONE
     if state.step >= learner.total:
         L.publish_policy(learner.store, state, learner.config)
-        learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
+        if mesh_lib.is_writer():
+            learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
         stop_reason = "num_train_steps"
     logger.info("learner stopped at step %d (%s)", state.step, stop_reason)
+
+
+class _NoMetrics:
+    """The metrics sink of a learner process other than process 0 (which alone writes metrics)."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        del record
+
+    def flush(self) -> None:
+        pass
 
 
 def _progress(total: int, initial: int) -> Any:

@@ -17,6 +17,7 @@ from pipeline.config.curriculum import (
     SamplingParams,
     find_cycle,
 )
+from pipeline.config.mesh import DistributedConfig, LearnerPlacement, MeshConfig
 from pipeline.config.model import (
     INFERENCE_BACKENDS,
     MODEL_FAMILIES,
@@ -56,6 +57,7 @@ from pipeline.config.train import (
 )
 from pipeline.config.validate import (
     check_importable,
+    check_learner_layout,
     validate_batch_maker,
     validate_job,
     validate_learner,
@@ -75,6 +77,7 @@ __all__ = [
     "ConfigError",
     "CurriculumConfig",
     "DenseInferenceConfig",
+    "DistributedConfig",
     "EnvConfig",
     "EvaluateStepConfig",
     "GSPOLossConfig",
@@ -82,12 +85,14 @@ __all__ = [
     "InferenceConfig",
     "JobBackendConfig",
     "JsonTrackerConfig",
+    "LearnerPlacement",
     "LearnerStepConfig",
     "LessonConfig",
     "LessonDependency",
     "LevanterInferenceConfig",
     "LocalBackendConfig",
     "LossConfig",
+    "MeshConfig",
     "ModelSpec",
     "NoTrackerConfig",
     "OpenAIInferenceConfig",
@@ -106,6 +111,7 @@ __all__ = [
     "TrainParams",
     "WandbTrackerConfig",
     "check_importable",
+    "check_learner_layout",
     "find_cycle",
     "require",
     "validate_batch_maker",

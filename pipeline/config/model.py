@@ -15,6 +15,7 @@ from pipeline.config.base import require
 MODEL_FAMILIES = ("llama", "qwen3")
 SHAPE_FIELDS = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads")
 """The fields a `model.hf_checkpoint`'s own config.json decides (given with one, they would be ignored)."""
+DTYPES = ("float32", "fp32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,27 @@ class ModelSpec:
     """A local tokenizer folder, or `builtin:tiny` (built deterministically in code)."""
     seed: int = 0
     compute_dtype: str = "float32"
-    """Activation dtype: float32 on CPU, bfloat16 on GPU."""
+    """Activation dtype: float32 on CPU, bfloat16 on GPU and TPU (parameters are cast for the forward pass)."""
+    param_dtype: str = "float32"
+    """Master-weight and optimizer-state dtype (float32 keeps mixed-precision training exact enough to learn)."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass (levanter's remat) to save memory."""
+    logprob_block_size: int | None = None
+    """Vocabulary entries per block when the learner computes logprobs and entropies: the [batch, seq, vocab]
+    logits are then never materialised at once. None: the whole vocabulary in one block."""
     attention_backend: str = "default"
     """levanter attention backend: default, vanilla, jax_flash, splash."""
 
     def __post_init__(self) -> None:
+        for name in ("compute_dtype", "param_dtype"):
+            value = getattr(self, name)
+            require(value in DTYPES, f"model.{name}", value, f"one of {DTYPES}")
+        require(
+            self.logprob_block_size is None or self.logprob_block_size >= 1,
+            "model.logprob_block_size",
+            self.logprob_block_size,
+            "must be >= 1 or null",
+        )
         require(self.family in MODEL_FAMILIES, "model.family", self.family, f"one of {MODEL_FAMILIES}")
         if self.hf_checkpoint:
             for name in SHAPE_FIELDS:

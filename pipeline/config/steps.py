@@ -9,6 +9,7 @@ import draccus
 
 from pipeline.config.base import ConfigError, require
 from pipeline.config.curriculum import CurriculumConfig, LessonConfig
+from pipeline.config.mesh import DistributedConfig, MeshConfig
 from pipeline.config.model import DenseInferenceConfig, InferenceConfig, ModelSpec
 from pipeline.config.train import LossConfig, OptimizerSpec, RLOOLossConfig, TrainParams
 from pipeline.config.validate import validate_learner
@@ -141,6 +142,10 @@ class LearnerStepConfig:
     """Fail loudly, naming the file, when the next batch has not appeared in this long."""
     poll_interval_s: float = 0.2
     """Seconds between checks for the next batch."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Device mesh of the learner (data × fsdp × model), see `pipeline.config.mesh`."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-host start-up (coordinator address, process count and id)."""
 
     def __post_init__(self) -> None:
         require(self.policy_interval >= 1, "policy_interval", self.policy_interval, "must be >= 1")

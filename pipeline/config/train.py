@@ -52,8 +52,18 @@ class TrainParams:
     overlong: str = "truncate"
     """A response longer than fits in seq_len: 'truncate' (recorded) or 'drop' (recorded)."""
     seed: int = 0
+    microbatch_size: int | None = None
+    """Learner rows per forward/backward pass: the batch slot is split into batch_size / microbatch_size pieces
+    whose gradients are accumulated into one optimizer step with the loss of the whole slot (token-level
+    aggregation divides by the slot's loss tokens, sequence-level by its sequences). None: the whole slot."""
 
     def __post_init__(self) -> None:
+        require(
+            self.microbatch_size is None or self.microbatch_size >= 1,
+            "train.microbatch_size",
+            self.microbatch_size,
+            "must be >= 1 or null",
+        )
         require(self.num_train_steps >= 1, "train.num_train_steps", self.num_train_steps, "must be >= 1")
         require(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
         require(self.seq_len >= 2, "train.seq_len", self.seq_len, "must be >= 2")

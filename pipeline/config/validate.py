@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from pipeline.config.base import ConfigError
+from pipeline.config.mesh import MeshConfig
 from pipeline.config.model import ModelSpec
 from pipeline.config.train import TrainParams
 
@@ -46,6 +47,33 @@ def validate_train(train: TrainParams) -> None:
 def validate_learner(c: LearnerStepConfig) -> None:
     """Cross-field checks of the learner step's config."""
     check_seq_len_fits_model(c.train, c.model)
+    check_learner_layout(c.train, c.model, c.mesh, "mesh")
+
+
+def check_learner_layout(train: TrainParams, model: ModelSpec, mesh: MeshConfig, mesh_field: str) -> None:
+    """Refuse a batch, microbatch or model shape the learner's mesh cannot split evenly.
+
+    Checked where the sizes are known from the config alone (an axis of -1 is checked once devices are known)."""
+    mb = train.microbatch_size
+    if mb is not None and train.batch_size % mb:
+        raise ConfigError("train.microbatch_size", mb, f"must divide train.batch_size={train.batch_size}")
+    rows_per_pass = mb if mb is not None else train.batch_size
+    data_ways = mesh.data * mesh.fsdp if mesh.data > 0 and mesh.fsdp > 0 else max(mesh.data, 1)
+    if rows_per_pass % data_ways:
+        what = "train.microbatch_size" if mb is not None else "train.batch_size"
+        raise ConfigError(
+            what,
+            rows_per_pass,
+            f"must be divisible by the learner's data-parallel ways ({mesh_field}.data × {mesh_field}.fsdp "
+            f"= {data_ways})",
+        )
+    if mesh.model > 1:
+        for name in ("num_heads", "num_kv_heads", "intermediate_dim"):
+            value = getattr(model, name)
+            if value % mesh.model:
+                raise ConfigError(
+                    f"model.{name}", value, f"must be divisible by {mesh_field}.model={mesh.model} (tensor parallel)"
+                )
 
 
 def validate_batch_maker(c: BatchMakerStepConfig) -> None:
@@ -62,6 +90,7 @@ def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
     """
     check_seq_len_fits_model(c.train, c.model)
     validate_train(c.train)
+    check_learner_layout(c.train, c.model, c.learner.mesh, "learner.mesh")
     for lesson_id in c.curriculum.lessons:
         _check_lesson_fits(c, lesson_id)
     if check_environments:

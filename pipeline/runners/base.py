@@ -61,6 +61,8 @@ class StepSpec:
     finished: bool = False
     terminated: bool = False
     exit_codes: list[int] = dataclasses.field(default_factory=list)
+    processes: int = 1
+    """Cooperating processes of this step (the learner under jax.distributed); backends start them together."""
 
     @property
     def module(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -61,6 +62,75 @@ class LocalLauncher:
         """Nothing to connect to."""
 
     def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
-        """Start the step's program as a child process, `RLPIPE_STEP` set to the step's name."""
+        """Start the step's program as a child process, `RLPIPE_STEP` set to the step's name (a learner of
+        `processes` > 1: that many processes, see `ProcessGroup`)."""
+        if spec.processes > 1:
+            return start_group(spec, log, spec.processes)
         env = {**os.environ, "RLPIPE_STEP": spec.name}
         return LocalProcess(spec.module, spec.config_path, log, env)
+
+
+class ProcessGroup:
+    """One step run as N cooperating processes (a multi-process learner under `jax.distributed`).
+
+    Process i gets `RLPIPE_COORDINATOR`, `RLPIPE_NUM_PROCESSES`, `RLPIPE_PROCESS_ID`; logs go to
+    `logs/<step>/<attempt>.p<i>.log`. The group has ended when every process has; its exit code is the first
+    non-zero one. When one process fails, the others are killed at once (they would block in a collective), so the supervisor
+    restarts the whole group."""
+
+    def __init__(self, procs: list[LocalProcess]) -> None:
+        self._procs = procs
+
+    @property
+    def pid(self) -> int | None:
+        """Process 0's id."""
+        return self._procs[0].pid
+
+    def poll(self) -> int | None:
+        """None while any process runs and none has failed; else the group's exit code."""
+        codes = [p.poll() for p in self._procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for p in self._procs:
+                p.kill()
+            for p in self._procs:
+                p._proc.wait()
+                p.poll()
+            return failed[0]
+        return None if any(c is None for c in codes) else 0
+
+    def terminate(self) -> None:
+        """SIGTERM every process."""
+        for p in self._procs:
+            p.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL every process."""
+        for p in self._procs:
+            p.kill()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a group's coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_group(spec: StepSpec, log: LogTarget, processes: int) -> StepProcess:
+    """Start `processes` copies of the step's program wired to one coordinator on loopback."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = []
+    for i in range(processes):
+        env = {
+            **os.environ,
+            "RLPIPE_STEP": spec.name,
+            "RLPIPE_COORDINATOR": coordinator,
+            "RLPIPE_NUM_PROCESSES": str(processes),
+            "RLPIPE_PROCESS_ID": str(i),
+        }
+        target = log if i == 0 else dataclasses.replace(log, attempt=f"{log.attempt}.p{i}")
+        procs.append(LocalProcess(spec.module, spec.config_path, target, env))
+    return ProcessGroup(procs)
