@@ -75,8 +75,8 @@ class ProcessGroup:
 
     Process i gets `RLPIPE_COORDINATOR`, `RLPIPE_NUM_PROCESSES`, `RLPIPE_PROCESS_ID`; logs go to
     `logs/<step>/<attempt>.p<i>.log`. The group has ended when every process has; its exit code is the first
-    non-zero one. When one process fails, the others are killed at once (they would block in a collective), so the supervisor
-    restarts the whole group."""
+    non-zero one. When one process fails, the others are killed at once (they would block in a collective), so
+    the supervisor restarts the whole group."""
 
     def __init__(self, procs: list[LocalProcess]) -> None:
         self._procs = procs
