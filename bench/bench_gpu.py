@@ -320,7 +320,8 @@ def bench_learner(shape: str, args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The benchmark's flags (`--tiny` shrinks every size for a CPU smoke run)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shape, small sizes")
     ap.add_argument("--device-compat", action="store_true", help="call device_compat.install() (on PYTHONPATH) first")
@@ -348,6 +349,11 @@ def main(argv: list[str] | None = None) -> None:
         args.bandwidth_mb = min(args.bandwidth_mb, 64)
         if args.attn == "cudnn":
             args.attn = "xla"  # the same code path with XLA's implementation (no cuDNN on CPU)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.device_compat:
         import device_compat
 
@@ -372,6 +378,26 @@ def main(argv: list[str] | None = None) -> None:
         f"measured bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
         f"MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s"
     )
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "date": when,
+                    "device": device,
+                    "bandwidth_Bps": bandwidth,
+                    "matmul_flops": matmul,
+                    "args": vars(args),
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
+    sys.stdout.flush()
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One line per shape: rollout tokens/s against the roofline, learner tokens/s and MFU."""
     hdr = (
         f"{'shape':<7} {'rollout B x new':>15} {'tok/s':>9} {'roofline':>9} {'ratio':>6} {'1st s':>6} "
         f"{'learner BxS':>11} {'tok/s':>8} {'MFU':>6} {'attn':>8} {'remat':>6}"
@@ -397,21 +423,6 @@ def main(argv: list[str] | None = None) -> None:
                 f"        levanter InferenceEngine: {r['levanter_tokens_per_s']:.0f} tok/s "
                 f"(first call {r['levanter_first_call_s']:.0f} s)"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "date": when,
-                    "device": device,
-                    "bandwidth_Bps": bandwidth,
-                    "matmul_flops": matmul,
-                    "args": vars(args),
-                    "rows": rows,
-                },
-                f,
-                indent=2,
-            )
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

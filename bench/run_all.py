@@ -174,9 +174,13 @@ def _f(x: Any, fmt: str = ".3g") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
-    """(figure, ours, reference, ratio, goal) rows for whatever parts ran."""
-    rows: list[tuple[str, str, str, str, str]] = []
+Row = tuple[str, str, str, str, str]
+"""(figure, ours, reference, ratio, goal)": one row of the summary table."""
+
+
+def _rows_storage(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `storage` part (none when it did not run)."""
+    rows: list[Row] = []
     st = results.get("storage")
     if st:
         for op in ("write", "read"):
@@ -190,6 +194,12 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                     ">= 0.9",
                 )
             )
+    return rows
+
+
+def _rows_batchmaker(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `batchmaker` part (none when it did not run)."""
+    rows: list[Row] = []
     for r in results.get("batchmaker") or []:
         rows.append(
             (
@@ -210,6 +220,12 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 "~1 (bounded)",
             )
         )
+    return rows
+
+
+def _rows_learner(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `learner` part (none when it did not run)."""
+    rows: list[Row] = []
     for r in results.get("learner") or []:
         rows.append(
             (
@@ -220,6 +236,12 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 "-",
             )
         )
+    return rows
+
+
+def _rows_learner_mesh(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `learner_mesh` part (none when it did not run)."""
+    rows: list[Row] = []
     mesh_rows = results.get("learner_mesh") or []
     for r in mesh_rows:
         rows.append(
@@ -231,6 +253,12 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 "same loss (correct scaling; simulated devices share the cores)",
             )
         )
+    return rows
+
+
+def _rows_rollout(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `rollout` part (none when it did not run)."""
+    rows: list[Row] = []
     ro = results.get("rollout") or []
     by = {(r["size"], r["backend"]): r for r in ro}
     for size in dict.fromkeys(r["size"] for r in ro):
@@ -245,6 +273,12 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                     "> 1 (vs peer)",
                 )
             )
+    return rows
+
+
+def _rows_e2e(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `e2e` part (none when it did not run)."""
+    rows: list[Row] = []
     e = results.get("e2e")
     if e:
         rows.append(
@@ -277,10 +311,22 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 "-",
             )
         )
+    return rows
+
+
+def _rows_startup(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `startup` part (none when it did not run)."""
+    rows: list[Row] = []
     for r in results.get("startup") or []:
         rows.append(
             (f"step start: {r['step']}", f"{r['warm_s']:.2f} s warm", f"{r['cold_s']:.2f} s cold", "-", "<= 3 s")
         )
+    return rows
+
+
+def _rows_trl(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `trl` part (none when it did not run)."""
+    rows: list[Row] = []
     trl_goals = {"steps_to_3x_start": "<= 1", "steps_to_0.5": "<= 1"}
     for r in results.get("trl") or []:
         if "ratio" not in r:
@@ -306,6 +352,12 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                     ),
                 )
             )
+    return rows
+
+
+def _rows_latency(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `latency` part (none when it did not run)."""
+    rows: list[Row] = []
     lat = results.get("latency")
     if lat:
         top = sorted(lat["hops_median_s"].items(), key=lambda kv: -kv[1])[:3]
@@ -318,6 +370,12 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
                 "<= 0.2 s",
             )
         )
+    return rows
+
+
+def _rows_retention(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `retention` part (none when it did not run)."""
+    rows: list[Row] = []
     rt = results.get("retention")
     if rt:
         off, on = (r["bytes"]["total"] for r in rt["rows"])
@@ -331,6 +389,23 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
             )
         )
     return rows
+
+
+def summary_rows(results: dict[str, Any]) -> list[Row]:
+    """(figure, ours, reference, ratio, goal) rows for whatever parts ran."""
+    builders = (
+        _rows_storage,
+        _rows_batchmaker,
+        _rows_learner,
+        _rows_learner_mesh,
+        _rows_rollout,
+        _rows_e2e,
+        _rows_startup,
+        _rows_trl,
+        _rows_latency,
+        _rows_retention,
+    )
+    return [row for build in builders for row in build(results)]
 
 
 def print_summary(results: dict[str, Any]) -> None:

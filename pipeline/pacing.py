@@ -10,12 +10,17 @@ would let the BatchMaker fill a slot, see `fill_credit`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import staleness
+from pipeline import layout, staleness
+from pipeline.committed import StorageError
+from pipeline.config import TrainParams
 from schemas import RolloutRow
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -159,3 +164,60 @@ def pacing_decision(
             False, f"ahead: ~{unconsumed_rows} unconsumed rows >= max_steps_ahead×batch_size={limit}", nxt, lag
         )
     return PacingDecision(True, "ok", nxt, lag)
+
+
+class PacingView:
+    """What pacing reads from the run root, cached: ready markers (immutable, each read once) and the newest
+    batch log entry."""
+
+    def __init__(self, store: Any, train: TrainParams) -> None:
+        self.store = store
+        self.train = train
+        self.markers: dict[str, tuple[int, int, float]] = {}
+        self.no_signal: dict[str, int] = {}
+        """Committed files without signal rows -> their rows (with zero-variance filtering)."""
+        self._entry_cache: tuple[int, dict[str, Any] | None] = (-1, None)
+
+    def committed_rollouts(self, lo: int, hi: int) -> dict[str, tuple[int, int, float]]:
+        """Committed rollout files (all workers) of policies in [lo, hi]: path -> (policy, rows, marker time).
+
+        rows: what the file can contribute to batches (`usable_rows`).
+        """
+        out: dict[str, tuple[int, int, float]] = {}
+        for p in range(max(lo, 0), hi + 1):
+            for marker in self.store.list(layout.rollout_step_dir(p)):
+                if not marker.endswith(layout.READY_SUFFIX):
+                    continue
+                if marker not in self.markers:
+                    self.markers[marker] = self._read(marker, p)
+                out[layout.data_of_marker(marker)] = self.markers[marker]
+        return out
+
+    def _read(self, marker: str, p: int) -> tuple[int, int, float]:
+        try:
+            rec = self.store.read_marker(layout.data_of_marker(marker))
+        except (FileNotFoundError, StorageError) as e:
+            logger.warning("pacing: unreadable marker %s (%s); counted as 0 rows", marker, e)
+            return (p, 0, 0.0)
+        n = usable_rows(
+            rec.rows,
+            rec.signal_rows,
+            filter_zero_variance=self.train.filter_zero_variance,
+            no_signal_fill_after=self.train.no_signal_fill_after,
+        )
+        if self.train.filter_zero_variance and rec.signal_rows == 0:
+            self.no_signal[layout.data_of_marker(marker)] = rec.rows
+        return (p, n, rec.time)
+
+    def log_entry(self, slot: int) -> dict[str, Any] | None:
+        """The batch log entry of `slot` (None for slot 0 or an unreadable entry); cached for the newest slot."""
+        if slot <= 0:
+            return None
+        if self._entry_cache[0] != slot:
+            try:
+                entry: dict[str, Any] | None = self.store.read_log_entry(slot).to_dict()
+            except (FileNotFoundError, ValueError, StorageError) as e:
+                logger.warning("pacing: cannot read %s (%s)", layout.batch_log_entry(slot), e)
+                entry = None
+            self._entry_cache = (slot, entry)
+        return self._entry_cache[1]

@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,177 +26,19 @@ import numpy as np
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
 from pipeline.environments import Environment, load_environment
 from policy.inference import BackendContext, InferenceBackend, make_backend
-from policy.inference.base import SamplingControls
-from schemas import EvalRow, EvalSummaryRow, RolloutRow
+from policy.rollout_batch import (  # noqa: F401  (re-exported: the manager's return types)
+    SUCCESS_REWARD,
+    RecordedFailure,
+    RolloutBatch,
+    RolloutBatchStats,
+    RolloutMetadata,
+    batch_stats,
+    controls_of,
+    is_success,
+    schema_rows,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RolloutMetadata:
-    """Who sampled a batch, when, and with which policy step."""
-
-    worker_id: str
-    timestamp: float
-    weight_step: int
-
-
-@dataclass(frozen=True)
-class RecordedFailure:
-    """An example that produced no group in one attempt of a sampling call."""
-
-    example_id: str
-    reason: str
-    attempt: int
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (for ready markers and metrics)."""
-        return {"example_id": self.example_id, "reason": self.reason, "attempt": self.attempt}
-
-
-@dataclass
-class RolloutBatch:
-    """The rows of one sampling call with their metadata.
-
-    `rows` are `schemas.RolloutRow`s (`schemas.EvalRow`s from evaluation), grouped by `group_key`; every row
-    carries `policy_step == metadata.weight_step`, `worker_id == metadata.worker_id` and the batch temperature.
-    `failures` lists every per-example failure (all attempts); `env_metrics` the environment's metrics of
-    the last attempt plus totals. `successes[i]` says whether row i counts as a success (the environment's
-    own `info["success"]` when it gives one, else `episode_reward >= SUCCESS_REWARD`; not persisted).
-    """
-
-    batch_id: str
-    lesson_id: str
-    mode: str
-    temperature: float
-    metadata: RolloutMetadata
-    rows: list[RolloutRow]
-    failures: list[RecordedFailure] = field(default_factory=list)
-    n_examples_requested: int = 0
-    n_response_tokens: int = 0
-    generate_s: float = 0.0
-    env_metrics: dict[str, float] = field(default_factory=dict)
-    successes: list[bool] = field(default_factory=list)
-    sampling: dict[str, float] = field(default_factory=dict)
-    """The sampling controls every row of this batch was drawn with (temperature, top_p, top_k, min_p, max_tokens)."""
-
-    @property
-    def groups(self) -> dict[str, list[RolloutRow]]:
-        """Rows by group key (insertion order)."""
-        out: dict[str, list[RolloutRow]] = {}
-        for r in self.rows:
-            out.setdefault(r.group_key, []).append(r)
-        return out
-
-
-@dataclass(frozen=True)
-class RolloutBatchStats:
-    """Summary of a batch; a pure function of the batch."""
-
-    lesson_id: str
-    policy_step: int
-    n_examples: int
-    n_groups: int
-    n_rows: int
-    n_failures: int
-    mean_reward: float
-    success_rate: float
-    mean_response_tokens: float
-    truncation_rate: float
-    temperature: float
-
-    def to_summary_row(self, eval_type: str, source: str, timestamp: float | None = None) -> EvalSummaryRow:
-        """The `schemas.EvalSummaryRow` of an evaluation batch (for `evals/step-S/<lesson>.summary.parquet`)."""
-        return EvalSummaryRow(
-            policy_step=self.policy_step,
-            lesson_id=self.lesson_id,
-            eval_type=eval_type,
-            n_examples=self.n_groups,
-            mean_reward=self.mean_reward,
-            success_rate=self.success_rate,
-            mean_response_tokens=self.mean_response_tokens,
-            truncation_rate=self.truncation_rate,
-            temperature=self.temperature,
-            source=source,
-            timestamp=time.time() if timestamp is None else timestamp,
-        )
-
-
-SUCCESS_REWARD = 1.0
-"""An episode without an environment success flag counts as a success when its reward is >= this."""
-
-
-def is_success(env_rollout: Any) -> bool:
-    """The environment's `info["success"]` when present, else `episode_reward >= SUCCESS_REWARD`."""
-    info = getattr(env_rollout, "info", None) or {}
-    if "success" in info:
-        return bool(info["success"] > 0)
-    return float(env_rollout.episode_reward) >= SUCCESS_REWARD
-
-
-def batch_stats(batch: RolloutBatch) -> RolloutBatchStats:
-    """Summary statistics of a batch: means over rows; success_rate = mean of `batch.successes` (or of
-    reward >= SUCCESS_REWARD when the batch carries no success flags)."""
-    rows = batch.rows
-    n = len(rows)
-    successes = batch.successes if len(batch.successes) == n else [r.episode_reward >= SUCCESS_REWARD for r in rows]
-    return RolloutBatchStats(
-        lesson_id=batch.lesson_id,
-        policy_step=batch.metadata.weight_step,
-        n_examples=batch.n_examples_requested,
-        n_groups=len(batch.groups),
-        n_rows=n,
-        n_failures=len(batch.failures),
-        mean_reward=float(np.mean([r.episode_reward for r in rows])) if n else 0.0,
-        success_rate=float(np.mean(successes)) if n else 0.0,
-        mean_response_tokens=float(np.mean([len(r.response_tokens) for r in rows])) if n else 0.0,
-        truncation_rate=float(np.mean([r.truncated for r in rows])) if n else 0.0,
-        temperature=batch.temperature,
-    )
-
-
-def _schema_rows(
-    rows_src: list[tuple[str, Any]],
-    lesson_id: str,
-    batch_id: str,
-    temperature: float,
-    step: int,
-    worker_id: str,
-    timestamp: float,
-    eval_type: str | None,
-) -> list[RolloutRow]:
-    """The `schemas` rows of (env group key, EnvRollout) pairs: `RolloutRow`s, or `EvalRow`s with `eval_type`.
-
-    `rollout_id` is `<batch_id>-<i>` and `group_key` `<lesson>/<env group key>/<batch_id>`.
-    """
-    rows: list[RolloutRow] = []
-    for i, (gkey, r) in enumerate(rows_src):
-        common: dict[str, Any] = dict(
-            rollout_id=f"{batch_id}-{i}",
-            env_name=r.env_name,
-            example_id=str(r.example_id),
-            lesson_id=lesson_id,
-            group_key=f"{lesson_id}/{gkey}/{batch_id}",
-            prompt_tokens=list(r.prompt_tokens),
-            response_tokens=list(r.response_tokens),
-            response_logprobs=list(r.response_logprobs),
-            token_rewards=list(r.token_rewards),
-            response_loss_mask=list(r.response_loss_mask),
-            episode_reward=float(r.episode_reward),
-            truncated=bool(r.truncated),
-            finish_reason=r.finish_reason,
-            temperature=float(temperature),
-            policy_step=int(step),
-            worker_id=worker_id,
-            timestamp=timestamp,
-        )
-        rows.append(EvalRow(**common, eval_type=eval_type) if eval_type else RolloutRow(**common))
-    return rows
-
-
-def controls_of(sampling: SamplingParams) -> SamplingControls:
-    """The top-p / top-k / min-p controls of a lesson's sampling params."""
-    return SamplingControls(top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p)
 
 
 class RolloutManager:
@@ -331,7 +172,7 @@ class RolloutManager:
             )
         generate_s = time.monotonic() - start
         now = time.time()
-        rows = _schema_rows(rows_src, lesson_id, batch_id, sampling.temperature, step, worker_id, now, eval_type)
+        rows = schema_rows(rows_src, lesson_id, batch_id, sampling.temperature, step, worker_id, now, eval_type)
         n_groups = len({r.group_key for r in rows})
         metrics = {
             **{f"env/{k}": float(v) for k, v in env_metrics.items()},

@@ -10,74 +10,33 @@ import dataclasses
 import logging
 import math
 import os
-import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from pipeline import layout, run_state, staleness
+from pipeline import layout, run_state
 from pipeline.config import RolloutStepConfig
 from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_weights
 from pipeline.metrics import MetricsWriter
-from pipeline.pacing import PacingDecision, count_unconsumed_rows, pacing_decision, signal_rows, usable_rows
+from pipeline.pacing import PacingDecision, PacingView, count_unconsumed_rows, pacing_decision, signal_rows
 from pipeline.poll import WaitTimeout, poll_until
 from pipeline.samples import samples_record, to_samples
-from pipeline.storage import RunStore, StorageError
+from pipeline.storage import RunStore
 from pipeline.tokenizer import load_tokenizer
 from pipeline.watch import Backoff, waker_for
 from pipeline.watchdog import watchdog
 from policy.inference import backend_class
 from policy.inference.hf_publish import publish_hf_if_needed, run_root_of, server_log_path
 from policy.rollout_manager import RolloutBatch, RolloutManager, batch_stats
+from policy.worker_records import METRICS, WorkerSummary, incarnation_nonce, write_record  # noqa: F401
 from schemas import ROLLOUT
 
 logger = logging.getLogger(__name__)
-
-METRICS: dict[str, str] = {
-    "rows": "rollout rows written in this write",
-    "groups": "RLOO/GRPO groups in this write",
-    "failures": "examples that failed in this write (each attempt counts; reasons in the ready marker)",
-    "failed_examples": "examples still missing after all retries (requested - produced)",
-    "tokens": "response tokens sampled by the policy in this write (loss-mask 1)",
-    "rollouts_per_s": "rows / generation seconds of this write",
-    "tokens_per_s": "tokens / generation seconds of this write",
-    "mean_reward": "mean episode reward of the rows of this write",
-    "reward/<lesson>": "mean episode reward of this write, keyed by its lesson",
-    "truncation_rate": "fraction of rows whose response hit max_tokens",
-    "policy_lag": "learner's newest committed policy minus the policy that sampled this write, at write time",
-    "slot_lag": "(T-1) - P for the next batch slot T at write time (usable iff 0 <= slot_lag <= max_lag)",
-    "time/generate_s": "seconds in manager.sample_batch",
-    "time/write_s": "seconds committing the parquet + marker",
-    "time/weight_load_s": "seconds loading policies since the previous write",
-    "time/pause_s": "seconds paused by pacing since the previous write",
-    "time/sample_lesson_s": "seconds reading curriculum state and drawing the lesson",
-    "worker_noticed_at": "unix time this worker saw the sampling policy committed (before loading it)",
-    "generate_started_at / generated_at": "unix times generation of this write started / ended",
-    "rollout_committed_at": "unix time the write's ready marker was committed",
-}
-"""Every metric the rollout step logs, defined once."""
-
-
-def incarnation_nonce() -> str:
-    """A name part unique to this process start: `<unix ms, hex><4 random hex digits>`."""
-    return f"{int(time.time() * 1000):x}{secrets.token_hex(2)}"
-
-
-@dataclass
-class WorkerSummary:
-    """What one `RolloutWorker.run` did."""
-
-    files: list[str] = field(default_factory=list)
-    rows: int = 0
-    failures: int = 0
-    policy_steps: list[int] = field(default_factory=list)
-    stop_reason: str = ""
 
 
 class RolloutWorker:
@@ -111,13 +70,11 @@ class RolloutWorker:
         self._seq = 0
         self._rng = np.random.default_rng([config.seed, int(time.time_ns() % (1 << 62))])
         self._current_step: int | None = None
-        self._markers: dict[str, tuple[int, int, float]] = {}
-        self._entry_cache: tuple[int, dict[str, Any] | None] = (-1, None)
+        self._view = PacingView(self.store, self.config.train)
         self._stall_grace_s = stall_grace_s if stall_grace_s is not None else max(2.0, 25 * config.poll_interval_s)
         self._weight_load_s = 0.0
         self._pause_s = 0.0
         self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
-        self._no_signal: dict[str, int] = {}  # committed files without signal rows -> their rows
         self._noticed_at: dict[int, float] = {}
         """policy step -> unix time this worker first saw it committed (recorded in its ready markers)."""
         self._waker = waker_for(self.store)
@@ -155,47 +112,6 @@ class RolloutWorker:
 
     def _last_batch_slot(self) -> int:
         return run_state.last_committed_slot(self.store)
-
-    def _committed_rollouts(self, lo: int, hi: int) -> dict[str, tuple[int, int, float]]:
-        """Committed rollout files (all workers) of policies in [lo, hi]: path -> (policy, rows, marker time).
-
-        rows: what the file can contribute to batches (`usable_rows`). Markers are immutable, so each is read once.
-        """
-        out: dict[str, tuple[int, int, float]] = {}
-        for p in range(max(lo, 0), hi + 1):
-            for marker in self.store.list(layout.rollout_step_dir(p)):
-                if not marker.endswith(layout.READY_SUFFIX):
-                    continue
-                if marker not in self._markers:
-                    try:
-                        rec = self.store.read_marker(layout.data_of_marker(marker))
-                        n = usable_rows(
-                            rec.rows,
-                            rec.signal_rows,
-                            filter_zero_variance=self.config.train.filter_zero_variance,
-                            no_signal_fill_after=self.config.train.no_signal_fill_after,
-                        )
-                        self._markers[marker] = (p, n, rec.time)
-                        if self.config.train.filter_zero_variance and rec.signal_rows == 0:
-                            self._no_signal[layout.data_of_marker(marker)] = rec.rows
-                    except (FileNotFoundError, StorageError) as e:
-                        logger.warning("pacing: unreadable marker %s (%s); counted as 0 rows", marker, e)
-                        self._markers[marker] = (p, 0, 0.0)
-                out[layout.data_of_marker(marker)] = self._markers[marker]
-        return out
-
-    def _log_entry(self, slot: int) -> dict[str, Any] | None:
-        """The batch log entry of `slot` (None for slot 0 or an unreadable entry); cached for the newest slot."""
-        if slot <= 0:
-            return None
-        if self._entry_cache[0] != slot:
-            try:
-                entry = self.store.read_log_entry(slot).to_dict()
-            except (FileNotFoundError, ValueError, StorageError) as e:
-                logger.warning("pacing: cannot read %s (%s)", layout.batch_log_entry(slot), e)
-                entry = None
-            self._entry_cache = (slot, entry if isinstance(entry, dict) else None)
-        return self._entry_cache[1]
 
     def _should_stop(self, started: float) -> bool:
         c = self.config
@@ -335,14 +251,14 @@ class RolloutWorker:
         c = self.config
         policy = self._policy_for_pacing()
         last_slot = self._last_batch_slot()
-        files = self._committed_rollouts(last_slot - c.train.max_lag, max(policy, last_slot))
+        files = self._view.committed_rollouts(last_slot - c.train.max_lag, max(policy, last_slot))
         unconsumed = count_unconsumed_rows(
             files,
-            self._log_entry(last_slot),
+            self._view.log_entry(last_slot),
             last_slot,
             c.train.max_lag,
             c.train.batch_size,
-            no_signal=self._no_signal,
+            no_signal=self._view.no_signal,
             no_signal_fill_after=c.train.no_signal_fill_after,
         )
         return pacing_decision(
@@ -525,26 +441,21 @@ class RolloutWorker:
         self.summary.rows += len(batch.rows)
         self.summary.policy_steps.append(P)
         self.metrics.log(
-            {
-                "event": "write",
-                "file": rel,
-                "lesson_id": batch.lesson_id,
-                "policy_step": P,
-                **{k: v for k, v in m.items() if not k.startswith("time/")},
-                "rollouts_per_s": len(batch.rows) / gen_s,
-                "tokens_per_s": batch.n_response_tokens / gen_s,
-                "mean_reward": stats.mean_reward,
-                f"reward/{batch.lesson_id}": stats.mean_reward,
-                "truncation_rate": stats.truncation_rate,
-                "policy_lag": (latest if latest is not None else P) - P,
-                "slot_lag": staleness.lag(last_slot + 1, P),
-                "max_lag": c.train.max_lag,
-                "time/generate_s": batch.generate_s,
-                "time/write_s": write_s,
-                "time/weight_load_s": self._weight_load_s,
-                "time/pause_s": self._pause_s,
-                "time/sample_lesson_s": t_lesson,
-            }
+            write_record(
+                batch,
+                m,
+                rel,
+                stats,
+                latest=latest,
+                last_slot=last_slot,
+                max_lag=c.train.max_lag,
+                times={
+                    "time/write_s": write_s,
+                    "time/weight_load_s": self._weight_load_s,
+                    "time/pause_s": self._pause_s,
+                    "time/sample_lesson_s": t_lesson,
+                },
+            )
         )
         self._weight_load_s = 0.0
         self._pause_s = 0.0
