@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
-from pipeline.environments import Environment, load_environment
+from pipeline.environments import Environment, SampleSpec, load_environment
 from policy.inference import BackendContext, InferenceBackend, make_backend
 from policy.rollout_batch import (  # noqa: F401  (re-exported: the manager's return types)
     SUCCESS_REWARD,
@@ -246,16 +246,10 @@ class RolloutManager:
             if remaining <= 0:
                 break
             ctx = BackendContext(self.tokenizer, self._backend, controls_of(sampling))
-            result = env.sample(
-                ctx,
-                n_examples=remaining,
-                n_generations=n_generations,
-                temperature=sampling.temperature,
-                max_tokens=sampling.max_tokens,
-                stop_tokens=sampling.stop_tokens,
-                rng=rng,
-                mode=mode,
+            spec = SampleSpec(
+                remaining, n_generations, sampling.temperature, sampling.max_tokens, sampling.stop_tokens, mode
             )
+            result = env.sample(ctx, spec, rng)
             served = ctx.served_steps
             call_step = next(iter(served)) if len(served) == 1 else weight_step
             if len(served) > 1 or (step is not None and result.groups and call_step != step):

@@ -21,6 +21,7 @@ from pipeline.environments import (
     Completion,
     EnvironmentLoadError,
     SampleResult,
+    SampleSpec,
     ScriptedContext,
     load_environment,
     rollout_from_completion,
@@ -59,14 +60,7 @@ def run(
     **kw: Any,
 ) -> SampleResult:
     args = {"temperature": 1.0, "max_tokens": 32, "stop_tokens": None} | kw
-    return env.sample(
-        ctx,
-        n_examples=n,
-        n_generations=g,
-        rng=np.random.default_rng(seed),
-        mode=mode,
-        **args,
-    )
+    return env.sample(ctx, SampleSpec(n_examples=n, n_generations=g, mode=mode, **args), np.random.default_rng(seed))
 
 
 def check_contract(res: SampleResult, g: int) -> None:

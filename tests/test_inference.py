@@ -249,7 +249,7 @@ def test_engine_missing_samples_are_retried_then_reported(engine, monkeypatch) -
 def test_context_adapter_defaults_stop_to_eos(dense, tokenizer) -> None:
     ctx = BackendContext(tokenizer, dense)
     assert dense._resolve_stops(None) == [tokenizer.eos_token_id]
-    out = ctx.generate(PROMPTS, n=2, temperature=1.0, max_tokens=12, stop_tokens=None, seed=0)
+    out = ctx.generate(GenerationRequest(PROMPTS, n=2, temperature=1.0, max_tokens=12, stop_tokens=None, seed=0))
     for comps in out:
         c = comps[0]
         assert tokenizer.eos_token_id not in c.tokens[:-1]

@@ -183,14 +183,7 @@ class ScriptedBackend(InferenceBackend):
             self.last_served_steps = set(s) if isinstance(s, set) else {s}
         if call in self.fail_calls:
             raise RuntimeError(f"injected failure of call {call}")
-        return self._ctx.generate(
-            request.prompts,
-            n=request.n,
-            temperature=request.temperature,
-            max_tokens=request.max_tokens,
-            stop_tokens=request.stop_tokens,
-            seed=request.seed,
-        )
+        return self._ctx.generate(request)
 
     def update_model(self, model: Any) -> None:
         pass

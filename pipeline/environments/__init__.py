@@ -1,5 +1,5 @@
-"""Environments: the protocol (`base`), loading from config (`loading`), a scripted context for tests
-(`scripted`) and the built-in environments.
+"""Environments: the protocol (`base`), the sampling request they send (`generation`), loading from config
+(`loading`), a scripted context for tests (`scripted`) and the built-in environments.
 
 Built in (import by dotted path in `EnvConfig.env_class`):
 `pipeline.environments.cats.CatsEnv`, `pipeline.environments.arithmetic.ArithmeticEnv`,
@@ -16,16 +16,19 @@ from pipeline.environments.base import (
     ExampleFailure,
     InferenceContext,
     SampleResult,
+    SampleSpec,
     Score,
     SingleTurnEnvironment,
     Tokenizer,
     rollout_from_completion,
     token_rewards_for,
 )
+from pipeline.environments.generation import NO_CONTROLS, GenerationRequest, SamplingControls
 from pipeline.environments.loading import load_environment
 from pipeline.environments.scripted import ScriptedContext
 
 __all__ = [
+    "NO_CONTROLS",
     "Completion",
     "EnvGroup",
     "EnvRollout",
@@ -33,8 +36,11 @@ __all__ = [
     "EnvironmentLoadError",
     "Example",
     "ExampleFailure",
+    "GenerationRequest",
     "InferenceContext",
     "SampleResult",
+    "SampleSpec",
+    "SamplingControls",
     "Score",
     "ScriptedContext",
     "SingleTurnEnvironment",

@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from pipeline.environments.generation import GenerationRequest
+
 logger = logging.getLogger(__name__)
 
 MODES = ("train", "eval")
@@ -59,26 +61,31 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], /) -> str: ...
 
 
+@dataclass(frozen=True)
+class SampleSpec:
+    """What one `Environment.sample` call asks for: `n_examples` examples, `n_generations` completions each, at
+    `temperature`, at most `max_tokens` new tokens per completion (per turn in multi-turn environments), stopping at
+    `stop_tokens` (None: the tokenizer's EOS), in `mode` "train" or "eval"."""
+
+    n_examples: int
+    n_generations: int
+    temperature: float
+    max_tokens: int
+    stop_tokens: Sequence[int] | None
+    mode: str
+
+
 @runtime_checkable
 class InferenceContext(Protocol):
     """The policy as environments see it: a tokenizer and batched sampling.
 
-    `generate` returns, for each prompt, exactly `n` completions (in order). `stop_tokens=None`
-    means the tokenizer's EOS. `seed` makes sampling reproducible where the backend can.
+    `generate` returns, for each prompt of the request, exactly `request.n` completions (in order).
+    `stop_tokens=None` means the tokenizer's EOS. `seed` makes sampling reproducible where the backend can.
     """
 
     tokenizer: Any
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int,
-        temperature: float,
-        max_tokens: int,
-        stop_tokens: Sequence[int] | None,
-        seed: int,
-    ) -> list[list[Completion]]: ...
+    def generate(self, request: GenerationRequest) -> list[list[Completion]]: ...
 
 
 @dataclass
@@ -150,19 +157,8 @@ class Environment(ABC):
     name: str = "env"
 
     @abstractmethod
-    def sample(
-        self,
-        ctx: InferenceContext,
-        *,
-        n_examples: int,
-        n_generations: int,
-        temperature: float,
-        max_tokens: int,
-        stop_tokens: Sequence[int] | None,
-        rng: np.random.Generator,
-        mode: str,
-    ) -> SampleResult:
-        """Sample `n_examples` examples, `n_generations` completions each, score them, and group them."""
+    def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
+        """Sample `spec.n_examples` examples, `spec.n_generations` completions each, score them, and group them."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -355,18 +351,9 @@ class SingleTurnEnvironment(Environment):
     def score(self, example: Example, text: str) -> Score:
         """Score one decoded response (cut at the first stop/EOS token)."""
 
-    def sample(
-        self,
-        ctx: InferenceContext,
-        *,
-        n_examples: int,
-        n_generations: int,
-        temperature: float,
-        max_tokens: int,
-        stop_tokens: Sequence[int] | None,
-        rng: np.random.Generator,
-        mode: str,
-    ) -> SampleResult:
+    def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
+        n_examples, n_generations, temperature = spec.n_examples, spec.n_generations, spec.temperature
+        max_tokens, stop_tokens, mode = spec.max_tokens, spec.stop_tokens, spec.mode
         check_mode(mode)
         tok = ctx.tokenizer
         stop = effective_stop_tokens(tok, stop_tokens)
@@ -392,12 +379,14 @@ class SingleTurnEnvironment(Environment):
             try:
                 outs = check_completions(
                     ctx.generate(
-                        [p for _, p in ready],
-                        n=n_generations,
-                        temperature=temperature,
-                        max_tokens=max_tokens,
-                        stop_tokens=stop_tokens,
-                        seed=seed,
+                        GenerationRequest(
+                            [p for _, p in ready],
+                            n=n_generations,
+                            temperature=temperature,
+                            max_tokens=max_tokens,
+                            stop_tokens=stop_tokens,
+                            seed=seed,
+                        )
                     ),
                     len(ready),
                     n_generations,

@@ -35,6 +35,7 @@ from pipeline.environments.base import (
     ExampleFailure,
     InferenceContext,
     SampleResult,
+    SampleSpec,
     check_completions,
     check_mode,
     draw_seed,
@@ -44,6 +45,7 @@ from pipeline.environments.base import (
     summarize,
     token_rewards_for,
 )
+from pipeline.environments.generation import GenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -244,12 +246,14 @@ def _generate_turn(
     if turn == 0:
         outs = check_completions(
             ctx.generate(
-                prompts,
-                n=sampling.n_generations,
-                temperature=sampling.temperature,
-                max_tokens=sampling.max_tokens,
-                stop_tokens=sampling.stop_tokens,
-                seed=draw_seed(rng),
+                GenerationRequest(
+                    prompts,
+                    n=sampling.n_generations,
+                    temperature=sampling.temperature,
+                    max_tokens=sampling.max_tokens,
+                    stop_tokens=sampling.stop_tokens,
+                    seed=draw_seed(rng),
+                )
             ),
             len(prompts),
             sampling.n_generations,
@@ -257,12 +261,14 @@ def _generate_turn(
         return [c for per_prompt in outs for c in per_prompt]
     outs = check_completions(
         ctx.generate(
-            [prompts[e.example] + e.tokens for e in active],
-            n=1,
-            temperature=sampling.temperature,
-            max_tokens=sampling.max_tokens,
-            stop_tokens=sampling.stop_tokens,
-            seed=draw_seed(rng),
+            GenerationRequest(
+                [prompts[e.example] + e.tokens for e in active],
+                n=1,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_tokens,
+                stop_tokens=sampling.stop_tokens,
+                seed=draw_seed(rng),
+            )
         ),
         len(active),
         1,
@@ -326,18 +332,9 @@ class CalculatorEnv(Environment):
             return [self.eval_problems[i % len(self.eval_problems)] for i in range(n)]
         return [self._problem(rng) for _ in range(n)]
 
-    def sample(
-        self,
-        ctx: InferenceContext,
-        *,
-        n_examples: int,
-        n_generations: int,
-        temperature: float,
-        max_tokens: int,
-        stop_tokens: Sequence[int] | None,
-        rng: np.random.Generator,
-        mode: str,
-    ) -> SampleResult:
+    def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
+        n_examples, n_generations, temperature = spec.n_examples, spec.n_generations, spec.temperature
+        max_tokens, stop_tokens, mode = spec.max_tokens, spec.stop_tokens, spec.mode
         check_mode(mode)
         tok = ctx.tokenizer
         stop = effective_stop_tokens(tok, stop_tokens)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.environments.base import Completion, effective_stop_tokens
+from pipeline.environments.generation import GenerationRequest
 
 Script = Callable[[str], str]
 """A function of the decoded prompt (prompt + earlier turns) returning the response text."""
@@ -48,25 +49,17 @@ class ScriptedContext:
         self._next += 1
         return text
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int,
-        temperature: float,
-        max_tokens: int,
-        stop_tokens: Sequence[int] | None,
-        seed: int,
-    ) -> list[list[Completion]]:
+    def generate(self, request: GenerationRequest) -> list[list[Completion]]:
+        prompts, n, stop_tokens, max_tokens = request.prompts, request.n, request.stop_tokens, request.max_tokens
         self.calls.append(
             (
                 [list(p) for p in prompts],
                 {
                     "n": n,
-                    "temperature": temperature,
-                    "max_tokens": max_tokens,
+                    "temperature": request.temperature,
+                    "max_tokens": request.max_tokens,
                     "stop_tokens": stop_tokens,
-                    "seed": seed,
+                    "seed": request.seed,
                 },
             )
         )

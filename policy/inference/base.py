@@ -30,6 +30,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.environments.base import Completion
+from pipeline.environments.generation import NO_CONTROLS, GenerationRequest, SamplingControls
+
+__all__ = [
+    "NO_CONTROLS",
+    "BackendBuild",
+    "GenerationError",
+    "GenerationRequest",
+    "GenerationStats",
+    "InferenceBackend",
+    "PromptTooLongError",
+    "SamplingControls",
+]
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -55,65 +67,6 @@ class PromptTooLongError(ValueError):
         self.max_seq_len = max_seq_len
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingControls:
-    """Which tokens may be sampled, applied to the tempered distribution `p = softmax(logits / T)`:
-
-    - `top_k > 0`: only the `top_k` most probable tokens (ties at the k-th probability kept);
-    - `top_p < 1`: only the smallest set of most probable tokens whose mass reaches `top_p`;
-    - `min_p > 0`: only tokens with `p >= min_p * max(p)`.
-    A token must pass every active rule; the most probable token always passes. The recorded logprob stays that
-    of the untruncated tempered distribution (what the learner's teacher-forced pass computes). Greedy (T = 0)
-    ignores them. Raises ValueError for `top_p` outside (0, 1], `top_k < 0` or `min_p` outside [0, 1].
-    """
-
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0: off)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p={self.min_p}: must be in [0, 1]")
-
-    @property
-    def is_default(self) -> bool:
-        """True when no rule is active (every token may be sampled)."""
-        return self.top_p >= 1.0 and self.top_k == 0 and self.min_p <= 0.0
-
-
-NO_CONTROLS = SamplingControls()
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    """One batched sampling call: `n` completions of each prompt (token ids) under one set of sampling params.
-
-    `stop_tokens=None`: the tokenizer's EOS; `[]`: none. `seed` makes sampling reproducible where the backend can.
-    Raises ValueError for `n < 1`, `max_tokens < 1` or `temperature < 0`.
-    """
-
-    prompts: Sequence[Sequence[int]]
-    n: int
-    temperature: float
-    max_tokens: int
-    stop_tokens: Sequence[int] | None
-    seed: int
-    controls: SamplingControls = NO_CONTROLS
-    """top-p / top-k / min-p (`SamplingControls`); every backend applies them or refuses the request."""
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n={self.n}: must be >= 1")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0")
-
-
 @dataclasses.dataclass
 class GenerationStats:
     """Running totals of a backend (for rollout metrics)."""
@@ -127,6 +80,19 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         """Generated tokens per second of wall time spent in `generate`."""
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendBuild:
+    """What every backend is built from besides its config: the policy model (in-process backends), the
+    tokenizer, the longest sequence, the compute dtype (None: float32 on CPU, bfloat16 on an accelerator) and
+    `fast_compile` (dense: lowest XLA optimisation level, for tests)."""
+
+    model: Any
+    tokenizer: Any
+    max_seq_len: int
+    compute_dtype: str | None = None
+    fast_compile: bool = False
 
 
 class InferenceBackend(abc.ABC):
@@ -144,16 +110,7 @@ class InferenceBackend(abc.ABC):
         """Policy steps a server reported during the last `generate` (empty for in-process backends)."""
 
     @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        *,
-        model: Any,
-        tokenizer: Any,
-        max_seq_len: int,
-        compute_dtype: str | None,
-        fast_compile: bool,
-    ) -> InferenceBackend:
+    def from_config(cls, config: Any, build: BackendBuild) -> InferenceBackend:
         """The backend `config` (its registered config class) describes; what `make_backend` calls."""
         raise NotImplementedError(f"{cls.__name__} cannot be built from a config")
 

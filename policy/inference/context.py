@@ -1,13 +1,13 @@
 """The environments' `InferenceContext` over an inference backend, for one sampling call.
 
-Environments call `ctx.generate(prompts, n=..., temperature=..., max_tokens=..., stop_tokens=..., seed=...)`
-(`pipeline.environments.InferenceContext`); this adapter turns each call into one `GenerationRequest`, counts the
-tokens sampled, and collects the policy steps an external server reported during the call.
+Environments call `ctx.generate(GenerationRequest(...))` (`pipeline.environments.InferenceContext`); this adapter
+adds the lesson's sampling controls, forwards the request to the backend, counts the tokens sampled, and collects
+the policy steps an external server reported during the call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
 from typing import Any
 
 from pipeline.environments.base import Completion
@@ -26,18 +26,11 @@ class BackendContext:
         self.calls = 0
         self.served_steps: set[int] = set()
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int,
-        temperature: float,
-        max_tokens: int,
-        stop_tokens: Sequence[int] | None,
-        seed: int,
-    ) -> list[list[Completion]]:
-        """`n` completions per prompt (see `policy.inference.base`; a too-long prompt raises PromptTooLongError)."""
-        request = GenerationRequest(prompts, n, temperature, max_tokens, stop_tokens, seed, self.controls)
+    def generate(self, request: GenerationRequest) -> list[list[Completion]]:
+        """`request.n` completions per prompt (see `policy.inference.base`; a too-long prompt raises
+        PromptTooLongError). The context's controls apply unless the request sets its own."""
+        if request.controls.is_default and not self.controls.is_default:
+            request = dataclasses.replace(request, controls=self.controls)
         out = self.backend.generate(request)
         self.calls += 1
         self.generated_tokens += sum(len(c.tokens) for comps in out for c in comps)

@@ -18,7 +18,7 @@ from typing import Any
 
 from pipeline.config import DenseInferenceConfig
 from pipeline.environments.base import Completion
-from policy.inference.base import NO_CONTROLS, SamplingControls
+from policy.inference.base import NO_CONTROLS, BackendBuild, SamplingControls
 from policy.inference.dense_sampler import DenseSampler, bucket
 from policy.inference.dtypes import default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
@@ -50,20 +50,16 @@ class DenseBackend(LocalBackend):
         self.sampler: DenseSampler | None = DenseSampler(model, compute_dtype, fast_compile=fast_compile)
 
     @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        *,
-        model: Any,
-        tokenizer: Any,
-        max_seq_len: int,
-        compute_dtype: str | None,
-        fast_compile: bool,
-    ) -> DenseBackend:
+    def from_config(cls, config: Any, build: BackendBuild) -> DenseBackend:
         """A dense backend of `config.max_seqs` rows per batch (`compute_dtype=None`: `default_compute_dtype()`)."""
-        dtype = compute_dtype or default_compute_dtype()
+        dtype = build.compute_dtype or default_compute_dtype()
         return cls(
-            model, tokenizer, max_seq_len, max_seqs=config.max_seqs, compute_dtype=dtype, fast_compile=fast_compile
+            build.model,
+            build.tokenizer,
+            build.max_seq_len,
+            max_seqs=config.max_seqs,
+            compute_dtype=dtype,
+            fast_compile=build.fast_compile,
         )
 
     @property

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.config import LevanterInferenceConfig
 from pipeline.environments.base import Completion
-from policy.inference.base import NO_CONTROLS, SamplingControls
+from policy.inference.base import NO_CONTROLS, BackendBuild, SamplingControls
 from policy.inference.dtypes import cast_floating, default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
 from policy.inference.registry import register_backend
@@ -56,20 +56,16 @@ class LevanterEngineBackend(LocalBackend):
         self.engines_built = 0
 
     @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        *,
-        model: Any,
-        tokenizer: Any,
-        max_seq_len: int,
-        compute_dtype: str | None,
-        fast_compile: bool,
-    ) -> LevanterEngineBackend:
+    def from_config(cls, config: Any, build: BackendBuild) -> LevanterEngineBackend:
         """An engine of `config.max_seqs` slots and `config.page_size` KV pages (`fast_compile` does not apply)."""
-        dtype = compute_dtype or default_compute_dtype()
+        dtype = build.compute_dtype or default_compute_dtype()
         return cls(
-            model, tokenizer, max_seq_len, max_seqs=config.max_seqs, page_size=config.page_size, compute_dtype=dtype
+            build.model,
+            build.tokenizer,
+            build.max_seq_len,
+            max_seqs=config.max_seqs,
+            page_size=config.page_size,
+            compute_dtype=dtype,
         )
 
     def _engine_config(self) -> Any:

@@ -50,6 +50,7 @@ from pipeline.config import OpenAIInferenceConfig
 from pipeline.environments import Completion
 from policy.inference.base import (
     NO_CONTROLS,
+    BackendBuild,
     GenerationRequest,
     InferenceBackend,
     PromptTooLongError,
@@ -137,18 +138,9 @@ class OpenAIBackend(InferenceBackend):
         self.served_step: int | None = None
 
     @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        *,
-        model: Any,
-        tokenizer: Any,
-        max_seq_len: int,
-        compute_dtype: str | None,
-        fast_compile: bool,
-    ) -> OpenAIBackend:
+    def from_config(cls, config: Any, build: BackendBuild) -> OpenAIBackend:
         """A client of `config.openai_base_url` (the server owns model and dtype: `model`, `compute_dtype` unused)."""
-        return cls(config, tokenizer, max_seq_len=max_seq_len)
+        return cls(config, build.tokenizer, max_seq_len=build.max_seq_len)
 
     # ------------------------------------------------------------------------------------------
     # lifecycle

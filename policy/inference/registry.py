@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pipeline.config import InferenceConfig
-from policy.inference.base import InferenceBackend
+from policy.inference.base import BackendBuild, InferenceBackend
 
 B = TypeVar("B", bound=type[InferenceBackend])
 
@@ -57,11 +57,5 @@ def make_backend(
     `compute_dtype=None`: float32 on CPU, bfloat16 on an accelerator (in-process backends). `fast_compile`
     (dense only): lowest XLA optimisation level, about half the CPU compile time and slower execution (tests).
     """
-    return backend_class(config).from_config(
-        config,
-        model=model,
-        tokenizer=tokenizer,
-        max_seq_len=max_seq_len,
-        compute_dtype=compute_dtype,
-        fast_compile=fast_compile,
-    )
+    build = BackendBuild(model, tokenizer, max_seq_len, compute_dtype, fast_compile)
+    return backend_class(config).from_config(config, build)

@@ -32,7 +32,7 @@ from typing import Any
 
 from pipeline.config import ServerInferenceConfig
 from policy.inference.adapters import ServerLoadError, make_adapter
-from policy.inference.base import GenerationRequest
+from policy.inference.base import BackendBuild, GenerationRequest
 from policy.inference.openai import OpenAIBackend, OpenAIBackendError
 from policy.inference.registry import register_backend
 
@@ -110,18 +110,9 @@ class ServerBackend(OpenAIBackend):
         self.loaded_step: int | None = None
 
     @classmethod
-    def from_config(
-        cls,
-        config: Any,
-        *,
-        model: Any,
-        tokenizer: Any,
-        max_seq_len: int,
-        compute_dtype: str | None,
-        fast_compile: bool,
-    ) -> ServerBackend:
+    def from_config(cls, config: Any, build: BackendBuild) -> ServerBackend:
         """A client (and, with `command`, the owner) of the configured server; `model` is unused."""
-        return cls(config, tokenizer, max_seq_len=max_seq_len)
+        return cls(config, build.tokenizer, max_seq_len=build.max_seq_len)
 
     @property
     def needs_hf(self) -> bool:
