@@ -352,11 +352,10 @@ class SingleTurnEnvironment(Environment):
         """Score one decoded response (cut at the first stop/EOS token)."""
 
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
-        n_examples, n_generations, temperature = spec.n_examples, spec.n_generations, spec.temperature
-        max_tokens, stop_tokens, mode = spec.max_tokens, spec.stop_tokens, spec.mode
-        check_mode(mode)
+        check_mode(spec.mode)
+        n_examples, n_generations, mode = spec.n_examples, spec.n_generations, spec.mode
         tok = ctx.tokenizer
-        stop = effective_stop_tokens(tok, stop_tokens)
+        stop = effective_stop_tokens(tok, spec.stop_tokens)
         failures: list[ExampleFailure] = []
         ready: list[tuple[Example, list[int]]] = []
         for ex in self.examples(n_examples, rng, mode):
@@ -382,9 +381,9 @@ class SingleTurnEnvironment(Environment):
                         GenerationRequest(
                             [p for _, p in ready],
                             n=n_generations,
-                            temperature=temperature,
-                            max_tokens=max_tokens,
-                            stop_tokens=stop_tokens,
+                            temperature=spec.temperature,
+                            max_tokens=spec.max_tokens,
+                            stop_tokens=spec.stop_tokens,
                             seed=seed,
                         )
                     ),

@@ -333,14 +333,13 @@ class CalculatorEnv(Environment):
         return [self._problem(rng) for _ in range(n)]
 
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
-        n_examples, n_generations, temperature = spec.n_examples, spec.n_generations, spec.temperature
-        max_tokens, stop_tokens, mode = spec.max_tokens, spec.stop_tokens, spec.mode
-        check_mode(mode)
+        check_mode(spec.mode)
+        n_examples, n_generations, mode = spec.n_examples, spec.n_generations, spec.mode
         tok = ctx.tokenizer
-        stop = effective_stop_tokens(tok, stop_tokens)
+        stop = effective_stop_tokens(tok, spec.stop_tokens)
         close_ids = _encode_plain(tok, CALL_CLOSE)
         gen_stop = sorted(stop | ({close_ids[0]} if len(close_ids) == 1 else set()))
-        sampling = _Sampling(n_generations, temperature, max_tokens, gen_stop)
+        sampling = _Sampling(n_generations, spec.temperature, spec.max_tokens, gen_stop)
         exprs, prompts, failures = self._encode_problems(tok, self.problems(n_examples, rng, mode))
         episodes = [_Episode(example=i) for i in range(len(exprs)) for _ in range(n_generations)]
         failed = self._play(ctx, exprs, prompts, episodes, sampling, stop, rng, failures)

@@ -18,7 +18,7 @@ from typing import Any
 
 from pipeline.config import DenseInferenceConfig
 from pipeline.environments.base import Completion
-from policy.inference.base import NO_CONTROLS, BackendBuild, SamplingControls
+from policy.inference.base import BackendBuild, GenerationRequest
 from policy.inference.dense_sampler import DenseSampler, bucket
 from policy.inference.dtypes import default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
@@ -81,14 +81,9 @@ class DenseBackend(LocalBackend):
         self.sampler = None
 
     def _generate_rows(
-        self,
-        rows: list[SampleRow],
-        *,
-        temperature: float,
-        stops: list[int],
-        seed: int,
-        controls: SamplingControls = NO_CONTROLS,
+        self, rows: list[SampleRow], request: GenerationRequest, stops: list[int]
     ) -> list[Completion | None]:
+        temperature, seed, controls = float(request.temperature), int(request.seed), request.controls
         if self.sampler is None:
             raise RuntimeError("dense backend was shut down")
         results: list[Completion | None] = [None] * len(rows)

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.config import LevanterInferenceConfig
 from pipeline.environments.base import Completion
-from policy.inference.base import NO_CONTROLS, BackendBuild, SamplingControls
+from policy.inference.base import BackendBuild, GenerationRequest
 from policy.inference.dtypes import cast_floating, default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
 from policy.inference.registry import register_backend
@@ -119,14 +119,9 @@ class LevanterEngineBackend(LocalBackend):
         self._model = None
 
     def _generate_rows(
-        self,
-        rows: list[SampleRow],
-        *,
-        temperature: float,
-        stops: list[int],
-        seed: int,
-        controls: SamplingControls = NO_CONTROLS,
+        self, rows: list[SampleRow], request: GenerationRequest, stops: list[int]
     ) -> list[Completion | None]:
+        temperature, seed, controls = float(request.temperature), int(request.seed), request.controls
         if not controls.is_default:
             raise ValueError(f"levanter engine: top-p/top-k/min-p are not supported by levanter's sampler ({controls})")
         if self._model is None:

@@ -19,12 +19,10 @@ from pipeline.environments.base import Completion
 from policy.inference.base import (
     FINISH_LENGTH,
     FINISH_STOP,
-    NO_CONTROLS,
     GenerationError,
     GenerationRequest,
     InferenceBackend,
     PromptTooLongError,
-    SamplingControls,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,9 +55,7 @@ class LocalBackend(InferenceBackend):
         if not rows:
             return []
         t0 = time.perf_counter()
-        results = self._generate_rows(
-            rows, temperature=float(request.temperature), stops=stops, seed=int(request.seed), controls=request.controls
-        )
+        results = self._generate_rows(rows, request, stops)
         elapsed = time.perf_counter() - t0
         out: list[list[Completion]] = [[] for _ in request.prompts]
         missing: list[tuple[int, int]] = []
@@ -120,12 +116,7 @@ class LocalBackend(InferenceBackend):
 
     @abc.abstractmethod
     def _generate_rows(
-        self,
-        rows: list[SampleRow],
-        *,
-        temperature: float,
-        stops: list[int],
-        seed: int,
-        controls: SamplingControls = NO_CONTROLS,
+        self, rows: list[SampleRow], request: GenerationRequest, stops: list[int]
     ) -> list[Completion | None]:
-        """One completion per row (None: failed to produce it), sampled under `controls`."""
+        """One completion per row (None: failed to produce it), sampled as `request` says (temperature, seed,
+        controls; `stops` resolved)."""
