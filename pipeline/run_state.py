@@ -7,6 +7,7 @@ Listing plus marker existence is the truth; pointers such as `policies/LATEST` a
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from pipeline import layout
@@ -50,11 +51,28 @@ def latest_policy_step(store: Any) -> int | None:
     return None
 
 
+_GAPS_LOGGED: set[tuple[str, tuple[int, ...]]] = set()
+"""(run root, missing slots) already reported: pacing polls this several times a second."""
+_GAPS_LOCK = threading.Lock()
+
+
 def last_committed_slot(store: Any) -> int:
-    """The highest committed batch slot (0 if none). Logs an error if the slots are not contiguous from 1."""
+    """The highest committed batch slot (0 if none). Logs an error, once per run root and set of missing
+    slots, if the slots are not contiguous from 1."""
     slots = sorted(layout.parse_step(p) for p in store.list(layout.BATCH_LOG) if p.endswith(".json"))
     if slots and slots != list(range(1, len(slots) + 1)):
-        logger.error("batch log slots are not contiguous from 1: %s", slots[:20])
+        missing = tuple(sorted(set(range(1, slots[-1] + 1)) - set(slots)))
+        key = (str(getattr(store, "url", id(store))), missing)
+        with _GAPS_LOCK:
+            first = key not in _GAPS_LOGGED
+            _GAPS_LOGGED.add(key)
+        if first:
+            logger.error(
+                "batch log slots are not contiguous from 1: %d slot(s) missing (%s), newest %d",
+                len(missing),
+                ", ".join(map(str, missing[:20])) + (" …" if len(missing) > 20 else ""),
+                slots[-1],
+            )
     return slots[-1] if slots else 0
 
 
