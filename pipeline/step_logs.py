@@ -70,6 +70,23 @@ def log_target(run_root: str, storage_options: Mapping[str, Any] | None, step: s
     return LogTarget(run_root, dict(storage_options) if storage_options else None, step, new_attempt())
 
 
+STEP_ENV = "RLPIPE_STEP"
+"""Set by the job runner's launchers for a step's process: the step's name (`learner`, `rollout-worker0`, …)."""
+ATTEMPT_ENV = "RLPIPE_ATTEMPT"
+"""Set by the job runner's launchers for a step's process: the attempt id of its log."""
+
+
+def child_log_target(
+    run_root: str, storage_options: Mapping[str, Any] | None, default_step: str, suffix: str
+) -> LogTarget:
+    """The log of something this process starts (a child server): `logs/<step>/<attempt>.<suffix>.log`, beside
+    this process's own step log when the job runner started it (`RLPIPE_STEP`, `RLPIPE_ATTEMPT`), else under
+    `default_step` with a fresh attempt id."""
+    step = os.environ.get(STEP_ENV) or default_step
+    attempt = os.environ.get(ATTEMPT_ENV) or new_attempt()
+    return LogTarget(run_root, dict(storage_options) if storage_options else None, step, f"{attempt}.{suffix}")
+
+
 class StepLog:
     """The open log file of one process start of a step (see the module docstring).
 

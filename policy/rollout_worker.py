@@ -31,7 +31,7 @@ from pipeline.tokenizer import load_tokenizer
 from pipeline.watch import Backoff, waker_for
 from pipeline.watchdog import watchdog
 from policy.inference import backend_class
-from policy.inference.hf_publish import publish_hf_if_needed, run_root_of, server_log_path
+from policy.inference.hf_publish import publish_hf_if_needed, run_root_of, server_log
 from policy.rollout_manager import RolloutBatch, RolloutManager, batch_stats
 from policy.worker_records import METRICS, WorkerSummary, incarnation_nonce, write_record  # noqa: F401
 from schemas import ROLLOUT
@@ -64,6 +64,7 @@ class RolloutWorker:
         self.name = layout.check_component(f"{config.worker_id}.{incarnation_nonce()}", "worker name")
         self.metrics = MetricsWriter(self.store, "rollout", self.worker_id)
         self._manager = manager
+        self._server_log: Any = None  # a pipeline.step_logs.StepLog once a child server is attached
         self._load_model_fn = load_model
         self._stop = threading.Event()
         self._stop_reason = ""
@@ -227,7 +228,9 @@ class RolloutWorker:
                 max_example_retries=self.config.max_example_retries,
             )
         if self._manager.manages_weights:
-            self._manager.attach_run(run_root_of(self.store), server_log_path(self.store, self.name))
+            if self._server_log is None:
+                self._server_log = server_log(self.store, self.config.worker_id)
+            self._manager.attach_run(run_root_of(self.store), str(self._server_log.local_path))
             self._serve_step(step)
         elif managed is None:
             self._manager.update_model(self._load_step(step))
@@ -473,3 +476,5 @@ class RolloutWorker:
         """Release the manager's backend."""
         if self._manager is not None:
             self._manager.shutdown()
+        if self._server_log is not None:  # after the server stopped: its last lines are in the final upload
+            self._server_log.close()

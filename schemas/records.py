@@ -41,6 +41,7 @@ __all__ = [
     "CommitMarker",
     "Cursor",
     "GcPlan",
+    "HfFolderMarker",
     "LatestPointer",
     "Lineage",
     "ReadyMarker",
@@ -381,6 +382,26 @@ class CommitMarker(_Record):
             raise RecordError(path, "format", f"{self.format!r}, expected {CHECKPOINT_FORMAT!r}")
         if self.kind not in ("policy", "checkpoint"):
             raise RecordError(path, "kind", f"must be 'policy' or 'checkpoint', got {self.kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HfFolderMarker(_Record):
+    """`policies/step-S/hf/COMMITTED`: commits the Hugging Face folder of policy S (config, safetensors,
+    tokenizer), written last, create-if-absent. Every writer of a step writes the same bytes, so racing
+    workers agree."""
+
+    VERSION: ClassVar[int] = 1
+
+    step: int
+    files: dict[str, CommitFile]
+    """Every file of the folder by name, with its size and sha256."""
+
+    def _check(self, path: str, prefix: str) -> None:
+        if self.step < 0:
+            raise RecordError(path, "step", f"must be >= 0, got {self.step}")
+        for name, f in self.files.items():
+            if f.path != name:
+                raise RecordError(path, f"files.{name}.path", f"{f.path!r} differs from its key {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,3 +106,31 @@ def test_exported_folder_generates_like_our_sampler(tmp_path: Path) -> None:
         )[0][0].tokens
         assert len(generated) > 1 and generated == list(ours), (prompt, generated, ours)
         assert tok.decode(generated, skip_special_tokens=True) == train_tok.decode(ours, skip_special_tokens=True)
+
+
+def test_published_hf_folder_is_committed_by_a_typed_marker(tmp_path: Path) -> None:
+    """`policies/step-S/hf/COMMITTED` is an HfFolderMarker listing every file of the folder with its size and
+    sha256, read back through from_json; a second publish of the same step writes nothing."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from pipeline.config import ServerInferenceConfig
+    from pipeline.tokenizer import load_tokenizer
+    from policy.inference.hf_publish import publish_hf_if_needed, read_hf_marker
+
+    spec = ModelSpec(max_seq_len=32)
+    store = RunStore(str(tmp_path / "run"))
+    M.save_policy(store, 0, M.build_model(spec, VOCAB), {"batch_slot": 0})
+    server = ServerInferenceConfig(export_hf=True, adapter="sglang", openai_base_url="http://127.0.0.1:1/v1")
+    config = SimpleNamespace(inference=server, model=spec)
+    assert read_hf_marker(store, 0) is None
+    assert publish_hf_if_needed(store, config, 0, load_tokenizer(spec.tokenizer))
+    marker = read_hf_marker(store, 0)
+    assert marker is not None and marker.step == 0
+    folder = tmp_path / "run" / "policies" / "step-00000000" / "hf"
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name != "COMMITTED")
+    assert sorted(marker.files) == on_disk and "model.safetensors" in on_disk
+    for name, f in marker.files.items():
+        data = (folder / name).read_bytes()
+        assert f.size == len(data) and f.sha256 == hashlib.sha256(data).hexdigest()
+    assert not publish_hf_if_needed(store, config, 0, load_tokenizer(spec.tokenizer))

@@ -20,6 +20,7 @@ from schemas.records import (
     CommitFile,
     CommitMarker,
     Cursor,
+    HfFolderMarker,
     LatestPointer,
     ReadyMarker,
     RecordError,
@@ -85,7 +86,11 @@ def commit_marker() -> CommitMarker:
     )
 
 
-RECORDS: list[Any] = [batch_entry(), ready_marker(), commit_marker(), LatestPointer(step=5)]
+def hf_marker() -> HfFolderMarker:
+    return HfFolderMarker(step=3, files={"config.json": CommitFile(path="config.json", size=12, sha256="ab" * 32)})
+
+
+RECORDS: list[Any] = [batch_entry(), ready_marker(), commit_marker(), LatestPointer(step=5), hf_marker()]
 
 
 @pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
@@ -125,6 +130,7 @@ def test_bumped_or_unknown_version_is_refused_naming_file_and_field(record: Any)
         (commit_marker(), "files"),
         (commit_marker(), "vocab_size"),
         (LatestPointer(step=1), "step"),
+        (hf_marker(), "files"),
     ],
     ids=lambda v: v if isinstance(v, str) else type(v).__name__,
 )
@@ -152,6 +158,13 @@ def test_nested_and_typed_fields_are_checked_by_dotted_name() -> None:
         BatchLogEntry.from_json({**json.loads(batch_entry().to_json()), "slot": True}, path="e.json")
     with pytest.raises(RecordError, match=r"field 'format'"):
         CommitMarker.from_json({**json.loads(commit_marker().to_json()), "format": "pickle"}, path="c")
+    untyped = {"step": 3, "files": ["config.json"]}  # what hf/COMMITTED held before it was a record
+    with pytest.raises(RecordError, match=r"field 'files': "):
+        HfFolderMarker.from_json(untyped, path="h")
+    bad_key = json.loads(hf_marker().to_json())
+    bad_key["files"]["model.safetensors"] = bad_key["files"].pop("config.json")
+    with pytest.raises(RecordError, match=r"field 'files\.model\.safetensors\.path'"):
+        HfFolderMarker.from_json(bad_key, path="h")
     with pytest.raises(RecordError, match=r"e\.json: field '<json>': not valid JSON"):
         BatchLogEntry.from_json(b"{oops", path="e.json")
     with pytest.raises(RecordError, match=r"field '<record>': must be a JSON object"):

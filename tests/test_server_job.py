@@ -76,7 +76,11 @@ def test_job_with_a_levanter_server_in_the_loop(tmp_path: Path) -> None:
                 assert marker.extra["sampling"]["top_p"] == 1.0 and marker.extra["policy_step"] == step
                 confirmed.add(step)
     assert len(confirmed) >= 2  # rollouts from more than one policy the server confirmed
-    # the worker itself restarted its server: one worker incarnation (one server log), two server starts
-    logs = list(Path(run_root, "logs", "server").iterdir())
-    assert len(logs) == 1, logs
+    # the worker itself restarted its server: one worker incarnation (one server log, beside the worker's own
+    # log of the same attempt), two server starts
+    folder = Path(run_root, "logs", "rollout-worker0")
+    (worker_log,) = [p for p in folder.glob("*.log") if not p.name.endswith(".server.log")]
+    logs = list(folder.glob("*.server.log"))
+    assert [p.name for p in logs] == [worker_log.name.removesuffix(".log") + ".server.log"], logs
     assert logs[0].read_text().count("levanter server: policy") == 2
+    assert not Path(run_root, "logs", "server").exists()

@@ -75,3 +75,25 @@ def test_remote_step_log_is_uploaded_while_it_grows_and_at_the_end() -> None:
     assert sorted(store.list("logs/rollout-w0")) == sorted(
         [layout.step_log("rollout-w0", a) for a in (target.attempt, again.attempt)]
     )
+
+
+def test_a_child_server_logs_beside_its_step_and_reaches_a_remote_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`logs/<step>/<attempt>.server.log`: the step and attempt the job runner gave the worker, else
+    `rollout-<worker id>` and a fresh attempt; on a remote root it is uploaded like a step log."""
+    from policy.inference.hf_publish import server_log
+
+    root = f"memory://server-logs-{uuid.uuid4().hex[:8]}/run"
+    store = RunStore(root)
+    monkeypatch.setenv("RLPIPE_STEP", "rollout-w3")
+    monkeypatch.setenv("RLPIPE_ATTEMPT", "20260101T000000Z-0123abcd")
+    log = server_log(store, "w3")
+    with open(log.local_path, "ab") as f:  # what the server child writes
+        f.write(b"server says hi\n")
+    log.close()
+    assert store.get("logs/rollout-w3/20260101T000000Z-0123abcd.server.log") == b"server says hi\n"
+    monkeypatch.delenv("RLPIPE_STEP")
+    monkeypatch.delenv("RLPIPE_ATTEMPT")
+    alone = server_log(store, "w9")
+    alone.close()
+    (path,) = store.list("logs/rollout-w9")
+    assert path.endswith(".server.log") and alone.target.attempt.endswith(".server")

@@ -62,11 +62,12 @@ class LocalLauncher:
         """Nothing to connect to."""
 
     def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
-        """Start the step's program as a child process, `RLPIPE_STEP` set to the step's name (a learner of
-        `processes` > 1: that many processes, see `ProcessGroup`)."""
+        """Start the step's program as a child process, `RLPIPE_STEP` and `RLPIPE_ATTEMPT` set to the step's name
+        and its log's attempt id (a child server logs beside it); a learner of `processes` > 1: that many
+        processes, see `ProcessGroup`."""
         if spec.processes > 1:
             return start_group(spec, log, spec.processes)
-        env = {**os.environ, "RLPIPE_STEP": spec.name}
+        env = {**os.environ, "RLPIPE_STEP": spec.name, "RLPIPE_ATTEMPT": log.attempt}
         return LocalProcess(spec.module, spec.config_path, log, env)
 
 
@@ -127,6 +128,7 @@ def start_group(spec: StepSpec, log: LogTarget, processes: int) -> StepProcess:
         env = {
             **os.environ,
             "RLPIPE_STEP": spec.name,
+            "RLPIPE_ATTEMPT": log.attempt,
             "RLPIPE_COORDINATOR": coordinator,
             "RLPIPE_NUM_PROCESSES": str(processes),
             "RLPIPE_PROCESS_ID": str(i),

@@ -188,4 +188,5 @@ class RayLauncher:
         cpus, gpus = self.config.resources.for_kind(spec.kind)
         config_yaml = Path(spec.config_path).read_text()
         node = self.config.resources.node_resources(spec.kind)
-        return RayProcess(spec.module, config_yaml, cpus, gpus, {"RLPIPE_STEP": spec.name}, log, node)
+        env = {"RLPIPE_STEP": spec.name, "RLPIPE_ATTEMPT": log.attempt}
+        return RayProcess(spec.module, config_yaml, cpus, gpus, env, log, node)

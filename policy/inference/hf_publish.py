@@ -3,20 +3,26 @@ child server's log goes.
 
 `publish_hf_if_needed(store, config, step, tokenizer)` is a no-op unless `inference` is a `server` config with
 `export_hf: true`. Otherwise it writes `policies/step-S/hf/<files>` (through `policy.model.export_hf`) and last
-`policies/step-S/hf/COMMITTED` (create-if-absent): a reader (a server, another worker) uses the folder only once
-that marker exists, so a worker killed half-way leaves nothing a server would load; several workers may race,
-and they write identical bytes.
+`policies/step-S/hf/COMMITTED` (create-if-absent, a `schemas.records.HfFolderMarker` listing every file with its
+size and sha256): a reader (a server, another worker) uses the folder only once that marker exists, so a worker
+killed half-way leaves nothing a server would load; several workers may race, and they write identical bytes.
+
+`server_log(store, worker_id)` is the log of a worker's child server: `logs/<step>/<attempt>.server.log` under the
+run root, beside the worker's own `logs/<step>/<attempt>.log` (a `pipeline.step_logs.StepLog`, so on gs:// it is
+uploaded every few seconds and at exit like every step log).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import tempfile
 from typing import Any
 
 from pipeline import layout
 from pipeline.config import ServerInferenceConfig
+from pipeline.step_logs import StepLog, child_log_target
+from schemas.records import CommitFile, HfFolderMarker
 
 HF_DIR = "hf"
 HF_MARKER = "COMMITTED"
@@ -27,13 +33,25 @@ def run_root_of(store: Any) -> str:
     return str(store.root if store.is_local else store.url).rstrip("/")
 
 
-def server_log_path(store: Any, worker_name: str) -> str | None:
-    """`<run root>/logs/server/<worker>.log` for a local run root (None elsewhere: the child inherits our output)."""
-    if not store.is_local:
+def server_log(store: Any, worker_id: str) -> StepLog:
+    """The open log of this worker's child server, `logs/<step>/<attempt>.server.log`: the step and attempt of the
+    worker's own log when the job runner started it, else `rollout-<worker_id>` and a fresh attempt. The caller
+    closes it (the final upload on a remote run root)."""
+    return StepLog(child_log_target(store.url, store.storage_options, f"rollout-{worker_id}", "server"))
+
+
+def hf_marker_path(step: int) -> str:
+    """`policies/step-S/hf/COMMITTED`."""
+    return f"{layout.policy_dir(step)}/{HF_DIR}/{HF_MARKER}"
+
+
+def read_hf_marker(store: Any, step: int) -> HfFolderMarker | None:
+    """The commit marker of policy `step`'s Hugging Face folder (None: not committed); RecordError naming the
+    file and the field when it is not a valid `HfFolderMarker`."""
+    path = hf_marker_path(step)
+    if not store.exists(path):
         return None
-    folder = os.path.join(store.root, "logs", "server")
-    os.makedirs(folder, exist_ok=True)
-    return os.path.join(folder, f"{worker_name}.log")
+    return HfFolderMarker.from_json(store.get(path), path=path)
 
 
 def publish_hf_if_needed(store: Any, config: Any, step: int, tokenizer: Any) -> bool:
@@ -42,16 +60,18 @@ def publish_hf_if_needed(store: Any, config: Any, step: int, tokenizer: Any) -> 
     if not isinstance(inference, ServerInferenceConfig) or not inference.export_hf:
         return False
     folder = f"{layout.policy_dir(step)}/{HF_DIR}"
-    if store.exists(f"{folder}/{HF_MARKER}"):
+    if read_hf_marker(store, step) is not None:
         return False
     from policy.model import export_hf, load_policy, policy_metadata
 
     model = load_policy(store, step, config.model, policy_metadata(store, step).vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         export_hf(model, tmp, tokenizer, family=config.model.family)
-        names = sorted(os.listdir(tmp))
-        for name in names:
+        files = {}
+        for name in sorted(os.listdir(tmp)):
             with open(os.path.join(tmp, name), "rb") as f:
-                store.put_unique(f"{folder}/{name}", f.read())
-    store.put_if_absent(f"{folder}/{HF_MARKER}", json.dumps({"step": step, "files": names}).encode())
+                data = f.read()
+            store.put_unique(f"{folder}/{name}", data)
+            files[name] = CommitFile(path=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    store.put_if_absent(hf_marker_path(step), HfFolderMarker(step=step, files=files).to_json())
     return True
