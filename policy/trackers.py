@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -151,6 +151,8 @@ class RunTracker:
         self._pending: list[dict[str, Any]] = []
         self._pending_lock = threading.Lock()
         self._step = 0
+        self._evaluated: set[tuple[int, str]] = set()
+        """(policy step, lesson) of every evaluation forwarded so far."""
         self._rollout_rows = 0.0
         self._stop = threading.Event()
         self._every = forward_every_s
@@ -162,6 +164,23 @@ class RunTracker:
         self._step = max(self._step, step)
         self.tracker.log(metrics, step=self._step)
         self._forward()
+
+    def await_evaluations(
+        self, policy_step: int, lessons: Iterable[str], timeout_s: float, poll_s: float = 1.0
+    ) -> bool:
+        """Keep forwarding records until the evaluations of every lesson in `lessons` of policy `policy_step` have
+        been logged, or `timeout_s` passed; True when they all were."""
+        wanted = {(policy_step, lesson) for lesson in lessons}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._collect()
+            self._forward()
+            if wanted <= self._evaluated:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(poll_s, left))
 
     def finish(self) -> None:
         """Forward the records committed by now, then finish the tracker run."""
@@ -196,6 +215,8 @@ class RunTracker:
             elif kind == "evaluate" and not rec.get("external"):
                 lesson = str(rec.get("lesson_id", "eval"))
                 self._log_at(_prefixed(f"eval/{lesson}", rec, skip=("lesson_id", "external")), self._step)
+                if isinstance(rec.get("policy_step"), int):
+                    self._evaluated.add((int(rec["policy_step"]), lesson))
         if rollouts:
             self._rollout_rows += sum(float(r["rows"]) for r in rollouts)
             summary = rollout_summary(rollouts)

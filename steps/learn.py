@@ -87,8 +87,13 @@ def main(config: LearnerStepConfig) -> int:
             learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
         logger.info("already trained %d steps; nothing to do", state.step)
         return 0
-    state, stop_reason = train(learner, state)
-    finish(learner, state, stop_reason)
+    try:
+        state, stop_reason = train(learner, state)
+        finish(learner, state, stop_reason)
+        await_final_evaluation(learner, state)
+    finally:
+        if learner.tracker is not None:
+            learner.tracker.finish()
     return 0
 
 
@@ -167,8 +172,6 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
         learner.publisher.close()
         progress.close()
         learner.metrics.flush()
-        if learner.tracker is not None:
-            learner.tracker.finish()
     return state, "num_train_steps"
 
 
@@ -263,6 +266,21 @@ def finish(learner: Learner, state: L.LearnerState, stop_reason: str) -> None:
             learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
         stop_reason = "num_train_steps"
     logger.info("learner stopped at step %d (%s)", state.step, stop_reason)
+
+
+def await_final_evaluation(learner: Learner, state: L.LearnerState) -> None:
+    """Phase 4: with a tracker and `final_eval_wait_s` > 0, after the final step, forward the final policy's
+    evaluations (every lesson of run.json's curriculum) to the tracker before it closes, waiting at most that
+    long for them."""
+    wait_s = learner.config.final_eval_wait_s
+    if learner.tracker is None or wait_s <= 0 or state.step < learner.total:
+        return
+    lessons = sorted(learner.store.get_json(layout.RUN_CONFIG)["config"]["curriculum"]["lessons"])
+    logger.info("waiting up to %.0f s for the evaluation of policy %d (%s) for the tracker", wait_s, state.step,
+                ", ".join(lessons))  # fmt: skip
+    if not learner.tracker.await_evaluations(state.step, lessons, wait_s):
+        logger.warning("the evaluation of policy %d did not arrive within final_eval_wait_s=%.0f; the tracker "
+                       "closes without it (it is in the run root and the report)", state.step, wait_s)  # fmt: skip
 
 
 class _NoMetrics:

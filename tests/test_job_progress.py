@@ -121,3 +121,5 @@ def test_tracker_holds_every_steps_metrics(tty_job: TtyJob) -> None:
         assert scalars.get(key), (key, sorted(scalars))
     assert all(0 <= v <= 1 for v in scalars["batches/staleness_mean"].values())  # max_lag 1
     assert all(v > 0 for v in scalars["rollout/rows_per_s"].values())
+    # the final policy's evaluation ends after the learner's last step: the tracker run waited for it
+    assert float(STEPS) in scalars["eval/cats/policy_step"].values(), scalars["eval/cats/policy_step"]

@@ -60,3 +60,35 @@ def test_records_of_every_step_reach_the_tracker(tmp_path: Path) -> None:
     assert merged["eval/cats/mean_reward"] == [(2, 0.5)] and merged["eval/cats/success_rate"] == [(2, 1.0)]
     assert not [k for k in merged if k.endswith(("/time", "/kind", "/worker", "/slot", "/lesson_id"))]
     assert 9.0 not in [v for vs in merged.values() for _, v in vs]  # older than the tracker run: not replayed
+
+
+def test_evaluations_that_finish_after_the_learner_are_awaited(tmp_path: Path) -> None:
+    """The final policy's evaluations, committed after the learner's last step, are forwarded before the tracker
+    run closes; a lesson that never arrives makes the wait give up at its bound."""
+    import threading
+
+    store = RunStore(str(tmp_path / "run"))
+    recorder = RecordingTracker()
+    tracker = RunTracker(recorder, store, forward_every_s=60)  # only the wait itself forwards
+    tracker.log({"learner/loss": 1.0}, step=4)
+    ev = MetricsWriter(store, "evaluate", "evaluator", flush_every=1)
+
+    def evaluate_later() -> None:
+        time.sleep(0.4)
+        ev.log({"policy_step": 3, "lesson_id": "a", "mean_reward": 0.1})  # an older policy: not what is awaited
+        ev.log({"policy_step": 4, "lesson_id": "a", "mean_reward": 0.5})
+        time.sleep(0.3)
+        ev.log({"policy_step": 4, "lesson_id": "b", "mean_reward": 0.7})
+
+    t0 = time.monotonic()
+    writer = threading.Thread(target=evaluate_later)
+    writer.start()
+    assert tracker.await_evaluations(4, ["a", "b"], timeout_s=30, poll_s=0.05)
+    writer.join()
+    assert 0.6 < time.monotonic() - t0 < 20
+    t1 = time.monotonic()
+    assert not tracker.await_evaluations(4, ["a", "c"], timeout_s=0.3, poll_s=0.05)
+    assert 0.3 <= time.monotonic() - t1 < 5
+    tracker.finish()
+    logged = {k: (step, v) for step, metrics in recorder.logged for k, v in metrics.items()}
+    assert logged["eval/a/mean_reward"] == (4, 0.5) and logged["eval/b/mean_reward"] == (4, 0.7)

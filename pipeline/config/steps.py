@@ -146,9 +146,13 @@ class LearnerStepConfig:
     """Device mesh of the learner (data × fsdp × model), see `pipeline.config.mesh`."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-host start-up (coordinator address, process count and id)."""
+    final_eval_wait_s: float = 0.0
+    """With a tracker: after the final step, wait up to this long for the final policy's evaluations and forward
+    them before the tracker run closes (the job runner sets it when it runs an evaluator; 0: close at once)."""
 
     def __post_init__(self) -> None:
         require(self.policy_interval >= 1, "policy_interval", self.policy_interval, "must be >= 1")
+        require(self.final_eval_wait_s >= 0, "final_eval_wait_s", self.final_eval_wait_s, "must be >= 0")
         require(self.checkpoint_interval >= 1, "checkpoint_interval", self.checkpoint_interval, "must be >= 1")
         validate_learner(self)  # cross-field: pipeline.config.validate
 
