@@ -50,6 +50,25 @@ class StorageEndpointError(StorageError, ConfigError):
         ConfigError.__init__(self, source, endpoint, why)
 
 
+EXIT_STORAGE_UNAVAILABLE = 75
+"""Exit code of a step that could not reach its run root's storage (sysexits' EX_TEMPFAIL: try again later); the
+job runner restarts such a step with backoff for a bounded time. A refused configuration exits 2 and is never
+restarted."""
+
+
+class StorageUnavailableError(Exception):
+    """The run root's storage cannot be reached now: its endpoint refused the connection or its host name could
+    not be resolved for the moment, or transient errors went on for the whole retry window. Unlike
+    `StorageEndpointError` (a host name that does not exist: a configuration error), a later attempt may succeed.
+    Deliberately not a `StorageError`: nothing is wrong with any file, so no reader may quarantine or skip one
+    because of it."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"storage unavailable: {what}: {why}")
+        self.what = what
+        self.why = why
+
+
 class CorruptFileError(StorageError):
     """A stored file is unreadable or does not match its commit marker (permanent; quarantine it)."""
 

@@ -25,6 +25,7 @@ from typing import Any
 import draccus
 
 from pipeline import layout, run_state
+from pipeline.committed import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError
 from pipeline.job import RLJob, check_run_config
 from pipeline.progress import JobProgress, RunProgress
 from pipeline.runners.base import STOP_GRACE_S, StepSpec, make_launcher
@@ -32,6 +33,11 @@ from pipeline.step_logs import LogTarget, location, log_target
 
 EXIT_CONFIG = 2
 """The exit code of a step that refused its configuration (steps/cli.py): never restarted."""
+STORAGE_OUTAGE_S = 600.0
+"""How long a step that exits with EXIT_STORAGE_UNAVAILABLE (its run root's storage cannot be reached) is
+restarted with backoff before the job gives up; these restarts do not count against `max_restarts`."""
+HEALTHY_AFTER_S = 60.0
+"""A step that has run this long since its start after a storage outage has seen the outage end."""
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,9 @@ class JobRunner:
         self.log_dir = location(self.store, layout.LOGS)
         self.logs: dict[str, LogTarget] = {}
         """The log of each step's newest start (`logs/<step>/<attempt>.log` under the run root)."""
+        self._started_at: dict[str, float] = {}
+        self._outage: dict[str, tuple[float, int]] = {}
+        """Per step in a storage outage: (monotonic time of its first EXIT_STORAGE_UNAVAILABLE, restarts since)."""
         self.launcher = make_launcher(self.cfg.backend)
         self.steps = self._build_specs()
 
@@ -110,6 +119,7 @@ class JobRunner:
     def _start(self, spec: StepSpec) -> None:
         target = log_target(self.cfg.store.run_root, self.cfg.store.storage_options, spec.name)
         self.logs[spec.name] = target
+        self._started_at[spec.name] = time.monotonic()
         spec.process = self.launcher.start(spec, target)
         pid = f" pid={spec.process.pid}" if spec.process.pid is not None else ""
         logger.info("started %s (%s)%s; log: %s", spec.name, spec.module, pid, target.location)
@@ -128,8 +138,8 @@ class JobRunner:
                 for spec in self.steps:
                     if not self._tend(spec, now):
                         return 1
-                progress.update()
-                gc.tick()
+                self._unless_storage_unavailable(progress.update)
+                self._unless_storage_unavailable(gc.tick)
                 if self._stopping:
                     logger.info("interrupted: stopping every step")
                     return 130
@@ -156,6 +166,9 @@ class JobRunner:
             return True
         rc = spec.process.poll()
         if rc is None:
+            if spec.name in self._outage and now - self._started_at.get(spec.name, now) > HEALTHY_AFTER_S:
+                logger.info("%s reaches the storage again", spec.name)
+                del self._outage[spec.name]
             return True
         spec.exit_codes.append(rc)
         if rc == 0 or self._stopping or spec.terminated:
@@ -167,6 +180,8 @@ class JobRunner:
             else:
                 logger.info("%s exited with %d", spec.name, rc)
             return True
+        if rc == EXIT_STORAGE_UNAVAILABLE:
+            return self._restart_after_outage(spec, now)
         if rc == EXIT_CONFIG:  # a refused config (drift, bad value) fails the same way on every restart
             logger.error("%s refused its configuration (exit %d); stopping the job; see %s", spec.name, rc,
                          self.log_location(spec.name))  # fmt: skip
@@ -194,6 +209,31 @@ class JobRunner:
         spec.process = None
         spec.next_start = now + delay
         return True
+
+    def _restart_after_outage(self, spec: StepSpec, now: float) -> bool:
+        """A step exited because its run root's storage could not be reached: schedule a restart with backoff
+        (not counted against max_restarts); False once the outage has lasted STORAGE_OUTAGE_S."""
+        since, restarts = self._outage.get(spec.name, (now, 0))
+        if now - since > STORAGE_OUTAGE_S:
+            logger.error("%s could not reach the run root's storage for %.0f s (STORAGE_OUTAGE_S); stopping the "
+                         "job; see %s", spec.name, now - since, self.log_location(spec.name))  # fmt: skip
+            return False
+        self._outage[spec.name] = (since, restarts + 1)
+        delay = min(30.0, self.cfg.restart_backoff_s * 2**restarts)
+        logger.warning("%s exited with %d: storage unavailable (log: %s); restart in %.1f s (outage for %.0f s, "
+                       "given up after %.0f s)", spec.name, EXIT_STORAGE_UNAVAILABLE, self.log_location(spec.name),
+                       delay, now - since, STORAGE_OUTAGE_S)  # fmt: skip
+        spec.process = None
+        spec.next_start = now + delay
+        return True
+
+    @staticmethod
+    def _unless_storage_unavailable(fn: Callable[[], Any]) -> None:
+        """Run one of the runner's own reads of the run root; an outage only skips it (the steps retry)."""
+        try:
+            fn()
+        except StorageUnavailableError as e:
+            logger.warning("%s", e)
 
     def _stop_producers(self) -> None:
         """Training is over: let the evaluator finish the last policies, stop the rollout workers and the maker."""

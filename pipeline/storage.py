@@ -23,16 +23,21 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
 - `commit_data` / `list_committed` / `read_committed` / `quarantine` (the committed-data layer, in
   `pipeline.committed`): a data file is committed by its ready marker, read back verified against it,
   and quarantined when permanently bad.
-- Transient errors (timeouts, connection resets, HTTP 408/429/5xx) are retried with exponential
-  backoff (`RETRY_ATTEMPTS`) on top of gcsfs's own retries; other errors propagate unchanged.
+- Transient errors (timeouts, connection resets and refusals, name-resolution failures, HTTP 408/429/5xx) are
+  retried with exponential backoff capped at `RETRY_MAX_DELAY_S` for `RETRY_WINDOW_S` (~30 s), each retry logged,
+  on top of gcsfs's own retries; past the window they raise `StorageUnavailableError` (a step exits with
+  `EXIT_STORAGE_UNAVAILABLE`, 75, and the job runner restarts it). Other errors propagate unchanged.
 - Storage options: `storage_options_from(given)` is the one way every command builds them: the JSON object in
   `$RLPIPE_STORAGE_OPTIONS`, overridden key by key by the command's own (`--store.storage_options '{…}'`).
   A gs:// RunStore also takes the environment's options itself. gcsfs reads `STORAGE_EMULATOR_HOST`
   (e.g. `http://127.0.0.1:4443`) as its endpoint when `endpoint_url` is not given.
 - An unreachable endpoint fails fast: the first gs:// RunStore of a process connects to its endpoint once
-  (`check_endpoint`); a host that does not resolve or refuses the connection raises `StorageEndpointError`
-  (a ConfigError: one line and exit code 2 in every step) naming the endpoint and where it came from, instead
-  of minutes of gcsfs retries. DNS failures are never retried as transient.
+  (`check_endpoint`), instead of minutes of gcsfs retries. A host name that does not exist raises
+  `StorageEndpointError` (a ConfigError: one line and exit code 2 in every step, never restarted); a refused
+  connection or a temporary name-resolution failure raises `StorageUnavailableError` (one line, exit code 75,
+  restarted by the job runner); both name the endpoint and the setting it came from. Once a store exists its
+  endpoint has answered, so a name-resolution failure mid-run is an outage and is retried like any transient
+  error.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import pyarrow.parquet as pq
 
 from pipeline import layout
 from pipeline.committed import (
+    EXIT_STORAGE_UNAVAILABLE,
     TMP_PREFIX,
     CommittedData,
     CorruptFileError,
@@ -63,6 +69,7 @@ from pipeline.committed import (
     NotCommittedError,
     StorageEndpointError,
     StorageError,
+    StorageUnavailableError,
     new_attempt_id,
 )
 from pipeline.committed import _sha256 as _sha256
@@ -71,6 +78,7 @@ from pipeline.config.base import ConfigError
 from schemas.base import SchemaMismatchError, TableSpec
 
 __all__ = [
+    "EXIT_STORAGE_UNAVAILABLE",
     "TMP_PREFIX",
     "CorruptFileError",
     "FileInfo",
@@ -81,6 +89,7 @@ __all__ = [
     "SchemaMismatchError",
     "StorageEndpointError",
     "StorageError",
+    "StorageUnavailableError",
     "check_endpoint",
     "existing_run_root",
     "new_attempt_id",
@@ -117,8 +126,10 @@ def parquet_write_options(schema: pa.Schema) -> dict[str, Any]:
     }
 
 
-RETRY_ATTEMPTS = 4
 RETRY_BASE_DELAY_S = 0.2
+RETRY_MAX_DELAY_S = 5.0
+RETRY_WINDOW_S = 30.0
+"""How long transient storage errors are retried (the sum of the backoff delays) before StorageUnavailableError."""
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 
 _MEMORY_LOCK = threading.Lock()
@@ -191,9 +202,12 @@ def check_endpoint(endpoint: str, source: str, timeout_s: float = ENDPOINT_CHECK
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except socket.gaierror as e:
+        if e.errno == socket.EAI_AGAIN:  # the resolver could not answer now: an outage, not a wrong name
+            why = f"host {host!r} could not be resolved for now ({e.strerror or e})"
+            raise StorageUnavailableError(f"{endpoint} ({source})", why) from None
         raise StorageEndpointError(source, endpoint, f"host {host!r} does not resolve ({e.strerror or e})") from None
     except ConnectionRefusedError:
-        raise StorageEndpointError(source, endpoint, f"connection refused by {host}:{port}") from None
+        raise StorageUnavailableError(f"{endpoint} ({source})", f"connection refused by {host}:{port}") from None
     except OSError as e:
         logger.warning("storage endpoint %s (%s) did not answer within %.0fs: %s", endpoint, source, timeout_s, e)
         return
@@ -213,12 +227,15 @@ def _gcs_endpoint(opts: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    """Whether an error is worth retrying: timeouts, connection failures, HTTP 408/429/5xx; never a DNS failure
-    (a host that does not resolve will not resolve on the next try)."""
+    """Whether an error of a store's operation is worth retrying: timeouts, connection failures, name-resolution
+    failures (the store's endpoint answered when it was made: a name that stops resolving is a DNS outage),
+    HTTP 408/429/5xx."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
         return False
-    if isinstance(exc, socket.gaierror) or isinstance(getattr(exc, "os_error", None), socket.gaierror):
+    if isinstance(exc, StorageUnavailableError):  # an inner retry already spent its window
         return False
+    if isinstance(exc, socket.gaierror) or isinstance(getattr(exc, "os_error", None), socket.gaierror):
+        return True
     if isinstance(exc, (TimeoutError, ConnectionError)):
         return True
     code = getattr(exc, "code", None) or getattr(exc, "status", None)
@@ -227,19 +244,36 @@ def _is_transient(exc: BaseException) -> bool:
     return type(exc).__module__.split(".")[0] == "aiohttp"
 
 
+def retry_delays() -> list[float]:
+    """The backoff delays between tries of one storage operation: doubling from RETRY_BASE_DELAY_S, each at most
+    RETRY_MAX_DELAY_S, summing to RETRY_WINDOW_S."""
+    delays: list[float] = []
+    total = 0.0
+    while total < RETRY_WINDOW_S:
+        delay = min(RETRY_BASE_DELAY_S * 2 ** len(delays), RETRY_MAX_DELAY_S, RETRY_WINDOW_S - total)
+        if delay <= 0:
+            break
+        delays.append(delay)
+        total += delay
+    return delays
+
+
 def _retry(what: str, fn: Callable[[], T]) -> T:
-    """Call `fn`, retrying transient errors with exponential backoff; re-raise the last one."""
-    for attempt in range(RETRY_ATTEMPTS):
+    """Call `fn`; a transient error is retried after each of `retry_delays()` (every retry logged), then raises
+    StorageUnavailableError naming `what` and the last error. Other errors propagate unchanged."""
+    delays = retry_delays()
+    for attempt in range(len(delays) + 1):
         try:
             return fn()
         except Exception as e:
-            if attempt == RETRY_ATTEMPTS - 1 or not _is_transient(e):
+            if not _is_transient(e):
                 raise
-            delay = RETRY_BASE_DELAY_S * 2**attempt
-            logger.warning(
-                "transient error on %s (%s: %s); retry %d in %.1fs", what, type(e).__name__, e, attempt + 1, delay
-            )
-            time.sleep(delay)
+            if attempt == len(delays):
+                why = f"{type(e).__name__}: {e} (still failing after {sum(delays):.0f} s of retries)"
+                raise StorageUnavailableError(what, " ".join(why.split())) from e
+            logger.warning("transient error on %s (%s: %s); retry %d/%d in %.1fs", what, type(e).__name__, e,
+                           attempt + 1, len(delays), delays[attempt])  # fmt: skip
+            time.sleep(delays[attempt])
     raise AssertionError("unreachable")
 
 

@@ -5,7 +5,9 @@
 its int as the process exit code. A bad config (a `ConfigError`, a value draccus cannot decode, an unknown
 flag, a missing config file) is reported as ONE line on stderr naming the field and the value, with exit
 code 2 and no traceback. Exceptions a program declares in `exit_codes` are logged in one line and mapped to
-their code, with what they mean; anything else propagates (a traceback is the right report of a bug).
+their code, with what they mean. Storage that cannot be reached (`StorageUnavailableError`, also when it caused
+another error) is one line and exit code 75, which the job runner restarts with backoff; anything else
+propagates (a traceback is the right report of a bug).
 
 Before `main` runs, a step config whose contract fields (model, train, optimizer, loss, curriculum) differ from
 its run root's run.json is refused the same way, unless `--allow_config_change true` is given (taken off the
@@ -29,6 +31,7 @@ from typing import TypeVar
 
 import draccus
 
+from pipeline.committed import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError
 from pipeline.config import ConfigError
 from pipeline.job import ALLOW_CHANGE_FLAG
 
@@ -160,7 +163,8 @@ def run_command(
     """Configure logging, `parse(argv)` (default: sys.argv[1:]), run `main(parsed)`, return the exit code.
 
     A `UsageError` or `ConfigError` (from `parse` or from `main`) gives one stderr line and EXIT_CONFIG; an
-    exception of a type in `exit_codes` (type -> (code, what it means)) gives one log line and its code.
+    exception of a type in `exit_codes` (type -> (code, what it means)) gives one log line and its code; a
+    `StorageUnavailableError` (or an error it caused) gives one stderr line and EXIT_STORAGE_UNAVAILABLE (75).
     """
     level, args = pop_log_level(sys.argv[1:] if argv is None else argv)
     configure_logging(level)
@@ -173,6 +177,25 @@ def run_command(
         code, meaning = next(v for t, v in (exit_codes or {}).items() if isinstance(e, t))
         logging.getLogger(getattr(main, "__module__", None) or "rlpipe").error("%s: %s", meaning, e)
         return code
+    except Exception as e:
+        unavailable = storage_unavailable(e)
+        if unavailable is None:
+            raise
+        logger.debug("storage unavailable", exc_info=e)
+        print(f"error: {' '.join(str(unavailable).split())}", file=sys.stderr)
+        return EXIT_STORAGE_UNAVAILABLE
+
+
+def storage_unavailable(error: BaseException) -> StorageUnavailableError | None:
+    """The StorageUnavailableError `error` is or was caused by (a step's thread may wrap it), else None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, StorageUnavailableError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def run_program(

@@ -160,7 +160,9 @@ def test_json_helpers(store: RunStore) -> None:
 
 
 def test_transient_errors_are_retried_then_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storage, "RETRY_BASE_DELAY_S", 0.0)
+    monkeypatch.setattr(storage, "RETRY_BASE_DELAY_S", 0.001)
+    monkeypatch.setattr(storage, "RETRY_MAX_DELAY_S", 0.001)
+    monkeypatch.setattr(storage, "RETRY_WINDOW_S", 0.01)
     calls: list[int] = []
 
     def flaky() -> str:
@@ -176,9 +178,10 @@ def test_transient_errors_are_retried_then_raised(monkeypatch: pytest.MonkeyPatc
         raise ConnectionResetError("reset")
 
     calls.clear()
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(storage.StorageUnavailableError, match=r"^storage unavailable: op: ConnectionResetError") as e:
         storage._retry("op", always)
-    assert len(calls) == storage.RETRY_ATTEMPTS
+    assert isinstance(e.value.__cause__, ConnectionResetError)
+    assert len(calls) == len(storage.retry_delays()) + 1 == 11
 
     def permanent() -> None:
         calls.append(1)
@@ -188,6 +191,38 @@ def test_transient_errors_are_retried_then_raised(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(FileNotFoundError):
         storage._retry("op", permanent)
     assert len(calls) == 1
+
+
+def test_transient_errors_are_retried_for_about_30_seconds() -> None:
+    """The default schedule: doubling delays from 0.2 s, none over 5 s, 30 s in all."""
+    delays = storage.retry_delays()
+    assert delays[:3] == [0.2, 0.4, 0.8] and max(delays) == 5.0
+    assert sum(delays) == pytest.approx(30.0)
+
+
+def test_a_name_resolution_failure_mid_run_is_retried_and_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store exists only once its endpoint answered: a DNS failure afterwards is an outage, retried (each retry
+    logged) until it passes."""
+    import logging
+    import socket
+
+    monkeypatch.setattr(storage, "RETRY_BASE_DELAY_S", 0.01)
+    failures = [socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")] * 2
+    calls: list[int] = []
+
+    def resolves_later() -> str:
+        calls.append(1)
+        if failures:
+            raise failures.pop()
+        return "ok"
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.storage"):
+        assert storage._retry("get gs://b/r/x", resolves_later) == "ok"
+    assert len(calls) == 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.storage"]
+    assert len(lines) == 2 and all("get gs://b/r/x" in ln and "name resolution" in ln for ln in lines), lines
 
 
 # parquet ------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from pipeline.config import ConfigError
 from pipeline.report.page import build_report
-from pipeline.storage import existing_run_root
+from pipeline.storage import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError, existing_run_root
 
 DESCRIPTION = "One self-contained HTML report of a run, built from the run root alone (no tracker needed)."
 
@@ -27,4 +27,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         options = existing_run_root(args.run_root, args.storage_options)
     except ConfigError as e:
         parser.exit(2, f"error: {e}\n")
-    print(build_report(args.run_root, args.out, options))
+    except StorageUnavailableError as e:  # the endpoint refuses connections, or its name cannot be resolved now
+        parser.exit(EXIT_STORAGE_UNAVAILABLE, f"error: {e}\n")
+    try:
+        print(build_report(args.run_root, args.out, options))
+    except StorageUnavailableError as e:
+        parser.exit(EXIT_STORAGE_UNAVAILABLE, f"error: {e}\n")

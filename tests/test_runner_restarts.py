@@ -1,0 +1,97 @@
+"""Which exits of a step the job runner restarts: a refused configuration (exit 2) never; a step that could not
+reach its run root's storage (exit 75) with backoff, not counted against `max_restarts`, until the outage has
+lasted `STORAGE_OUTAGE_S`.
+
+The steps are real processes of a test backend (a registered `JobBackendConfig`, the documented extension
+point) whose launcher runs, at each start of a step, a process that exits with the next code of that step's
+script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import draccus
+import pytest
+
+from pipeline import runner as runner_mod
+from pipeline.config import JobBackendConfig
+from pipeline.job import RLJob, RLJobConfig
+from pipeline.runner import JobRunner
+from pipeline.runners.base import StepSpec
+from pipeline.step_logs import LogTarget
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT: dict[str, list[int]] = {}
+"""Step kind -> exit codes of its next starts (the last one repeats)."""
+
+
+@JobBackendConfig.register_subclass("scripted-test")
+@dataclasses.dataclass(frozen=True)
+class ScriptedBackendConfig(JobBackendConfig):
+    launcher: ClassVar[str] = f"{__name__}:ScriptedLauncher"
+
+
+class ScriptedLauncher:
+    def __init__(self, config: ScriptedBackendConfig) -> None:
+        del config
+
+    def prepare(self, steps: Sequence[StepSpec]) -> None:
+        pass
+
+    def start(self, spec: StepSpec, log: LogTarget) -> subprocess.Popen[bytes]:
+        codes = SCRIPT[spec.kind]
+        code = codes.pop(0) if len(codes) > 1 else codes[0]
+        return subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({code})"])
+
+
+def run_scripted(tmp_path: Path, script: dict[str, list[int]]) -> JobRunner:
+    SCRIPT.clear()
+    SCRIPT.update({"batches": [0], "rollout": [0], "evaluate": [0], **script})
+    cfg = draccus.parse(RLJobConfig, config_path=str(ROOT / "configs/test_cats.yaml"), args=[])
+    cfg = dataclasses.replace(
+        cfg,
+        store=dataclasses.replace(cfg.store, run_root=str(tmp_path / "run")),
+        backend=ScriptedBackendConfig(),
+        max_restarts=0,
+        restart_backoff_s=0.05,
+    )
+    runner = JobRunner(RLJob(cfg))
+    runner.returncode = runner.run()  # type: ignore[attr-defined]
+    return runner
+
+
+def learner(runner: JobRunner) -> StepSpec:
+    return next(s for s in runner.steps if s.kind == "learner")
+
+
+def test_storage_unavailable_steps_are_restarted_outside_max_restarts(tmp_path: Path) -> None:
+    runner = run_scripted(tmp_path, {"learner": [75, 75, 75, 0]})
+    assert runner.returncode == 0  # type: ignore[attr-defined]
+    assert learner(runner).exit_codes == [75, 75, 75, 0]
+    assert learner(runner).restarts == 0  # max_restarts 0 and still restarted
+
+
+def test_a_refused_config_is_never_restarted(tmp_path: Path) -> None:
+    runner = run_scripted(tmp_path, {"learner": [2, 0]})
+    assert runner.returncode == 1  # type: ignore[attr-defined]
+    assert learner(runner).exit_codes == [2]
+
+
+def test_a_crash_counts_against_max_restarts(tmp_path: Path) -> None:
+    runner = run_scripted(tmp_path, {"learner": [1, 0]})
+    assert runner.returncode == 1  # type: ignore[attr-defined]
+    assert learner(runner).exit_codes == [1]
+
+
+def test_an_outage_longer_than_the_bound_stops_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner_mod, "STORAGE_OUTAGE_S", 1.0)
+    runner = run_scripted(tmp_path, {"learner": [75]})
+    assert runner.returncode == 1  # type: ignore[attr-defined]
+    codes = learner(runner).exit_codes
+    assert len(codes) >= 3 and set(codes) == {75}
