@@ -24,9 +24,10 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
   `pipeline.committed`): a data file is committed by its ready marker, read back verified against it,
   and quarantined when permanently bad.
 - Transient errors (timeouts, connection resets and refusals, name-resolution failures, HTTP 408/429/5xx) are
-  retried with exponential backoff capped at `RETRY_MAX_DELAY_S` for `RETRY_WINDOW_S` (~30 s), each retry logged,
-  on top of gcsfs's own retries; past the window they raise `StorageUnavailableError` (a step exits with
-  `EXIT_STORAGE_UNAVAILABLE`, 75, and the job runner restarts it). Other errors propagate unchanged.
+  retried with exponential backoff capped at `RETRY_MAX_DELAY_S`, each retry logged, until `RETRY_WINDOW_S`
+  (30 s) of wall time have passed since the first try, gcsfs's own retries inside a call included (a refused
+  connection or a DNS failure spends ~30 s in gcsfs alone); then they raise `StorageUnavailableError` (a step
+  exits with `EXIT_STORAGE_UNAVAILABLE`, 75, and the job runner restarts it). Other errors propagate unchanged.
 - Storage options: `storage_options_from(given)` is the one way every command builds them: the JSON object in
   `$RLPIPE_STORAGE_OPTIONS`, overridden key by key by the command's own (`--store.storage_options '{…}'`).
   A gs:// RunStore also takes the environment's options itself. gcsfs reads `STORAGE_EMULATOR_HOST`
@@ -129,7 +130,7 @@ def parquet_write_options(schema: pa.Schema) -> dict[str, Any]:
 RETRY_BASE_DELAY_S = 0.2
 RETRY_MAX_DELAY_S = 5.0
 RETRY_WINDOW_S = 30.0
-"""How long transient storage errors are retried (the sum of the backoff delays) before StorageUnavailableError."""
+"""How long (wall time from the first try) transient storage errors are retried before StorageUnavailableError."""
 _TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 
 _MEMORY_LOCK = threading.Lock()
@@ -259,20 +260,24 @@ def retry_delays() -> list[float]:
 
 
 def _retry(what: str, fn: Callable[[], T]) -> T:
-    """Call `fn`; a transient error is retried after each of `retry_delays()` (every retry logged), then raises
-    StorageUnavailableError naming `what` and the last error. Other errors propagate unchanged."""
+    """Call `fn`; a transient error is retried after each of `retry_delays()` (every retry logged) while the
+    retries stay within RETRY_WINDOW_S of wall time since the first call (gcsfs's own retries inside one call
+    count too), then raises StorageUnavailableError naming `what` and the last error. Other errors propagate
+    unchanged."""
     delays = retry_delays()
+    started = time.monotonic()
     for attempt in range(len(delays) + 1):
         try:
             return fn()
         except Exception as e:
             if not _is_transient(e):
                 raise
-            if attempt == len(delays):
-                why = f"{type(e).__name__}: {e} (still failing after {sum(delays):.0f} s of retries)"
+            elapsed = time.monotonic() - started
+            if attempt == len(delays) or elapsed + delays[attempt] > RETRY_WINDOW_S:
+                why = f"{type(e).__name__}: {e} (still failing after {elapsed:.0f} s of retries)"
                 raise StorageUnavailableError(what, " ".join(why.split())) from e
-            logger.warning("transient error on %s (%s: %s); retry %d/%d in %.1fs", what, type(e).__name__, e,
-                           attempt + 1, len(delays), delays[attempt])  # fmt: skip
+            logger.warning("transient error on %s (%s: %s); retry %d in %.1fs", what, type(e).__name__, e,
+                           attempt + 1, delays[attempt])  # fmt: skip
             time.sleep(delays[attempt])
     raise AssertionError("unreachable")
 
