@@ -275,7 +275,11 @@ def await_final_evaluation(learner: Learner, state: L.LearnerState) -> None:
     wait_s = learner.config.final_eval_wait_s
     if learner.tracker is None or wait_s <= 0 or state.step < learner.total:
         return
-    lessons = sorted(learner.store.get_json(layout.RUN_CONFIG)["config"]["curriculum"]["lessons"])
+    try:
+        lessons = sorted(learner.store.get_json(layout.RUN_CONFIG)["config"]["curriculum"]["lessons"])
+    except (FileNotFoundError, KeyError, TypeError, ValueError) as e:  # no job's run.json: nothing to wait for
+        logger.warning("no curriculum in %s (%s); not waiting for the final evaluation", layout.RUN_CONFIG, e)
+        return
     logger.info("waiting up to %.0f s for the evaluation of policy %d (%s) for the tracker", wait_s, state.step,
                 ", ".join(lessons))  # fmt: skip
     if not learner.tracker.await_evaluations(state.step, lessons, wait_s):
