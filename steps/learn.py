@@ -17,7 +17,9 @@ Phases of `main`:
      jitted optimizer step of the configured loss module, log metrics, publish policy T / checkpoint T on
      their intervals;
   3. stop at `train.num_train_steps` (checkpoint, policy, LEARNER_DONE), after `max_steps` in this process
-     (bounded mode; checkpoint), or when control/STOP appears (checkpoint).
+     (bounded mode; checkpoint), or when control/STOP appears (checkpoint);
+  4. with a tracker and `final_eval_wait_s` > 0 (a job with an evaluator), forward the final policy's
+     evaluations to it as they commit, then close the tracker run.
 The step is a pure function of (checkpoint, batches) (see `policy.learner`): replaying batches S+1..S+k from
 checkpoint S gives bitwise-identical parameters on CPU.
 
