@@ -3,6 +3,11 @@
 one with bounded exponential backoff, shows live progress, and stops everything cleanly when the learner
 reaches `num_train_steps` or on Ctrl-C.
 
+Restart rules, by the step's exit code: 2 (a refused configuration) is never restarted and stops the job; 75
+(`EXIT_STORAGE_UNAVAILABLE`: the run root's storage could not be reached) is restarted with backoff outside
+`max_restarts` until the outage has lasted `STORAGE_OUTAGE_S`; any other failure is restarted with backoff up
+to `max_restarts` times.
+
 Every step is the same program on every backend: `python -m steps.<module> --config_path <yaml>`, with the step
 config written as YAML (no pickle). The run root is the only channel between steps, so a restart of any step is
 safe at any instant.
