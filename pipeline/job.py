@@ -102,10 +102,6 @@ class RLJobConfig:
             raise ConfigError("max_restarts", self.max_restarts, "must be >= 0")
 
 
-FINAL_EVAL_WAIT_S = 300.0
-"""How long a job's learner keeps its tracker run open for the final policy's evaluations."""
-
-
 class RLJob:
     """A validated job; `to_worker_configs()` splits it, `run()` runs it (see pipeline.runner)."""
 
@@ -135,8 +131,6 @@ class RLJob:
             **({"keep_checkpoints": 1_000_000_000} if c.retention.enabled else {}),
             mesh=c.learner.mesh,
             distributed=DistributedConfig(num_processes=c.learner.num_processes),
-            # the evaluator scores the final policy after the learner's last step: the tracker waits for it
-            final_eval_wait_s=FINAL_EVAL_WAIT_S if c.evaluator else 0.0,
         )
         batches = BatchMakerStepConfig(
             store=c.store,

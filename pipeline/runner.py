@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 EVALUATOR_DRAIN_S = 300.0
 """After the learner finishes, how long the evaluator may take to score the last policies."""
+FINAL_EVAL_WAIT_S = 300.0
+"""How long the job's learner keeps its tracker run open for the final policy's evaluations (only with an
+evaluator; the learner's `final_eval_wait_s`)."""
 
 
 class JobRunner:
@@ -97,6 +100,8 @@ class JobRunner:
         configs["batches"] = dataclasses.replace(
             configs["batches"], holder_id=f"batches@{socket.gethostname()}-{os.getpid()}", lease_take_over_own=True
         )
+        if self.cfg.evaluator:  # it scores the final policy after the learner's last step: the tracker waits for it
+            configs["learner"] = dataclasses.replace(configs["learner"], final_eval_wait_s=FINAL_EVAL_WAIT_S)
         specs = [
             StepSpec(
                 "learner",
