@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -620,3 +621,41 @@ def test_quarantined_is_cached_but_fresh(local_store: RunStore) -> None:
     # records are immutable: a second quarantine keeps the first reason
     local_store.quarantine("a/b.parquet", "again")
     assert local_store.get_json(layout.quarantine_record("a/b.parquet"))["reason"] == "bad"
+
+
+@pytest.mark.parametrize(
+    ("error", "expected", "code"),
+    [
+        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), storage.StorageEndpointError, 2),
+        (
+            socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
+            storage.StorageUnavailableError,
+            75,
+        ),
+        (ConnectionRefusedError(111, "Connection refused"), storage.StorageUnavailableError, 75),
+    ],
+    ids=["no-such-host", "dns-down", "refused"],
+)
+def test_endpoint_errors_at_start_are_config_errors_or_unavailability(
+    monkeypatch: pytest.MonkeyPatch, error: OSError, expected: type, code: int
+) -> None:
+    """What the resolver or the socket says at the first connection decides: a name that does not exist is a
+    configuration error (exit 2, never restarted), a resolver that cannot answer now or a refused connection is
+    an outage (exit 75, restarted by the job runner). Both name the endpoint and the setting it came from."""
+    from steps.cli import EXIT_CONFIG, run_command
+
+    def connect(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(storage.socket, "create_connection", connect)
+    endpoint = f"http://storage-{code}-{error.errno}.example:4443"
+    with pytest.raises(expected, match=re.escape(endpoint)) as e:
+        storage.check_endpoint(endpoint, "store.storage_options.endpoint_url")
+    assert "store.storage_options.endpoint_url" in str(e.value)
+
+    def main(_: object) -> int:
+        storage.check_endpoint(endpoint, "STORAGE_EMULATOR_HOST")
+        return 0
+
+    assert run_command(lambda args: args, main, []) == code
+    assert code in (EXIT_CONFIG, storage.EXIT_STORAGE_UNAVAILABLE)
