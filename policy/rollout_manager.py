@@ -172,7 +172,7 @@ class RolloutManager:
             )
         generate_s = time.monotonic() - start
         now = time.time()
-        rows = schema_rows(rows_src, lesson_id, batch_id, sampling.temperature, step, worker_id, now, eval_type)
+        rows = schema_rows(rows_src, lesson_id, batch_id, sampling, step, worker_id, now, eval_type)
         n_groups = len({r.group_key for r in rows})
         metrics = {
             **{f"env/{k}": float(v) for k, v in env_metrics.items()},
