@@ -225,3 +225,24 @@ def test_chat_lesson_rows_through_the_rollout_manager(server: FakeServer, tok: A
         assert r.policy_step == 4
     bodies = [b for m, p, b in server.requests if p == "/v1/chat/completions"]
     assert all((b["top_p"], b["top_k"], b["min_p"]) == (0.9, 5, 0.05) for b in bodies)
+
+
+def test_server_backend_chats_on_the_policy_it_loaded(tok: Any) -> None:
+    """The `server` backend (vLLM adapter) loads a policy, then serves multi-turn chat on it."""
+    from pipeline.config import ServerInferenceConfig
+    from policy.inference import make_backend
+
+    srv = FakeServer("vllm", "/runs/x/policies/step-00000000/hf", tok)
+    config = ServerInferenceConfig(adapter="vllm", openai_base_url=f"{srv.url}/v1", load_timeout_s=5)
+    backend = make_backend(config, None, tok, 256)
+    try:
+        backend.attach("/runs/x")  # type: ignore[attr-defined]
+        backend.load_policy(2)  # type: ignore[attr-defined]
+        ctx = BackendContext(tok, backend)
+        res = ChatCalculatorEnv().sample(ctx, SampleSpec(1, 2, 1.0, 64, None, "eval"), np.random.default_rng(0))
+    finally:
+        backend.shutdown()
+        srv.stop()
+    assert res.failures == [] and srv.model_path.endswith("step-00000002/hf")
+    for r in res.groups[0].rollouts:
+        check_episode(tok, r)
