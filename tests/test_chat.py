@@ -246,3 +246,33 @@ def test_server_backend_chats_on_the_policy_it_loaded(tok: Any) -> None:
     assert res.failures == [] and srv.model_path.endswith("step-00000002/hf")
     for r in res.groups[0].rollouts:
         check_episode(tok, r)
+
+
+def test_dense_backend_rows_record_controls_and_render_chat_prompts(tok: Any) -> None:
+    """The in-process dense backend through the rollout manager: a chat lesson's prompts are the template's
+    rendering, every row records temperature / top_p / top_k / min_p, and the eval rows too."""
+    import jax
+
+    from pipeline.config import DenseInferenceConfig
+    from policy.inference import make_backend
+    from policy.model import build_model, model_vocab_size
+    from schemas import EVAL_ROW
+
+    spec = ModelSpec(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=64)
+    model = build_model(spec, model_vocab_size(tok), key=jax.random.PRNGKey(1))
+    backend = make_backend(DenseInferenceConfig(max_seqs=8), model, tok, spec.max_seq_len, fast_compile=True)
+    sampling = SamplingParams(temperature=1.5, max_tokens=8, top_k=3, top_p=0.95, min_p=0.01)
+    lesson = LessonConfig("cats", chat=True, sampling_params=sampling, eval_sampling_params=sampling)
+    cur = CurriculumConfig(lessons={"cats": lesson})
+    manager = RolloutManager(DenseInferenceConfig(max_seqs=8), spec, cur, tok, model, backend=backend)
+    try:
+        batch, _ = manager.sample_batch("cats", 2, 2, "train", 0, weight_step=0, worker_id="w")
+        _, ev = manager.evaluate_lesson("cats", 2, "eval", 0, step=0, weight_step=0, worker_id="w")
+    finally:
+        manager.shutdown()
+    assert batch is not None and ev is not None
+    for spec_, rows in ((ROLLOUT, batch.rows), (EVAL_ROW, ev.rows)):
+        for r in spec_.from_table(spec_.to_table(rows)):
+            assert (r.temperature, r.top_p, r.top_k, r.min_p) == pytest.approx((1.5, 0.95, 3, 0.01))
+            assert tok.decode(r.prompt_tokens).startswith("<bos>user\n")
+            assert tok.decode(r.prompt_tokens).endswith("<eos><bos>assistant\n")

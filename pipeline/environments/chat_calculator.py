@@ -14,7 +14,9 @@ locally):
 The rollout is the conversation's `ChatTranscript`: the first turn's prompt ids as the prompt; every sampled token
 with its logprob and loss mask 1; the tokens later prompts add (tool results, role headers) with logprob 0.0 and
 loss mask 0; the reward on the last sampled token. A turn whose prompt does not extend the transcript, or a failed
-request, fails the example (an `ExampleFailure` with the reason).
+request, fails the example (an `ExampleFailure` with the reason). Prompts are always chat-rendered (by the
+server, or by the tokenizer's chat template): give its lesson `chat: true` so that a tokenizer without a chat
+template is refused at start-up rather than failing every example.
 """
 
 from __future__ import annotations
