@@ -140,6 +140,26 @@ def test_chat_client_sends_tools_and_returns_exact_ids(server: FakeServer, backe
     assert len(short.completion.tokens) == 3 and short.completion.finish_reason == "length"
 
 
+def test_chat_budget_fits_max_seq_len(server: FakeServer, tok: Any) -> None:
+    """With `max_seq_len`, a turn's `max_tokens` is cut so prompt + turn fit; a prompt that leaves no room raises."""
+    from policy.inference import PromptTooLongError
+
+    conv = user("What is 2*2?")
+    n = len(render_chat(tok, conv, [CALCULATOR_TOOL]))
+    config = OpenAIInferenceConfig(openai_base_url=f"{server.url}/v1")
+    b = OpenAIBackend(config, tok, max_seq_len=n + 5)
+    try:
+        [turn] = b.chat(ChatRequest([conv], [CALCULATOR_TOOL], temperature=1.0, max_tokens=64, seed=0))
+        body = [x for m, p, x in server.requests if p == "/v1/chat/completions"][-1]
+        assert body["max_tokens"] == 5 and len(turn.completion.tokens) == 5
+        assert turn.completion.finish_reason == "length"
+        b.max_seq_len = n
+        with pytest.raises(PromptTooLongError):
+            b.chat(ChatRequest([conv], [CALCULATOR_TOOL], temperature=1.0, max_tokens=64, seed=0))
+    finally:
+        b.shutdown()
+
+
 def test_chat_prompt_ids_without_server_ids(server: FakeServer, backend: OpenAIBackend, tok: Any) -> None:
     """A server that returns no prompt ids: the local template's rendering is used only if the server's prompt
     token count matches it; a tokenizer without a template cannot tell, and the turn is refused."""

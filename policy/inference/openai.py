@@ -31,7 +31,8 @@ Promises
   entry with `n = 1`; other servers get `n` per prompt.
 
 Chat: `chat(ChatRequest)` asks `/v1/chat/completions` for the next assistant turn of each conversation, with tool
-calls, exact prompt and completion ids and logprobs (`policy.inference.openai_chat` documents the payloads).
+calls, exact prompt and completion ids and logprobs (`policy.inference.openai_chat` documents the payloads); with a
+local chat template, `max_tokens` is cut so that the rendered prompt plus the turn fits in `max_seq_len`.
 
 Retries: connection errors, timeouts and 5xx answers are retried `max_retries` times with backoff; 4xx
 answers raise `OpenAIBackendError` naming the URL, status and body.
@@ -280,18 +281,22 @@ class OpenAIBackend(InferenceBackend):
         """The next assistant turn of each conversation through `/v1/chat/completions`, in order, with the exact
         prompt ids, sampled ids and logprobs (`policy.inference.openai_chat`). Raises OpenAIBackendError on a
         refused request and OpenAIResponseError on an answer without exact ids or logprobs."""
-        from policy.inference.openai_chat import chat_body
+        from policy.inference.openai_chat import chat_body, chat_budget
 
         stops = list(request.stop_tokens) if request.stop_tokens is not None else [int(self.tokenizer.eos_token_id)]
+        requests = [
+            chat_budget(self.tokenizer, self.max_seq_len, k, conv, request)
+            for k, conv in enumerate(request.conversations)
+        ]
         jobs = [
             self._pool.submit(
                 self._chat_one,
-                chat_body(self.config.openai_model, conv, request, stops, request.seed + 7919 * k, request.controls),
+                chat_body(self.config.openai_model, conv, req, stops, request.seed + 7919 * k, request.controls),
                 conv,
-                request,
+                req,
                 stops,
             )
-            for k, conv in enumerate(request.conversations)
+            for k, (conv, req) in enumerate(zip(request.conversations, requests, strict=True))
         ]
         turns: list[ChatTurn] = []
         steps: set[int] = set()

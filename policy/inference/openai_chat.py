@@ -30,12 +30,13 @@ Exactness, never re-tokenising sampled text:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from pipeline.environments.base import Completion
 from pipeline.environments.chat import ChatRequest, ChatTurn, assistant_message
-from policy.inference.base import NO_CONTROLS, SamplingControls
+from policy.inference.base import NO_CONTROLS, PromptTooLongError, SamplingControls
 
 
 def chat_body(
@@ -68,6 +69,22 @@ def chat_body(
     if not controls.is_default:
         body.update(top_p=controls.top_p, top_k=controls.top_k or -1, min_p=controls.min_p)
     return body
+
+
+def chat_budget(tokenizer: Any, max_seq_len: int | None, k: int, conv: Any, request: ChatRequest) -> ChatRequest:
+    """`request` with `max_tokens` cut to `max_seq_len - len(prompt)`, the prompt length estimated with the local
+    chat template (when there is one and `max_seq_len` is set); PromptTooLongError (conversation `k`) when nothing
+    fits."""
+    if max_seq_len is None or not getattr(tokenizer, "chat_template", None):
+        return request
+    from pipeline.tokenizer import render_chat
+
+    tools = [dict(t) for t in request.tools] if request.tools else None
+    n = len(render_chat(tokenizer, [dict(m) for m in conv], tools))
+    if n >= max_seq_len:
+        raise PromptTooLongError(k, n, max_seq_len)
+    budget = min(request.max_tokens, max_seq_len - n)
+    return request if budget == request.max_tokens else dataclasses.replace(request, max_tokens=budget)
 
 
 def chat_prompt_ids(
