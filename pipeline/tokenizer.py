@@ -13,7 +13,7 @@ training): a Unigram model with an explicit vocabulary
 
 It carries a chat template (`TINY_CHAT_TEMPLATE`) so chat-formatted lessons run on it: each message is
 `<bos>ROLE\nCONTENT<eos>` (tool calls of an assistant message as `<tool_call>{"name": ..., "arguments": ...}
-</tool_call>` after its content; tools offered, a first `system` message `Tools: [JSON schemas]`), and the
+</tool_call>` after its content; tools offered, a first `system` message `Tools: NAME, NAME`), and the
 generation prompt is `<bos>assistant\n`, so a turn ends at EOS like a plain completion.
 
 Every piece costs the same score, plus a tiny bonus per character, so encoding picks the
@@ -92,7 +92,8 @@ _SYMBOL_PIECES: tuple[str, ...] = (
 _CHARS: tuple[str, ...] = tuple(dict.fromkeys(string.printable))
 
 TINY_CHAT_TEMPLATE = (
-    "{% if tools %}<bos>system\nTools: {{ tools | tojson }}<eos>{% endif %}"
+    "{% if tools %}<bos>system\nTools: {% for tool in tools %}{% if not loop.first %}, {% endif %}"
+    "{{ tool['function']['name'] }}{% endfor %}<eos>{% endif %}"
     "{% for message in messages %}<bos>{{ message['role'] }}\n"
     "{% if message['content'] %}{{ message['content'] }}{% endif %}"
     "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"

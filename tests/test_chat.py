@@ -69,7 +69,7 @@ def test_builtin_tokenizer_renders_chat_prompts(tok: Any) -> None:
     assert encode_prompt(tok, "What is 2+3?", chat=True) == ids
     assert encode_prompt(tok, "What is 2+3?") == [BOS_ID, *tok.encode("What is 2+3?")]  # plain lessons unchanged
     with_tools = tok.decode(render_chat(tok, user("hi"), [CALCULATOR_TOOL]))
-    assert with_tools.startswith('<bos>system\nTools: [{"type": "function"') and with_tools.endswith("assistant\n")
+    assert with_tools == "<bos>system\nTools: calculator<eos><bos>user\nhi<eos><bos>assistant\n"
 
 
 def test_chat_lessons_render_prompts_with_the_template(tok: Any) -> None:
