@@ -20,10 +20,10 @@ Exactness, never re-tokenising sampled text:
 - completion ids: the choice's `token_ids`; else the `token_id:<id>` names of `logprobs.content`; else logprob
   token strings that are vocabulary entries (exact lookup; anything else raises `OpenAIResponseError`);
   logprobs: `logprobs.content[i].logprob`, one per id (fewer raises).
-- prompt ids: the response's (or choice's) `prompt_token_ids`; else, for servers that do not return them
-  (vLLM < 0.10.2, SGLang), the conversation rendered with the local tokenizer's chat template — accepted only
-  when its length equals the server's `usage.prompt_tokens` (otherwise, or without a local chat template,
-  `OpenAIResponseError`).
+- prompt ids: the response's (or choice's) `prompt_token_ids`; else, for servers that do not return them (vLLM
+  before `return_token_ids` existed, the pinned 0.10.1.1 included, and servers without the extension), the
+  conversation rendered with the local tokenizer's chat template — accepted only when its length equals the
+  server's `usage.prompt_tokens` (otherwise, or without a local chat template, `OpenAIResponseError`).
 - the output is cut after the first stop token (kept); finish "stop" when cut or the server said "stop" /
   "tool_calls", else "length".
 """
