@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -296,3 +298,40 @@ def test_dense_backend_rows_record_controls_and_render_chat_prompts(tok: Any) ->
             assert (r.temperature, r.top_p, r.top_k, r.min_p) == pytest.approx((1.5, 0.95, 3, 0.01))
             assert tok.decode(r.prompt_tokens).startswith("<bos>user\n")
             assert tok.decode(r.prompt_tokens).endswith("<eos><bos>assistant\n")
+
+
+def test_rollout_and_evaluate_steps_refuse_a_chat_lesson_without_a_template(tmp_path: Any) -> None:
+    """The rollout and evaluate steps check at start (before waiting for a policy): the rollout step exits with code 2
+    and one line naming the field; the evaluator refuses the same way."""
+    import subprocess
+    import sys
+
+    import draccus
+
+    from pipeline.config import EvaluateStepConfig, RolloutStepConfig, StoreConfig
+    from pipeline.tokenizer import save_tiny_tokenizer
+
+    folder = tmp_path / "tok"
+    save_tiny_tokenizer(folder)
+    config_file = folder / "tokenizer_config.json"
+    cfg = json.loads(config_file.read_text())
+    cfg.pop("chat_template", None)
+    config_file.write_text(json.dumps(cfg))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    assert load_tokenizer(str(folder)).chat_template is None
+    common = dict(
+        store=StoreConfig(run_root=str(tmp_path / "run")),
+        model=ModelSpec(tokenizer=str(folder)),
+        curriculum=CurriculumConfig(lessons={"calc": LessonConfig("calc", env=CHAT_ENV, chat=True)}),
+    )
+    path = tmp_path / "rollout.yaml"
+    path.write_text(draccus.dump(RolloutStepConfig(**common)))  # type: ignore[arg-type]
+    proc = subprocess.run([sys.executable, "-m", "steps.rollout", "--config_path", str(path)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    why = f"lessons.calc.chat=True: the tokenizer ({folder}) has no chat template"
+    assert why in proc.stderr and not (tmp_path / "run" / "rollouts").exists()
+    from steps.evaluate import Evaluator
+
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        Evaluator(EvaluateStepConfig(**common))  # type: ignore[arg-type]
