@@ -89,6 +89,9 @@ def synthetic_rollouts(
         "policy_step": pa.array(np.full(n, policy, dtype=np.int64)),
         "worker_id": pa.array(["w0"] * n),
         "timestamp": pa.array(np.full(n, 0.0)),
+        "top_p": pa.array(np.ones(n, np.float32)),
+        "top_k": pa.array(np.zeros(n, np.int32)),
+        "min_p": pa.array(np.zeros(n, np.float32)),
     }
     return ROLLOUT.conform(pa.table(cols), "<synthetic>")
 

@@ -71,6 +71,9 @@ def synthetic_rollouts(n: int, seed: int, worker: str = "w0", resp_len: int = 25
         "policy_step": pa.array(np.full(n, 7, np.int64)),
         "worker_id": pa.array([worker] * n),
         "timestamp": pa.array(1.7e9 + np.arange(n, dtype=np.float64)),
+        "top_p": pa.array(np.ones(n, np.float32)),
+        "top_k": pa.array(np.zeros(n, np.int32)),
+        "min_p": pa.array(np.zeros(n, np.float32)),
     }
     return pa.Table.from_pydict(cols, schema=schema)
 

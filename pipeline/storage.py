@@ -512,15 +512,16 @@ class RunStore(CommittedData):
         """Parse parquet bytes through `spec`, verifying page checksums unless `verify_pages` is False (for bytes
         already checked against a whole-file digest).
 
+        Files of an older version the spec can upgrade are returned with the current columns.
         Raises CorruptFileError (unreadable, checksum failure) or SchemaMismatchError (foreign schema,
         other version, missing columns).
         """
         try:
             pf = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=verify_pages)
             file_schema = pf.schema_arrow
-            spec.check_metadata(file_schema.metadata, path)
+            version = spec.check_metadata(file_schema.metadata, path)
             present = set(file_schema.names)
-            table = pf.read(columns=[n for n in spec.schema.names if n in present])
+            table = spec.upgrade(pf.read(columns=[n for n in spec.schema.names if n in present]), version)
         except SchemaMismatchError:
             raise
         except (pa.ArrowException, OSError, ValueError) as e:

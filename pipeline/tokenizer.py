@@ -11,6 +11,11 @@ training): a Unigram model with an explicit vocabulary
   tiny model;
 - `<unused_N>` filler pieces (never produced by encoding) up to `TINY_VOCAB_SIZE` (a multiple of 64).
 
+It carries a chat template (`TINY_CHAT_TEMPLATE`) so chat-formatted lessons run on it: each message is
+`<bos>ROLE\nCONTENT<eos>` (tool calls of an assistant message as `<tool_call>{"name": ..., "arguments": ...}
+</tool_call>` after its content; tools offered, a first `system` message `Tools: NAME, NAME`), and the
+generation prompt is `<bos>assistant\n`, so a turn ends at EOS like a plain completion.
+
 Every piece costs the same score, plus a tiny bonus per character, so encoding picks the
 segmentation with the fewest tokens (ties: longer pieces). There is no normaliser and no
 pre-tokeniser, spaces are ordinary characters, and the decoder concatenates pieces, so
@@ -21,8 +26,9 @@ from __future__ import annotations
 
 import os
 import string
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer, decoders, models
 
@@ -85,6 +91,20 @@ _SYMBOL_PIECES: tuple[str, ...] = (
 )
 _CHARS: tuple[str, ...] = tuple(dict.fromkeys(string.printable))
 
+TINY_CHAT_TEMPLATE = (
+    "{% if tools %}<bos>system\nTools: {% for tool in tools %}{% if not loop.first %}, {% endif %}"
+    "{{ tool['function']['name'] }}{% endfor %}<eos>{% endif %}"
+    "{% for message in messages %}<bos>{{ message['role'] }}\n"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}{% endif %}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<bos>assistant\n{% endif %}"
+)
+"""The built-in tokenizer's chat template (Jinja, as `transformers` renders it; see the module docstring)."""
+
 
 def _tiny_pieces() -> list[str]:
     """The ordered, duplicate-free piece list of the tiny vocabulary (specials, characters, words, filler)."""
@@ -132,6 +152,7 @@ def build_tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
         unk_token=UNK_TOKEN,
         clean_up_tokenization_spaces=False,
         model_max_length=1 << 20,
+        chat_template=TINY_CHAT_TEMPLATE,
     )
 
 
@@ -148,6 +169,45 @@ def save_tiny_tokenizer(directory: str | os.PathLike[str]) -> str:
 
 class TokenizerLoadError(ValueError):
     """A tokenizer spec could not be loaded; the message names the spec and the cause."""
+
+
+def has_chat_template(tokenizer: object) -> bool:
+    """True when the tokenizer carries a chat template (`apply_chat_template` can render messages)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def check_chat_lessons(lessons: Mapping[str, Any], tokenizer: object, tokenizer_spec: str = "model.tokenizer") -> None:
+    """Raise ConfigError naming `lessons.<id>.chat` when a chat-formatted lesson meets a tokenizer without a chat
+    template (`lessons`: lesson id -> LessonConfig)."""
+    from pipeline.config import ConfigError
+
+    if has_chat_template(tokenizer):
+        return
+    for lesson_id, lesson in lessons.items():
+        if getattr(lesson, "chat", False):
+            raise ConfigError(
+                f"lessons.{lesson_id}.chat",
+                True,
+                f"the tokenizer ({tokenizer_spec}) has no chat template; use an instruct model's tokenizer or set "
+                "chat: false",
+            )
+
+
+def render_chat(
+    tokenizer: transformers.PreTrainedTokenizerFast,
+    messages: list[dict[str, object]],
+    tools: list[dict[str, object]] | None = None,
+) -> list[int]:
+    """The prompt ids of a conversation: `messages` (and `tools`) rendered by the tokenizer's chat template with the
+    generation prompt appended (`apply_chat_template(tokenize=True, add_generation_prompt=True)`), exactly as
+    the template says (no BOS added or removed). Raises ValueError when the tokenizer has no chat template."""
+    if not has_chat_template(tokenizer):
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template")
+    render: Any = tokenizer.apply_chat_template
+    ids: Any = render(messages, tools=tools, tokenize=True, add_generation_prompt=True)
+    if not isinstance(ids, list):  # transformers versions returning a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def load_tokenizer(spec: str) -> transformers.PreTrainedTokenizerFast:

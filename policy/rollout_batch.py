@@ -141,7 +141,7 @@ def schema_rows(
     rows_src: list[tuple[str, Any]],
     lesson_id: str,
     batch_id: str,
-    temperature: float,
+    sampling: SamplingParams,
     step: int,
     worker_id: str,
     timestamp: float,
@@ -149,7 +149,8 @@ def schema_rows(
 ) -> list[RolloutRow]:
     """The `schemas` rows of (env group key, EnvRollout) pairs: `RolloutRow`s, or `EvalRow`s with `eval_type`.
 
-    `rollout_id` is `<batch_id>-<i>` and `group_key` `<lesson>/<env group key>/<batch_id>`.
+    `rollout_id` is `<batch_id>-<i>` and `group_key` `<lesson>/<env group key>/<batch_id>`; every row records the
+    temperature and top-p / top-k / min-p of `sampling` (what every backend applied or refused).
     """
     rows: list[RolloutRow] = []
     for i, (gkey, r) in enumerate(rows_src):
@@ -167,10 +168,13 @@ def schema_rows(
             episode_reward=float(r.episode_reward),
             truncated=bool(r.truncated),
             finish_reason=r.finish_reason,
-            temperature=float(temperature),
+            temperature=float(sampling.temperature),
             policy_step=int(step),
             worker_id=worker_id,
             timestamp=timestamp,
+            top_p=float(sampling.top_p),
+            top_k=int(sampling.top_k),
+            min_p=float(sampling.min_p),
         )
         rows.append(EvalRow(**common, eval_type=eval_type) if eval_type else RolloutRow(**common))
     return rows

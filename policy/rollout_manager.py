@@ -25,6 +25,7 @@ import numpy as np
 
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
 from pipeline.environments import Environment, SampleSpec, load_environment
+from pipeline.tokenizer import check_chat_lessons
 from policy.inference import BackendContext, InferenceBackend, make_backend
 from policy.rollout_batch import (  # noqa: F401  (re-exported: the manager's return types)
     SUCCESS_REWARD,
@@ -65,6 +66,7 @@ class RolloutManager:
         `model_spec.compute_dtype` with sequences of at most `model_spec.max_seq_len` tokens."""
         if max_example_retries < 0:
             raise ValueError(f"max_example_retries={max_example_retries}: must be >= 0")
+        check_chat_lessons(curriculum.lessons, tokenizer, model_spec.tokenizer)
         self.inference_config = inference
         self.model_spec = model_spec
         self.curriculum_config = curriculum
@@ -172,7 +174,7 @@ class RolloutManager:
             )
         generate_s = time.monotonic() - start
         now = time.time()
-        rows = schema_rows(rows_src, lesson_id, batch_id, sampling.temperature, step, worker_id, now, eval_type)
+        rows = schema_rows(rows_src, lesson_id, batch_id, sampling, step, worker_id, now, eval_type)
         n_groups = len({r.group_key for r in rows})
         metrics = {
             **{f"env/{k}": float(v) for k, v in env_metrics.items()},
@@ -247,7 +249,13 @@ class RolloutManager:
                 break
             ctx = BackendContext(self.tokenizer, self._backend, controls_of(sampling))
             spec = SampleSpec(
-                remaining, n_generations, sampling.temperature, sampling.max_tokens, sampling.stop_tokens, mode
+                remaining,
+                n_generations,
+                sampling.temperature,
+                sampling.max_tokens,
+                sampling.stop_tokens,
+                mode,
+                chat=self.curriculum_config.lessons[lesson_id].chat,
             )
             result = env.sample(ctx, spec, rng)
             served = ctx.served_steps

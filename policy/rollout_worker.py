@@ -27,7 +27,7 @@ from pipeline.pacing import PacingDecision, PacingView, count_unconsumed_rows, p
 from pipeline.poll import WaitTimeout, poll_until
 from pipeline.samples import samples_record, to_samples
 from pipeline.storage import RunStore
-from pipeline.tokenizer import load_tokenizer
+from pipeline.tokenizer import check_chat_lessons, load_tokenizer
 from pipeline.watch import Backoff, waker_for
 from pipeline.watchdog import watchdog
 from policy.inference import backend_class
@@ -59,6 +59,7 @@ class RolloutWorker:
         self.config = config
         self.store = store or RunStore(config.store.run_root, config.store.storage_options)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.tokenizer)
+        check_chat_lessons(config.curriculum.lessons, self.tokenizer, config.model.tokenizer)  # before waiting
         self._samples_step: int | None = None  # policy step of the last samples record
         self.worker_id = config.worker_id
         self.name = layout.check_component(f"{config.worker_id}.{incarnation_nonce()}", "worker name")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
@@ -35,7 +35,8 @@ class TableSpec(Generic[R]):
     """A declared table: name, version, Arrow schema, row class and row validator.
 
     `to_table(rows)` and `from_table(table)` are exact inverses for valid rows:
-    token lists stay integer lists, floats keep their declared width.
+    token lists stay integer lists, floats keep their declared width. Files of an older version listed in
+    `upgrades` stay readable: `upgrades[v]` turns a table of version `v` into one with this version's columns.
     """
 
     name: str
@@ -43,6 +44,7 @@ class TableSpec(Generic[R]):
     schema: pa.Schema
     row_type: type[R]
     validate_row: Callable[[R], None]
+    upgrades: Mapping[int, Callable[[pa.Table], pa.Table]] = dataclasses.field(default_factory=dict)
 
     @property
     def tag(self) -> str:
@@ -76,13 +78,21 @@ class TableSpec(Generic[R]):
         n = table.num_rows
         return [self.row_type(**{k: cols[k][i] for k in cols}) for i in range(n)]
 
-    def check_metadata(self, metadata: dict[bytes, bytes] | None, path: str) -> None:
-        """Raise SchemaMismatchError unless the file metadata names this schema and version."""
+    def check_metadata(self, metadata: dict[bytes, bytes] | None, path: str) -> int:
+        """The file's version: this one, or an older one listed in `upgrades`. Raises SchemaMismatchError when the
+        file metadata names another schema or a version this spec cannot read."""
         md = metadata or {}
         name = md.get(SCHEMA_NAME_KEY, b"<none>").decode(errors="replace")
         version = md.get(SCHEMA_VERSION_KEY, b"<none>").decode(errors="replace")
-        if name != self.name or version != str(self.version):
-            raise SchemaMismatchError(path, self.tag, f"{name}@v{version}")
+        if name == self.name and version == str(self.version):
+            return self.version
+        if name == self.name and version.isdigit() and int(version) in self.upgrades:
+            return int(version)
+        raise SchemaMismatchError(path, self.tag, f"{name}@v{version}")
+
+    def upgrade(self, table: pa.Table, version: int) -> pa.Table:
+        """A table read from a file of `version` (as `check_metadata` returned it) with this version's columns."""
+        return table if version == self.version else self.upgrades[version](table)
 
     def conform(self, table: pa.Table, path: str) -> pa.Table:
         """Select and cast the declared columns; a missing column is a mismatch, never a silent drop."""

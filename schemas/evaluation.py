@@ -7,7 +7,7 @@ import dataclasses
 import pyarrow as pa
 
 from schemas.base import TableSpec, ValidationError, check_finite, check_nonempty
-from schemas.rollout import ROLLOUT_ARROW, RolloutRow, validate_rollout
+from schemas.rollout import ROLLOUT_ARROW, RolloutRow, add_sampling_columns, validate_rollout
 
 
 @dataclasses.dataclass
@@ -28,8 +28,14 @@ def validate_eval_row(row: EvalRow) -> None:
 
 
 EVAL_ROW: TableSpec[EvalRow] = TableSpec(
-    name="eval_rollout", version=1, schema=EVAL_ARROW, row_type=EvalRow, validate_row=validate_eval_row
+    name="eval_rollout",
+    version=2,
+    schema=EVAL_ARROW,
+    row_type=EvalRow,
+    validate_row=validate_eval_row,
+    upgrades={1: add_sampling_columns},
 )
+"""Version 2 added top_p, top_k and min_p (as `schemas.ROLLOUT`); version-1 files are read with those controls off."""
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
 """Rollout rows: one sampled completion of one prompt, scored, as written by a rollout worker.
 
-One row per response. `response_logprobs`, `token_rewards` and `response_loss_mask` each
+One row per response, with the sampling settings it was drawn with (temperature, top_p, top_k, min_p).
+`response_logprobs`, `token_rewards` and `response_loss_mask` each
 hold exactly one entry per response token. `response_loss_mask` is 1 on tokens the policy
 produced and 0 on tokens it did not (tool outputs, environment turns in multi-turn
 episodes), so multi-turn episodes travel in the same format.
@@ -29,6 +30,7 @@ class RolloutRow:
     rollout_id: stable, unique id (worker, file sequence number, row index).
     group_key: rows with the same key were sampled from the same prompt for RLOO/GRPO.
     policy_step: the policy checkpoint step that generated the response.
+    temperature, top_p, top_k, min_p: the sampling controls of the request (top_p 1, top_k 0, min_p 0: off).
     """
 
     rollout_id: str
@@ -48,6 +50,9 @@ class RolloutRow:
     policy_step: int
     worker_id: str
     timestamp: float
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 ROLLOUT_ARROW = pa.schema(
@@ -69,8 +74,22 @@ ROLLOUT_ARROW = pa.schema(
         pa.field("policy_step", pa.int64(), nullable=False),
         pa.field("worker_id", pa.string(), nullable=False),
         pa.field("timestamp", pa.float64(), nullable=False),
+        pa.field("top_p", pa.float32(), nullable=False),
+        pa.field("top_k", pa.int32(), nullable=False),
+        pa.field("min_p", pa.float32(), nullable=False),
     ]
 )
+
+SAMPLING_COLUMNS_V2 = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
+"""Columns version 2 added, with the value a version-1 file (which did not record them) is read with."""
+
+
+def add_sampling_columns(table: pa.Table) -> pa.Table:
+    """A version-1 rollout (or eval) table with the version-2 sampling columns at their "off" values."""
+    for name, value in SAMPLING_COLUMNS_V2:
+        if name not in table.column_names:
+            table = table.append_column(name, pa.array([value] * table.num_rows, ROLLOUT_ARROW.field(name).type))
+    return table
 
 
 def validate_rollout(row: RolloutRow) -> None:
@@ -91,17 +110,25 @@ def validate_rollout(row: RolloutRow) -> None:
     check_finite("temperature", row.temperature)
     if row.temperature < 0:
         raise ValidationError(f"temperature must be >= 0, got {row.temperature}")
+    if not 0.0 < row.top_p <= 1.0:
+        raise ValidationError(f"top_p must be in (0, 1], got {row.top_p}")
+    if row.top_k < 0:
+        raise ValidationError(f"top_k must be >= 0, got {row.top_k}")
+    if not 0.0 <= row.min_p <= 1.0:
+        raise ValidationError(f"min_p must be in [0, 1], got {row.min_p}")
     if row.policy_step < 0:
         raise ValidationError(f"policy_step must be >= 0, got {row.policy_step}")
 
 
 ROLLOUT: TableSpec[RolloutRow] = TableSpec(
     name="rollout",
-    version=1,
+    version=2,
     schema=ROLLOUT_ARROW,
     row_type=RolloutRow,
     validate_row=validate_rollout,
+    upgrades={1: add_sampling_columns},
 )
+"""Version 2 added top_p, top_k and min_p; version-1 files are read with those controls off."""
 
 
 def validate_group(rows: list[RolloutRow]) -> None:

@@ -61,12 +61,13 @@ class Evaluator:
     """Evaluates policies of one run root; builds the model and the RolloutManager once."""
 
     def __init__(self, cfg: EvaluateStepConfig) -> None:
-        from pipeline.tokenizer import load_tokenizer
+        from pipeline.tokenizer import check_chat_lessons, load_tokenizer
         from policy.model import model_vocab_size
 
         self.cfg = cfg
         self.store = RunStore(cfg.store.run_root, cfg.store.storage_options)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        check_chat_lessons(cfg.curriculum.lessons, self.tokenizer, cfg.model.tokenizer)
         self.vocab_size = model_vocab_size(self.tokenizer)
         self.metrics = MetricsWriter(self.store, "evaluate", WORKER_ID, flush_every=1)
         self._manager: Any = None

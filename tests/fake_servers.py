@@ -1,11 +1,18 @@
 """Loopback HTTP servers implementing exactly the weight-reload endpoints and payloads of the pinned SGLang and vLLM
 versions (see `policy/inference/adapters/sglang.py` and `vllm.py`), plus `/v1/completions` in vLLM's response
-format (token ids, prompt token ids, logprobs). They record every request they receive.
+format (token ids, prompt token ids, logprobs) and, given a tokenizer with a chat template, `/v1/chat/completions`
+in vLLM's format (`prompt_token_ids`, choice `token_ids`, `message.tool_calls`, `logprobs.content` entries named
+`token_id:<id>`; see `policy/inference/openai_chat.py`). They record every request they receive.
+
+The chat "model" is scripted: after a user message asking "What is EXPR?" it calls the `calculator` tool with
+EXPR; after a tool message it answers "Answer: <tool result>"; otherwise "I do not know.". The sampled ids are the
+tokens the chat template renders for that assistant message (so later prompts extend the transcript exactly).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -14,9 +21,13 @@ from typing import Any
 class FakeServer:
     """`kind` "sglang" or "vllm"; serves on 127.0.0.1:<free port> in a daemon thread."""
 
-    def __init__(self, kind: str, model_path: str) -> None:
+    def __init__(self, kind: str, model_path: str, tokenizer: Any = None) -> None:
         self.kind = kind
         self.model_path = model_path
+        self.tokenizer = tokenizer
+        self.chat_prompt_ids = True
+        """False: answer chats without `prompt_token_ids` / `token_ids` (as vLLM < 0.10.2 and SGLang do)."""
+        self.chat_logprob = -0.5
         self.requests: list[tuple[str, str, Any]] = []
         self.echo_prompt_shift = 0
         """Nonzero: the prompt ids the server says it saw are shifted by this much (a misbehaving server)."""
@@ -71,6 +82,8 @@ class FakeServer:
             return 200, {}
         if path == "/v1/completions":
             return 200, self.completion(body)
+        if path == "/v1/chat/completions" and self.tokenizer is not None:
+            return 200, self.chat(body)
         return 404, {"detail": "Not Found"}
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -84,6 +97,44 @@ class FakeServer:
                                 "logprobs": {"tokens": [f"token_id:{t}" for t in ids],
                                              "token_logprobs": [-1.0] * len(ids)}})  # fmt: skip
         return {"id": "cmpl-1", "object": "text_completion", "model": body["model"], "choices": choices}
+
+    def _assistant(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        last = messages[-1]
+        m = re.search(r"What is (.+?)\?", str(last.get("content") or ""))
+        if last["role"] == "user" and m:
+            args = json.dumps({"expression": m.group(1)})
+            call = {"id": f"chatcmpl-tool-{len(self.requests)}", "type": "function",
+                    "function": {"name": "calculator", "arguments": args}}  # fmt: skip
+            return {"role": "assistant", "content": None, "tool_calls": [call]}
+        if last["role"] == "tool":
+            return {"role": "assistant", "content": f"Answer: {last['content']}", "tool_calls": []}
+        return {"role": "assistant", "content": "I do not know.", "tool_calls": []}
+
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's chat completion format for the scripted assistant turn (see the module docstring)."""
+        tok, messages, tools = self.tokenizer, body["messages"], body.get("tools")
+        msg = self._assistant(messages)
+        prompt = list(tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True))
+        full = list(tok.apply_chat_template([*messages, msg], tools=tools, tokenize=True))
+        assert full[: len(prompt)] == prompt, "the template does not extend the prompt"
+        ids, finish = full[len(prompt) :], "tool_calls" if msg["tool_calls"] else "stop"
+        if len(ids) > body["max_tokens"]:
+            ids, finish, msg = (
+                ids[: body["max_tokens"]],
+                "length",
+                {"role": "assistant", "content": "", "tool_calls": []},
+            )
+        content = [{"token": f"token_id:{t}", "logprob": self.chat_logprob, "bytes": None, "top_logprobs": []}
+                   for t in ids]  # fmt: skip
+        choice: dict[str, Any] = {"index": 0, "message": msg, "logprobs": {"content": content}, "finish_reason": finish}
+        out: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+                               "choices": [choice],
+                               "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                                         "total_tokens": len(prompt) + len(ids)}}  # fmt: skip
+        if self.chat_prompt_ids and body.get("return_token_ids"):
+            out["prompt_token_ids"] = prompt
+            choice["token_ids"] = ids
+        return out
 
     def stop(self) -> None:
         self.httpd.shutdown()

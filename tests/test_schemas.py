@@ -90,7 +90,7 @@ def test_rollout_round_trip_is_lossless() -> None:
     assert type(back[0].timestamp) is float and back[0].timestamp == 1_732_000_000.123456  # float64 kept
     assert table.schema.field("timestamp").type == pa.float64()
     assert table.schema.metadata[SCHEMA_NAME_KEY] == b"rollout"
-    assert table.schema.metadata[SCHEMA_VERSION_KEY] == b"1"
+    assert table.schema.metadata[SCHEMA_VERSION_KEY] == b"2"
 
 
 def test_batch_eval_and_summary_round_trips() -> None:
@@ -165,8 +165,8 @@ def test_eval_summary_rates_checked() -> None:
 def test_check_metadata_and_conform() -> None:
     table = ROLLOUT.to_table([rollout()])
     ROLLOUT.check_metadata(table.schema.metadata, "f.parquet")
-    with pytest.raises(SchemaMismatchError, match=re.escape("f.parquet: expected schema rollout@v2, found rollout@v1")):
-        dataclasses.replace(ROLLOUT, version=2).check_metadata(table.schema.metadata, "f.parquet")
+    with pytest.raises(SchemaMismatchError, match=re.escape("f.parquet: expected schema rollout@v3, found rollout@v2")):
+        dataclasses.replace(ROLLOUT, version=3).check_metadata(table.schema.metadata, "f.parquet")
     with pytest.raises(SchemaMismatchError, match="found <none>@v<none>"):
         ROLLOUT.check_metadata(None, "f.parquet")
     with pytest.raises(SchemaMismatchError, match="without columns \\['worker_id'\\]"):
@@ -177,3 +177,40 @@ def test_check_metadata_and_conform() -> None:
     out = ROLLOUT.conform(widened, "f.parquet")
     assert out.schema.equals(ROLLOUT.arrow_schema(), check_metadata=True)
     assert ROLLOUT.from_table(out) == [rollout()]
+
+
+def test_version_1_rollout_files_stay_readable(tmp_path) -> None:
+    """A committed rollout file of version 1 (no top_p/top_k/min_p columns) reads as version 2 with the controls off;
+    the same for eval rows; a version the spec cannot upgrade is still refused."""
+    from pipeline.storage import RunStore
+
+    store = RunStore(str(tmp_path))
+    v1_cols = [n for n in ROLLOUT.schema.names if n not in ("top_p", "top_k", "min_p")]
+    v1 = dataclasses.replace(ROLLOUT, version=1, schema=pa.schema([ROLLOUT.schema.field(n) for n in v1_cols]))
+    new = rollout(top_p=0.9, top_k=5, min_p=0.05)
+    old_table = ROLLOUT.to_table([rollout(), new]).select(v1_cols).replace_schema_metadata(v1.metadata)
+    store.commit_data("rollouts/old.parquet", old_table, v1)
+    store.commit_data("rollouts/new.parquet", ROLLOUT.to_table([new]), ROLLOUT)
+    old = store.read_committed("rollouts/old.parquet", ROLLOUT)
+    assert old is not None and old.schema.metadata[SCHEMA_VERSION_KEY] == b"2"
+    assert ROLLOUT.from_table(old) == [rollout(), rollout()]  # v1 did not record the controls: read as off
+    read_new = store.read_committed("rollouts/new.parquet", ROLLOUT)
+    assert read_new is not None
+    [back] = ROLLOUT.from_table(read_new)
+    assert (back.top_p, back.top_k, back.min_p) == (pytest.approx(0.9), 5, pytest.approx(0.05))
+    ev_cols = [n for n in EVAL_ROW.schema.names if n not in ("top_p", "top_k", "min_p")]
+    ev1 = dataclasses.replace(EVAL_ROW, version=1, schema=pa.schema([EVAL_ROW.schema.field(n) for n in ev_cols]))
+    ev_table = EVAL_ROW.to_table([EvalRow(**dataclasses.asdict(rollout()), eval_type="eval")]).select(ev_cols)
+    store.commit_data("evals/old.parquet", ev_table.replace_schema_metadata(ev1.metadata), ev1)
+    ev = store.read_committed("evals/old.parquet", EVAL_ROW)
+    assert ev is not None and EVAL_ROW.from_table(ev)[0].top_k == 0
+    with pytest.raises(SchemaMismatchError, match="found rollout@v3"):
+        dataclasses.replace(ROLLOUT, version=4, upgrades={2: lambda t: t}).check_metadata(
+            dataclasses.replace(ROLLOUT, version=3).metadata, "f.parquet"
+        )
+
+
+def test_sampling_controls_are_validated() -> None:
+    for change, fragment in (({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"min_p": 1.5}, "min_p")):
+        with pytest.raises(ValidationError, match=fragment):
+            ROLLOUT.to_table([rollout(**change)])

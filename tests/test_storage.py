@@ -261,7 +261,7 @@ def test_parquet_round_trip_is_lossless_and_tagged(store: RunStore) -> None:
 
     assert info == FileInfo(rel, len(data), hashlib.sha256(data).hexdigest(), 6)
     md = pq.ParquetFile(pa.BufferReader(data)).schema_arrow.metadata
-    assert md[b"rlpipe.schema"] == b"rollout" and md[b"rlpipe.schema_version"] == b"1"
+    assert md[b"rlpipe.schema"] == b"rollout" and md[b"rlpipe.schema_version"] == str(ROLLOUT.version).encode()
     assert pq.ParquetFile(pa.BufferReader(data)).metadata.row_group(0).column(0).compression == "ZSTD"
     back = ROLLOUT.from_table(store.read_parquet(rel, ROLLOUT))
     assert back == rows
@@ -295,11 +295,11 @@ def test_read_parquet_raises_named_errors(local_store: RunStore) -> None:
     local_store.put_unique("x/empty.parquet", b"")
     with pytest.raises(CorruptFileError, match=re.escape("x/empty.parquet")):
         local_store.read_parquet("x/empty.parquet", ROLLOUT)
-    newer = dataclasses.replace(ROLLOUT, version=2)
+    newer = dataclasses.replace(ROLLOUT, version=ROLLOUT.version + 1)
     local_store.write_parquet("x/v2.parquet", rollout_table(2), newer)
     with pytest.raises(SchemaMismatchError) as ei:
         local_store.read_parquet("x/v2.parquet", ROLLOUT)
-    assert ei.value.path == "x/v2.parquet" and ei.value.expected == "rollout@v1" and ei.value.found == "rollout@v2"
+    assert ei.value.path == "x/v2.parquet" and ei.value.expected == ROLLOUT.tag and ei.value.found == newer.tag
     with pytest.raises(FileNotFoundError):
         local_store.read_parquet("x/none.parquet", ROLLOUT)
 
@@ -392,10 +392,11 @@ def _commit_garbage(store: RunStore, name: str) -> tuple[str, str]:
             {f.name: pa.array([], f.type) for f in EVAL_SUMMARY.schema}, schema=EVAL_SUMMARY.arrow_schema()
         )
         commit_raw(store, rel, RunStore.parquet_bytes(summary, EVAL_SUMMARY), 0)
-        return rel, "expected rollout@v1, found eval_summary@v1"
+        return rel, f"expected {ROLLOUT.tag}, found eval_summary@v1"
     if name == "newer-version":
-        commit_raw(store, rel, RunStore.parquet_bytes(rollout_table(4), dataclasses.replace(ROLLOUT, version=2)), 4)
-        return rel, "expected rollout@v1, found rollout@v2"
+        newer = dataclasses.replace(ROLLOUT, version=ROLLOUT.version + 1)
+        commit_raw(store, rel, RunStore.parquet_bytes(rollout_table(4), newer), 4)
+        return rel, f"expected {ROLLOUT.tag}, found {newer.tag}"
     if name == "no-metadata":
         sink = pa.BufferOutputStream()
         pq.write_table(rollout_table(4).replace_schema_metadata(None), sink)

@@ -102,6 +102,9 @@ class LessonConfig:
     """Per-lesson training sampling; None: the curriculum's default."""
     eval_sampling_params: SamplingParams | None = None
     """Per-lesson evaluation sampling; None: the curriculum's eval default."""
+    chat: bool = False
+    """Chat-formatted lesson (instruct models): prompts are rendered with the tokenizer's chat template (a user
+    message, then the generation prompt) in rollouts and evaluations; the tokenizer must have a chat template."""
 
     def __post_init__(self) -> None:
         require(bool(self.lesson_id), "lesson_id", self.lesson_id, "must be non-empty")

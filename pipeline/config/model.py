@@ -96,10 +96,36 @@ class InferenceConfig(draccus.ChoiceRegistry):
         return str(self.get_choice_name(type(self)))
 
 
+DENSE_DTYPES = ("auto", *DTYPES)
+
+
 @InferenceConfig.register_subclass("dense")
 @dataclass(frozen=True)
 class DenseInferenceConfig(InferenceConfig):
     """The in-process fixed-shape jitted sampler with a dense KV cache (the default)."""
+
+    max_seq_len: int | None = None
+    """Longest sequence (prompt + completion) the sampler serves: prompt budgets are cut to it and each row's KV
+    cache holds at most its prompt bucket plus `bucket(max_seq_len)` slots. None: `model.max_seq_len`; larger than
+    `model.max_seq_len` is refused."""
+    compute_dtype: str | None = None
+    """Sampler weights, activations and KV cache dtype: float32, bfloat16, float16, or auto (float32 on CPU,
+    bfloat16 on an accelerator). None: `model.compute_dtype` (float32 unless set)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.max_seq_len is None or self.max_seq_len >= 2,
+            "inference.max_seq_len",
+            self.max_seq_len,
+            "must be >= 2 or null",
+        )
+        require(
+            self.compute_dtype is None or self.compute_dtype in DENSE_DTYPES,
+            "inference.compute_dtype",
+            self.compute_dtype,
+            f"one of {DENSE_DTYPES} or null",
+        )
 
 
 @InferenceConfig.register_subclass("levanter")

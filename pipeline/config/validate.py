@@ -13,7 +13,7 @@ in-memory `BatchMaker`).
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config.base import ConfigError
 from pipeline.config.mesh import MeshConfig
@@ -83,12 +83,22 @@ def validate_batch_maker(c: BatchMakerStepConfig) -> None:
     validate_train(c.train)
 
 
+def check_inference_fits_model(inference: Any, model: ModelSpec) -> None:
+    """The dense sampler's `inference.max_seq_len` must not exceed `model.max_seq_len` (positions the model has)."""
+    limit = getattr(inference, "max_seq_len", None)
+    if limit is not None and limit > model.max_seq_len:
+        raise ConfigError(
+            "inference.max_seq_len", limit, f"exceeds model.max_seq_len={model.max_seq_len} (the model's positions)"
+        )
+
+
 def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
     """Cross-field checks of a whole job, before any process starts; raises ConfigError naming the field.
 
     With `check_environments`, every lesson's environment class must import.
     """
     check_seq_len_fits_model(c.train, c.model)
+    check_inference_fits_model(c.inference, c.model)
     validate_train(c.train)
     check_learner_layout(c.train, c.model, c.learner.mesh, "learner.mesh")
     for lesson_id in c.curriculum.lessons:

@@ -3,7 +3,8 @@
 
 Built in (import by dotted path in `EnvConfig.env_class`):
 `pipeline.environments.cats.CatsEnv`, `pipeline.environments.arithmetic.ArithmeticEnv`,
-`pipeline.environments.exact_answer.ExactAnswerEnv`, `pipeline.environments.calculator.CalculatorEnv`.
+`pipeline.environments.exact_answer.ExactAnswerEnv`, `pipeline.environments.calculator.CalculatorEnv`,
+`pipeline.environments.chat_calculator.ChatCalculatorEnv` (chat turns with a calculator function tool; `chat`).
 """
 
 from pipeline.environments.base import (

@@ -65,7 +65,8 @@ class Tokenizer(Protocol):
 class SampleSpec:
     """What one `Environment.sample` call asks for: `n_examples` examples, `n_generations` completions each, at
     `temperature`, at most `max_tokens` new tokens per completion (per turn in multi-turn environments), stopping at
-    `stop_tokens` (None: the tokenizer's EOS), in `mode` "train" or "eval"."""
+    `stop_tokens` (None: the tokenizer's EOS), in `mode` "train" or "eval". `chat`: the lesson is chat-formatted,
+    so prompts are rendered with the tokenizer's chat template (`encode_prompt(..., chat=True)`)."""
 
     n_examples: int
     n_generations: int
@@ -73,6 +74,7 @@ class SampleSpec:
     max_tokens: int
     stop_tokens: Sequence[int] | None
     mode: str
+    chat: bool = False
 
 
 @runtime_checkable
@@ -190,9 +192,15 @@ def effective_stop_tokens(tokenizer: Any, stop_tokens: Sequence[int] | None) -> 
     return {int(eos)} if eos is not None else set()
 
 
-def encode_prompt(tokenizer: Any, text: str, *, add_bos: bool = True) -> list[int]:
+def encode_prompt(tokenizer: Any, text: str, *, add_bos: bool = True, chat: bool = False) -> list[int]:
     """Prompt tokens: `tokenizer.encode(text)`, with BOS prepended when asked, the tokenizer has one and
-    its encode did not already add it."""
+    its encode did not already add it. `chat=True`: the ids of `[{"role": "user", "content": text}]` rendered by
+    the tokenizer's chat template with the generation prompt, exactly as the template says (`add_bos` unused);
+    ValueError when the tokenizer has no chat template."""
+    if chat:
+        from pipeline.tokenizer import render_chat
+
+        return render_chat(tokenizer, [{"role": "user", "content": text}])
     tokens = [int(t) for t in tokenizer.encode(text)]
     bos = getattr(tokenizer, "bos_token_id", None)
     if add_bos and bos is not None and (not tokens or tokens[0] != bos):
@@ -362,7 +370,7 @@ class SingleTurnEnvironment(Environment):
             if ex.error is not None or ex.prompt is None:
                 failures.append(ExampleFailure(ex.example_id, ex.error or "example has no prompt"))
                 continue
-            prompt = encode_prompt(tok, ex.prompt, add_bos=self.add_bos)
+            prompt = encode_prompt(tok, ex.prompt, add_bos=self.add_bos, chat=spec.chat)
             if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
                 failures.append(
                     ExampleFailure(

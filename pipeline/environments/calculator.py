@@ -340,7 +340,7 @@ class CalculatorEnv(Environment):
         close_ids = _encode_plain(tok, CALL_CLOSE)
         gen_stop = sorted(stop | ({close_ids[0]} if len(close_ids) == 1 else set()))
         sampling = _Sampling(n_generations, spec.temperature, spec.max_tokens, gen_stop)
-        exprs, prompts, failures = self._encode_problems(tok, self.problems(n_examples, rng, mode))
+        exprs, prompts, failures = self._encode_problems(tok, self.problems(n_examples, rng, mode), spec.chat)
         episodes = [_Episode(example=i) for i in range(len(exprs)) for _ in range(n_generations)]
         failed = self._play(ctx, exprs, prompts, episodes, sampling, stop, rng, failures)
         groups: list[EnvGroup] = []
@@ -359,14 +359,14 @@ class CalculatorEnv(Environment):
         return SampleResult(groups, failures, metrics)
 
     def _encode_problems(
-        self, tok: Any, problems: Sequence[str]
+        self, tok: Any, problems: Sequence[str], chat: bool = False
     ) -> tuple[list[str], list[list[int]], list[ExampleFailure]]:
         """(expressions, their prompt tokens, failures): a prompt longer than `max_prompt_tokens` fails its example."""
         failures: list[ExampleFailure] = []
         exprs: list[str] = []
         prompts: list[list[int]] = []
         for expr in problems:
-            prompt = encode_prompt(tok, self.prompt_template.format(expr=expr), add_bos=self.add_bos)
+            prompt = encode_prompt(tok, self.prompt_template.format(expr=expr), add_bos=self.add_bos, chat=chat)
             if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
                 failures.append(
                     ExampleFailure(

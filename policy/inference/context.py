@@ -2,7 +2,9 @@
 
 Environments call `ctx.generate(GenerationRequest(...))` (`pipeline.environments.InferenceContext`); this adapter
 adds the lesson's sampling controls, forwards the request to the backend, counts the tokens sampled, and collects
-the policy steps an external server reported during the call.
+the policy steps an external server reported during the call. Multi-turn chat environments call `ctx.chat(ChatRequest)`
+(`pipeline.environments.chat`): answered by the backend's `/v1/chat/completions` client when it has one, else by
+rendering the tokenizer's chat template locally.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from pipeline.environments.base import Completion
+from pipeline.environments.chat import ChatRequest, ChatTurn, local_chat
 from policy.inference.base import NO_CONTROLS, GenerationRequest, InferenceBackend, SamplingControls
 
 
@@ -37,3 +40,19 @@ class BackendContext:
         if self.backend.last_served_steps:
             self.served_steps |= set(self.backend.last_served_steps)
         return out
+
+    def chat(self, request: ChatRequest) -> list[ChatTurn]:
+        """The next assistant turn of each conversation (`pipeline.environments.chat.chat_turns`): the backend's own
+        chat client when it has one (`OpenAIBackend.chat`), else `local_chat` through `generate`. The context's
+        controls apply unless the request sets its own."""
+        if request.controls.is_default and not self.controls.is_default:
+            request = dataclasses.replace(request, controls=self.controls)
+        backend_chat = getattr(self.backend, "chat", None)
+        if not callable(backend_chat):
+            return local_chat(self, request)  # counts through self.generate
+        turns: list[ChatTurn] = backend_chat(request)
+        self.calls += 1
+        self.generated_tokens += sum(len(t.completion.tokens) for t in turns)
+        if self.backend.last_served_steps:
+            self.served_steps |= set(self.backend.last_served_steps)
+        return turns

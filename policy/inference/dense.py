@@ -7,8 +7,11 @@ own bucket, never to a longer prompt's. `max_tokens` is padded to a power of two
 holds `prompt bucket + token bucket` slots per row (so it follows `max_seqs`, `max_seq_len` and `max_tokens`).
 New weights of the same structure (`update_model`) never recompile.
 
-Compute dtype: `make_backend(..., compute_dtype=None)` picks float32 on CPU and bfloat16 on GPU/TPU (pass
-`ModelSpec.compute_dtype` to force one).
+Sizing from config (`inference: {type: dense, max_seq_len, compute_dtype}`): `max_seq_len` (<= the model's;
+None: the model's) caps prompt + completion, so a row's KV cache holds at most `prompt bucket + bucket(max_seq_len)`
+slots; `compute_dtype` picks the sampler's dtype (weights, activations and KV cache): float32, bfloat16, float16 or
+auto (float32 on CPU, bfloat16 on an accelerator); None: the dtype `make_backend` was given (`model.compute_dtype`),
+or auto when none was. `kv_cache_bytes` says what a batch's cache costs.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pipeline.config import DenseInferenceConfig
+from pipeline.config import ConfigError, DenseInferenceConfig
 from pipeline.environments.base import Completion
 from policy.inference.base import BackendBuild, GenerationRequest
 from policy.inference.dense_sampler import DenseSampler, bucket
@@ -51,16 +54,38 @@ class DenseBackend(LocalBackend):
 
     @classmethod
     def from_config(cls, config: Any, build: BackendBuild) -> DenseBackend:
-        """A dense backend of `config.max_seqs` rows per batch (`compute_dtype=None`: `default_compute_dtype()`)."""
-        dtype = build.compute_dtype or default_compute_dtype()
+        """A dense backend of `config.max_seqs` rows per batch, sequences of at most `config.max_seq_len` tokens
+        (None: `build.max_seq_len`; ConfigError when larger) in `config.compute_dtype` (see the module docstring)."""
+        dtype = getattr(config, "compute_dtype", None) or build.compute_dtype or "auto"
+        if dtype == "auto":
+            dtype = default_compute_dtype()
+        max_len = getattr(config, "max_seq_len", None) or build.max_seq_len
+        if max_len > build.max_seq_len:
+            raise ConfigError(
+                "inference.max_seq_len",
+                max_len,
+                f"exceeds model.max_seq_len={build.max_seq_len} (the model's positions)",
+            )
+        logger.info("dense sampler: sequences of at most %d tokens in %s", max_len, dtype)
         return cls(
             build.model,
             build.tokenizer,
-            build.max_seq_len,
+            max_len,
             max_seqs=config.max_seqs,
             compute_dtype=dtype,
             fast_compile=build.fast_compile,
         )
+
+    def kv_cache_bytes(self, batch_size: int, prompt_bucket: int, token_bucket: int) -> int:
+        """Bytes of the KV cache of one device batch: layers × 2 (keys, values) × batch × (prompt bucket + token
+        bucket) slots × kv heads × head dim × the compute dtype's size."""
+        import jax.numpy as jnp
+
+        if self.sampler is None:
+            return 0
+        a = self.sampler.arch
+        slots = batch_size * (prompt_bucket + token_bucket)
+        return int(a.num_layers * 2 * slots * a.num_kv_heads * a.head_dim * jnp.dtype(self.compute_dtype).itemsize)
 
     @property
     def trace_count(self) -> int:

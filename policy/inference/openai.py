@@ -30,6 +30,10 @@ Promises
 - With levanter's server, `n > 1` leaks KV pages (levanter 1.2.dev1644), so each sample is its own prompt
   entry with `n = 1`; other servers get `n` per prompt.
 
+Chat: `chat(ChatRequest)` asks `/v1/chat/completions` for the next assistant turn of each conversation, with tool
+calls, exact prompt and completion ids and logprobs (`policy.inference.openai_chat` documents the payloads); with a
+local chat template, `max_tokens` is cut so that the rendered prompt plus the turn fits in `max_seq_len`.
+
 Retries: connection errors, timeouts and 5xx answers are retried `max_retries` times with backoff; 4xx
 answers raise `OpenAIBackendError` naming the URL, status and body.
 """
@@ -48,6 +52,7 @@ import httpx
 
 from pipeline.config import OpenAIInferenceConfig
 from pipeline.environments import Completion
+from pipeline.environments.chat import ChatRequest, ChatTurn
 from policy.inference.base import (
     NO_CONTROLS,
     BackendBuild,
@@ -129,6 +134,7 @@ class OpenAIBackend(InferenceBackend):
         self.max_seq_len = max_seq_len
         self.base_url = config.openai_base_url.rstrip("/")
         self._completions_url = f"{self.base_url}/completions"
+        self._chat_url = f"{self.base_url}/chat/completions"
         self._prompt_format = prompt_format
         self._server_kind: str | None = None
         self._max_retries = max_retries
@@ -271,6 +277,64 @@ class OpenAIBackend(InferenceBackend):
                 raise OpenAIResponseError(f"{self._completions_url}: prompt {i} got {len(comps)} of {n} completions")
         return out
 
+    def chat(self, request: ChatRequest) -> list[ChatTurn]:
+        """The next assistant turn of each conversation through `/v1/chat/completions`, in order, with the exact
+        prompt ids, sampled ids and logprobs (`policy.inference.openai_chat`). Raises OpenAIBackendError on a
+        refused request and OpenAIResponseError on an answer without exact ids or logprobs."""
+        from policy.inference.openai_chat import chat_body, chat_budget
+
+        stops = list(request.stop_tokens) if request.stop_tokens is not None else [int(self.tokenizer.eos_token_id)]
+        requests = [
+            chat_budget(self.tokenizer, self.max_seq_len, k, conv, request)
+            for k, conv in enumerate(request.conversations)
+        ]
+        jobs = [
+            self._pool.submit(
+                self._chat_one,
+                chat_body(self.config.openai_model, conv, req, stops, request.seed + 7919 * k, request.controls),
+                conv,
+                req,
+                stops,
+            )
+            for k, (conv, req) in enumerate(zip(request.conversations, requests, strict=True))
+        ]
+        turns: list[ChatTurn] = []
+        steps: set[int] = set()
+        for job in jobs:
+            turn, step = job.result()
+            turns.append(turn)
+            if step is not None:
+                steps.add(step)
+        with self._lock:
+            self.last_served_steps = steps
+            if steps:
+                self.served_step = max(steps)
+        return turns
+
+    def _chat_one(
+        self, body: dict[str, Any], conv: Any, request: ChatRequest, stops: list[int]
+    ) -> tuple[ChatTurn, int | None]:
+        from policy.inference.openai_chat import chat_completion, chat_prompt_ids, chat_turn
+
+        r = self._post(body, self._chat_url)
+        if r.status_code != 200:
+            raise OpenAIBackendError(f"POST {self._chat_url} -> {r.status_code}: {r.text[:500]}")
+        payload = r.json()
+        choices = payload.get("choices") or []
+        if len(choices) != 1:
+            raise OpenAIResponseError(f"{self._chat_url}: asked for 1 choice, got {len(choices)}")
+        choice = choices[0]
+        content = (choice.get("logprobs") or {}).get("content")
+        ids = self._token_ids(choice, None if content is None else [c.get("token") for c in content])
+        completion = chat_completion(choice, ids, request.max_tokens, stops)
+        prompt = chat_prompt_ids(payload, choice, conv, request, self.tokenizer)
+        for what, got in (("completion", completion), ("prompt", prompt)):
+            if isinstance(got, str):
+                raise OpenAIResponseError(f"{self._chat_url}: {what}: {got}")
+        header = r.headers.get(POLICY_STEP_HEADER)
+        step = int(header) if header is not None else policy_step_from_model_name(payload.get("model"))
+        return chat_turn(prompt, completion, choice), step  # type: ignore[arg-type]
+
     def _prompt_payload(self, entries: list[list[int]]) -> list[Any]:
         if self._prompt_format != "text":
             return entries
@@ -323,21 +387,20 @@ class OpenAIBackend(InferenceBackend):
             body["stop"] = [self.tokenizer.convert_ids_to_tokens(stops[0])]
         return body
 
-    def _post(self, body: dict[str, Any]) -> httpx.Response:
+    def _post(self, body: dict[str, Any], url: str | None = None) -> httpx.Response:
+        url = url or self._completions_url
         delay = 0.5
         for attempt in range(self._max_retries + 1):
             try:
-                r = self._client.post(self._completions_url, json=body)
+                r = self._client.post(url, json=body)
             except (httpx.TransportError, httpx.TimeoutException) as e:
                 if attempt == self._max_retries:
-                    raise OpenAIBackendError(f"POST {self._completions_url} failed: {type(e).__name__}: {e}") from e
-                logger.warning("POST %s failed (%s); retry %d in %.1fs", self._completions_url, e, attempt + 1, delay)
+                    raise OpenAIBackendError(f"POST {url} failed: {type(e).__name__}: {e}") from e
+                logger.warning("POST %s failed (%s); retry %d in %.1fs", url, e, attempt + 1, delay)
             else:
                 if r.status_code < 500 or attempt == self._max_retries:
                     return r
-                logger.warning(
-                    "POST %s answered %d; retry %d in %.1fs", self._completions_url, r.status_code, attempt + 1, delay
-                )
+                logger.warning("POST %s answered %d; retry %d in %.1fs", url, r.status_code, attempt + 1, delay)
             time.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")

@@ -15,6 +15,7 @@ Promises
 - A child server that died (any signal, SIGKILL included) is restarted (at most `max_restarts` times) and told to
   load `loaded_step` again: by `load_policy` and by `generate`, which then retries the call once. Rows are
   tagged with the step the server reports; a call spanning two steps is re-rolled by the rollout manager.
+- `chat` (multi-turn chat environments, `/v1/chat/completions`) is restarted and retried the same way.
 - `shutdown` terminates the child server (SIGTERM, then SIGKILL after 10 s).
 """
 
@@ -31,6 +32,7 @@ import time
 from typing import Any
 
 from pipeline.config import ServerInferenceConfig
+from pipeline.environments.chat import ChatRequest, ChatTurn
 from policy.inference.adapters import ServerLoadError, make_adapter
 from policy.inference.base import BackendBuild, GenerationRequest
 from policy.inference.openai import OpenAIBackend, OpenAIBackendError
@@ -208,6 +210,17 @@ class ServerBackend(OpenAIBackend):
             logger.warning("server died during generation; restarting it with policy %d", self.loaded_step)
             self.load_policy(self.loaded_step)
             return super().generate(request)
+
+    def chat(self, request: ChatRequest) -> list[ChatTurn]:
+        """As `OpenAIBackend.chat`; a dead child server is restarted, reloaded and the call retried once."""
+        try:
+            return super().chat(request)
+        except OpenAIBackendError:
+            if self.loaded_step is None or not self._died():
+                raise
+            logger.warning("server died during a chat call; restarting it with policy %d", self.loaded_step)
+            self.load_policy(self.loaded_step)
+            return super().chat(request)
 
     def shutdown(self) -> None:
         """Close the client and stop a child server."""

@@ -1,0 +1,227 @@
+"""A chat environment with a calculator function tool: multi-turn exchanges of an instruct model with tool calls.
+
+Episode (at most `max_turns` assistant turns, each at most `max_tokens` new tokens), through
+`pipeline.environments.chat.chat_turns` (a server's `/v1/chat/completions`, or the tokenizer's chat template
+locally):
+1. The conversation starts with one user message (`"What is EXPR? Use the calculator tool."` by default); the
+   tool `calculator(expression: string)` is offered with every request.
+2. An assistant turn with tool calls, when turns remain, gets one `role: tool` message per call (in order, with its
+   `tool_call_id`): the value of `expression` by `calculator.safe_eval` (`+ - * /`, parentheses, numbers), or
+   `error: WHY` (bad JSON arguments, unknown tool, malformed expression; counted in `tool_errors`).
+3. A turn without tool calls (or the last allowed turn) ends the episode. Reward 1.0 iff the final answer of
+   its content (`calculator.final_answer`: the number after "Answer:", else the last number) equals the value.
+
+The rollout is the conversation's `ChatTranscript`: the first turn's prompt ids as the prompt; every sampled token
+with its logprob and loss mask 1; the tokens later prompts add (tool results, role headers) with logprob 0.0 and
+loss mask 0; the reward on the last sampled token. A turn whose prompt does not extend the transcript, or a failed
+request, fails the example (an `ExampleFailure` with the reason). Prompts are always chat-rendered (by the
+server, or by the tokenizer's chat template): give its lesson `chat: true` so that a tokenizer without a chat
+template is refused at start-up rather than failing every example.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from pipeline.environments.base import (
+    EnvGroup,
+    Environment,
+    EnvRollout,
+    ExampleFailure,
+    InferenceContext,
+    SampleResult,
+    SampleSpec,
+    check_mode,
+    draw_seed,
+    group_key,
+    summarize,
+    token_rewards_for,
+)
+from pipeline.environments.calculator import ToolError, final_answer, format_value, safe_eval
+from pipeline.environments.chat import ChatRequest, ChatTranscript, ChatTurn, Message, chat_turns
+
+logger = logging.getLogger(__name__)
+
+TOOL_NAME = "calculator"
+CALCULATOR_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "Evaluate an arithmetic expression (+ - * / and parentheses) exactly.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 12*(3+4)"}},
+            "required": ["expression"],
+        },
+    },
+}
+"""The tool schema offered with every request (OpenAI function-tool format)."""
+
+
+def call_tool(call: Message) -> tuple[str, bool]:
+    """The tool message content for one OpenAI tool call, and whether it erred."""
+    fn = call.get("function") or {}
+    if fn.get("name") != TOOL_NAME:
+        return f"error: unknown tool {fn.get('name')!r}", True
+    try:
+        args = json.loads(fn.get("arguments") or "{}")
+        expr = args["expression"]
+        if not isinstance(expr, str):
+            raise TypeError("expression must be a string")
+        return format_value(safe_eval(expr)), False
+    except (ValueError, KeyError, TypeError, ToolError) as e:
+        return f"error: {e}", True
+
+
+@dataclass
+class _Conversation:
+    example: int
+    messages: list[Message]
+    transcript: ChatTranscript = field(default_factory=ChatTranscript)
+    answer: str = ""
+    finish_reason: str = "length"
+    tool_calls: int = 0
+    tool_errors: int = 0
+    done: bool = False
+
+
+class ChatCalculatorEnv(Environment):
+    """Arithmetic problems for an instruct model with a calculator tool (see the module docstring).
+
+    Problems: `n_terms` integer operands in [1, max_operand] joined by random `+ - *` (train: drawn with the
+    call's rng; eval: a fixed list of `n_eval` problems from `default_rng([seed, 3])`). Metrics add `turns`,
+    `tool_calls`, `tool_errors` and `parse_failure`, each as `_mean` and `_total`.
+    """
+
+    name = "chat_calculator"
+
+    def __init__(
+        self,
+        max_turns: int = 3,
+        n_terms: int = 3,
+        max_operand: int = 99,
+        seed: int = 0,
+        *,
+        prompt_template: str = "What is {expr}? Use the calculator tool.",
+        system_prompt: str | None = None,
+        n_eval: int = 256,
+    ) -> None:
+        for name, v in (("max_turns", max_turns), ("n_terms", n_terms), ("max_operand", max_operand)):
+            if v < 1:
+                raise ValueError(f"{name}={v!r}: must be >= 1")
+        self.max_turns = max_turns
+        self.n_terms = n_terms
+        self.max_operand = max_operand
+        self.prompt_template = prompt_template
+        self.system_prompt = system_prompt
+        erng = np.random.default_rng([seed, 3])
+        self.eval_problems = [self._problem(erng) for _ in range(n_eval)]
+
+    def _problem(self, rng: np.random.Generator) -> str:
+        nums = rng.integers(1, self.max_operand + 1, size=self.n_terms)
+        ops = rng.choice(np.array(["+", "-", "*"]), size=self.n_terms - 1)
+        return str(int(nums[0])) + "".join(f"{op}{int(x)}" for op, x in zip(ops, nums[1:], strict=True))
+
+    def problems(self, n: int, rng: np.random.Generator, mode: str) -> list[str]:
+        """`n` expressions: drawn with rng (train) or the first `n` of the fixed eval list, cycling (eval)."""
+        check_mode(mode)
+        if mode == "eval":
+            return [self.eval_problems[i % len(self.eval_problems)] for i in range(n)]
+        return [self._problem(rng) for _ in range(n)]
+
+    def first_messages(self, expr: str) -> list[Message]:
+        """The conversation an episode starts from."""
+        msgs: list[Message] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*msgs, {"role": "user", "content": self.prompt_template.format(expr=expr)}]
+
+    def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
+        check_mode(spec.mode)
+        exprs = self.problems(spec.n_examples, rng, spec.mode)
+        convs = [
+            _Conversation(i, self.first_messages(e)) for i, e in enumerate(exprs) for _ in range(spec.n_generations)
+        ]
+        failures: list[ExampleFailure] = []
+        failed: set[int] = set()
+
+        def fail(example: int, why: str) -> None:
+            if example not in failed:
+                failed.add(example)
+                failures.append(ExampleFailure(exprs[example], why))
+
+        for turn in range(self.max_turns):
+            active = [c for c in convs if not c.done and c.example not in failed]
+            if not active:
+                break
+            request = ChatRequest(
+                [c.messages for c in active],
+                [CALCULATOR_TOOL],
+                spec.temperature,
+                spec.max_tokens,
+                draw_seed(rng),
+                spec.stop_tokens,
+            )
+            try:
+                turns = chat_turns(ctx, request)
+            except Exception as e:  # every example of this request fails with the reason
+                logger.warning("%s: chat request failed in turn %d: %r", self.name, turn, e)
+                for c in active:
+                    fail(c.example, f"generation error in turn {turn}: {e!r}")
+                break
+            for c, t in zip(active, turns, strict=True):
+                try:
+                    self._advance(c, t, last_turn=turn == self.max_turns - 1)
+                except Exception as e:  # a turn that does not fit the transcript fails its example only
+                    fail(c.example, f"bad turn {turn}: {e!r}")
+        groups = []
+        for i, expr in enumerate(exprs):
+            if i not in failed:
+                rollouts = [self._rollout(expr, safe_eval(expr), c) for c in convs if c.example == i]
+                groups.append(EnvGroup(group_key(self.name, expr, rng), rollouts))
+        metrics = summarize(groups, failures, n_examples=spec.n_examples, success=lambda r: r.episode_reward >= 1.0)
+        return SampleResult(groups, failures, metrics)
+
+    def _advance(self, conv: _Conversation, turn: ChatTurn, *, last_turn: bool) -> None:
+        """Add one assistant turn; run its tool calls (when turns remain) or end the episode."""
+        conv.transcript.add(turn)
+        msg = turn.message
+        calls = msg.get("tool_calls") or []
+        if not calls or last_turn:
+            conv.answer = str(msg.get("content") or "")
+            conv.finish_reason = turn.completion.finish_reason
+            conv.done = True
+            return
+        conv.messages.append(msg)
+        for call in calls:
+            content, erred = call_tool(call)
+            conv.tool_calls += 1
+            conv.tool_errors += int(erred)
+            conv.messages.append({"role": "tool", "tool_call_id": str(call.get("id", "")), "content": content})
+
+    def _rollout(self, expr: str, target: Fraction, conv: _Conversation) -> EnvRollout:
+        tr = conv.transcript
+        answer = final_answer(conv.answer)
+        reward = 1.0 if answer is not None and answer == target else 0.0
+        return EnvRollout(
+            env_name=self.name,
+            example_id=expr,
+            prompt_tokens=list(tr.prompt_tokens),
+            response_tokens=list(tr.tokens),
+            response_logprobs=list(tr.logprobs),
+            token_rewards=token_rewards_for(len(tr.tokens), reward, tr.mask),
+            response_loss_mask=list(tr.mask),
+            episode_reward=reward,
+            truncated=conv.finish_reason == "length",
+            finish_reason=conv.finish_reason,
+            info={
+                "turns": float(tr.turns),
+                "tool_calls": float(conv.tool_calls),
+                "tool_errors": float(conv.tool_errors),
+                "parse_failure": float(answer is None),
+            },
+        )
