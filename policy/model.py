@@ -214,7 +214,8 @@ def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHe
 
     A policy published as LoRA adapters comes back merged into its base policy's weights (`policy.lora`), so the
     result is always a plain model of `spec`'s shape. Raises PolicyNotFoundError when the marker is missing,
-    CheckpointError when the files do not match it or the weights do not fit `spec`/`vocab_size` (the message names the file and tensor).
+    CheckpointError when the files do not match it or the weights do not fit `spec`/`vocab_size` (the message
+    names the file and tensor).
     """
     folder = layout.policy_dir(step)
     if not store.exists(layout.policy_marker(step)):

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from test_learner import SEQ_LEN, VOCAB, tiny_config, write_batches
 
-from pipeline import layout
 from pipeline.config import ConfigError, LoraSpec, MeshConfig, ModelSpec, RLOOLossConfig
 from pipeline.job import RLJobConfig, RunConfigMismatchError, check_run_config
 from pipeline.storage import RunStore
@@ -74,7 +73,7 @@ def test_only_adapters_change_and_the_optimizer_holds_only_adapters(trained: Tra
     assert all(np.array_equal(a, b) for a, b in zip(M.numpy_params(base), M.numpy_params(p0), strict=True))
     model = trained.final.model
     assert lora.is_loraized(model)
-    adapters, frozen = lora.split(model)
+    _, frozen = lora.split(model)
     base_leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(frozen)]
     assert len(base_leaves) == len(M.numpy_params(base))
     for a, b in zip(base_leaves, M.numpy_params(base), strict=True):  # every non-adapter leaf, bitwise
@@ -226,7 +225,7 @@ def test_run_json_drift_covers_model_lora(tmp_path: Path) -> None:
         check_run_config(store, changed)
     assert e.value.field == "model.lora.r"
     off = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=None))
-    with pytest.raises(RunConfigMismatchError, match="model.lora"):
+    with pytest.raises(RunConfigMismatchError, match=r"model\.lora"):
         check_run_config(store, off)
     check_run_config(store, cfg)  # unchanged: accepted
 
