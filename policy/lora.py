@@ -22,6 +22,7 @@ from typing import Any
 
 import equinox as eqx
 import fsspec
+import haliax as hax
 import jax
 from levanter import lora as llora
 
@@ -49,7 +50,7 @@ def adapter_key(seed: int) -> jax.Array:
 def _zero_b(node: Any) -> Any:
     if isinstance(node, llora.LowRankLinear):
         weight = node.lora_B.weight
-        return eqx.tree_at(lambda n: n.lora_B.weight, node, weight * 0 if weight is not None else None)
+        return eqx.tree_at(lambda n: n.lora_B.weight, node, hax.zeros_like(weight))
     return node
 
 

@@ -16,8 +16,10 @@ MODEL_FAMILIES = ("llama", "qwen3")
 SHAPE_FIELDS = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads")
 """The fields a `model.hf_checkpoint`'s own config.json decides (given with one, they would be ignored)."""
 DTYPES = ("float32", "fp32", "bfloat16", "float16")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The linear layers of a Llama / Qwen3 decoder that LoRA adapters can wrap (the names HF and PEFT use)."""
+LORA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of each Llama / Qwen3 decoder block (the names HF and PEFT use): the default LoRA targets."""
+LORA_TARGETS = (*LORA_LAYERS, "lm_head")
+"""Every linear layer LoRA adapters can wrap (`lm_head`: the output projection, unless tied to the embeddings)."""
 LORA_PUBLISH = ("merged", "adapters")
 
 
@@ -32,9 +34,9 @@ class LoraSpec:
     """Rank of each adapter."""
     alpha: float = 16.0
     """Scale numerator: the adapter's output is multiplied by alpha / r."""
-    target_modules: tuple[str, ...] = LORA_TARGETS
-    """Which linear layers get adapters (a subset of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    down_proj); default: all of them."""
+    target_modules: tuple[str, ...] = LORA_LAYERS
+    """Which linear layers get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    (default: all of these) and lm_head."""
     publish: str = "merged"
     """What a published policy holds: `merged` (base + adapters folded into full weights, the normal policy
     format) or `adapters` (only the adapter tensors; readers add them to the base weights of policy 0)."""
