@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import draccus
@@ -28,6 +29,7 @@ import numpy as np
 import pytest
 from test_learner import SEQ_LEN, VOCAB, tiny_config, write_batches
 
+from pipeline import layout
 from pipeline.config import ConfigError, LoraSpec, MeshConfig, ModelSpec, RLOOLossConfig, StoreConfig
 from pipeline.job import RLJobConfig, RunConfigMismatchError, check_run_config
 from pipeline.storage import RunStore
@@ -36,12 +38,13 @@ jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
-from pipeline.config import DenseInferenceConfig  # noqa: E402
+from pipeline.config import DenseInferenceConfig, ServerInferenceConfig  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from policy import learner as L  # noqa: E402
 from policy import lora  # noqa: E402
 from policy import model as M  # noqa: E402
 from policy.inference import GenerationRequest, make_backend  # noqa: E402
+from policy.inference.hf_publish import publish_hf_if_needed  # noqa: E402
 from steps import export as export_step  # noqa: E402
 from steps import learn  # noqa: E402
 from steps import replay as replay_step  # noqa: E402
@@ -149,15 +152,22 @@ def test_export_merged_loads_in_transformers_and_writes_a_peft_folder(trained: T
     out = tmp_path / "hf"
     export_step.export(trained.store, SPEC, STEPS, str(out), peft=True)
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
     enc = tok(["the cat"], return_tensors="pt")
-    generated = hf.generate(**enc, max_new_tokens=4, do_sample=False)
-    assert generated.shape[1] == enc["input_ids"].shape[1] + 4
     ids = enc["input_ids"][0].tolist()
-    with torch.no_grad():
-        theirs = torch.log_softmax(hf(**enc).logits[0], -1).numpy()
     ours = np.asarray(M.teacher_forced_logprobs(trained.final.model, jnp.asarray([ids], jnp.int32)))[0]
-    np.testing.assert_allclose(ours[1:], theirs[np.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=0)
+    # the folder a `server` backend is given for this adapter policy (`inference.export_hf`) holds the same weights
+    server = ServerInferenceConfig(openai_base_url="http://127.0.0.1:9/v1", export_hf=True)
+    publish_hf_if_needed(
+        trained.store, SimpleNamespace(inference=server, model=SPEC), STEPS, load_tokenizer("builtin:tiny")
+    )
+    served = Path(trained.store.root) / layout.policy_dir(STEPS) / "hf"
+    for folder in (out, served):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
+        generated = hf.generate(**enc, max_new_tokens=4, do_sample=False)
+        assert generated.shape[1] == enc["input_ids"].shape[1] + 4
+        with torch.no_grad():
+            theirs = torch.log_softmax(hf(**enc).logits[0], -1).numpy()
+        np.testing.assert_allclose(ours[1:], theirs[np.arange(len(ids) - 1), ids[1:]], atol=1e-4, rtol=0)
     # the PEFT folder: PEFT's names and shapes, its config, a base it names
     from safetensors.numpy import load_file
 
@@ -187,7 +197,8 @@ def test_export_merged_loads_in_transformers_and_writes_a_peft_folder(trained: T
     base_model = transformers.AutoModelForCausalLM.from_pretrained(str(peft_dir / "base"))
     with_adapters = peft.PeftModel.from_pretrained(base_model, str(peft_dir))
     with torch.no_grad():
-        np.testing.assert_allclose(with_adapters(**enc).logits.numpy(), hf(**enc).logits.numpy(), atol=1e-4)
+        merged_hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
+        np.testing.assert_allclose(with_adapters(**enc).logits.numpy(), merged_hf(**enc).logits.numpy(), atol=1e-4)
 
 
 def test_export_peft_refuses_a_policy_without_adapters(tmp_path: Path) -> None:
