@@ -33,6 +33,7 @@ from pipeline.poll import poll_until
 from pipeline.storage import RunStore
 from pipeline.watch import waker_for
 from policy import checkpoints as ckpt
+from policy import lora
 from policy import mesh as mesh_lib
 from policy import model as M
 from policy.losses import Batch, RLLossModule, loss_module_from_config
@@ -139,13 +140,14 @@ def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransfor
 
     A step whose loss or gradient norm is not finite leaves model and optimizer state unchanged and reports
     `skipped_nonfinite: 1` (see `policy.update_guard.guarded_update`)."""
-    loss_fn = loss_module.create_loss_fn(None, make_logprob_fn(compute_dtype))
+    loss_fn = lora.on_trainable(loss_module.create_loss_fn(None, make_logprob_fn(compute_dtype)))
 
     @eqx.filter_jit
     def train_step(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
-        (loss, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, reference, batch)
-        model, opt_state, guard_metrics = guarded_update(optimizer, model, opt_state, grads, loss)
-        return model, opt_state, {**metrics, **guard_metrics}
+        trainable, frozen = lora.split_trainable(model)  # a loraized model: only its adapters are trained
+        (loss, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(trainable, frozen, reference, batch)
+        trainable, opt_state, guard_metrics = guarded_update(optimizer, trainable, opt_state, grads, loss)
+        return lora.join_trainable(trainable, frozen), opt_state, {**metrics, **guard_metrics}
 
     return train_step
 
@@ -339,9 +341,10 @@ def load_checkpoint(
     folder = layout.checkpoint_dir(step)
     record = ckpt.read_marker(store, folder)
     template = M.model_template(spec, vocab_size)
+    if spec.lora is not None:
+        template = lora.loraize_template(template, spec.lora)
     model = ckpt.tree_from_safetensors(template, ckpt.read_blob(store, folder, record, MODEL_BLOB), source=folder)
-    abstract_params = eqx.filter(template, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    opt_template = eqx.filter_eval_shape(optimizer.init, abstract_params)
+    opt_template = eqx.filter_eval_shape(optimizer.init, lora.trainable_params(template))
     opt_state = ckpt.tree_from_safetensors(opt_template, ckpt.read_blob(store, folder, record, OPT_BLOB), source=folder)
     return LearnerState(step=step, model=model, opt_state=opt_state, parent=step)
 
@@ -370,7 +373,9 @@ def resume_or_init(
     model = M.build_model(config.model, vocab_size, jax.random.PRNGKey(config.model.seed))
     if config.model.param_dtype not in ("float32", "fp32"):
         model = M.cast_for_compute(model, config.model.param_dtype)
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    if config.model.lora is not None:  # adapters with B = 0: the model still computes the base's outputs
+        model = lora.loraize(model, config.model.lora, config.model.seed)
+    opt_state = optimizer.init(lora.trainable_params(model))
     return LearnerState(step=0, model=model, opt_state=opt_state, parent=None)
 
 
@@ -400,6 +405,7 @@ def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConf
         state.step,
         model,
         {"batch_slot": state.step, "tokenizer": config.model.tokenizer, "seq_len": config.train.seq_len},
+        spec=config.model,
     )
 
 

@@ -173,10 +173,13 @@ def count_params(model: Any) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def save_policy(store: Any, step: int, model: LmHeadModel, extra: dict[str, Any] | None = None) -> bool:
+def save_policy(
+    store: Any, step: int, model: LmHeadModel, extra: dict[str, Any] | None = None, spec: ModelSpec | None = None
+) -> bool:
     """Commit `model` as policy `step`: weights file, then COMMITTED (last), then the LATEST hint.
 
-    `extra` goes into the marker (the learner records `batch_slot`, `tokenizer`, `seq_len`).
+    `extra` goes into the marker (the learner records `batch_slot`, `tokenizer`, `seq_len`). With `spec.lora`,
+    `model` is the loraized model and the policy holds what `spec.lora.publish` says (`policy.lora.policy_blobs`).
     Returns False (and writes nothing new) if policy `step` was already committed: a committed policy
     is never replaced. LATEST only moves forward.
     """
@@ -185,7 +188,14 @@ def save_policy(store: Any, step: int, model: LmHeadModel, extra: dict[str, Any]
         logger.info("policy %d already committed", step)
         return False
     meta = {"step": step, "vocab_size": int(model.Vocab.size), "kind": "policy", **(extra or {})}
-    created = ckpt.write_committed(store, folder, {POLICY_WEIGHTS: ckpt.tree_to_safetensors(model)}, meta)
+    if spec is not None and spec.lora is not None:
+        from policy import lora
+
+        blobs, lora_meta = lora.policy_blobs(model, spec, step)
+        meta.update(lora_meta)
+    else:
+        blobs = {POLICY_WEIGHTS: ckpt.tree_to_safetensors(model)}
+    created = ckpt.write_committed(store, folder, blobs, meta)
     _advance_latest(store, step)
     return created
 
@@ -202,8 +212,10 @@ def _advance_latest(store: Any, step: int) -> None:
 def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHeadModel:
     """Load committed policy `step`, verifying size and sha256 against its marker.
 
-    Raises PolicyNotFoundError when the marker is missing, CheckpointError when the files do not match
-    it or the weights do not fit `spec`/`vocab_size` (the message names the file and tensor).
+    A policy published as LoRA adapters comes back merged into its base policy's weights (`policy.lora`), so the
+    result is always a plain model of `spec`'s shape. Raises PolicyNotFoundError when the marker is missing,
+    CheckpointError when the files do not match it or the weights do not fit `spec`/`vocab_size` (the message
+    names the file and tensor).
     """
     folder = layout.policy_dir(step)
     if not store.exists(layout.policy_marker(step)):
@@ -211,6 +223,10 @@ def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHe
     record = ckpt.read_marker(store, folder)
     if record.vocab_size != vocab_size:
         raise ckpt.CheckpointError(f"{folder}: committed with vocab_size={record.vocab_size}, expected {vocab_size}")
+    if POLICY_WEIGHTS not in record.files:
+        from policy import lora
+
+        return lora.load_adapter_policy(store, step, record, spec, vocab_size)
     data = ckpt.read_blob(store, folder, record, POLICY_WEIGHTS)
     return ckpt.tree_from_safetensors(model_template(spec, vocab_size), data, source=folder)
 

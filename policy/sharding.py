@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from policy import lora
 from policy.losses import Batch, RLLossModule
 from policy.losses.modules import GSPOLoss
 from policy.mesh import LearnerMesh
@@ -63,16 +64,17 @@ def make_mesh_train_step(
 ) -> Any:
     """A jitted `(model, opt_state, reference, batch) -> (model, opt_state, metrics)` on mesh `lm`.
 
-    Parameters and optimizer state keep the parameter mapping (FSDP / tensor parallel) in and out; with
+    Parameters and optimizer state keep the parameter mapping (FSDP / tensor parallel) in and out; a loraized
+    model has only its adapters differentiated and updated (`policy.lora.split_trainable`); with
     `num_microbatches` > 1 gradients are accumulated as the module docstring states. A non-finite loss or
     gradient norm skips the update (`policy.update_guard`)."""
     loss_fn = loss_module.create_loss_fn(None, logprob_fn)
-    grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+    grad_fn = eqx.filter_value_and_grad(lora.on_trainable(loss_fn), has_aux=True)  # a LoRA base gets no gradient
     n = num_microbatches
 
-    def accumulate(model: Any, reference: Any, batch: Batch) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    def accumulate(model: Any, frozen: Any, reference: Any, batch: Batch) -> tuple[jax.Array, Any, dict[str, Any]]:
         if n == 1:
-            (loss, metrics), grads = grad_fn(model, reference, batch)
+            (loss, metrics), grads = grad_fn(model, frozen, reference, batch)
             return loss, grads, metrics
         pieces = [microbatch(batch, i, n) for i in range(n)]
         weights = jnp.stack([aggregation_weight(loss_module, p) for p in pieces])
@@ -81,7 +83,7 @@ def make_mesh_train_step(
         grads = jax.tree.map(jnp.zeros_like, params)
         loss, metrics = jnp.zeros((), jnp.float32), {}
         for i, piece in enumerate(pieces):  # unrolled: n is small and static; scan would add a stacked copy
-            (loss_i, m_i), g_i = grad_fn(model, reference, piece)
+            (loss_i, m_i), g_i = grad_fn(model, frozen, reference, piece)
             grads = jax.tree.map(lambda a, g, s=shares[i]: a + g * s, grads, g_i)
             loss = loss + loss_i * shares[i]
             for k, v in m_i.items():
@@ -90,9 +92,11 @@ def make_mesh_train_step(
 
     def train_step(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
         with hax.axis_mapping(lm.compute_mapping):
-            loss, grads, metrics = accumulate(model, reference, batch)
+            trainable, frozen = lora.split_trainable(model)
+            loss, grads, metrics = accumulate(trainable, frozen, reference, batch)
             grads = hax.shard(grads, lm.param_mapping)
-            model, opt_state, guard_metrics = guarded_update(optimizer, model, opt_state, grads, loss)
+            trainable, opt_state, guard_metrics = guarded_update(optimizer, trainable, opt_state, grads, loss)
+            model = lora.join_trainable(trainable, frozen)
         metrics["loss"] = loss
         return model, opt_state, {**metrics, **guard_metrics}
 

@@ -1,7 +1,11 @@
 """The export step: write a committed policy as a Hugging Face (transformers-loadable) folder.
 
 Reads:  `run.json` (the run's own job config: the model's shape and tokenizer), `policies/step-S/` (committed).
-Writes: the output folder (`config.json`, weights, tokenizer files), local or an fsspec URL.
+Writes: the output folder (`config.json`, weights, tokenizer files), local or an fsspec URL. A policy trained
+        with `model.lora` is exported merged (base + adapters folded into full weights); with `--peft true`,
+        `<out>/peft/` also gets the adapters as a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`)
+        whose `base_model_name_or_path` is `model.hf_checkpoint`, or else `<out>/peft/base/`, the base weights
+        (policy 0) exported as an HF folder.
 
 The model flags need not be retyped: the model section recorded in the run root's run.json is used unless
 `--model.*` flags are given (then those win, for a run root without run.json).
@@ -10,6 +14,7 @@ Run:
   python -m steps.export --store.run_root runs/demo --step 12 --out /tmp/hf     # policy 12
   python -m steps.export --store.run_root runs/demo --out /tmp/hf               # the newest committed policy
   make export RUN=runs/demo STEP=12 OUT=/tmp/hf
+  python -m steps.export --store.run_root runs/lora --out /tmp/hf --peft true   # merged + PEFT adapter folder
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import logging
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import draccus
 
@@ -39,13 +45,15 @@ class ExportConfig:
     """Policy step to export; None: the newest committed policy."""
     out: str = "hf_export"
     """Output folder (local or fsspec URL)."""
+    peft: bool = False
+    """Also write the policy's LoRA adapters as a PEFT folder `<out>/peft/` (a run trained with `model.lora`)."""
 
 
 def main(config: ExportConfig) -> int:
     """Export policy `config.step` (default: the newest) to `config.out`; returns 0."""
     store = RunStore(config.store.run_root, config.store.storage_options or None)
     spec = config.model or recorded_model(store)
-    export(store, spec, config.step, config.out)
+    export(store, spec, config.step, config.out, peft=config.peft)
     return 0
 
 
@@ -62,8 +70,10 @@ def recorded_model(store: RunStore) -> ModelSpec:
         raise ConfigError("model", None, f"{store.full_path(layout.RUN_CONFIG)} has no readable model ({e})") from e
 
 
-def export(store: RunStore, spec: ModelSpec, step: int | None, out: str) -> str:
-    """Write policy `step` (None: the newest committed) of `store` as an HF folder `out`; returns `out`."""
+def export(store: RunStore, spec: ModelSpec, step: int | None, out: str, *, peft: bool = False) -> str:
+    """Write policy `step` (None: the newest committed) of `store` as an HF folder `out`; returns `out`.
+
+    `peft`: also the PEFT adapter folder `<out>/peft/` (ConfigError naming `peft` when the policy has no adapters)."""
     from pipeline.tokenizer import load_tokenizer
     from policy import model as M
 
@@ -73,9 +83,41 @@ def export(store: RunStore, spec: ModelSpec, step: int | None, out: str) -> str:
         raise M.PolicyNotFoundError(f"{store.full_path(layout.POLICIES)}: no committed policy to export")
     tokenizer = load_tokenizer(spec.tokenizer)
     model = M.load_policy(store, step, spec, M.model_vocab_size(tokenizer))
+    if peft:  # refused before anything is written
+        lora_spec = _policy_lora(store, step)
     M.export_hf(model, out, tokenizer, family=spec.family)
+    if peft:
+        export_peft(store, spec, step, lora_spec, f"{out.rstrip('/')}/peft", tokenizer)
     logger.info("exported policy %d to %s", step, out)
     return out
+
+
+def _policy_lora(store: RunStore, step: int) -> Any:
+    from policy import lora
+    from policy import model as M
+
+    spec = lora.marker_lora(M.policy_metadata(store, step).extra)
+    if spec is None:
+        raise ConfigError(
+            "peft", True, f"policy {step} of {store.url} has no LoRA adapters (trained without model.lora)"
+        )
+    return spec
+
+
+def export_peft(store: RunStore, spec: ModelSpec, step: int, lora_spec: Any, out: str, tokenizer: Any) -> None:
+    """The adapters of policy `step` as a PEFT folder `out`; its base is `spec.hf_checkpoint` or, without one,
+    policy 0 exported to `<out>/base/`."""
+    from policy import lora
+    from policy import model as M
+
+    vocab = M.model_vocab_size(tokenizer)
+    base = M.load_policy(store, 0, spec, vocab)  # policy 0 is the base: its adapters' B is zero
+    loraized = lora.read_adapters(store, layout.policy_dir(step), M.policy_metadata(store, step), base)
+    base_ref = spec.hf_checkpoint
+    if base_ref is None:
+        base_ref = f"{out}/base"
+        M.export_hf(base, base_ref, tokenizer, family=spec.family)
+    lora.save_peft(loraized, lora_spec, out, base_ref)
 
 
 def cli(argv: list[str] | None = None) -> int:

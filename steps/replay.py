@@ -60,6 +60,7 @@ def main(config: ReplayConfig) -> int:
     to_step = check_steps(store, config.from_step, config.to_step)
     replayed = replay(store, learner_config, config.from_step, to_step)  # 1 + 2
     scratch = RunStore(scratch_root(config, store), config.store.storage_options or None)
+    copy_lora_base(store, scratch, learner_config)
     L.publish_policy(scratch, replayed, learner_config)  # 3
     vocab = int(replayed.model.Vocab.size)
     ours = M.load_policy(scratch, to_step, learner_config.model, vocab)
@@ -73,6 +74,18 @@ def main(config: ReplayConfig) -> int:
     for name, diff in diffs.items():
         print(f"  {name}: {diff:.3e}")
     return 1
+
+
+def copy_lora_base(store: RunStore, scratch: RunStore, config: LearnerStepConfig) -> None:
+    """Copy policy 0 (the base weights) into `scratch` when policies are published as LoRA adapters: a policy
+    of adapters is read together with policy 0 of its own run root."""
+    lora = config.model.lora
+    if lora is None or lora.publish != "adapters" or scratch.exists(layout.policy_marker(0)):
+        return
+    for rel in store.list(layout.policy_dir(0)):
+        if not rel.endswith(layout.COMMIT_MARKER):
+            scratch.put_unique(rel, store.get(rel))
+    scratch.put_if_absent(layout.policy_marker(0), store.get(layout.policy_marker(0)))  # the marker last
 
 
 def recorded_learner_config(store: RunStore) -> LearnerStepConfig:

@@ -16,6 +16,45 @@ MODEL_FAMILIES = ("llama", "qwen3")
 SHAPE_FIELDS = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads")
 """The fields a `model.hf_checkpoint`'s own config.json decides (given with one, they would be ignored)."""
 DTYPES = ("float32", "fp32", "bfloat16", "float16")
+LORA_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of each Llama / Qwen3 decoder block (the names HF and PEFT use): the default LoRA targets."""
+LORA_TARGETS = (*LORA_LAYERS, "lm_head")
+"""Every linear layer LoRA adapters can wrap (`lm_head`: the output projection, unless tied to the embeddings)."""
+LORA_PUBLISH = ("merged", "adapters")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """`model.lora`: train low-rank adapters on the chosen linear layers; the base weights stay frozen.
+
+    Each wrapped layer computes `W x + (alpha / r) · B A x`, with A [r, in] and B [out, r]; B starts at zero, so
+    the model at step 0 (policy 0, and the reference model of the KL term) is exactly the base model."""
+
+    r: int = 8
+    """Rank of each adapter."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by alpha / r."""
+    target_modules: tuple[str, ...] = LORA_LAYERS
+    """Which linear layers get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    (default: all of these) and lm_head."""
+    publish: str = "merged"
+    """What a published policy holds: `merged` (base + adapters folded into full weights, the normal policy
+    format) or `adapters` (only the adapter tensors; readers add them to the base weights of policy 0)."""
+
+    def __post_init__(self) -> None:
+        require(self.r >= 1, "model.lora.r", self.r, "must be >= 1")
+        require(self.alpha > 0, "model.lora.alpha", self.alpha, "must be > 0")
+        targets = tuple(self.target_modules)
+        require(len(targets) > 0, "model.lora.target_modules", list(targets), "must name at least one layer")
+        for name in targets:
+            require(
+                name in LORA_TARGETS,
+                "model.lora.target_modules",
+                list(targets),
+                f"{name!r} is not one of {LORA_TARGETS}",
+            )
+        require(len(set(targets)) == len(targets), "model.lora.target_modules", list(targets), "has a duplicate")
+        require(self.publish in LORA_PUBLISH, "model.lora.publish", self.publish, f"one of {LORA_PUBLISH}")
 
 
 @dataclass(frozen=True)
@@ -45,6 +84,8 @@ class ModelSpec:
     logits are then never materialised at once. None: the whole vocabulary in one block."""
     attention_backend: str = "default"
     """levanter attention backend: default, vanilla, jax_flash, splash."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters instead of every weight (see `LoraSpec`); None: full fine-tuning."""
 
     def __post_init__(self) -> None:
         for name in ("compute_dtype", "param_dtype"):

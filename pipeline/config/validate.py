@@ -67,6 +67,10 @@ def check_learner_layout(train: TrainParams, model: ModelSpec, mesh: MeshConfig,
             f"must be divisible by the learner's data-parallel ways ({mesh_field}.data × {mesh_field}.fsdp "
             f"= {data_ways})",
         )
+    if mesh.model > 1 and model.lora is not None:
+        raise ConfigError(
+            "model.lora", model.lora, f"is not supported with tensor parallelism ({mesh_field}.model={mesh.model})"
+        )
     if mesh.model > 1:
         for name in ("num_heads", "num_kv_heads", "intermediate_dim"):
             value = getattr(model, name)
