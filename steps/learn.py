@@ -111,10 +111,11 @@ def open_learner(config: LearnerStepConfig) -> Learner:
 def resume(learner: Learner) -> L.LearnerState:
     """Phase 1: the newest checkpoint or a fresh model; policy 0 (or the resumed policy) committed."""
     store, config = learner.store, learner.config
-    state = L.shard_state(L.resume_or_init(store, config, learner.vocab_size, learner.optimizer), learner.mesh)
+    state = L.resume_or_init(store, config, learner.vocab_size, learner.optimizer, learner.mesh)
+    state = L.shard_state(state, learner.mesh)  # a fresh model or an older whole-pytree checkpoint onto the mesh
     learner.lineage_start = state.step + 1
     learner.last_checkpoint = state.step
-    if not store.exists(layout.policy_marker(state.step)):
+    if not mesh_lib.agree_with_writer(store.exists(layout.policy_marker(state.step))):
         L.publish_policy(store, state, config)  # policy 0, or a crash fell between checkpoint S and policy S
     learner.reference = L.load_reference(store, config, learner.vocab_size, learner.loss_module)
     if learner.reference is not None:
