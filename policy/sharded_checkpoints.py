@@ -20,7 +20,8 @@ its devices need on the *target* mesh (any mesh shape: blocks are cut and pasted
 file's size and sha256 against the marker before using a byte, and assembles global arrays with
 `jax.make_array_from_callback`. Without a mesh, every tensor is assembled whole in host memory.
 
-Why safetensors files through the RunStore rather than levanter's tensorstore serialization: every byte goes
+Why safetensors files through the RunStore rather than levanter's tensorstore serialization (which would work:
+tensorstore's gcs driver reaches a GCS emulator through `TENSORSTORE_GCS_HTTP_URL`): every byte goes
 through the same atomic `put_unique` / `put_if_absent` of the run root, so one code path serves local disk,
 `memory://` and gs:// with the run's fsspec `storage_options` (tensorstore has its own kvstore drivers,
 credentials and endpoint settings, and no `memory://` shared with the other steps); each process hashes the
