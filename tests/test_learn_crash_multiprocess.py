@@ -63,11 +63,12 @@ def learner_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(k, v)
 
 
-def _prepare(tmp_path: Path, name: str) -> tuple[RunStore, str]:
+def _prepare(tmp_path: Path, name: str, steps: int = N_STEPS) -> tuple[RunStore, str]:
+    """A run root with batches 1..steps committed, and the learner's config file for it."""
     root = tmp_path / name
     store = RunStore(str(root))
-    write_batches(store, range(1, N_STEPS + 1))
-    cfg = tiny_config(str(root), steps=N_STEPS, keep_checkpoints=1000, batch_wait_timeout_s=120.0)
+    write_batches(store, range(1, steps + 1))
+    cfg = tiny_config(str(root), steps=steps, keep_checkpoints=1000, batch_wait_timeout_s=120.0)
     config_path = tmp_path / f"{name}.yaml"
     with open(config_path, "w") as f:
         draccus.dump(cfg, f)
@@ -109,7 +110,7 @@ def _wait(group: ProcessGroup, timeout: float = 600.0) -> int:
 
 def _half_written(store: RunStore) -> int:
     """Checkpoint folders holding shard files but no COMMITTED marker (left by a kill)."""
-    folders = {rel.rsplit("/", 1)[0] for rel in store.list(layout.CHECKPOINTS) if rel.endswith(".safetensors")}
+    folders = [f for f in store.list(layout.CHECKPOINTS) if any(r.endswith(".safetensors") for r in store.list(f))]
     return sum(not store.exists(layout.join(f, layout.COMMIT_MARKER)) for f in folders)
 
 
