@@ -4,7 +4,8 @@ Reads:  `batches/log/step-T.json` (commit object; `data_file` names the batch pa
         `schemas.BATCH`), the newest committed `checkpoints/step-S/` on restart, `policies/step-0` (the
         frozen reference model when `loss.kl_coef > 0`), `control/STOP`.
 Writes: `policies/step-S/` (+ COMMITTED, then the LATEST hint) every `policy_interval` steps, at step 0 and
-        at the end; `checkpoints/step-S/` (model + optimizer state as safetensors, COMMITTED last, recording
+        at the end; `checkpoints/step-S/` (model + optimizer state as sharded safetensors, one file per learner
+        process, COMMITTED last, recording
         the batch slot consumed and its lineage) every `checkpoint_interval` steps and at exit;
         `metrics/learner/…`; `control/LEARNER_DONE` once `train.num_train_steps` are trained.
 
