@@ -5,7 +5,8 @@ The step program (`steps/learn.py`) strings these together. Contracts kept here:
     read through `schemas.BATCH`); a batch whose row count, seq_len, tokenizer or token ids do not fit the run
     is refused with `BatchMismatchError` naming the file and the field;
   - a checkpoint `checkpoints/step-S/` holds model + optimizer state (sharded safetensors, one file per learner
-    process: `policy.sharded_checkpoints`) and a COMMITTED marker written last by process 0, recording the batch slot consumed, the checkpoint resumed from and the slots trained since;
+    process: `policy.sharded_checkpoints`) and a COMMITTED marker written last by process 0, recording the
+    batch slot consumed, the checkpoint resumed from and the slots trained since;
   - the train step is a pure function of (model, optimizer state, reference, batch): no wall clock or host RNG
     reaches the math, so replaying batches S+1..S+k from checkpoint S gives bitwise-identical parameters on CPU.
 """
