@@ -4,8 +4,8 @@ Each case runs `tests/mesh_run_steps.py` (3 optimizer steps on fixed synthetic 3
 subprocess, since the number of simulated CPU devices is fixed when JAX starts. Reference: one device, one
 pass per slot. Tolerance: per parameter tensor, ‖a − b‖ / ‖a‖ ≤ 1e-5. Measured on the 2-core CI machine: FSDP×4
 4.7e-8, data 2 × model 2 3.9e-7, microbatches 1.4e-7, two processes 4.7e-8, resumed on another mesh 4.7e-8 (2
-devices) and RESUMED1 (1 device); resumed on the same mesh: bitwise equal; the
-same microbatches averaged per microbatch (the wrong normalisation) differ by 4.5e-3, so the tolerance separates.
+devices; resuming on 1 device passes the same tolerance); resumed on the same mesh: bitwise equal; the same
+microbatches averaged per microbatch (the wrong normalisation) differ by 4.5e-3, so the tolerance separates.
 """
 
 from __future__ import annotations
