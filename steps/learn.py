@@ -260,7 +260,8 @@ def finish(learner: Learner, state: L.LearnerState, stop_reason: str) -> None:
     if learner.publisher is not None:
         learner.publisher.drain()  # every policy handed off is committed before LEARNER_DONE
     if state.step >= learner.total:
-        L.publish_policy(learner.store, state, learner.config)
+        if not mesh_lib.agree_with_writer(learner.store.exists(layout.policy_marker(state.step))):
+            L.publish_policy(learner.store, state, learner.config)  # not gathered again when already published
         if mesh_lib.is_writer():
             learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
         stop_reason = "num_train_steps"
