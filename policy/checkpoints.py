@@ -12,8 +12,9 @@ through the same atomic `put_unique` / `put_if_absent` primitives as the rest of
 same code works on local disk, `memory://`, gs:// and the GCS emulator (storage_options included);
 the marker can list sizes and sha256 checksums of every byte it commits (a reader verifies them);
 and the files are plain safetensors readable by any tool. The price: one file per pytree, written
-from host memory, which is fine up to a few billion parameters on one host; multi-host sharded
-training would switch to tensorstore (levanter.checkpoint) behind the same marker.
+from host memory, which is fine up to a few billion parameters on one host. Policies use this format;
+learner checkpoints are sharded over the learner's processes (`policy.sharded_checkpoints`, the same marker
+with a tensor index); checkpoints of this older format still load.
 
 A pytree is stored by flattening its array leaves with `jax.tree_util.keystr` paths as tensor names;
 it is restored into a template of the same structure (built from the same config), so the bytes

@@ -4,8 +4,9 @@ The step program (`steps/learn.py`) strings these together. Contracts kept here:
   - a batch slot T is named by its commit object `batches/log/step-T.json` (`data_file` names the parquet,
     read through `schemas.BATCH`); a batch whose row count, seq_len, tokenizer or token ids do not fit the run
     is refused with `BatchMismatchError` naming the file and the field;
-  - a checkpoint `checkpoints/step-S/` holds model + optimizer state (safetensors) and a COMMITTED marker
-    written last, recording the batch slot consumed, the checkpoint resumed from and the slots trained since;
+  - a checkpoint `checkpoints/step-S/` holds model + optimizer state (sharded safetensors, one file per learner
+    process: `policy.sharded_checkpoints`) and a COMMITTED marker written last by process 0, recording the
+    batch slot consumed, the checkpoint resumed from and the slots trained since;
   - the train step is a pure function of (model, optimizer state, reference, batch): no wall clock or host RNG
     reaches the math, so replaying batches S+1..S+k from checkpoint S gives bitwise-identical parameters on CPU.
 """
@@ -36,6 +37,7 @@ from policy import checkpoints as ckpt
 from policy import lora
 from policy import mesh as mesh_lib
 from policy import model as M
+from policy import sharded_checkpoints as sharded
 from policy.losses import Batch, RLLossModule, loss_module_from_config
 from policy.update_guard import guarded_update
 from schemas.records import BatchLogEntry, RecordError
@@ -296,7 +298,8 @@ def committed_checkpoints(store: RunStore) -> list[int]:
 
 
 def save_checkpoint(store: RunStore, state: LearnerState, config: LearnerStepConfig, lineage_start: int) -> bool:
-    """Commit `checkpoints/step-S`: model + optimizer state, then COMMITTED recording slots consumed."""
+    """Commit `checkpoints/step-S` sharded (`policy.sharded_checkpoints`): model + optimizer state, then COMMITTED
+    recording the slots consumed. Every learner process must call it; True on the process that committed."""
     meta = {
         "kind": "checkpoint",
         "step": state.step,
@@ -308,12 +311,8 @@ def save_checkpoint(store: RunStore, state: LearnerState, config: LearnerStepCon
         "vocab_size": int(state.model.Vocab.size),
         "loss": type(config.loss).__name__,
     }
-    # every process takes part in gathering the sharded state; only process 0 writes (one writer of commits)
-    model, opt_state = mesh_lib.to_host(state.model), mesh_lib.to_host(state.opt_state)
-    if not mesh_lib.is_writer():
-        return False
-    blobs = {MODEL_BLOB: ckpt.tree_to_safetensors(model), OPT_BLOB: ckpt.tree_to_safetensors(opt_state)}
-    return ckpt.write_committed(store, layout.checkpoint_dir(state.step), blobs, meta)
+    trees = {MODEL_BLOB: state.model, OPT_BLOB: state.opt_state}
+    return sharded.save_sharded(store, layout.checkpoint_dir(state.step), trees, meta)
 
 
 def collect_old_checkpoints(store: RunStore, keep: int) -> None:
@@ -335,36 +334,44 @@ def collect_old_checkpoints(store: RunStore, keep: int) -> None:
 
 
 def load_checkpoint(
-    store: RunStore, step: int, spec: ModelSpec, vocab_size: int, optimizer: optax.GradientTransformation
+    store: RunStore, step: int, spec: ModelSpec, vocab_size: int, optimizer: Any, lm: mesh_lib.LearnerMesh | None = None
 ) -> LearnerState:
-    """Restore checkpoint `step` (verified against its marker) into templates built from the config."""
+    """Restore checkpoint `step` (each file verified against its marker) into templates built from the config:
+    a sharded one onto mesh `lm` whatever mesh wrote it; else (or the older whole-pytree format) on the host."""
     folder = layout.checkpoint_dir(step)
     record = ckpt.read_marker(store, folder)
     template = M.model_template(spec, vocab_size)
     if spec.lora is not None:
         template = lora.loraize_template(template, spec.lora)
-    model = ckpt.tree_from_safetensors(template, ckpt.read_blob(store, folder, record, MODEL_BLOB), source=folder)
     opt_template = eqx.filter_eval_shape(optimizer.init, lora.trainable_params(template))
+    if record.format == sharded.FORMAT:
+        trees = sharded.load_sharded(store, folder, record, {MODEL_BLOB: template, OPT_BLOB: opt_template}, lm)
+        return LearnerState(step=step, model=trees[MODEL_BLOB], opt_state=trees[OPT_BLOB], parent=step)
+    model = ckpt.tree_from_safetensors(template, ckpt.read_blob(store, folder, record, MODEL_BLOB), source=folder)
     opt_state = ckpt.tree_from_safetensors(opt_template, ckpt.read_blob(store, folder, record, OPT_BLOB), source=folder)
     return LearnerState(step=step, model=model, opt_state=opt_state, parent=step)
 
 
 def resume_or_init(
-    store: RunStore, config: LearnerStepConfig, vocab_size: int, optimizer: optax.GradientTransformation
+    store: RunStore, config: LearnerStepConfig, vocab_size: int, optimizer: Any, lm: mesh_lib.LearnerMesh | None = None
 ) -> LearnerState:
-    """The newest committed checkpoint, or a fresh model (seeded, or an HF folder) if there is none.
+    """The newest committed checkpoint (onto mesh `lm` if given), or a fresh model (seeded, or an HF folder).
 
-    A committed checkpoint that fails verification is skipped with an error log; if checkpoints exist
-    but none loads, this raises rather than silently restarting from scratch.
+    A committed checkpoint that fails verification on any process is skipped (by all, in process 0's order) with
+    an error log; if checkpoints exist but none loads, this raises rather than silently restarting from scratch.
     """
     errors = []
-    for s in reversed(committed_checkpoints(store)):
+    for s in reversed(mesh_lib.writer_ints(committed_checkpoints(store))):
         try:
-            state = load_checkpoint(store, s, config.model, vocab_size, optimizer)
+            state: LearnerState | None = load_checkpoint(store, s, config.model, vocab_size, optimizer, lm)
         except ckpt.CheckpointError as e:
             logger.error("checkpoint %d unusable, trying an older one: %s", s, e)
             errors.append(str(e))
+            state = None
+        if not mesh_lib.all_processes(state is not None):  # every process skips it together
+            errors.append(f"checkpoint {s} unusable on some learner process")
             continue
+        assert state is not None
         logger.info("resuming from checkpoint %d (next batch slot %d)", s, s + 1)
         return state
     if errors:
@@ -396,7 +403,8 @@ def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, 
 def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConfig) -> None:
     """Commit policy `state.step` unless it already is (markers record the batch slot, tokenizer, seq_len).
 
-    The sharded parameters are gathered once into host memory (every process takes part; process 0 writes)."""
+    The parameters (not the optimizer state) are gathered into host memory once per publish (an all-gather in
+    which every learner process must take part); process 0 alone serialises and writes them."""
     model = mesh_lib.to_host(state.model)
     if not mesh_lib.is_writer():
         return
@@ -447,6 +455,11 @@ class PolicyPublisher:
 
     def submit(self, state: LearnerState) -> None:
         """Queue policy `state.step` for commit (after every policy queued before it)."""
+        if jax.process_count() > 1:  # the gather is a collective: issued here, in step order on every process
+            host = mesh_lib.to_host(state.model)
+            if not mesh_lib.is_writer():
+                return
+            state = LearnerState(state.step, host, None, state.parent)
         self._reap(wait=False)
         while len(self._pending) >= self.MAX_PENDING:
             self._pending.pop(0).result()

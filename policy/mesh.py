@@ -154,3 +154,21 @@ def agree_with_writer(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(multihost_utils.broadcast_one_to_all(np.int32(flag)))
+
+
+def all_processes(flag: bool) -> bool:
+    """Whether `flag` holds on every learner process (a collective when there are several)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.asarray(multihost_utils.process_allgather(np.array([int(flag)], np.int32))).min())
+
+
+def writer_ints(values: list[int]) -> list[int]:
+    """Process 0's `values` on every process (a collective when there are several)."""
+    if jax.process_count() == 1:
+        return list(values)
+    n = int(multihost_utils.broadcast_one_to_all(np.int64(len(values))))
+    padded = np.zeros(max(n, 1), np.int64)
+    if is_writer():
+        padded[: len(values)] = values
+    return [int(v) for v in np.asarray(multihost_utils.broadcast_one_to_all(padded))[:n]]

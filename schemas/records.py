@@ -36,6 +36,7 @@ from typing import Any, ClassVar, TypeVar, Union
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "SHARDED_CHECKPOINT_FORMAT",
     "BatchLogEntry",
     "CommitFile",
     "CommitMarker",
@@ -48,12 +49,18 @@ __all__ = [
     "RecordError",
     "Reservoir",
     "ReservoirFile",
+    "ShardBlock",
+    "TensorIndex",
 ]
 
 R = TypeVar("R", bound="_Fields")
 
 CHECKPOINT_FORMAT = "rlpipe-tree-safetensors-v1"
 """The file format a `CommitMarker` names: one safetensors file per pytree, listed with size and sha256."""
+
+SHARDED_CHECKPOINT_FORMAT = "rlpipe-sharded-safetensors-v2"
+"""Checkpoints written by every learner process: one safetensors file of blocks per process (each listed with
+size and sha256) and, in the marker's `tensors`, each tensor's global shape, dtype and where its blocks lie."""
 
 
 class RecordError(ValueError):
@@ -354,6 +361,27 @@ class CommitFile(_Fields):
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardBlock(_Fields):
+    """One block of a sharded tensor: the half-open box [start, stop) of the global array."""
+
+    file: str
+    """Key of the file in the marker's `files`."""
+    name: str
+    """Tensor name inside that safetensors file."""
+    start: list[int]
+    stop: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorIndex(_Fields):
+    """A sharded checkpoint's tensor: global shape, dtype (numpy name) and disjoint blocks covering it."""
+
+    shape: list[int]
+    dtype: str
+    blocks: list[ShardBlock]
+
+
+@dataclasses.dataclass(frozen=True)
 class CommitMarker(_Record):
     """`policies/step-S/COMMITTED` or `checkpoints/step-S/COMMITTED`, written last, create-if-absent."""
 
@@ -376,12 +404,22 @@ class CommitMarker(_Record):
     """Checkpoints: [first, last] slot consumed by the writing process."""
     loss: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tensors: dict[str, TensorIndex] | None = None
+    """Sharded checkpoints (format `SHARDED_CHECKPOINT_FORMAT`): `<pytree>/<key path>` -> its blocks."""
 
     def _check(self, path: str, prefix: str) -> None:
-        if self.format != CHECKPOINT_FORMAT:
-            raise RecordError(path, "format", f"{self.format!r}, expected {CHECKPOINT_FORMAT!r}")
+        if self.format not in (CHECKPOINT_FORMAT, SHARDED_CHECKPOINT_FORMAT):
+            raise RecordError(
+                path, "format", f"{self.format!r}, expected {CHECKPOINT_FORMAT!r} or {SHARDED_CHECKPOINT_FORMAT!r}"
+            )
         if self.kind not in ("policy", "checkpoint"):
             raise RecordError(path, "kind", f"must be 'policy' or 'checkpoint', got {self.kind!r}")
+        if self.format == SHARDED_CHECKPOINT_FORMAT and (self.kind != "checkpoint" or self.tensors is None):
+            raise RecordError(path, "tensors", "a sharded marker must be a checkpoint with a tensor index")
+        for name, t in (self.tensors or {}).items():
+            for b in t.blocks:
+                if b.file not in self.files or len(b.start) != len(t.shape) or len(b.stop) != len(t.shape):
+                    raise RecordError(path, f"tensors.{name}", f"block {b.name!r} names no file or has the wrong rank")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ Reads:  `batches/log/step-T.json` (commit object; `data_file` names the batch pa
         `schemas.BATCH`), the newest committed `checkpoints/step-S/` on restart, `policies/step-0` (the
         frozen reference model when `loss.kl_coef > 0`), `control/STOP`.
 Writes: `policies/step-S/` (+ COMMITTED, then the LATEST hint) every `policy_interval` steps, at step 0 and
-        at the end; `checkpoints/step-S/` (model + optimizer state as safetensors, COMMITTED last, recording
+        at the end; `checkpoints/step-S/` (model + optimizer state as sharded safetensors, one file per learner
+        process, COMMITTED last, recording
         the batch slot consumed and its lineage) every `checkpoint_interval` steps and at exit;
         `metrics/learner/…`; `control/LEARNER_DONE` once `train.num_train_steps` are trained.
 
@@ -118,10 +119,11 @@ def open_learner(config: LearnerStepConfig) -> Learner:
 def resume(learner: Learner) -> L.LearnerState:
     """Phase 1: the newest checkpoint or a fresh model; policy 0 (or the resumed policy) committed."""
     store, config = learner.store, learner.config
-    state = L.shard_state(L.resume_or_init(store, config, learner.vocab_size, learner.optimizer), learner.mesh)
+    state = L.resume_or_init(store, config, learner.vocab_size, learner.optimizer, learner.mesh)
+    state = L.shard_state(state, learner.mesh)  # a fresh model or an older whole-pytree checkpoint onto the mesh
     learner.lineage_start = state.step + 1
     learner.last_checkpoint = state.step
-    if not store.exists(layout.policy_marker(state.step)):
+    if not mesh_lib.agree_with_writer(store.exists(layout.policy_marker(state.step))):
         L.publish_policy(store, state, config)  # policy 0, or a crash fell between checkpoint S and policy S
     learner.reference = L.load_reference(store, config, learner.vocab_size, learner.loss_module)
     if learner.reference is not None:
@@ -263,7 +265,8 @@ def finish(learner: Learner, state: L.LearnerState, stop_reason: str) -> None:
     if learner.publisher is not None:
         learner.publisher.drain()  # every policy handed off is committed before LEARNER_DONE
     if state.step >= learner.total:
-        L.publish_policy(learner.store, state, learner.config)
+        if not mesh_lib.agree_with_writer(learner.store.exists(layout.policy_marker(state.step))):
+            L.publish_policy(learner.store, state, learner.config)  # not gathered again when already published
         if mesh_lib.is_writer():
             learner.store.put_json_if_absent(layout.LEARNER_DONE, {"step": state.step})
         stop_reason = "num_train_steps"

@@ -3,7 +3,7 @@
 `python -m tests/mesh_run_steps.py OUT.npz DATA FSDP MODEL MICROBATCH [COORDINATOR NUM_PROCESSES PROCESS_ID]`
 Set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting (the device count is fixed at JAX start).
 With MESH_CKPT_ROOT set: MESH_CKPT_MODE=save commits a learner checkpoint of step 2 under that run root (and
-trains on); MESH_CKPT_MODE=resume starts from that checkpoint instead of initialising, and trains slot 3.
+trains on); MESH_CKPT_MODE=resume starts from that (sharded) checkpoint, restored onto this mesh, and trains slot 3.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def main(argv: list[str]) -> None:
         from pipeline.storage import RunStore
 
         store = RunStore(ckpt_root)
-        if mode == "resume":
-            state = L.load_checkpoint(store, 2, config.model, VOCAB, optimizer)
+        if mode == "resume":  # restored straight onto this run's mesh, whatever mesh saved it
+            state = L.load_checkpoint(store, 2, config.model, VOCAB, optimizer, lm)
     state = L.shard_state(state, lm)
     if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:  # FSDP or tensor parallel: parameters really split
         leaves = [x for x in jax.tree_util.tree_leaves(state.model) if isinstance(x, jax.Array)]

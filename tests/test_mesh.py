@@ -3,8 +3,9 @@
 Each case runs `tests/mesh_run_steps.py` (3 optimizer steps on fixed synthetic 32-row batches, f32, CPU) in a
 subprocess, since the number of simulated CPU devices is fixed when JAX starts. Reference: one device, one
 pass per slot. Tolerance: per parameter tensor, ‖a − b‖ / ‖a‖ ≤ 1e-5. Measured on the 2-core CI machine: FSDP×4
-4.7e-8, data 2 × model 2 3.9e-7, microbatches 1.4e-7, two processes 4.7e-8, resumed on another mesh 4.7e-8; the
-same microbatches averaged per microbatch (the wrong normalisation) differ by 4.5e-3, so the tolerance separates.
+4.7e-8, data 2 × model 2 3.9e-7, microbatches 1.4e-7, two processes 4.7e-8, resumed on another mesh 4.7e-8 (2
+devices; resuming on 1 device passes the same tolerance); resumed on the same mesh: bitwise equal; the same
+microbatches averaged per microbatch (the wrong normalisation) differ by 4.5e-3, so the tolerance separates.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def _assert_close(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every mesh case once: reference, FSDP×4 (committing a checkpoint of step 2), data 2 × model 2,
-    microbatches 4×8, the FSDP×4 checkpoint resumed on 2 devices (data 2), two processes × 2 devices."""
+    microbatches 4×8, the FSDP×4 checkpoint (sharded, 4 blocks per FSDP tensor) resumed on 2 devices (data 2), on 1
+    device and on 4 devices (FSDP×4 again: exact replay), two processes × 2 devices."""
     d = tmp_path_factory.mktemp("mesh")
-    names = ("ref", "fsdp4", "dp2tp2", "micro", "resumed", "two_proc")
+    names = ("ref", "fsdp4", "dp2tp2", "micro", "resumed", "resumed1", "replay4", "two_proc")
     out = {name: d / f"{name}.npz" for name in names}
     ckpt = {"MESH_CKPT_ROOT": str(d / "root")}
     # two at a time: the CI machine has 2 cores
@@ -77,6 +79,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         _finish(p)
     procs = [_start(out["dp2tp2"], 4, 2, 1, 2, 0), _start(out["micro"], 1, 1, -1, 1, 8)]
     procs.append(_start(out["resumed"], 2, 2, 1, 1, 0, **ckpt, MESH_CKPT_MODE="resume"))
+    for p in procs:
+        _finish(p)
+    procs = [
+        _start(out[name], n, 1, -1, 1, 0, **ckpt, MESH_CKPT_MODE="resume")
+        for name, n in (("resumed1", 1), ("replay4", 4))
+    ]
     for p in procs:
         _finish(p)
     with socket.socket() as s:
@@ -89,13 +97,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["fsdp4", "dp2tp2", "micro", "resumed", "two_proc"])
+@pytest.mark.parametrize("case", ["fsdp4", "dp2tp2", "micro", "resumed", "resumed1", "two_proc"])
 def test_mesh_shapes_give_the_same_parameters(runs: dict[str, Path], case: str) -> None:
     ref = _params(runs["ref"])
     other = _params(runs[case])
     _assert_close(ref, other)
     # and the steps moved the parameters (the comparison is not of untouched initial weights)
     assert any(np.abs(x).sum() > 0 for x in ref)
+
+
+@pytest.mark.slow
+def test_replay_on_the_same_mesh_is_bitwise(runs: dict[str, Path]) -> None:
+    """FSDP×4's sharded checkpoint of step 2, resumed on the same mesh with the same batch 3: the same bits."""
+    a, b = _params(runs["fsdp4"]), _params(runs["replay4"])
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_batch_not_divisible_by_data_axis_is_refused() -> None:

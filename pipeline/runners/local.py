@@ -87,6 +87,11 @@ class ProcessGroup:
         """Process 0's id."""
         return self._procs[0].pid
 
+    @property
+    def members(self) -> list[LocalProcess]:
+        """The processes, in process-id order."""
+        return list(self._procs)
+
     def poll(self) -> int | None:
         """None while any process runs and none has failed; else the group's exit code."""
         codes = [p.poll() for p in self._procs]

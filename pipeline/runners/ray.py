@@ -3,6 +3,7 @@ step's output goes to its log under the run root and, through Ray's `log_to_driv
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -37,22 +38,13 @@ class RayProcess:
         env: dict[str, str],
         log: LogTarget,
         resources: dict[str, float] | None = None,
+        actor: Any = None,
     ) -> None:
         import ray
 
         self._ray = ray
         self._name = log.step
-        self._actor = (
-            _step_actor()
-            .options(
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                resources=resources or {},
-                max_concurrency=2,
-                max_restarts=0,
-            )
-            .remote()
-        )
+        self._actor = actor if actor is not None else new_actor(num_cpus, num_gpus, resources)
         self._ref = self._actor.run.remote(module, config_yaml, env, log)
         self._rc: int | None = None
 
@@ -91,6 +83,78 @@ class RayProcess:
             self._rc = -signal.SIGKILL
 
 
+def new_actor(num_cpus: float, num_gpus: float, resources: dict[str, float] | None, spread: bool = False) -> Any:
+    """A fresh `StepActor` holding these resources (`spread`: Ray's SPREAD strategy, one per node where it can)."""
+    extra: dict[str, Any] = {"scheduling_strategy": "SPREAD"} if spread else {}
+    return (
+        _step_actor()
+        .options(
+            num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, max_concurrency=2, max_restarts=0, **extra
+        )
+        .remote()
+    )
+
+
+class RayProcessGroup:
+    """One step run as N cooperating Ray actors (a multi-process learner under `jax.distributed`).
+
+    The same contract as the local backend's `ProcessGroup`: ended when every member has; the exit code is the
+    first non-zero one; when one member fails the others are killed at once (they would block in a collective),
+    so the supervisor restarts the whole group."""
+
+    def __init__(self, members: list[RayProcess]) -> None:
+        self.members = members
+
+    @property
+    def pid(self) -> int | None:
+        """None: the processes run on Ray workers."""
+        return None
+
+    def poll(self) -> int | None:
+        """None while any member runs and none has failed; else the group's exit code."""
+        codes = [m.poll() for m in self.members]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for m in self.members:
+                m.kill()
+            return failed[0]
+        return None if any(c is None for c in codes) else 0
+
+    def terminate(self) -> None:
+        """SIGTERM every member's step program."""
+        for m in self.members:
+            m.terminate()
+
+    def kill(self) -> None:
+        """Kill every member at once."""
+        for m in self.members:
+            m.kill()
+
+
+def start_ray_group(spec: StepSpec, log: LogTarget, config_yaml: str, cpus: float, gpus: float,
+                    node: dict[str, float], base_env: dict[str, str]) -> RayProcessGroup:  # fmt: skip
+    """`spec.processes` actors, one per node where the cluster has enough (SPREAD), each with the step's resources;
+    member 0's node serves the `jax.distributed` coordinator on a port free there, and every member gets
+    `RLPIPE_COORDINATOR`, `RLPIPE_NUM_PROCESSES`, `RLPIPE_PROCESS_ID` (logs: `<attempt>.p<i>.log` for i > 0)."""
+    import ray
+
+    actors = [new_actor(cpus, gpus, node, spread=True) for _ in range(spec.processes)]
+    coordinator = ray.get(actors[0].coordinator_address.remote())
+    members = []
+    for i, actor in enumerate(actors):
+        target = log if i == 0 else dataclasses.replace(log, attempt=f"{log.attempt}.p{i}")
+        env = {
+            **base_env,
+            "RLPIPE_ATTEMPT": target.attempt,
+            "RLPIPE_COORDINATOR": coordinator,
+            "RLPIPE_NUM_PROCESSES": str(spec.processes),
+            "RLPIPE_PROCESS_ID": str(i),
+        }
+        members.append(RayProcess(spec.module, config_yaml, cpus, gpus, env, target, node, actor=actor))
+    logger.info("%s: %d processes, coordinator %s", spec.name, spec.processes, coordinator)
+    return RayProcessGroup(members)
+
+
 class StepActor:
     """Runs one step program on a Ray worker: `run` (to completion, output into the step's log under the run
     root and onto this worker's stdout, which Ray forwards to the driver) and `stop` (a signal to it)."""
@@ -122,6 +186,17 @@ class StepActor:
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
             step_log.close()
+
+    def coordinator_address(self) -> str:
+        """host:port on this actor's node, the port free there now (for a `jax.distributed` coordinator)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return f"{ray.util.get_node_ip_address()}:{port}"
 
     def stop(self, signum: int) -> None:
         """Send `signum` to the step program if it runs."""
@@ -180,13 +255,16 @@ class RayLauncher:
 
     def prepare(self, steps: Sequence[StepSpec]) -> None:
         """Connect to the cluster and refuse resources it cannot hold for every step at once."""
-        res = [self.config.resources.for_kind(s.kind) for s in steps]
+        res = [(c * s.processes, g * s.processes) for s in steps for c, g in [self.config.resources.for_kind(s.kind)]]
         init_ray(self.config.address, sum(c for c, _ in res), sum(g for _, g in res))
 
     def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
-        """Start the step's program in a Ray actor; its output goes to `log` and to the driver."""
+        """Start the step's program in a Ray actor (a learner of `processes` > 1: one actor per process, see
+        `RayProcessGroup`); its output goes to `log` and to the driver."""
         cpus, gpus = self.config.resources.for_kind(spec.kind)
         config_yaml = Path(spec.config_path).read_text()
         node = self.config.resources.node_resources(spec.kind)
         env = {"RLPIPE_STEP": spec.name, "RLPIPE_ATTEMPT": log.attempt}
+        if spec.processes > 1:
+            return start_ray_group(spec, log, config_yaml, cpus, gpus, node, env)
         return RayProcess(spec.module, config_yaml, cpus, gpus, env, log, node)
