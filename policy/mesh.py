@@ -101,9 +101,21 @@ def build_mesh(cfg: MeshConfig, devices: int | None = None) -> LearnerMesh:
 
 
 def shard_params(tree: Any, lm: LearnerMesh) -> Any:
-    """`tree` (model or optimizer state) placed on the mesh per the parameter mapping (FSDP over "embed")."""
+    """`tree` (model or optimizer state) placed on the mesh per the parameter mapping (FSDP over "embed"); plain
+    (unnamed) arrays such as the optimizer's step counts replicated over the mesh.
+
+    The train step returns those counts replicated on the mesh, so an input left on one device would give the
+    first call a different signature from every later one and compile the train step twice."""
     with lm.active():
-        return hax.shard(tree, lm.param_mapping)
+        sharded = hax.shard(tree, lm.param_mapping)
+    replicated = NamedSharding(lm.mesh, PartitionSpec())
+
+    def place(x: Any) -> Any:
+        if isinstance(x, hax.NamedArray) or not isinstance(x, jax.Array) or isinstance(x.sharding, NamedSharding):
+            return x
+        return jax.device_put(x, replicated)
+
+    return jax.tree.map(place, sharded, is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
 
 def process_rows(batch_size: int) -> tuple[int, int]:

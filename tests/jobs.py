@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import draccus
@@ -28,6 +29,14 @@ def job_config(tmp_path: Path, run_root: str, storage_options: dict | None = Non
     path = tmp_path / "job.yaml"
     path.write_text(draccus.dump(cfg))
     return path
+
+
+@dataclass(frozen=True)
+class FinishedJob:
+    """A job that ran to the end: its local run root and the runner's completed process (stdout, stderr)."""
+
+    root: Path
+    proc: subprocess.CompletedProcess[str]
 
 
 def run_job(config_path: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from jobs import check_finished_run, job_config, run_job
+from jobs import FinishedJob, check_finished_run, job_config, run_job
 
 from pipeline import layout
 from pipeline.storage import RunStore
@@ -35,14 +35,12 @@ def check_progress_lines(output: str, num_steps: int) -> None:
 
 
 @pytest.mark.slow
-def test_job_runs_end_to_end_on_local_run_root(tmp_path: Path) -> None:
-    run_root = tmp_path / "run"
-    proc = run_job(job_config(tmp_path, str(run_root)))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    store = RunStore(str(run_root))
+def test_job_runs_end_to_end_on_local_run_root(default_job: FinishedJob) -> None:
+    """The test job as configs/test_cats.yaml has it (the session's `default_job`, run by `python -m steps.run`)."""
+    store = RunStore(str(default_job.root))
     check_finished_run(store, num_steps=6, max_lag=1)
-    check_step_logs(store, proc.stderr, 6)
-    check_progress_lines(proc.stderr, 6)
+    check_step_logs(store, default_job.proc.stderr, 6)
+    check_progress_lines(default_job.proc.stderr, 6)
 
 
 @pytest.mark.slow

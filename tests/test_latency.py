@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from jobs import job_config, run_job
+from jobs import FinishedJob
 
 from pipeline import layout
 from pipeline.hops import EVENTS, HOPS, step_hops
@@ -102,13 +102,10 @@ def test_poll_until_with_the_stores_waker_sees_a_file_written_by_another_thread(
 NUM_STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def finished_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("latency")
-    root = tmp / "run"
-    proc = run_job(job_config(tmp, str(root)))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return root
+@pytest.fixture
+def finished_job(default_job: FinishedJob) -> Path:
+    """The run root of the session's test job (configs/test_cats.yaml: 6 learner steps); read only."""
+    return default_job.root
 
 
 def _records(root: Path, kind: str) -> list[dict]:

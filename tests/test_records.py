@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import job_config, run_job
+from jobs import FinishedJob
 from log_entries import log_entry
 
 from pipeline import layout
@@ -211,14 +211,13 @@ def test_a_bad_ready_marker_quarantines_its_data_file(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ a short real job
-@pytest.fixture(scope="module")
-def job_root(tmp_path_factory: pytest.TempPathFactory) -> RunStore:
-    tmp = tmp_path_factory.mktemp("records-job")
-    root = tmp / "run"
-    cfg = job_config(tmp, str(root), **{"train.num_train_steps": "3", "curriculum.eval_frequency": "3"})
-    proc = run_job(cfg)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return RunStore(str(root))
+JOB_STEPS = 6  # the session's test job (configs/test_cats.yaml)
+
+
+@pytest.fixture
+def job_root(default_job: FinishedJob) -> RunStore:
+    """The run root of the session's test job (shared with other files: read only)."""
+    return RunStore(str(default_job.root))
 
 
 def _all_files(store: RunStore, folder: str = "") -> list[str]:
@@ -251,8 +250,8 @@ def test_every_record_a_job_writes_validates(job_root: RunStore) -> None:
         assert json.loads(data)["version"] == cls.VERSION, f"{rel} was written without its version"
         by_type[cls].append((rel, record))
     counts = {cls.__name__: len(v) for cls, v in by_type.items()}
-    assert counts["BatchLogEntry"] == 3 and counts["LatestPointer"] == 1, counts
-    assert counts["ReadyMarker"] > 0 and counts["CommitMarker"] >= 4, counts  # policies 0..3 and checkpoints
+    assert counts["BatchLogEntry"] == JOB_STEPS and counts["LatestPointer"] == 1, counts
+    assert counts["ReadyMarker"] > 0 and counts["CommitMarker"] >= JOB_STEPS + 1, counts  # policies 0..6, checkpoints
     for rel, entry in by_type[BatchLogEntry]:
         assert layout.batch_log_entry(entry.slot) == rel and store.exists(entry.data_file)
         assert entry.cursor.version == Cursor.VERSION and entry.rows > 0
@@ -264,4 +263,4 @@ def test_every_record_a_job_writes_validates(job_root: RunStore) -> None:
         folder = rel.rsplit("/", 1)[0]
         assert layout.parse_step(folder) == m.step and m.files
     (_, latest), = by_type[LatestPointer]  # fmt: skip
-    assert latest.step == 3
+    assert latest.step == JOB_STEPS

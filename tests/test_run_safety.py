@@ -20,13 +20,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import draccus
 import pytest
 from gcs_emulator import GcsEmulator, _free_port
-from jobs import job_config, run_job
+from jobs import FinishedJob
 
 from pipeline import layout
 from pipeline.job import RLJob, RLJobConfig, run_record
@@ -175,13 +174,10 @@ def test_demo_refuses_an_existing_run_root_unless_fresh(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    tmp = tmp_path_factory.mktemp("safety")
-    run_root = tmp / "run"
-    proc = run_job(job_config(tmp, str(run_root), evaluator="false"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    yield run_root
+@pytest.fixture
+def finished_run(default_job: FinishedJob) -> Path:
+    """The run root of the session's test job (shared with other files: read only, copy it to change it)."""
+    return default_job.root
 
 
 def learner_yaml(run_root: Path, path: Path) -> Path:
@@ -219,21 +215,22 @@ def test_replay_of_the_last_slots_is_bitwise_equal(finished_run: Path, tmp_path:
 
 @pytest.mark.slow
 def test_drifted_job_field_is_refused_unless_allowed(finished_run: Path, tmp_path: Path) -> None:
-    run_json = (finished_run / "run.json").read_bytes()
+    # on a copy of the finished run (the shared one stays as the job left it for the other tests)
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_run, copy)
+    run_json = (copy / "run.json").read_bytes()
     via_run = cli(
-        "-m", "steps.run", "step", "learn", "--config_path", str(TEST_CONFIG), "--run_root", str(finished_run),
+        "-m", "steps.run", "step", "learn", "--config_path", str(TEST_CONFIG), "--run_root", str(copy),
         "--optimizer.learning_rate", "0.5", "--max_steps", "1",
     )  # fmt: skip
-    direct_yaml = learner_yaml(finished_run, tmp_path / "learner.yaml")
+    direct_yaml = learner_yaml(copy, tmp_path / "learner.yaml")
     direct = cli("-m", "steps.learn", "--config_path", str(direct_yaml), "--optimizer.learning_rate", "0.5")
     for proc in (via_run, direct):
         assert proc.returncode == 2, proc.stderr[-4000:]
         (line,) = error_lines(proc)
         assert "optimizer.learning_rate=0.5" in line and "0.003" in line and "--allow_config_change" in line
-    assert (finished_run / "run.json").read_bytes() == run_json
-    # allowed on a copy of the run: the learner starts (nothing left to train) and run.json records the change
-    copy = tmp_path / "copy"
-    shutil.copytree(finished_run, copy)
+    assert (copy / "run.json").read_bytes() == run_json
+    # allowed: the learner starts (nothing left to train) and run.json records the change
     allowed = cli(
         "-m", "steps.learn", "--config_path", str(learner_yaml(copy, tmp_path / "copy.yaml")),
         "--optimizer.learning_rate", "0.5", "--allow_config_change", "true",
