@@ -1,4 +1,5 @@
-"""The model side shared by the learner, rollout and evaluation steps (levanter Llama / Qwen3).
+"""The model side shared by the learner, rollout and evaluation steps (levanter Llama, Qwen2/2.5, Qwen3,
+Mistral, Gemma: `FAMILIES`).
 
 Reads: an optional Hugging Face checkpoint folder (local or gs://) named by `ModelSpec.hf_checkpoint`;
 committed policies `policies/step-S/` of a run root.
@@ -36,12 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from levanter.layers.attention import AttentionBackend, AttentionMask
+from levanter.models.gemma import GemmaConfig
 from levanter.models.llama import LlamaConfig
 from levanter.models.lm_model import LmHeadModel
-from levanter.models.qwen import Qwen3Config
+from levanter.models.mistral import MistralConfig
+from levanter.models.qwen import Qwen3Config, QwenConfig
 
 from pipeline import layout, run_state
-from pipeline.config import ModelSpec
+from pipeline.config import ConfigError, ModelSpec
 from policy import checkpoints as ckpt
 from schemas.records import CommitMarker, LatestPointer, RecordError
 
@@ -51,7 +54,26 @@ BATCH_AXIS = "batch"
 POS_AXIS = "position"
 POLICY_WEIGHTS = "weights"
 
-_FAMILIES: dict[str, type[LlamaConfig]] = {"llama": LlamaConfig, "qwen3": Qwen3Config}
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family (`model.family`): its levanter config class and its Hugging Face names."""
+
+    config_class: type
+    hf_config: str
+    """The transformers config class name."""
+    architecture: str
+    """config.json `architectures` of an export."""
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(LlamaConfig, "LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": Family(QwenConfig, "Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": Family(Qwen3Config, "Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": Family(MistralConfig, "MistralConfig", "MistralForCausalLM"),
+    "gemma": Family(GemmaConfig, "GemmaConfig", "GemmaForCausalLM"),
+}
+"""Every `pipeline.config.MODEL_FAMILIES` entry (Qwen2 and Qwen2.5 are both `qwen2`)."""
 
 
 class PolicyNotFoundError(FileNotFoundError):
@@ -70,18 +92,61 @@ def _attn_backend(spec: ModelSpec) -> AttentionBackend | None:
 
 
 def _hf_converter(spec: ModelSpec, ref: str, tokenizer: Any = None) -> Any:
+    import transformers
     from levanter.compat.hf_checkpoints import HFCheckpointConverter
-    from transformers import LlamaConfig as HfLlamaConfig
-    from transformers import Qwen3Config as HfQwen3Config
 
-    hf_cls = {"llama": HfLlamaConfig, "qwen3": HfQwen3Config}[spec.family]
+    family = FAMILIES[spec.family]
     if tokenizer is None:
         from pipeline.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(spec.tokenizer)
     return HFCheckpointConverter(
-        _FAMILIES[spec.family], reference_checkpoint=ref, HfConfigClass=hf_cls, tokenizer=tokenizer
+        family.config_class,
+        reference_checkpoint=ref,
+        HfConfigClass=getattr(transformers, family.hf_config),
+        tokenizer=tokenizer,
     )
+
+
+HF_CACHE_ENV = "RLPIPE_HF_CACHE"
+"""Where remote `model.hf_checkpoint` folders are copied (default: `<tmp>/rlpipe-hf`), one folder per URL."""
+
+
+def local_hf_folder(ref: str) -> str:
+    """A local folder holding the Hugging Face checkpoint `ref` (a local path, or any fsspec URL such as gs://).
+
+    A remote folder is copied once (file by file, into a temporary folder renamed into place when complete, so a
+    half-copied folder is never used) under `$RLPIPE_HF_CACHE` and reused by later calls; a local one is returned
+    as is. Credentials and endpoints are fsspec's defaults (for gs://, `STORAGE_EMULATOR_HOST` selects an
+    emulator)."""
+    if "://" not in ref or ref.startswith("file://"):
+        return ref.removeprefix("file://")
+    import hashlib
+
+    cache = os.environ.get(HF_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "rlpipe-hf")
+    dest = os.path.join(cache, hashlib.sha256(ref.rstrip("/").encode()).hexdigest()[:24])
+    if os.path.exists(os.path.join(dest, "config.json")):
+        return dest
+    fs, base = fsspec.core.url_to_fs(ref)
+    try:
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(base.rstrip("/"), detail=False)]
+    except FileNotFoundError:
+        names = []
+    if "config.json" not in names:
+        raise FileNotFoundError(f"model.hf_checkpoint={ref}: no config.json in that folder")
+    os.makedirs(cache, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=cache, prefix=".partial-")
+    for name in names:
+        if fs.isfile(f"{base.rstrip('/')}/{name}"):
+            fs.get_file(f"{base.rstrip('/')}/{name}", os.path.join(tmp, name))
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another process finished the same copy first: use its folder
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("copied HF checkpoint %s to %s", ref, dest)
+    return dest
 
 
 def _host_mesh() -> Any:
@@ -91,7 +156,7 @@ def _host_mesh() -> Any:
     return jax.set_mesh(Mesh(np.array(jax.devices()), ("data",)))
 
 
-def levanter_config(spec: ModelSpec) -> LlamaConfig:
+def levanter_config(spec: ModelSpec) -> Any:
     """The levanter config for `spec`.
 
     From scratch: the spec's sizes. From an HF folder: the folder's config.json (the spec's
@@ -104,22 +169,34 @@ def levanter_config(spec: ModelSpec) -> LlamaConfig:
         gradient_checkpointing=spec.gradient_checkpointing,
         scan_layers=True,
     )
-    cls = _FAMILIES[spec.family]
+    cls = FAMILIES[spec.family].config_class
     if spec.hf_checkpoint:
         from transformers import AutoConfig
 
-        hf_cfg = AutoConfig.from_pretrained(spec.hf_checkpoint)
+        hf_cfg = AutoConfig.from_pretrained(local_hf_folder(spec.hf_checkpoint))
+        if getattr(hf_cfg, "model_type", spec.family) != spec.family:
+            raise ConfigError(
+                "model.family",
+                spec.family,
+                f"model.hf_checkpoint={spec.hf_checkpoint} is a {hf_cfg.model_type!r} checkpoint",
+            )
+        if spec.family == "qwen2" and not hasattr(hf_cfg, "no_bias"):
+            hf_cfg.no_bias = True  # levanter reads it for the MLP (none in Qwen2; q/k/v biases are always on)
         base = cls.from_hf_config(hf_cfg)
         return dataclasses.replace(base, **common)
-    return cls(
+    sizes: dict[str, Any] = dict(
         hidden_dim=spec.hidden_dim,
         intermediate_dim=spec.intermediate_dim,
         num_layers=spec.num_layers,
         num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads,
-        tokenizer=None,
-        **common,
     )
+    field_names = {f.name for f in dataclasses.fields(cls)}
+    if "tokenizer" in field_names:
+        sizes["tokenizer"] = None
+    if "head_dim" in field_names:  # Gemma's default head size is 256, not hidden / heads
+        sizes["head_dim"] = spec.hidden_dim // spec.num_heads
+    return cls(**sizes, **common)
 
 
 def build_model(spec: ModelSpec, vocab_size: int, key: jax.Array | None = None) -> LmHeadModel:
@@ -132,11 +209,12 @@ def build_model(spec: ModelSpec, vocab_size: int, key: jax.Array | None = None) 
     config = levanter_config(spec)
     Vocab = hax.Axis("vocab", vocab_size)
     if spec.hf_checkpoint:
-        converter = _hf_converter(spec, spec.hf_checkpoint)
+        folder = local_hf_folder(spec.hf_checkpoint)
+        converter = _hf_converter(spec, folder)
         with _host_mesh():
             model = converter.load_pretrained(
                 config.model_type,
-                ref=spec.hf_checkpoint,
+                ref=folder,
                 config=config,
                 resize_vocab_to_match_tokenizer=False,
                 dtype=jnp.float32,
@@ -422,7 +500,7 @@ def _write_hf_folder(model: LmHeadModel, out: str, tokenizer: Any, family: str, 
     from pipeline.tokenizer import save_for_export
 
     hf_config = model.config.to_hf_config(model.Vocab.size)
-    hf_config.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]]
+    hf_config.architectures = [FAMILIES[family].architecture]
     hf_config.save_pretrained(ref_dir)
     converter = _hf_converter(ModelSpec(family=family), ref_dir, tokenizer=tokenizer)
     with _host_mesh():

@@ -12,7 +12,8 @@ from pipeline.config.base import require
 # model, tokenizer, inference
 # ---------------------------------------------------------------------------------------
 
-MODEL_FAMILIES = ("llama", "qwen3")
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+"""levanter decoder families (`model.family`); `qwen2` also covers Qwen2.5 checkpoints."""
 SHAPE_FIELDS = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads")
 """The fields a `model.hf_checkpoint`'s own config.json decides (given with one, they would be ignored)."""
 DTYPES = ("float32", "fp32", "bfloat16", "float16")
@@ -23,6 +24,8 @@ class ModelSpec:
     """A levanter decoder, built from scratch (tiny configs) or loaded from an HF folder."""
 
     family: str = "llama"
+    """The decoder architecture: llama, qwen2 (Qwen2 and Qwen2.5), qwen3, mistral or gemma; with
+    `hf_checkpoint` it must match the checkpoint's config.json."""
     hidden_dim: int = 64
     intermediate_dim: int = 128
     num_layers: int = 2
