@@ -403,7 +403,8 @@ def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, 
     """The frozen reference model (policy 0, the initial weights) if the loss needs one; else None (never built)."""
     if not module.needs_reference:
         return None
-    return module.build(M.load_policy(store, 0, config.model, vocab_size))
+    # policy 0 may be published in a lower dtype (model.publish_dtype): the reference computes in param_dtype
+    return module.build(M.cast_params(M.load_policy(store, 0, config.model, vocab_size), config.model.param_dtype))
 
 
 def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConfig) -> None:
@@ -418,6 +419,7 @@ def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConf
         state.step,
         model,
         {"batch_slot": state.step, "tokenizer": config.model.tokenizer, "seq_len": config.train.seq_len},
+        dtype=M.publish_dtype(config.model.publish_dtype),
     )
 
 

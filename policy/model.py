@@ -10,7 +10,7 @@ API (stable; other steps call these):
 
     build_model(spec, vocab_size, key=None) -> LmHeadModel        # from scratch (seeded) or from HF
     save_policy(store, step, model, extra=None) -> bool            # commit policies/step-S
-    load_policy(store, step, spec, vocab_size) -> LmHeadModel      # verified against the marker
+    load_policy(store, step, spec, vocab_size) -> LmHeadModel      # verified against the marker, in its stored dtype
     latest_policy_step(store) -> int | None                        # listing is the truth
     teacher_forced_logprobs(model, tokens, *, segment_ids, position_ids, temperature) -> [B, S] float32
     export_hf(model, out_dir, tokenizer)                           # transformers-loadable folder
@@ -251,10 +251,27 @@ def count_params(model: Any) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def save_policy(store: Any, step: int, model: LmHeadModel, extra: dict[str, Any] | None = None) -> bool:
+def publish_dtype(name: str) -> str:
+    """The dtype policies are published in for `model.publish_dtype` = `name`: `auto` is bfloat16 when JAX runs
+    on an accelerator (GPU, TPU) and float32 on CPU; any other value is itself (`fp32` read as float32)."""
+    if name == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return "float32" if name == "fp32" else name
+
+
+def cast_params(model: Any, dtype: str) -> Any:
+    """`model` with every floating array leaf cast to `dtype` (other leaves unchanged)."""
+    dt = jnp.dtype("float32" if dtype == "fp32" else dtype)
+    return jax.tree_util.tree_map(lambda x: x.astype(dt) if eqx.is_inexact_array(x) else x, model)
+
+
+def save_policy(
+    store: Any, step: int, model: LmHeadModel, extra: dict[str, Any] | None = None, dtype: str | None = None
+) -> bool:
     """Commit `model` as policy `step`: weights file, then COMMITTED (last), then the LATEST hint.
 
-    `extra` goes into the marker (the learner records `batch_slot`, `tokenizer`, `seq_len`).
+    `extra` goes into the marker (the learner records `batch_slot`, `tokenizer`, `seq_len`). With `dtype`,
+    floating weights are written in that dtype (the marker records it as `dtype`; `load_policy` reads it).
     Returns False (and writes nothing new) if policy `step` was already committed: a committed policy
     is never replaced. LATEST only moves forward.
     """
@@ -262,6 +279,9 @@ def save_policy(store: Any, step: int, model: LmHeadModel, extra: dict[str, Any]
     if store.exists(layout.policy_marker(step)):
         logger.info("policy %d already committed", step)
         return False
+    if dtype is not None and dtype not in ("float32", "fp32"):
+        model = cast_params(model, dtype)
+        extra = {**(extra or {}), "dtype": str(jnp.dtype(dtype))}
     meta = {"step": step, "vocab_size": int(model.Vocab.size), "kind": "policy", **(extra or {})}
     created = ckpt.write_committed(store, folder, {POLICY_WEIGHTS: ckpt.tree_to_safetensors(model)}, meta)
     _advance_latest(store, step)
@@ -290,7 +310,14 @@ def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHe
     if record.vocab_size != vocab_size:
         raise ckpt.CheckpointError(f"{folder}: committed with vocab_size={record.vocab_size}, expected {vocab_size}")
     data = ckpt.read_blob(store, folder, record, POLICY_WEIGHTS)
-    return ckpt.tree_from_safetensors(model_template(spec, vocab_size), data, source=folder)
+    template = model_template(spec, vocab_size)
+    stored = record.extra.get("dtype")
+    if isinstance(stored, str):  # published in the sampler's dtype (e.g. bfloat16): loaded as stored
+        dt = jnp.dtype(stored)
+        template = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, template
+        )
+    return ckpt.tree_from_safetensors(template, data, source=folder)
 
 
 def policy_metadata(store: Any, step: int) -> CommitMarker:

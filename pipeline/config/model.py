@@ -41,6 +41,10 @@ class ModelSpec:
     """Activation dtype: float32 on CPU, bfloat16 on GPU and TPU (parameters are cast for the forward pass)."""
     param_dtype: str = "float32"
     """Master-weight and optimizer-state dtype (float32 keeps mixed-precision training exact enough to learn)."""
+    publish_dtype: str = "auto"
+    """Dtype of the weights of published policies (what samplers load): `auto` is bfloat16 when the learner runs
+    on an accelerator and float32 on CPU; or float32, bfloat16, float16. Checkpoints keep param_dtype; a KL
+    reference model read from policy 0 is cast back to param_dtype (from bfloat16 weights when published so)."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass (levanter's remat) to save memory."""
     logprob_block_size: int | None = None
@@ -53,6 +57,12 @@ class ModelSpec:
         for name in ("compute_dtype", "param_dtype"):
             value = getattr(self, name)
             require(value in DTYPES, f"model.{name}", value, f"one of {DTYPES}")
+        require(
+            self.publish_dtype in ("auto", *DTYPES),
+            "model.publish_dtype",
+            self.publish_dtype,
+            f"one of {('auto', *DTYPES)}",
+        )
         require(
             self.logprob_block_size is None or self.logprob_block_size >= 1,
             "model.logprob_block_size",
