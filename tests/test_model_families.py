@@ -16,7 +16,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 jax = pytest.importorskip("jax")
 
-from pipeline.config import ConfigError, LearnerStepConfig, ModelSpec, OptimizerSpec, TrainParams  # noqa: E402
+from pipeline.config import (  # noqa: E402
+    ConfigError,
+    DenseInferenceConfig,
+    LearnerStepConfig,
+    ModelSpec,
+    OptimizerSpec,
+    TrainParams,
+)
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 from policy import learner as L  # noqa: E402
 from policy import mesh as mesh_lib  # noqa: E402
@@ -93,6 +100,22 @@ def test_family_round_trip(family: str, tmp_path: Path) -> None:
     ours = np.asarray(M.forward_logits(trained, TOKENS))
     np.testing.assert_allclose(ours, hf_logits(reloaded, TOKENS), atol=ATOL)
     assert np.abs(ours - hf_logits(hf, TOKENS)).max() > 10 * ATOL  # the export holds the trained weights
+
+    # the dense sampler: the family's logprobs as teacher-forced (Gemma is refused by name)
+    from pipeline.environments.generation import GenerationRequest
+    from policy.inference import make_backend
+    from policy.inference.dense_params import UnsupportedModelError
+
+    dense = DenseInferenceConfig(max_seqs=2)
+    if family == "gemma":
+        with pytest.raises(UnsupportedModelError, match="Gemma"):
+            make_backend(dense, trained, load_tokenizer(spec.tokenizer), SEQ, fast_compile=True)
+        return
+    backend = make_backend(dense, trained, load_tokenizer(spec.tokenizer), SEQ, fast_compile=True)
+    prompt = [1, 40, 41, 42]
+    (group,) = backend.generate(GenerationRequest([prompt], n=1, temperature=1.0, max_tokens=6, stop_tokens=[], seed=3))
+    tf = np.asarray(M.teacher_forced_logprobs(trained, prompt + group[0].tokens))[len(prompt) :]
+    np.testing.assert_allclose(np.asarray(group[0].logprobs), tf, atol=1e-4)
 
 
 def test_hf_checkpoint_from_gs(tmp_path: Path, gcs_endpoint: object, monkeypatch: pytest.MonkeyPatch) -> None:
