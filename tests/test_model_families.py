@@ -25,6 +25,7 @@ from pipeline.config import (  # noqa: E402
     TrainParams,
 )
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from policy import families  # noqa: E402
 from policy import learner as L  # noqa: E402
 from policy import mesh as mesh_lib  # noqa: E402
 from policy import model as M  # noqa: E402
@@ -128,7 +129,7 @@ def test_hf_checkpoint_from_gs(tmp_path: Path, gcs_endpoint: object, monkeypatch
     for f in (tmp_path / "hf").iterdir():
         fs.put_file(str(f), f"{url}/{f.name}")
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", emu.endpoint)  # type: ignore[attr-defined]
-    monkeypatch.setenv(M.HF_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(families.HF_CACHE_ENV, str(tmp_path / "cache"))
 
     local = M.build_model(ModelSpec(family="qwen2", hf_checkpoint=str(tmp_path / "hf"), max_seq_len=SEQ), VOCAB)
     remote = M.build_model(ModelSpec(family="qwen2", hf_checkpoint=url, max_seq_len=SEQ), VOCAB)
@@ -137,6 +138,6 @@ def test_hf_checkpoint_from_gs(tmp_path: Path, gcs_endpoint: object, monkeypatch
     assert len(list((tmp_path / "cache").iterdir())) == 1  # copied once, into one complete folder
 
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
-        M.local_hf_folder(f"gs://{emu.bucket}/models/{tmp_path.name}/nothing-here")  # type: ignore[attr-defined]
+        families.local_hf_folder(f"gs://{emu.bucket}/models/{tmp_path.name}/nothing-here")  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match=r"model.family='llama'.*'qwen2' checkpoint"):
         M.build_model(ModelSpec(family="llama", hf_checkpoint=url, max_seq_len=SEQ), VOCAB)
