@@ -3,8 +3,8 @@ loss and the gradient of the whole slot in one pass, for every loss module with 
 sequence-level aggregation, TIS, and the overlong filter (some responses truncated).
 
 Tolerance: relative, 1e-5 on the loss and on the gradient's global norm of the difference (‖g₄ₓ₈ − g₃₂‖ / ‖g₃₂‖),
-float32 on CPU. The wrong normalisation (each microbatch's own mean, averaged) is checked to miss it by far, so
-the comparison can fail."""
+float32 on CPU. Measured on the 2-core CI machine: loss ≤ 1.4e-7, gradient ≤ 8.8e-7 for every case; the wrong
+normalisation (each microbatch's own mean, averaged) misses the loss by 6.6e-3, so the comparison can fail."""
 
 from __future__ import annotations
 
@@ -33,11 +33,9 @@ RTOL = 1e-5
 KL = 0.1
 CONFIGS: dict[str, LossConfig] = {
     "rloo": RLOOLossConfig(kl_coef=KL),
-    "rloo-sequence": RLOOLossConfig(kl_coef=KL, aggregation="sequence", overlong_filter=True),
-    "rloo-tis": RLOOLossConfig(kl_coef=KL, tis_cap=2.0),
+    "rloo-sequence-tis": RLOOLossConfig(kl_coef=KL, aggregation="sequence", tis_cap=2.0, overlong_filter=True),
     "ppo": PPOClipLossConfig(kl_coef=KL, kl_estimator="k2"),
     "gspo": GSPOLossConfig(kl_coef=KL, overlong_filter=True),
-    "cispo": CISPOLossConfig(kl_coef=KL),
     "cispo-sequence": CISPOLossConfig(kl_coef=KL, kl_estimator="k1", aggregation="sequence"),
 }
 
@@ -76,6 +74,7 @@ def test_four_microbatches_of_eight_equal_one_batch_of_32(name: str, models: tup
     assert abs(float(m1["kl"])) > 1e-3, "the KL term must be on for this comparison"
     assert abs(loss4 - loss1) <= RTOL * abs(loss1), (loss1, loss4)
     rel = _rel(g1, g4)
+    print(f"{name}: loss rel {abs(loss4 - loss1) / abs(loss1):.2e}, grad rel {rel:.2e}")
     assert rel <= RTOL, f"{name}: relative gradient difference {rel:.3g}"
     assert float(m4["loss_tokens"]) == float(m1["loss_tokens"])
 
@@ -90,4 +89,5 @@ def test_per_microbatch_means_would_fail_the_tolerance(models: tuple) -> None:
     pieces = [sharding.microbatch(batch, i, 4) for i in range(4)]
     naive = sum(float(loss_fn(policy, reference, p)[0]) for p in pieces) / 4
     whole, _, _ = _loss_and_grads(cfg, models, 1)
+    print(f"naive per-microbatch means: loss rel {abs(naive - whole) / abs(whole):.2e}")
     assert abs(naive - whole) > 100 * RTOL * abs(whole), (naive, whole)
