@@ -31,7 +31,8 @@ from typing import Any, Protocol, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load as st_load
+from safetensors.numpy import _getdtype as _st_load_numpy_dtype
+from safetensors.numpy import load as _st_load_numpy
 from safetensors.numpy import save as st_save
 
 from pipeline import layout, run_state
@@ -59,6 +60,21 @@ class _Store(Protocol):
     def list(self, rel: str) -> list[str]: ...
 
     def delete(self, rel: str) -> None: ...
+
+
+def st_load(data: bytes) -> dict[str, Any]:
+    """safetensors bytes -> numpy arrays by name, bfloat16 tensors included (published policies may be bf16)."""
+    try:
+        return _st_load_numpy(data)
+    except KeyError:  # a dtype safetensors' numpy loader lacks (BF16): read the raw tensors
+        import ml_dtypes
+        from safetensors import deserialize
+
+        out = {}
+        for name, t in deserialize(data):
+            dtype = ml_dtypes.bfloat16 if t["dtype"] == "BF16" else _st_load_numpy_dtype(t["dtype"])
+            out[name] = np.frombuffer(bytes(t["data"]), dtype=dtype).reshape(t["shape"])
+        return out
 
 
 def _is_array_leaf(x: Any) -> bool:

@@ -57,8 +57,14 @@ class BatchMismatchError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-def learning_rate_schedule(spec: OptimizerSpec, num_train_steps: int) -> optax.Schedule:
-    """Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio · lr` at num_train_steps."""
+def learning_rate_schedule(spec: OptimizerSpec, num_train_steps: int, updates_per_slot: int = 1) -> optax.Schedule:
+    """Linear warmup from 0 over `warmup_steps`, then cosine decay to `min_lr_ratio · lr` at num_train_steps.
+
+    Counted in learner steps (batch slots): with `updates_per_slot` optimizer updates per slot, update u runs at
+    the rate of step u // updates_per_slot, so every update of one slot has the same rate."""
+    if updates_per_slot > 1:
+        per_slot = learning_rate_schedule(spec, num_train_steps)
+        return lambda count: per_slot(count // updates_per_slot)
     decay_steps = max(num_train_steps - spec.warmup_steps, 1)
     if not spec.warmup_steps:  # the same values; optax logs a note at every build of a zero-length warmup
         return optax.cosine_decay_schedule(spec.learning_rate, decay_steps, alpha=spec.min_lr_ratio)
@@ -71,14 +77,17 @@ def learning_rate_schedule(spec: OptimizerSpec, num_train_steps: int) -> optax.S
     )
 
 
-def build_optimizer(spec: OptimizerSpec, num_train_steps: int) -> optax.GradientTransformation:
-    """Global-norm clipping (if `max_grad_norm`) then AdamW on every parameter."""
+def build_optimizer(
+    spec: OptimizerSpec, num_train_steps: int, updates_per_slot: int = 1
+) -> optax.GradientTransformation:
+    """Global-norm clipping (if `max_grad_norm`) then AdamW on every parameter, the rate per slot (see
+    `learning_rate_schedule`); Adam's moment and bias-correction counts advance once per update."""
     parts = []
     if spec.max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(spec.max_grad_norm))
     parts.append(
         optax.adamw(
-            learning_rate_schedule(spec, num_train_steps),
+            learning_rate_schedule(spec, num_train_steps, updates_per_slot),
             b1=spec.beta1,
             b2=spec.beta2,
             eps=spec.epsilon,
@@ -118,23 +127,32 @@ def train_step_for(loss: LossConfig, optimizer: OptimizerSpec, num_train_steps: 
 
 
 def mesh_train_step(config: LearnerStepConfig, lm: mesh_lib.LearnerMesh) -> Any:
-    """The jitted train step of this run on mesh `lm`, accumulating over `train.microbatch_size` microbatches."""
+    """The train step of one batch slot on mesh `lm`: `train.ppo_epochs` × `train.minibatches_per_slot` optimizer
+    updates, each accumulated over `train.microbatch_size` microbatches (`policy.sharding`)."""
     from policy.sharding import make_mesh_train_step
 
     train = config.train
-    num_microbatches = train.batch_size // (train.microbatch_size or train.batch_size)
-    if (train.batch_size // num_microbatches) % lm.data_ways:
+    rows = train.batch_size // train.minibatches_per_slot
+    num_microbatches = rows // (train.microbatch_size or rows)
+    if (rows // num_microbatches) % lm.data_ways:
         raise BatchMismatchError(
             f"train.microbatch_size={train.microbatch_size}: rows per pass must divide over {lm.data_ways} "
             "data-parallel devices"
         )
     return make_mesh_train_step(
         loss_module_from_config(config.loss),
-        build_optimizer(config.optimizer, train.num_train_steps),
+        build_optimizer(config.optimizer, train.num_train_steps, updates_per_slot(train)),
         make_logprob_fn(config.model.compute_dtype, config.model.logprob_block_size),
         lm,
         num_microbatches,
+        train.minibatches_per_slot,
+        train.ppo_epochs,
     )
+
+
+def updates_per_slot(train: TrainParams) -> int:
+    """Optimizer updates per batch slot (learner step): ppo_epochs × minibatches_per_slot."""
+    return train.ppo_epochs * train.minibatches_per_slot
 
 
 def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransformation, compute_dtype: str) -> Any:
@@ -397,7 +415,8 @@ def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, 
     """The frozen reference model (policy 0, the initial weights) if the loss needs one; else None (never built)."""
     if not module.needs_reference:
         return None
-    return module.build(M.load_policy(store, 0, config.model, vocab_size))
+    # policy 0 may be published in a lower dtype (model.publish_dtype): the reference computes in param_dtype
+    return module.build(M.cast_params(M.load_policy(store, 0, config.model, vocab_size), config.model.param_dtype))
 
 
 def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConfig) -> None:
@@ -414,6 +433,7 @@ def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConf
         model,
         {"batch_slot": state.step, "tokenizer": config.model.tokenizer, "seq_len": config.train.seq_len},
         spec=config.model,
+        dtype=M.publish_dtype(config.model.publish_dtype),
     )
 
 

@@ -1,4 +1,5 @@
-"""The model side shared by the learner, rollout and evaluation steps (levanter Llama / Qwen3).
+"""The model side shared by the learner, rollout and evaluation steps (levanter Llama, Qwen2/2.5, Qwen3,
+Mistral, Gemma: `policy.families.FAMILIES`).
 
 Reads: an optional Hugging Face checkpoint folder (local or gs://) named by `ModelSpec.hf_checkpoint`;
 committed policies `policies/step-S/` of a run root.
@@ -9,7 +10,7 @@ API (stable; other steps call these):
 
     build_model(spec, vocab_size, key=None) -> LmHeadModel        # from scratch (seeded) or from HF
     save_policy(store, step, model, extra=None) -> bool            # commit policies/step-S
-    load_policy(store, step, spec, vocab_size) -> LmHeadModel      # verified against the marker
+    load_policy(store, step, spec, vocab_size) -> LmHeadModel      # verified against the marker, in its stored dtype
     latest_policy_step(store) -> int | None                        # listing is the truth
     teacher_forced_logprobs(model, tokens, *, segment_ids, position_ids, temperature) -> [B, S] float32
     export_hf(model, out_dir, tokenizer)                           # transformers-loadable folder
@@ -36,13 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from levanter.layers.attention import AttentionBackend, AttentionMask
-from levanter.models.llama import LlamaConfig
 from levanter.models.lm_model import LmHeadModel
-from levanter.models.qwen import Qwen3Config
 
 from pipeline import layout, run_state
-from pipeline.config import ModelSpec
+from pipeline.config import ConfigError, ModelSpec
 from policy import checkpoints as ckpt
+from policy.families import FAMILIES, local_hf_folder
 from schemas.records import CommitMarker, LatestPointer, RecordError
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,6 @@ logger = logging.getLogger(__name__)
 BATCH_AXIS = "batch"
 POS_AXIS = "position"
 POLICY_WEIGHTS = "weights"
-
-_FAMILIES: dict[str, type[LlamaConfig]] = {"llama": LlamaConfig, "qwen3": Qwen3Config}
 
 
 class PolicyNotFoundError(FileNotFoundError):
@@ -70,17 +68,19 @@ def _attn_backend(spec: ModelSpec) -> AttentionBackend | None:
 
 
 def _hf_converter(spec: ModelSpec, ref: str, tokenizer: Any = None) -> Any:
+    import transformers
     from levanter.compat.hf_checkpoints import HFCheckpointConverter
-    from transformers import LlamaConfig as HfLlamaConfig
-    from transformers import Qwen3Config as HfQwen3Config
 
-    hf_cls = {"llama": HfLlamaConfig, "qwen3": HfQwen3Config}[spec.family]
+    family = FAMILIES[spec.family]
     if tokenizer is None:
         from pipeline.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(spec.tokenizer)
     return HFCheckpointConverter(
-        _FAMILIES[spec.family], reference_checkpoint=ref, HfConfigClass=hf_cls, tokenizer=tokenizer
+        family.config_class,
+        reference_checkpoint=ref,
+        HfConfigClass=getattr(transformers, family.hf_config),
+        tokenizer=tokenizer,
     )
 
 
@@ -91,7 +91,7 @@ def _host_mesh() -> Any:
     return jax.set_mesh(Mesh(np.array(jax.devices()), ("data",)))
 
 
-def levanter_config(spec: ModelSpec) -> LlamaConfig:
+def levanter_config(spec: ModelSpec) -> Any:
     """The levanter config for `spec`.
 
     From scratch: the spec's sizes. From an HF folder: the folder's config.json (the spec's
@@ -104,22 +104,34 @@ def levanter_config(spec: ModelSpec) -> LlamaConfig:
         gradient_checkpointing=spec.gradient_checkpointing,
         scan_layers=True,
     )
-    cls = _FAMILIES[spec.family]
+    cls = FAMILIES[spec.family].config_class
     if spec.hf_checkpoint:
         from transformers import AutoConfig
 
-        hf_cfg = AutoConfig.from_pretrained(spec.hf_checkpoint)
+        hf_cfg = AutoConfig.from_pretrained(local_hf_folder(spec.hf_checkpoint))
+        if getattr(hf_cfg, "model_type", spec.family) != spec.family:
+            raise ConfigError(
+                "model.family",
+                spec.family,
+                f"model.hf_checkpoint={spec.hf_checkpoint} is a {hf_cfg.model_type!r} checkpoint",
+            )
+        if spec.family == "qwen2" and not hasattr(hf_cfg, "no_bias"):
+            hf_cfg.no_bias = True  # levanter reads it for the MLP (none in Qwen2; q/k/v biases are always on)
         base = cls.from_hf_config(hf_cfg)
         return dataclasses.replace(base, **common)
-    return cls(
+    sizes: dict[str, Any] = dict(
         hidden_dim=spec.hidden_dim,
         intermediate_dim=spec.intermediate_dim,
         num_layers=spec.num_layers,
         num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads,
-        tokenizer=None,
-        **common,
     )
+    field_names = {f.name for f in dataclasses.fields(cls)}
+    if "tokenizer" in field_names:
+        sizes["tokenizer"] = None
+    if "head_dim" in field_names:  # Gemma's default head size is 256, not hidden / heads
+        sizes["head_dim"] = spec.hidden_dim // spec.num_heads
+    return cls(**sizes, **common)
 
 
 def build_model(spec: ModelSpec, vocab_size: int, key: jax.Array | None = None) -> LmHeadModel:
@@ -132,11 +144,12 @@ def build_model(spec: ModelSpec, vocab_size: int, key: jax.Array | None = None) 
     config = levanter_config(spec)
     Vocab = hax.Axis("vocab", vocab_size)
     if spec.hf_checkpoint:
-        converter = _hf_converter(spec, spec.hf_checkpoint)
+        folder = local_hf_folder(spec.hf_checkpoint)
+        converter = _hf_converter(spec, folder)
         with _host_mesh():
             model = converter.load_pretrained(
                 config.model_type,
-                ref=spec.hf_checkpoint,
+                ref=folder,
                 config=config,
                 resize_vocab_to_match_tokenizer=False,
                 dtype=jnp.float32,
@@ -173,13 +186,34 @@ def count_params(model: Any) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def publish_dtype(name: str) -> str:
+    """The dtype policies are published in for `model.publish_dtype` = `name`: `auto` is bfloat16 when JAX runs
+    on an accelerator (GPU, TPU) and float32 on CPU; any other value is itself (`fp32` read as float32)."""
+    if name == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return "float32" if name == "fp32" else name
+
+
+def cast_params(model: Any, dtype: str) -> Any:
+    """`model` with every floating array leaf cast to `dtype` (other leaves unchanged)."""
+    dt = jnp.dtype("float32" if dtype == "fp32" else dtype)
+    return jax.tree_util.tree_map(lambda x: x.astype(dt) if eqx.is_inexact_array(x) else x, model)
+
+
 def save_policy(
-    store: Any, step: int, model: LmHeadModel, extra: dict[str, Any] | None = None, spec: ModelSpec | None = None
+    store: Any,
+    step: int,
+    model: LmHeadModel,
+    extra: dict[str, Any] | None = None,
+    dtype: str | None = None,
+    spec: ModelSpec | None = None,
 ) -> bool:
     """Commit `model` as policy `step`: weights file, then COMMITTED (last), then the LATEST hint.
 
-    `extra` goes into the marker (the learner records `batch_slot`, `tokenizer`, `seq_len`). With `spec.lora`,
-    `model` is the loraized model and the policy holds what `spec.lora.publish` says (`policy.lora.policy_blobs`).
+    `extra` goes into the marker (the learner records `batch_slot`, `tokenizer`, `seq_len`). With `dtype`,
+    floating weights are written in that dtype (the marker records it as `dtype`; `load_policy` reads it).
+    With `spec.lora`, `model` is the loraized model and the policy holds what `spec.lora.publish` says
+    (`policy.lora.policy_blobs`), always in float32: `dtype` does not apply to LoRA policies.
     Returns False (and writes nothing new) if policy `step` was already committed: a committed policy
     is never replaced. LATEST only moves forward.
     """
@@ -187,8 +221,12 @@ def save_policy(
     if store.exists(layout.policy_marker(step)):
         logger.info("policy %d already committed", step)
         return False
+    lora_spec = spec.lora if spec is not None else None
+    if dtype is not None and dtype not in ("float32", "fp32") and lora_spec is None:
+        model = cast_params(model, dtype)
+        extra = {**(extra or {}), "dtype": str(jnp.dtype(dtype))}
     meta = {"step": step, "vocab_size": int(model.Vocab.size), "kind": "policy", **(extra or {})}
-    if spec is not None and spec.lora is not None:
+    if spec is not None and lora_spec is not None:
         from policy import lora
 
         blobs, lora_meta = lora.policy_blobs(model, spec, step)
@@ -228,7 +266,14 @@ def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHe
 
         return lora.load_adapter_policy(store, step, record, spec, vocab_size)
     data = ckpt.read_blob(store, folder, record, POLICY_WEIGHTS)
-    return ckpt.tree_from_safetensors(model_template(spec, vocab_size), data, source=folder)
+    template = model_template(spec, vocab_size)
+    stored = record.extra.get("dtype")
+    if isinstance(stored, str):  # published in the sampler's dtype (e.g. bfloat16): loaded as stored
+        dt = jnp.dtype(stored)
+        template = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, template
+        )
+    return ckpt.tree_from_safetensors(template, data, source=folder)
 
 
 def policy_metadata(store: Any, step: int) -> CommitMarker:
@@ -438,7 +483,7 @@ def _write_hf_folder(model: LmHeadModel, out: str, tokenizer: Any, family: str, 
     from pipeline.tokenizer import save_for_export
 
     hf_config = model.config.to_hf_config(model.Vocab.size)
-    hf_config.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]]
+    hf_config.architectures = [FAMILIES[family].architecture]
     hf_config.save_pretrained(ref_dir)
     converter = _hf_converter(ModelSpec(family=family), ref_dir, tokenizer=tokenizer)
     with _host_mesh():

@@ -10,6 +10,14 @@ where loss_i is the loss module's objective on microbatch i and w_i its aggregat
 loss tokens for token-level aggregation, the number of sequences with loss tokens for sequence-level (and
 GSPO). Each aggregated term is a mean with that denominator, so the weighted sum equals the objective of the
 whole slot (up to floating-point summation order). Metrics are combined the same way, counts summed.
+
+Several optimizer updates per slot (`train.minibatches_per_slot` = k, `train.ppo_epochs` = E): the slot's rows
+are split into k minibatches the same strided way (minibatch j: rows j, j+k, …), and the slot step makes E
+passes over them, one optimizer update per minibatch (each accumulated over its own microbatches). The
+importance ratio stays to the pre-update policy of the slot: the sampler's logprobs, or with `loss.tis_cap` the
+learner's logprobs computed once before the slot's first update (`old_logprobs`). The slot's metrics are the
+means over its E·k updates; counts (`SUMMED_METRICS`) are per pass over the slot; `skipped_nonfinite` counts
+the updates skipped; `optimizer_updates` = E·k.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from policy import lora
@@ -55,55 +64,107 @@ def microbatch(batch: Batch, i: jax.Array | int, n: int) -> Batch:
     return out
 
 
+def accumulate(
+    grad_fn: Any, loss_module: RLLossModule, model: Any, reference: Any, batch: Batch, n: int
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """(loss, grads, metrics) of `batch` through `grad_fn` in `n` strided microbatches, weighted as the module
+    docstring states (exactly one pass when n == 1)."""
+    if n == 1:
+        (loss, metrics), grads = grad_fn(model, reference, batch)
+        return loss, grads, metrics
+    pieces = [microbatch(batch, i, n) for i in range(n)]
+    weights = jnp.stack([aggregation_weight(loss_module, p) for p in pieces])
+    shares = weights / jnp.maximum(jnp.sum(weights), 1.0)
+    params = eqx.filter(model, eqx.is_array)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    loss, metrics = jnp.zeros((), jnp.float32), {}
+    for i, piece in enumerate(pieces):  # unrolled: n is small and static; scan would add a stacked copy
+        (loss_i, m_i), g_i = grad_fn(model, reference, piece)
+        grads = jax.tree.map(lambda a, g, s=shares[i]: a + g * s, grads, g_i)
+        loss = loss + loss_i * shares[i]
+        for k, v in m_i.items():
+            metrics[k] = metrics.get(k, 0.0) + (v if k in SUMMED_METRICS else v * shares[i])
+    return loss, grads, metrics
+
+
+def pre_update_logprobs(logprob_fn: Any, model: Any, batch: Batch, n: int) -> jax.Array:
+    """[B, S] logprobs of `batch` under `model`, no gradient, computed in `n` strided pieces (as microbatches)."""
+    if n == 1:
+        return jax.lax.stop_gradient(logprob_fn(model, batch)[0])
+    B, S = batch["tokens"].shape
+    pieces = [jax.lax.stop_gradient(logprob_fn(model, microbatch(batch, i, n))[0]) for i in range(n)]
+    return jnp.stack(pieces, axis=1).reshape(B, S)  # row r of piece i is slot row r·n + i
+
+
+def combine_update_metrics(per_update: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
+    """The slot's metrics from its updates' (see the module docstring)."""
+    if len(per_update) == 1:
+        return per_update[0]
+    out: dict[str, Any] = {}
+    for k in per_update[0]:
+        total = sum(m[k] for m in per_update)
+        if k == "skipped_nonfinite":
+            out[k] = total
+        elif k in SUMMED_METRICS:
+            out[k] = total / epochs
+        else:
+            out[k] = total / len(per_update)
+    out["optimizer_updates"] = float(len(per_update))
+    return out
+
+
 def make_mesh_train_step(
     loss_module: RLLossModule,
     optimizer: optax.GradientTransformation,
     logprob_fn: Any,
     lm: LearnerMesh,
     num_microbatches: int,
+    minibatches: int = 1,
+    epochs: int = 1,
 ) -> Any:
-    """A jitted `(model, opt_state, reference, batch) -> (model, opt_state, metrics)` on mesh `lm`.
+    """A `(model, opt_state, reference, batch) -> (model, opt_state, metrics)` on mesh `lm`: one batch slot.
 
-    Parameters and optimizer state keep the parameter mapping (FSDP / tensor parallel) in and out; a loraized
-    model has only its adapters differentiated and updated (`policy.lora.split_trainable`); with
-    `num_microbatches` > 1 gradients are accumulated as the module docstring states. A non-finite loss or
-    gradient norm skips the update (`policy.update_guard`)."""
+    Parameters and optimizer state keep the parameter mapping (FSDP / tensor parallel) in and out; the slot
+    makes `epochs` × `minibatches` optimizer updates, each over `num_microbatches` accumulated microbatches of
+    its minibatch (module docstring); a loraized model has only its adapters differentiated and updated
+    (`policy.lora.split_trainable`). A non-finite loss or gradient norm skips that update (`policy.update_guard`)."""
     loss_fn = loss_module.create_loss_fn(None, logprob_fn)
     grad_fn = eqx.filter_value_and_grad(lora.on_trainable(loss_fn), has_aux=True)  # a LoRA base gets no gradient
-    n = num_microbatches
+    n, k = num_microbatches, minibatches
+    # the decoupled ratio of TIS needs the slot's pre-update learner logprobs once the policy moves within it
+    needs_old = epochs * k > 1 and getattr(loss_module, "tis_cap", None) is not None
 
-    def accumulate(model: Any, frozen: Any, reference: Any, batch: Batch) -> tuple[jax.Array, Any, dict[str, Any]]:
-        if n == 1:
-            (loss, metrics), grads = grad_fn(model, frozen, reference, batch)
-            return loss, grads, metrics
-        pieces = [microbatch(batch, i, n) for i in range(n)]
-        weights = jnp.stack([aggregation_weight(loss_module, p) for p in pieces])
-        shares = weights / jnp.maximum(jnp.sum(weights), 1.0)
-        params = eqx.filter(model, eqx.is_array)
-        grads = jax.tree.map(jnp.zeros_like, params)
-        loss, metrics = jnp.zeros((), jnp.float32), {}
-        for i, piece in enumerate(pieces):  # unrolled: n is small and static; scan would add a stacked copy
-            (loss_i, m_i), g_i = grad_fn(model, frozen, reference, piece)
-            grads = jax.tree.map(lambda a, g, s=shares[i]: a + g * s, grads, g_i)
-            loss = loss + loss_i * shares[i]
-            for k, v in m_i.items():
-                metrics[k] = metrics.get(k, 0.0) + (v if k in SUMMED_METRICS else v * shares[i])
-        return loss, grads, metrics
-
-    def train_step(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
+    def update(model: Any, opt_state: Any, reference: Any, batch: Batch, j: jax.Array) -> tuple[Any, Any, Any]:
         with hax.axis_mapping(lm.compute_mapping):
+            piece = batch if k == 1 else microbatch(batch, j, k)
             trainable, frozen = lora.split_trainable(model)
-            loss, grads, metrics = accumulate(trainable, frozen, reference, batch)
+
+            def trainable_grad_fn(t: Any, r: Any, b: Batch) -> Any:
+                return grad_fn(t, frozen, r, b)
+
+            loss, grads, metrics = accumulate(trainable_grad_fn, loss_module, trainable, reference, piece, n)
             grads = hax.shard(grads, lm.param_mapping)
             trainable, opt_state, guard_metrics = guarded_update(optimizer, trainable, opt_state, grads, loss)
             model = lora.join_trainable(trainable, frozen)
         metrics["loss"] = loss
         return model, opt_state, {**metrics, **guard_metrics}
 
-    jitted = hax.named_jit(train_step, axis_resources=lm.param_mapping, out_axis_resources=lm.param_mapping)
+    def old_logprobs(model: Any, batch: Batch) -> jax.Array:
+        with hax.axis_mapping(lm.compute_mapping):
+            return pre_update_logprobs(logprob_fn, model, batch, n * k)
+
+    jitted = hax.named_jit(update, axis_resources=lm.param_mapping, out_axis_resources=lm.param_mapping)
+    jitted_old = hax.named_jit(old_logprobs, axis_resources=lm.param_mapping)
 
     def step_on_mesh(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
         with lm.active():
-            return jitted(model, opt_state, reference, batch)  # type: ignore[no-any-return]
+            if needs_old:
+                batch = {**batch, "old_logprobs": jitted_old(model, batch)}
+            per_update = []
+            for _ in range(epochs):
+                for j in range(k):
+                    model, opt_state, metrics = jitted(model, opt_state, reference, batch, np.int32(j))
+                    per_update.append(metrics)
+        return model, opt_state, combine_update_metrics(per_update, epochs)
 
     return step_on_mesh

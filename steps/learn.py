@@ -14,8 +14,9 @@ Phases of `main`:
      the ModelSpec (seeded, or an HF folder); publish policy 0 (or policy S, if a crash fell between
      checkpoint S and policy S);
   2. loop T = S+1, S+2, …: wait for batch slot T (fail loudly naming the file after `batch_wait_timeout_s`),
-     read it (refusing a batch whose schema version, row count, seq_len or tokenizer do not match), run one
-     jitted optimizer step of the configured loss module, log metrics, publish policy T / checkpoint T on
+     read it (refusing a batch whose schema version, row count, seq_len or tokenizer do not match), run the
+     slot's optimizer updates of the configured loss module (one; or train.ppo_epochs ×
+     train.minibatches_per_slot), log metrics, publish policy T / checkpoint T on
      their intervals;
   3. stop at `train.num_train_steps` (checkpoint, policy, LEARNER_DONE), after `max_steps` in this process
      (bounded mode; checkpoint), or when control/STOP appears (checkpoint);
@@ -182,7 +183,7 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
 def train_one(
     learner: Learner, state: L.LearnerState, batch: Batch, data_file: str, waited: float
 ) -> tuple[L.LearnerState, dict[str, Any]]:
-    """One optimizer step on the batch of slot `state.step + 1`; returns the new state and its metrics record."""
+    """The optimizer updates of slot `state.step + 1` on its batch; returns the new state and its metrics record."""
     slot = state.step + 1
     t0 = time.monotonic()
     model, opt_state, step_metrics = learner.train_step(state.model, state.opt_state, learner.reference, batch)

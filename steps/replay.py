@@ -121,18 +121,21 @@ def replay(store: RunStore, config: LearnerStepConfig, from_step: int, to_step: 
     """The learner state after training slots from_step+1..to_step from checkpoint `from_step` (read-only)."""
     from pipeline.tokenizer import load_tokenizer
     from policy import learner as L
+    from policy import mesh as mesh_lib
     from policy import model as M
     from policy.losses import loss_module_from_config
 
     vocab = M.model_vocab_size(load_tokenizer(config.model.tokenizer))
     optimizer = L.build_optimizer(config.optimizer, config.train.num_train_steps)
-    state = L.load_checkpoint(store, from_step, config.model, vocab, optimizer)
+    lm = mesh_lib.build_mesh(config.mesh)
+    # the learner's own slot step (epochs, minibatches, microbatches) on the same mesh: bitwise the same updates
+    state = L.shard_state(L.load_checkpoint(store, from_step, config.model, vocab, optimizer), lm)
     reference = L.load_reference(store, config, vocab, loss_module_from_config(config.loss))
-    train_step = L.train_step_for(
-        config.loss, config.optimizer, config.train.num_train_steps, config.model.compute_dtype
-    )
+    if reference is not None:
+        reference = mesh_lib.shard_params(reference, lm)
+    train_step = L.mesh_train_step(config, lm)
     for slot in range(from_step + 1, to_step + 1):
-        batch, data_file = L.read_batch(store, slot, store.read_log_entry(slot), config.train, vocab)
+        batch, data_file = L.read_batch(store, slot, store.read_log_entry(slot), config.train, vocab, lm)
         model, opt_state, _ = train_step(state.model, state.opt_state, reference, batch)
         state = L.LearnerState(slot, model, opt_state, state.parent)
         logger.info("replayed batch slot %d (%s)", slot, data_file)

@@ -12,7 +12,8 @@ from pipeline.config.base import require
 # model, tokenizer, inference
 # ---------------------------------------------------------------------------------------
 
-MODEL_FAMILIES = ("llama", "qwen3")
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+"""levanter decoder families (`model.family`); `qwen2` also covers Qwen2.5 checkpoints."""
 SHAPE_FIELDS = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads")
 """The fields a `model.hf_checkpoint`'s own config.json decides (given with one, they would be ignored)."""
 DTYPES = ("float32", "fp32", "bfloat16", "float16")
@@ -62,6 +63,8 @@ class ModelSpec:
     """A levanter decoder, built from scratch (tiny configs) or loaded from an HF folder."""
 
     family: str = "llama"
+    """The decoder architecture: llama, qwen2 (Qwen2 and Qwen2.5), qwen3, mistral or gemma; with
+    `hf_checkpoint` it must match the checkpoint's config.json."""
     hidden_dim: int = 64
     intermediate_dim: int = 128
     num_layers: int = 2
@@ -77,6 +80,10 @@ class ModelSpec:
     """Activation dtype: float32 on CPU, bfloat16 on GPU and TPU (parameters are cast for the forward pass)."""
     param_dtype: str = "float32"
     """Master-weight and optimizer-state dtype (float32 keeps mixed-precision training exact enough to learn)."""
+    publish_dtype: str = "auto"
+    """Dtype of the weights of published policies (what samplers load): `auto` is bfloat16 when the learner runs
+    on an accelerator and float32 on CPU; or float32, bfloat16, float16. Checkpoints keep param_dtype; a KL
+    reference model read from policy 0 is cast back to param_dtype (from bfloat16 weights when published so)."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass (levanter's remat) to save memory."""
     logprob_block_size: int | None = None
@@ -91,6 +98,12 @@ class ModelSpec:
         for name in ("compute_dtype", "param_dtype"):
             value = getattr(self, name)
             require(value in DTYPES, f"model.{name}", value, f"one of {DTYPES}")
+        require(
+            self.publish_dtype in ("auto", *DTYPES),
+            "model.publish_dtype",
+            self.publish_dtype,
+            f"one of {('auto', *DTYPES)}",
+        )
         require(
             self.logprob_block_size is None or self.logprob_block_size >= 1,
             "model.logprob_block_size",

@@ -55,7 +55,18 @@ class TrainParams:
     microbatch_size: int | None = None
     """Learner rows per forward/backward pass: the batch slot is split into batch_size / microbatch_size pieces
     whose gradients are accumulated into one optimizer step with the loss of the whole slot (token-level
-    aggregation divides by the slot's loss tokens, sequence-level by its sequences). None: the whole slot."""
+    aggregation divides by the slot's loss tokens, sequence-level by its sequences). None: the whole slot.
+    With `minibatches_per_slot` > 1 it splits each minibatch (batch_size / minibatches_per_slot rows) instead."""
+    minibatches_per_slot: int = 1
+    """Optimizer updates per pass over a batch slot: the slot's rows are split into this many minibatches (rows
+    i, i+k, i+2k, … for k minibatches), each one optimizer update. The learner step is still the slot: policy
+    T is published after all of slot T's updates."""
+    ppo_epochs: int = 1
+    """Passes over each batch slot's minibatches: a slot makes ppo_epochs × minibatches_per_slot optimizer
+    updates. After the first update the policy differs from the one that sampled, so the importance ratio
+    (always to the pre-update policy: the sampler's logprobs, or with `loss.tis_cap` the learner's own logprobs
+    at the start of the slot) moves and clipping acts. The learning-rate schedule stays counted in slots: every
+    update of slot T uses the rate of step T."""
 
     def __post_init__(self) -> None:
         require(
@@ -63,6 +74,13 @@ class TrainParams:
             "train.microbatch_size",
             self.microbatch_size,
             "must be >= 1 or null",
+        )
+        require(self.ppo_epochs >= 1, "train.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        require(
+            self.minibatches_per_slot >= 1 and self.batch_size % self.minibatches_per_slot == 0,
+            "train.minibatches_per_slot",
+            self.minibatches_per_slot,
+            f"must be >= 1 and divide train.batch_size={self.batch_size}",
         )
         require(self.num_train_steps >= 1, "train.num_train_steps", self.num_train_steps, "must be >= 1")
         require(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
@@ -170,7 +188,9 @@ class RLOOLossConfig(LossConfig):
     tis_cap: float | None = None
     """Truncated importance sampling: weight each token by min(π_learner_old/π_sampler, cap); None: off.
     When set, the clipped ratio is taken to the learner's own pre-update policy (stop-gradient), not to the
-    sampler: with one optimizer step per batch it is exactly 1, so clipping never acts (clip_fraction 0)."""
+    sampler: with one optimizer update per batch slot it is exactly 1, so clipping never acts (clip_fraction 0);
+    with several (`train.ppo_epochs`, `train.minibatches_per_slot`) it is taken to the learner's policy before
+    the slot's first update, and clipping acts."""
     overlong_filter: bool = False
     """Zero the loss of truncated responses (overlong filtering)."""
 

@@ -55,18 +55,29 @@ def check_learner_layout(train: TrainParams, model: ModelSpec, mesh: MeshConfig,
 
     Checked where the sizes are known from the config alone (an axis of -1 is checked once devices are known)."""
     mb = train.microbatch_size
-    if mb is not None and train.batch_size % mb:
-        raise ConfigError("train.microbatch_size", mb, f"must divide train.batch_size={train.batch_size}")
-    rows_per_pass = mb if mb is not None else train.batch_size
+    minibatch = train.batch_size // train.minibatches_per_slot
+    if mb is not None and minibatch % mb:
+        where = (
+            f"train.batch_size={train.batch_size}"
+            if train.minibatches_per_slot == 1
+            else f"the minibatch of {minibatch} rows (train.batch_size / train.minibatches_per_slot)"
+        )
+        raise ConfigError("train.microbatch_size", mb, f"must divide {where}")
+    rows_per_pass = mb if mb is not None else minibatch
     data_ways = mesh.data * mesh.fsdp if mesh.data > 0 and mesh.fsdp > 0 else max(mesh.data, 1)
     if rows_per_pass % data_ways:
-        what = "train.microbatch_size" if mb is not None else "train.batch_size"
-        raise ConfigError(
-            what,
-            rows_per_pass,
-            f"must be divisible by the learner's data-parallel ways ({mesh_field}.data × {mesh_field}.fsdp "
-            f"= {data_ways})",
+        divisible = (
+            f"be divisible by the learner's data-parallel ways ({mesh_field}.data × {mesh_field}.fsdp = {data_ways})"
         )
+        if mb is not None:
+            raise ConfigError("train.microbatch_size", mb, f"must {divisible}")
+        if train.minibatches_per_slot > 1:
+            raise ConfigError(
+                "train.minibatches_per_slot",
+                train.minibatches_per_slot,
+                f"leaves minibatches of {minibatch} rows; they must {divisible}",
+            )
+        raise ConfigError("train.batch_size", train.batch_size, f"must {divisible}")
     if mesh.model > 1 and model.lora is not None:
         raise ConfigError(
             "model.lora", model.lora, f"is not supported with tensor parallelism ({mesh_field}.model={mesh.model})"

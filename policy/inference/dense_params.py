@@ -1,5 +1,5 @@
-"""A levanter Llama / Qwen3 LM head model as the dense sampler sees it: its static structure (`DenseArch`, part
-of the compile key) and its weights as plain arrays (`extract_params`), read once per model.
+"""A levanter Llama / Qwen2 / Qwen3 / Mistral LM head model as the dense sampler sees it: its static structure
+(`DenseArch`, part of the compile key) and its weights as plain arrays (`extract_params`), read once per model.
 
 Raises `UnsupportedModelError` naming a feature the dense sampler does not implement.
 """
@@ -48,7 +48,8 @@ def _arr(x: Any, order: tuple[str, ...], dtype: Any) -> jax.Array | None:
     if x is None:
         return None
     names = tuple(a.name for a in x.axes)
-    full = (("layer",) if "layer" in names else ()) + order
+    stack = [n for n in ("layer", "layers") if n in names]  # the scanned-layers axis (Mistral/Gemma: "layers")
+    full = tuple(stack[:1]) + order
     if set(names) != set(full):
         raise UnsupportedModelError(f"unexpected weight axes {names}, expected {full}")
     return x.rearrange(full).array.astype(dtype)
@@ -75,6 +76,11 @@ def dense_arch(model: Any, compute_dtype: str) -> DenseArch:
     cfg = model.config
     if not hasattr(cfg, "attention_config"):
         raise UnsupportedModelError(f"{type(model).__name__}: no attention_config (not a Llama-family model)")
+    if type(cfg).__name__.startswith("Gemma"):  # scaled embeddings, (1 + w) norms: not what the sampler computes
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: Gemma is not supported by the dense sampler "
+            "(use inference type levanter or server)"
+        )
     acfg = cfg.attention_config()
     if acfg.logits_soft_cap is not None:
         raise UnsupportedModelError(f"logits_soft_cap={acfg.logits_soft_cap} is not supported")
@@ -108,10 +114,10 @@ def _one_layer_params(layer: Any, dtype: Any) -> dict[str, Any]:
     p: dict[str, Any] = {
         "ln1": _norm_params(layer.input_layernorm, "embed", dtype),
         "ln2": _norm_params(layer.post_attention_layernorm, "embed", dtype),
-        "post_attn_ln": _norm_params(layer.post_attn_layernorm, "embed", dtype),
-        "post_mlp_ln": _norm_params(layer.post_mlp_layernorm, "embed", dtype),
-        "q_norm": _norm_params(att.q_norm, "head_size", dtype),
-        "k_norm": _norm_params(att.k_norm, "head_size", dtype),
+        "post_attn_ln": _norm_params(getattr(layer, "post_attn_layernorm", None), "embed", dtype),
+        "post_mlp_ln": _norm_params(getattr(layer, "post_mlp_layernorm", None), "embed", dtype),
+        "q_norm": _norm_params(getattr(att, "q_norm", None), "head_size", dtype),
+        "k_norm": _norm_params(getattr(att, "k_norm", None), "head_size", dtype),
         "wq": _arr(att.q_proj.weight, ("kv_head", "q_heads_per_group", "head_size", "embed"), dtype),
         "bq": _arr(att.q_proj.bias, ("kv_head", "q_heads_per_group", "head_size"), dtype),
         "wk": _arr(att.k_proj.weight, ("kv_head", "head_size", "embed"), dtype),

@@ -12,11 +12,12 @@ truncated responses get m = 0.
 RLOOLoss (`type: rloo`): L = −agg( min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) ) with r = π_θ/π_sampler.
   With truncated importance sampling (`tis_cap` = C set), the ratio is taken to the learner's own
   pre-update policy, π_old = stop_gradient(π_θ), and the sampler mismatch is corrected by a capped weight:
-  L = −agg( min(π_old/π_sampler, C) · min(r'·A, clip(r')·A) ), r' = π_θ/π_old. With one optimizer step per
-  batch slot (the learner today) r' ≡ 1, so the clip never acts and `clip_fraction` is 0 by construction:
-  the gradient is the TIS-weighted policy gradient C-capped; clipping would act once several optimizer steps
-  share a batch (π_old then the pre-update policy). This is the decoupled form of TIS (the clip is to the
-  proximal policy, the weight to the sampler); clipping against the sampler as well would correct the
+  L = −agg( min(π_old/π_sampler, C) · min(r'·A, clip(r')·A) ), r' = π_θ/π_old. With one optimizer update per
+  batch slot (the default) r' ≡ 1, so the clip never acts and `clip_fraction` is 0 by construction: the
+  gradient is the TIS-weighted policy gradient C-capped. With several updates per slot (`train.ppo_epochs`,
+  `train.minibatches_per_slot`) π_old is the learner's policy before the slot's first update (batch key
+  `old_logprobs`), so r' moves away from 1 and the clip acts. This is the decoupled form of TIS (the clip is
+  to the proximal policy, the weight to the sampler); clipping against the sampler as well would correct the
   mismatch twice.
 PPOClipLoss (`type: ppo`): the same with a symmetric clip ε, no TIS, no overlong filter.
 GSPOLoss (`type: gspo`): sequence-level ratio s_i = (π_θ(y_i|x)/π_sampler(y_i|x))^{1/|y_i|}, clipped per
@@ -43,7 +44,7 @@ Array = jax.Array
 Batch = dict[str, Array]
 """Learner batch arrays, all [B, S]: tokens, segment_ids, position_ids, loss_mask (f32), advantages,
 generator_logprobs, temperature (per token), truncated (bool per token), seq_index (int: b·S + segment,
-B·S for padding)."""
+B·S for padding); optionally old_logprobs (the learner's logprobs before the slot's first update)."""
 
 LogprobFn = Callable[[Any, Batch], tuple[Array, Array]]
 """(model, batch) -> (logprobs [B, S], entropy [B, S]) at the batch temperatures."""
@@ -174,13 +175,14 @@ class _ClipLossBase(_LossModuleBase):
 
     def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
         adv, logp_gen = batch["advantages"], batch["generator_logprobs"]
-        logp_old = jax.lax.stop_gradient(logp)
+        # the slot's pre-update learner logprobs when the learner makes several updates per slot, else π_θ itself
+        logp_old = jax.lax.stop_gradient(batch.get("old_logprobs", logp))
         sampler_ratio, clamped = T.importance_ratio(logp, logp_gen, self.max_log_ratio)
         if self.tis_cap is None:
             ratio = sampler_ratio
             weight = jnp.ones_like(logp)
         else:
-            ratio, _ = T.importance_ratio(logp, logp_old, self.max_log_ratio)  # ≡ 1, see the module docstring
+            ratio, _ = T.importance_ratio(logp, logp_old, self.max_log_ratio)  # see the module docstring
             weight = T.truncated_is_weight(logp_old, logp_gen, self.tis_cap, self.max_log_ratio)
         surrogate = weight * T.clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
         pg_loss = -self.aggregate(surrogate, mask, batch["seq_index"])
