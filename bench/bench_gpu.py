@@ -1,4 +1,4 @@
-"""GPU benchmark (issue 8): rollout tokens/s vs the decode roofline, learner tokens/s and MFU.
+"""GPU benchmark: rollout tokens/s vs the decode roofline, learner tokens/s and MFU.
 
 What it measures, per model shape (random weights):
 

@@ -7,7 +7,7 @@ the median of `step_s`, and the span from the end of step 2 to the last step div
 
     python -m bench.bench_latency [--config configs/demo_cats.yaml] [--steps 20] [--json out.json]
 
-Goal (issue): <= 0.2 s wall per learner step on the tiny cats task. The figure depends on the machine's load
+Goal: <= 0.2 s wall per learner step on the tiny cats task. The figure depends on the machine's load
 (it runs 4-5 JAX processes): the machine name and load average are printed with it.
 """
 
