@@ -135,7 +135,7 @@ class LearnerStepConfig:
     checkpoint_interval: int = 10
     """Write a full training checkpoint every this many steps (and at the last step)."""
     keep_checkpoints: int = 2
-    """Full checkpoints kept (older ones are garbage collected); policies are all kept."""
+    """Full checkpoints kept (older ones are garbage collected); policies are deleted only by retention."""
     max_steps: int | None = None
     """Bounded mode: train at most this many steps in this process, then exit."""
     batch_wait_timeout_s: float = 600.0
