@@ -33,7 +33,12 @@ def test_crash_suite_sigkill_random_steps(tmp_path: Path) -> None:
     cfg = job_config(
         tmp_path,
         str(run_root),
-        **{"train.num_train_steps": str(STEPS), "max_restarts": "40", "restart_backoff_s": "0.2", "checkpoint_interval": "1"},
+        **{
+            "train.num_train_steps": str(STEPS),
+            "max_restarts": "40",
+            "restart_backoff_s": "0.2",
+            "checkpoint_interval": "1",
+        },
     )
     runner = subprocess.Popen(
         [sys.executable, "-m", "steps.run", "--config_path", str(cfg)],

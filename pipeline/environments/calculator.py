@@ -276,7 +276,28 @@ def _generate_turn(
     return [per_prompt[0] for per_prompt in outs]
 
 
-class CalculatorEnv(Environment):
+class ArithmeticProblems:
+    """Integer expressions of `n_terms` operands in 1..`max_operand` joined by `+ - *`, and a fixed eval list
+    (`eval_problems`, set by the environment from its own seeded generator)."""
+
+    n_terms: int
+    max_operand: int
+    eval_problems: list[str]
+
+    def _problem(self, rng: np.random.Generator) -> str:
+        nums = rng.integers(1, self.max_operand + 1, size=self.n_terms)
+        ops = rng.choice(np.array(["+", "-", "*"]), size=self.n_terms - 1)
+        return str(int(nums[0])) + "".join(f"{op}{int(x)}" for op, x in zip(ops, nums[1:], strict=True))
+
+    def problems(self, n: int, rng: np.random.Generator, mode: str) -> list[str]:
+        """`n` expressions: drawn with rng (train) or the first `n` of the fixed eval list, cycling (eval)."""
+        check_mode(mode)
+        if mode == "eval":
+            return [self.eval_problems[i % len(self.eval_problems)] for i in range(n)]
+        return [self._problem(rng) for _ in range(n)]
+
+
+class CalculatorEnv(ArithmeticProblems, Environment):
     """Arithmetic word-free problems solved with an optional calculator tool (see the module docstring).
 
     Problems: `n_terms` integer operands in [1, max_operand] joined by random `+ - *` (train: drawn with the
@@ -316,21 +337,6 @@ class CalculatorEnv(Environment):
         self.add_bos = add_bos
         erng = np.random.default_rng([seed, 2])
         self.eval_problems = [self._problem(erng) for _ in range(n_eval)]
-
-    def _problem(self, rng: np.random.Generator) -> str:
-        nums = rng.integers(1, self.max_operand + 1, size=self.n_terms)
-        ops = rng.choice(np.array(["+", "-", "*"]), size=self.n_terms - 1)
-        expr = str(int(nums[0]))
-        for op, x in zip(ops, nums[1:], strict=True):
-            expr += f"{op}{int(x)}"
-        return expr
-
-    def problems(self, n: int, rng: np.random.Generator, mode: str) -> list[str]:
-        """`n` expressions: drawn with rng (train) or the first `n` of the fixed eval list, cycling (eval)."""
-        check_mode(mode)
-        if mode == "eval":
-            return [self.eval_problems[i % len(self.eval_problems)] for i in range(n)]
-        return [self._problem(rng) for _ in range(n)]
 
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
         check_mode(spec.mode)

@@ -43,7 +43,7 @@ from pipeline.environments.base import (
     summarize,
     token_rewards_for,
 )
-from pipeline.environments.calculator import ToolError, final_answer, format_value, safe_eval
+from pipeline.environments.calculator import ArithmeticProblems, ToolError, final_answer, format_value, safe_eval
 from pipeline.environments.chat import ChatRequest, ChatTranscript, ChatTurn, Message, chat_turns
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class _Conversation:
     done: bool = False
 
 
-class ChatCalculatorEnv(Environment):
+class ChatCalculatorEnv(ArithmeticProblems, Environment):
     """Arithmetic problems for an instruct model with a calculator tool (see the module docstring).
 
     Problems: `n_terms` integer operands in [1, max_operand] joined by random `+ - *` (train: drawn with the
@@ -122,18 +122,6 @@ class ChatCalculatorEnv(Environment):
         self.system_prompt = system_prompt
         erng = np.random.default_rng([seed, 3])
         self.eval_problems = [self._problem(erng) for _ in range(n_eval)]
-
-    def _problem(self, rng: np.random.Generator) -> str:
-        nums = rng.integers(1, self.max_operand + 1, size=self.n_terms)
-        ops = rng.choice(np.array(["+", "-", "*"]), size=self.n_terms - 1)
-        return str(int(nums[0])) + "".join(f"{op}{int(x)}" for op, x in zip(ops, nums[1:], strict=True))
-
-    def problems(self, n: int, rng: np.random.Generator, mode: str) -> list[str]:
-        """`n` expressions: drawn with rng (train) or the first `n` of the fixed eval list, cycling (eval)."""
-        check_mode(mode)
-        if mode == "eval":
-            return [self.eval_problems[i % len(self.eval_problems)] for i in range(n)]
-        return [self._problem(rng) for _ in range(n)]
 
     def first_messages(self, expr: str) -> list[Message]:
         """The conversation an episode starts from."""
