@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,3 +36,17 @@ def make_env() -> dict[str, str]:
         if op == ":=" or name not in env:
             env[name] = value
     return env
+
+
+def wait_all(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path], timeout_s: float) -> dict[str, str]:
+    """Wait for every process (killing one that outlives `timeout_s`); the log tail of each that did not exit 0."""
+    errors = {}
+    for name, proc in procs.items():
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.returncode != 0:
+            errors[name] = logs[name].read_text()[-3000:]
+    return errors

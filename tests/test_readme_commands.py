@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from jobs import job_config
-from makefile import REPO, make_env, recipe_command
+from makefile import REPO, make_env, recipe_command, wait_all
 
 from pipeline import layout
 from pipeline.storage import RunStore
@@ -58,15 +58,7 @@ def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         with logs[target].open("w") as log:
             cmd = recipe_command(target, ARGS=a, **common)
             procs[target] = subprocess.Popen(cmd, cwd=REPO, env=make_env(), stdout=log, stderr=subprocess.STDOUT)
-    errors = {}
-    for target, proc in procs.items():
-        try:
-            proc.wait(timeout=STEP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.returncode != 0:
-            errors[target] = logs[target].read_text()[-3000:]
+    errors = wait_all(procs, logs, STEP_TIMEOUT_S)
     assert not errors, errors
     _run("evaluate", ARGS="--steps [0,2]", **common)
     return root

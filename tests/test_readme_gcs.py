@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from gcs_emulator import _free_port
 from jobs import check_finished_run, job_config
-from makefile import REPO, make_env, recipe_command
+from makefile import REPO, make_env, recipe_command, wait_all
 from test_job_e2e import check_step_logs
 from test_readme_commands import _Page, readme_report_plots
 
@@ -257,15 +257,7 @@ def scheduled_run(emulator: Emulator, tmp_path_factory: pytest.TempPathFactory) 
         with logs[words[4]].open("w") as log:
             procs[words[4]] = subprocess.Popen(argv(words), cwd=REPO, env=emulator.env, stdout=log,
                                                stderr=subprocess.STDOUT)  # fmt: skip
-    errors = {}
-    for step, proc in procs.items():
-        try:
-            proc.wait(timeout=STEP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.returncode != 0:
-            errors[step] = logs[step].read_text()[-3000:]
+    errors = wait_all(procs, logs, STEP_TIMEOUT_S)
     assert not errors, errors
     proc = subprocess.run(argv(evaluate), cwd=REPO, env=emulator.env, capture_output=True, text=True,
                           timeout=STEP_TIMEOUT_S)  # fmt: skip

@@ -268,14 +268,18 @@ class OpenAIBackend(InferenceBackend):
                 out[i].extend(completions[k * per_entry_n : (k + 1) * per_entry_n])
             if step is not None:
                 steps.add(step)
-        with self._lock:
-            self.last_served_steps = steps
-            if steps:
-                self.served_step = max(steps)
+        self._record_served(steps)
         for i, comps in enumerate(out):
             if len(comps) != n:
                 raise OpenAIResponseError(f"{self._completions_url}: prompt {i} got {len(comps)} of {n} completions")
         return out
+
+    def _record_served(self, steps: set[int]) -> None:
+        """Remember the policy steps the server reported for the last call (the newest is `served_step`)."""
+        with self._lock:
+            self.last_served_steps = steps
+            if steps:
+                self.served_step = max(steps)
 
     def chat(self, request: ChatRequest) -> list[ChatTurn]:
         """The next assistant turn of each conversation through `/v1/chat/completions`, in order, with the exact
@@ -305,10 +309,7 @@ class OpenAIBackend(InferenceBackend):
             turns.append(turn)
             if step is not None:
                 steps.add(step)
-        with self._lock:
-            self.last_served_steps = steps
-            if steps:
-                self.served_step = max(steps)
+        self._record_served(steps)
         return turns
 
     def _chat_one(
