@@ -317,6 +317,101 @@ def bench_learner(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def bench_rlpipe_learner(shape: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """rlpipe's own learner step (`policy.learner.mesh_train_step`: the RL loss module, blockwise logprobs,
+    f32 master weights cast to the compute dtype, the non-finite update guard) on the mesh of every device,
+    for every combination of `--rl-batch`, `--logprob-block` and `--rl-attn` (comma lists of
+    `model.attention_backend` values: `cudnn` is rlpipe's fused-attention route)."""
+    out = []
+    blocks = [None if b in ("none", "") else int(b) for b in str(args.logprob_block).split(",")]
+    attns = args.rl_attn.split(",")
+    for attn in attns:
+        for batch in [int(b) for b in str(args.rl_batch).split(",")]:
+            for block in blocks:
+                try:
+                    out.append(_rlpipe_learner_run(shape, args, batch, block, attn))
+                except Exception as e:  # one configuration out of memory must not lose the others
+                    out.append({"rl_batch": batch, "rl_logprob_block": block, "rl_attn": attn, "error": repr(e)[:300]})
+                print(out[-1], flush=True)
+    return out
+
+
+def _rlpipe_learner_run(shape: str, args: argparse.Namespace, B: int, block: int | None, attn: str) -> dict[str, Any]:
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    from pipeline.config import LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
+    from policy import learner as L
+    from policy import mesh as mesh_lib
+    from policy import model as M
+
+    S = args.seq_len
+    lev, vocab = model_config(shape, seq_len=S)
+    spec = ModelSpec(
+        hidden_dim=lev.hidden_dim,
+        intermediate_dim=lev.intermediate_dim,
+        num_layers=lev.num_layers,
+        num_heads=lev.num_heads,
+        num_kv_heads=lev.num_kv_heads,
+        max_seq_len=S,
+        compute_dtype=args.dtype,
+        gradient_checkpointing=args.remat != "none",
+        logprob_block_size=block,
+        attention_backend=attn,
+    )
+    config = LearnerStepConfig(
+        model=spec, train=TrainParams(batch_size=B, seq_len=S, num_train_steps=1000), mesh=MeshConfig(fsdp=-1)
+    )
+    lm = mesh_lib.build_mesh(config.mesh)
+    model = M.build_model(config.model, vocab)
+    flops_per_token = 3 * M.levanter_config(spec).flops_per_token(vocab)
+    optimizer = L.build_optimizer(config.optimizer, 1000)
+    state = L.shard_state(L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None), lm)
+    del model
+    rng = np.random.default_rng(0)
+    rows = np.arange(B, dtype=np.int32)[:, None]
+    batch = mesh_lib.global_batch(
+        {
+            "tokens": rng.integers(0, vocab, (B, S)).astype(np.int32),
+            "segment_ids": np.zeros((B, S), np.int32),
+            "position_ids": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy(),
+            "loss_mask": np.ones((B, S), np.float32),
+            "advantages": rng.normal(size=(B, S)).astype(np.float32),
+            "generator_logprobs": np.full((B, S), -11.0, np.float32),
+            "temperature": np.ones((B, S), np.float32),
+            "truncated": np.zeros((B, S), bool),
+            "seq_index": np.broadcast_to(rows * S, (B, S)).astype(np.int32),
+        },
+        lm,
+        B,
+    )
+    step = L.mesh_train_step(config, lm)
+    t0 = time.perf_counter()
+    m, o, metrics = step(state.model, state.opt_state, None, batch)
+    jax.block_until_ready(m)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.learner_steps):
+        t0 = time.perf_counter()
+        m, o, metrics = step(m, o, None, batch)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    tps = B * S / med
+    return {
+        "rl_batch": B,
+        "rl_first_step_s": first,
+        "rl_step_s": med,
+        "rl_tokens_per_s": tps,
+        "rl_mfu": flops_per_token * tps / PEAK_BF16_FLOPS,
+        "rl_loss": float(metrics["loss"]),
+        "rl_logprob_block": block,
+        "rl_attn": attn,
+        "rl_params": int(sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(m, eqx.is_array)))),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -338,6 +433,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--attn", default="cudnn", help="default | vanilla | jax_flash | nvte | cudnn | xla")
     ap.add_argument("--remat", default="none", help="none | full | a haliax ScanCheckpointPolicy string")
     ap.add_argument("--ce-block", type=int, default=None, help="blockwise cross-entropy vocab block (None: fused)")
+    ap.add_argument("--logprob-block", default="none", help="rlpipe learner: logprob vocabulary blocks (list)")
+    ap.add_argument("--rl-attn", default="default,cudnn", help="rlpipe learner: model.attention_backend values")
+    ap.add_argument("--rl-batch", default="8", help="rlpipe learner: batch sizes in sequences (list)")
+    ap.add_argument("--skip-rl", action="store_true", help="skip rlpipe's own learner step")
     ap.add_argument("--skip-rollout", action="store_true")
     ap.add_argument("--skip-learner", action="store_true")
     ap.add_argument("--bandwidth-mb", type=int, default=2048)
@@ -371,6 +470,8 @@ def main(argv: list[str] | None = None) -> None:
             row.update(bench_rollout(shape, args, bandwidth))
         if not args.skip_learner:
             row.update(bench_learner(shape, args))
+        if not args.skip_rl:
+            row["rl_runs"] = bench_rlpipe_learner(shape, args)
         rows.append(row)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\nbench_gpu  {when}  device: {device}  jax {jax.__version__}")
@@ -418,6 +519,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             else "-"
         )
         print(f"{r['shape']:<7} {ro} {le}")
+        for q in r.get("rl_runs", []):
+            what = f"rlpipe learner B={q['rl_batch']} logprob block {q['rl_logprob_block']}, attn {q['rl_attn']}"
+            if "error" in q:
+                print(f"        {what}: {q['error']}")
+                continue
+            print(
+                f"        {what}: {q['rl_step_s']:.3f} s, {q['rl_tokens_per_s']:.0f} tok/s, MFU {q['rl_mfu']:.1%} "
+                f"(first step {q['rl_first_step_s']:.0f} s, {q['rl_params'] / 1e9:.2f}B params)"
+            )
         if "levanter_tokens_per_s" in r:
             print(
                 f"        levanter InferenceEngine: {r['levanter_tokens_per_s']:.0f} tok/s "

@@ -38,6 +38,7 @@ from policy import lora
 from policy import mesh as mesh_lib
 from policy import model as M
 from policy import sharded_checkpoints as sharded
+from policy.attention import fused_attention
 from policy.losses import Batch, RLLossModule, loss_module_from_config
 from policy.update_guard import guarded_update
 from schemas.records import BatchLogEntry, RecordError
@@ -97,12 +98,17 @@ def build_optimizer(
     return optax.chain(*parts)
 
 
-def make_logprob_fn(compute_dtype: str, block_size: int | None = None) -> Any:
+def make_logprob_fn(compute_dtype: str, block_size: int | None = None, attention: str = "default") -> Any:
     """(model, batch) -> (logprobs, entropy) [B, S] at the batch's per-token temperatures.
 
-    With `block_size`, computed that many vocabulary entries at a time (`policy.model.blocked_logprobs_and_entropy`)."""
+    With `block_size`, computed that many vocabulary entries at a time (`policy.model.blocked_logprobs_and_entropy`).
+    `attention` "cudnn": levanter's attention computed by JAX's fused attention (`policy.attention`)."""
 
     def logprob_fn(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        with fused_attention(attention):
+            return _logprobs(model, batch)
+
+    def _logprobs(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         if block_size is not None:
             return M.blocked_logprobs_and_entropy(
                 M.cast_for_compute(model, compute_dtype),
@@ -142,7 +148,7 @@ def mesh_train_step(config: LearnerStepConfig, lm: mesh_lib.LearnerMesh) -> Any:
     return make_mesh_train_step(
         loss_module_from_config(config.loss),
         build_optimizer(config.optimizer, train.num_train_steps, updates_per_slot(train)),
-        make_logprob_fn(config.model.compute_dtype, config.model.logprob_block_size),
+        make_logprob_fn(config.model.compute_dtype, config.model.logprob_block_size, config.model.attention_backend),
         lm,
         num_microbatches,
         train.minibatches_per_slot,

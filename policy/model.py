@@ -62,7 +62,7 @@ class PolicyNotFoundError(FileNotFoundError):
 
 
 def _attn_backend(spec: ModelSpec) -> AttentionBackend | None:
-    if spec.attention_backend == "default":
+    if spec.attention_backend in ("default", "cudnn"):  # cudnn: the learner routes it (`policy.attention`)
         return None
     return AttentionBackend(spec.attention_backend)
 

@@ -58,6 +58,10 @@ class LoraSpec:
         require(self.publish in LORA_PUBLISH, "model.lora.publish", self.publish, f"one of {LORA_PUBLISH}")
 
 
+ATTENTION_BACKENDS = ("default", "vanilla", "jax_flash", "splash", "nvte", "cudnn")
+"""`model.attention_backend` values: levanter's `AttentionBackend` names, and `cudnn` (`policy.attention`)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A levanter decoder, built from scratch (tiny configs) or loaded from an HF folder."""
@@ -90,7 +94,9 @@ class ModelSpec:
     """Vocabulary entries per block when the learner computes logprobs and entropies: the [batch, seq, vocab]
     logits are then never materialised at once. None: the whole vocabulary in one block."""
     attention_backend: str = "default"
-    """levanter attention backend: default, vanilla, jax_flash, splash."""
+    """Attention of the learner's forward passes: a levanter backend (default, vanilla, jax_flash, splash, nvte),
+    or cudnn: JAX's fused attention (cuDNN's flash-attention kernel on NVIDIA GPUs, XLA's implementation of the
+    same function elsewhere), segments of packed rows kept by an additive mask."""
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of every weight (see `LoraSpec`); None: full fine-tuning."""
 
@@ -111,6 +117,12 @@ class ModelSpec:
             "must be >= 1 or null",
         )
         require(self.family in MODEL_FAMILIES, "model.family", self.family, f"one of {MODEL_FAMILIES}")
+        require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "model.attention_backend",
+            self.attention_backend,
+            f"one of {ATTENTION_BACKENDS}",
+        )
         if self.hf_checkpoint:
             for name in SHAPE_FIELDS:
                 value = getattr(self, name)

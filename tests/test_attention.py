@@ -1,0 +1,89 @@
+"""The fused attention route (`model.attention_backend: cudnn`): same logprobs and gradients as levanter's own
+attention on packed rows, segments kept apart, and actually taken (XLA's implementation of the same function
+runs it on CPU; cuDNN's kernel on a GPU is measured by `make bench-gpu`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipeline.config import ConfigError, ModelSpec
+
+pytest.importorskip("jax")
+
+from policy import learner as L
+from policy import model as M
+
+VOCAB, B, S = 64, 3, 16
+
+
+def packed_batch(seed: int = 0) -> dict[str, jax.Array]:
+    """Rows holding two sequences (segments 0 and 1) and trailing padding (segment -1)."""
+    rng = np.random.default_rng(seed)
+    seg = np.full((B, S), -1, np.int32)
+    pos = np.zeros((B, S), np.int32)
+    for r, (a, b) in enumerate([(5, 7), (9, 4), (16, 0)]):
+        seg[r, :a], pos[r, :a] = 0, np.arange(a)
+        seg[r, a : a + b], pos[r, a : a + b] = 1, np.arange(b)
+    return {
+        "tokens": jnp.asarray(rng.integers(0, VOCAB, (B, S)).astype(np.int32)),
+        "segment_ids": jnp.asarray(seg),
+        "position_ids": jnp.asarray(pos),
+        "temperature": jnp.ones((B, S), jnp.float32),
+    }
+
+
+@pytest.fixture(scope="module")
+def model():
+    return M.build_model(ModelSpec(num_heads=4, num_kv_heads=2, max_seq_len=S), VOCAB)
+
+
+def test_fused_route_matches_levanter_attention_in_values_and_gradients(model) -> None:
+    batch = packed_batch()
+    plain, fused = L.make_logprob_fn("float32"), L.make_logprob_fn("float32", attention="cudnn")
+    valid = np.asarray(batch["segment_ids"]) >= 0
+    lp0, ent0 = plain(model, batch)
+    lp1, ent1 = fused(model, batch)
+    np.testing.assert_allclose(np.asarray(lp1)[valid], np.asarray(lp0)[valid], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent1)[valid], np.asarray(ent0)[valid], rtol=1e-5, atol=1e-5)
+
+    def total(fn):
+        return lambda m: jnp.sum(jnp.where(valid, fn(m, batch)[0], 0.0))
+
+    import equinox as eqx
+
+    g0 = eqx.filter_grad(total(plain))(model)
+    g1 = eqx.filter_grad(total(fused))(model)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+def test_fused_route_is_taken_and_keeps_segments_apart(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, tuple[int, ...] | None]] = []
+    real = jax.nn.dot_product_attention
+
+    def watched(q, k, v, bias=None, *a, implementation=None, **kw):  # JAX's function, observed, not replaced
+        seen.append((implementation, None if bias is None else bias.shape))
+        return real(q, k, v, bias, *a, implementation=implementation, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", watched)
+    fused = L.make_logprob_fn("float32", attention="cudnn")
+    batch = packed_batch()
+    jax.make_jaxpr(lambda m: L.make_logprob_fn("float32")(m, batch))(model)
+    assert seen == []  # levanter's own attention outside the fused route
+    jax.make_jaxpr(lambda m: fused(m, batch))(model)
+    assert seen == [("xla", (B, 1, S, S))]  # one scanned attention, XLA's implementation on CPU, segment bias
+    # a different first sequence in row 0 leaves the second sequence's logprobs unchanged
+    other = dict(batch, tokens=batch["tokens"].at[0, :5].set((batch["tokens"][0, :5] + 1) % VOCAB))
+    second = slice(5, 12)
+    np.testing.assert_allclose(
+        np.asarray(fused(model, other)[0])[0, second], np.asarray(fused(model, batch)[0])[0, second], atol=1e-6
+    )
+    assert not np.allclose(np.asarray(fused(model, other)[0])[0, :5], np.asarray(fused(model, batch)[0])[0, :5])
+
+
+def test_unknown_attention_backend_is_refused_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"model\.attention_backend"):
+        ModelSpec(attention_backend="flashy")
