@@ -160,6 +160,7 @@ def test_hf_checkpoint_streamed_from_gs(tmp_path: Path, gcs_endpoint: object, mo
         "HF_HUB_OFFLINE": "1",
         "PYTHONHASHSEED": "0",
         "PYTHONDONTWRITEBYTECODE": "1",  # no .pyc of any size is written under the file-size limit
+        "USE_TORCH": "0",  # as in a step process: transformers skips importing torch (levanter reads safetensors)
         "PYTHONPATH": str(STREAM_SCRIPT.parent.parent),
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
         "STORAGE_EMULATOR_HOST": emu.endpoint,  # type: ignore[attr-defined]
