@@ -2,10 +2,10 @@
 locally with transformers loads through `model.hf_checkpoint`, gives transformers' logits (within 1e-4, f32
 CPU), trains one learner step, exports back to a Hugging Face folder that transformers loads with the trained
 model's logits. `model.hf_checkpoint: gs://…` (the GCS emulator) is streamed onto the learner's mesh: a tiny Llama
-(saved in bfloat16) and a tiny Qwen2 (with a vocabulary resize) become the initial learner state on 4 simulated
-devices under FSDP, bit for bit the local-folder load (rows added by the resize: within 1e-6), every parameter with
-an "embed" axis split 4 ways over the mesh, with no weights file written to local disk; a checkpoint of another
-family is refused naming `model.family`."""
+(bfloat16, in several safetensors files) and a tiny Qwen2 (with a vocabulary resize) become the initial learner
+state on 4 simulated devices under FSDP, bit for bit the local-folder load (rows added by the resize: within 1e-6),
+every parameter with an "embed" axis split 4 ways over the mesh, with no weights file written to local disk; a
+checkpoint of another family is refused naming `model.family`."""
 
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ HF_CLASSES = {
 TINY_CLASSES = {**HF_CLASSES, "llama": ("LlamaConfig", "LlamaForCausalLM", {})}
 
 
-def tiny_hf_model(family: str, out: Path, dtype: str = "float32") -> object:
-    """A seeded random transformers model of `family`, saved to `out` in `dtype` (config.json + model.safetensors)."""
+def tiny_hf_model(family: str, out: Path, dtype: str = "float32", max_shard_size: str | None = None) -> object:
+    """A seeded random transformers model of `family`, saved to `out` in `dtype` (config.json + model.safetensors,
+    or safetensors files of at most `max_shard_size` and their index)."""
     config_cls, model_cls, extra = TINY_CLASSES[family]
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**SHAPE, **extra)).eval()
@@ -66,7 +67,8 @@ def tiny_hf_model(family: str, out: Path, dtype: str = "float32") -> object:
             for name, p in hf.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.5)
-    hf.to(getattr(torch, dtype)).save_pretrained(out)
+    sizes = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    hf.to(getattr(torch, dtype)).save_pretrained(out, **sizes)
     return hf
 
 
@@ -128,8 +130,9 @@ def test_family_round_trip(family: str, tmp_path: Path) -> None:
 
 
 STREAM_SCRIPT = Path(__file__).with_name("hf_stream_load.py")
-STREAMED = {"llama": ("bfloat16", VOCAB), "qwen2": ("float32", VOCAB + 64)}
-"""Family -> (the dtype its tiny checkpoint is saved in, the model vocabulary it is loaded with: Qwen2's is resized)."""
+STREAMED = {"llama": ("bfloat16", VOCAB, "40KB"), "qwen2": ("float32", VOCAB + 64, None)}
+"""Family -> (the dtype its tiny checkpoint is saved in, the model vocabulary it is loaded with (Qwen2's is resized),
+the size of its safetensors files (Llama's is split into several files with an index))."""
 
 
 def test_hf_checkpoint_streamed_from_gs(tmp_path: Path, gcs_endpoint: object, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,8 +144,8 @@ def test_hf_checkpoint_streamed_from_gs(tmp_path: Path, gcs_endpoint: object, mo
     fs = fsspec.filesystem("gs", **emu.storage_options)  # type: ignore[attr-defined]
     base = f"gs://{emu.bucket}/models/{tmp_path.name}"  # type: ignore[attr-defined]
     urls, weight_sizes = {}, []
-    for family, (dtype, _) in STREAMED.items():
-        tiny_hf_model(family, tmp_path / family, dtype)
+    for family, (dtype, _, shard_size) in STREAMED.items():
+        tiny_hf_model(family, tmp_path / family, dtype, shard_size)
         urls[family] = f"{base}/{family}"
         for f in (tmp_path / family).iterdir():
             fs.put_file(str(f), f"{urls[family]}/{f.name}")
@@ -183,7 +186,7 @@ def test_hf_checkpoint_streamed_from_gs(tmp_path: Path, gcs_endpoint: object, mo
             family: M.numpy_params(
                 M.build_model(ModelSpec(family=family, hf_checkpoint=str(tmp_path / family), max_seq_len=SEQ), vocab)
             )
-            for family, (_, vocab) in STREAMED.items()
+            for family, (_, vocab, _) in STREAMED.items()
         }
     finally:
         output, _ = proc.communicate(timeout=300)
@@ -214,9 +217,10 @@ def test_hf_checkpoint_streamed_from_gs(tmp_path: Path, gcs_endpoint: object, mo
                 assert p["replicated"]
     written = [p for d in (cache, tmp) for p in d.rglob("*") if p.is_file()]
     assert not [p for p in written if p.name.endswith(families.WEIGHT_SUFFIXES)], written
-    for folder in cache.iterdir():  # one complete folder per URL, with the small files only
-        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json"]
-    assert len(list(cache.iterdir())) == len(STREAMED)
+    small = {fam: sorted(f.name for f in (tmp_path / fam).iterdir() if f.suffix != ".safetensors") for fam in STREAMED}
+    assert len(small["llama"]) == 3  # config, generation config, the index of the weights files
+    # one complete folder per URL, with the small files only
+    assert sorted(sorted(f.name for f in d.iterdir()) for d in cache.iterdir()) == sorted(small.values())
 
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         families.hf_metadata_folder(f"{base}/nothing-here")
