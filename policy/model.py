@@ -2,7 +2,7 @@
 Mistral, Gemma: `policy.families.FAMILIES`).
 
 Reads: an optional Hugging Face checkpoint folder (local or any fsspec URL such as gs://) named by
-`ModelSpec.hf_checkpoint` (see `build_model` for how a remote one is streamed); committed policies
+`ModelSpec.hf_checkpoint` (a remote one streamed: `policy.hf_checkpoint`); committed policies
 `policies/step-S/` of a run root.
 Writes: policies `policies/step-S/weights-<attempt>.safetensors` + `policies/step-S/COMMITTED` (written
 last, create-if-absent) + the `policies/LATEST` hint; HF exports (`export_hf`).
@@ -43,7 +43,10 @@ from levanter.models.lm_model import LmHeadModel
 from pipeline import layout, run_state
 from pipeline.config import ConfigError, ModelSpec
 from policy import checkpoints as ckpt
-from policy.families import FAMILIES, hf_metadata_folder, is_remote
+from policy.families import FAMILIES, hf_metadata_folder
+from policy.hf_checkpoint import hf_converter as _hf_converter
+from policy.hf_checkpoint import host_mesh as _host_mesh
+from policy.hf_checkpoint import load_hf_model
 from schemas.records import CommitMarker, LatestPointer, RecordError
 
 if TYPE_CHECKING:
@@ -69,30 +72,6 @@ def _attn_backend(spec: ModelSpec) -> AttentionBackend | None:
     if spec.attention_backend == "default":
         return None
     return AttentionBackend(spec.attention_backend)
-
-
-def _hf_converter(spec: ModelSpec, ref: str, tokenizer: Any = None) -> Any:
-    import transformers
-    from levanter.compat.hf_checkpoints import HFCheckpointConverter
-
-    family = FAMILIES[spec.family]
-    if tokenizer is None:
-        from pipeline.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(spec.tokenizer)
-    return HFCheckpointConverter(
-        family.config_class,
-        reference_checkpoint=ref,
-        HfConfigClass=getattr(transformers, family.hf_config),
-        tokenizer=tokenizer,
-    )
-
-
-def _host_mesh() -> Any:
-    """A one-axis mesh over the local devices (levanter's HF converter requires a mesh in context)."""
-    from jax.sharding import Mesh
-
-    return jax.set_mesh(Mesh(np.array(jax.devices()), ("data",)))
 
 
 def levanter_config(spec: ModelSpec) -> Any:
@@ -145,63 +124,22 @@ def build_model(
 
     From scratch the weights depend only on `key` (default `PRNGKey(spec.seed)`), so two calls give
     bitwise-identical models (`mesh` is not used). From an HF checkpoint the weights are loaded (the same values
-    whatever the mesh) and the vocabulary resized to `vocab_size` if it differs (new rows deterministic): onto
-    `mesh` with its parameter mapping (FSDP over "embed", tensor parallel over heads and mlp) when given, else onto
-    a one-axis mesh over this process's devices.
+    whatever the mesh) and the vocabulary resized to `vocab_size` if it differs (new rows deterministic per
+    mesh): onto `mesh` with its parameter mapping (FSDP over "embed", tensor parallel over heads and mlp) when
+    given, else onto a one-axis mesh over this process's devices.
 
-    A remote checkpoint (gs:// or any fsspec URL) is never copied whole to local disk: its config and tokenizer
-    files come from `policy.families.hf_metadata_folder`, and its `*.safetensors` files are streamed from the URL
-    one file after another, each in byte ranges of at most `$LEVANTER_FSSPEC_CHUNK_BYTES` (default 2 GiB; a
-    larger tensor is one range of its own), at most `$LEVANTER_FSSPEC_MAX_CONCURRENT_CHUNKS` (default 4) at a
-    time; every tensor goes from its range straight to this process's devices, cut into the mesh's slices (its
-    last dimension divisible by the size of the mesh's "data" axis is split over that axis; a tensor with none is
-    replicated). So at its peak one host holds the bytes of at most one checkpoint file, and of at most 4 x 2 GiB
-    of it by default (a typical 4-5 GB shard file is held whole, read in 3 ranges), plus a float32 copy of one
-    float16 tensor (bfloat16 tensors are placed as stored and upcast on the devices), besides its devices' slices.
-    Every learner process reads every range and keeps only its own devices' slices. The loaded tensors are then
-    rearranged on the devices (layers stacked for the scanned transformer) into the parameter layout.
-    `pytorch_model*.bin` checkpoints cannot be streamed: levanter downloads each such file to a local temporary
-    file first.
+    A remote checkpoint (gs:// or any fsspec URL) is never copied whole to local disk: its weights are streamed
+    onto the devices, and one host holds at most one checkpoint file's bytes at a time
+    (`policy.hf_checkpoint.load_hf_model` states the contract).
     """
     config = levanter_config(spec)
     if spec.hf_checkpoint:
-        return _load_hf(spec, config, vocab_size, mesh)
+        return load_hf_model(spec, config, vocab_size, mesh)
     Vocab = hax.Axis("vocab", vocab_size)
     if key is None:
         key = jax.random.PRNGKey(spec.seed)
     # jitted init: the same bits as eager (threefry is exact) but one compiled program instead of many dispatches
     return eqx.filter_jit(lambda k: config.build(Vocab, key=k))(key)
-
-
-def _load_hf(spec: ModelSpec, config: Any, vocab_size: int, mesh: LearnerMesh | None) -> LmHeadModel:
-    """`spec.hf_checkpoint`'s weights onto `mesh` (or this process's devices), as `build_model` states."""
-    ref = str(spec.hf_checkpoint)
-    weights = ref.rstrip("/") if is_remote(ref) else hf_metadata_folder(ref)  # levanter streams a URL itself
-    converter = _hf_converter(spec, hf_metadata_folder(ref))
-    load = dict(config=config, resize_vocab_to_match_tokenizer=False, dtype=jnp.float32)
-    if mesh is None:
-        with _host_mesh():
-            model = converter.load_pretrained(config.model_type, ref=weights, **load)
-    else:
-        # the concrete mesh in context decides where each streamed tensor lands (sliced over its "data" axis);
-        # the mapping, how the loaded model is laid out
-        with hax.partitioning.set_mesh(mesh.mesh), hax.axis_mapping(mesh.param_mapping):
-            model = converter.load_pretrained(config.model_type, ref=weights, axis_mapping=mesh.param_mapping, **load)
-    # levanter's `dtype` leaves bfloat16 tensors as stored (not a numpy floating type): upcast them (exact), in place
-    # on their devices
-    model = jax.tree_util.tree_map(
-        lambda x: x.astype(jnp.float32) if eqx.is_inexact_array(x) and x.dtype != jnp.float32 else x, model
-    )
-    if model.Vocab.size != vocab_size:
-        logger.info("resizing HF model vocab %d -> %d", model.Vocab.size, vocab_size)
-        if mesh is None:
-            return model.resize_vocab(vocab_size, key=jax.random.PRNGKey(spec.seed))
-        from policy.mesh import shard_params
-
-        with mesh.active():
-            model = model.resize_vocab(vocab_size, key=jax.random.PRNGKey(spec.seed))
-        model = shard_params(model, mesh)
-    return model
 
 
 def model_template(spec: ModelSpec, vocab_size: int) -> LmHeadModel:
