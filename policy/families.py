@@ -1,8 +1,8 @@
 """Model families (`model.family`) and where a Hugging Face checkpoint is read from.
 
 `FAMILIES` maps every `pipeline.config.MODEL_FAMILIES` name to its levanter config class and its Hugging Face
-names; `local_hf_folder` turns a `model.hf_checkpoint` (a local folder or an fsspec URL such as gs://) into a
-local folder.
+names; `hf_metadata_folder` gives a local folder with the config and tokenizer files of a `model.hf_checkpoint` (a
+local folder or an fsspec URL such as gs://) without copying its weights.
 """
 
 from __future__ import annotations
@@ -46,25 +46,37 @@ FAMILIES: dict[str, Family] = {
 
 
 HF_CACHE_ENV = "RLPIPE_HF_CACHE"
-"""Where remote `model.hf_checkpoint` folders are copied (default: `<tmp>/rlpipe-hf`), one folder per URL."""
+"""Where the small files of remote `model.hf_checkpoint` folders are copied (default: `<tmp>/rlpipe-hf`), one
+folder per URL."""
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+"""Files of a checkpoint folder that hold weights: never copied to local disk by `hf_metadata_folder`."""
 
 
-def local_hf_folder(ref: str) -> str:
-    """A local folder holding the Hugging Face checkpoint `ref` (a local path, or any fsspec URL such as gs://).
+def is_remote(ref: str) -> bool:
+    """Whether `ref` is an fsspec URL other than `file://` (a gs:// folder, say)."""
+    return "://" in ref and not ref.startswith("file://")
 
-    A remote folder is copied once (file by file, into a temporary folder renamed into place when complete, so a
-    half-copied folder is never used) under `$RLPIPE_HF_CACHE` and reused by later calls; a local one is returned
-    as is. Credentials and endpoints are fsspec's defaults (for gs://, `STORAGE_EMULATOR_HOST` selects an
-    emulator)."""
-    if "://" not in ref or ref.startswith("file://"):
+
+def hf_metadata_folder(ref: str) -> str:
+    """A local folder holding the config, tokenizer and generation-config files of the Hugging Face checkpoint `ref`
+    (a local path, or any fsspec URL such as gs://), but not its weights.
+
+    A local folder is returned as is. Of a remote one, every top-level file except weight files (`WEIGHT_SUFFIXES`)
+    is copied once (into a temporary folder renamed into place when complete, so a half-copied folder is never
+    used) under `$RLPIPE_HF_CACHE` and reused by later calls; the weights are read from the URL itself
+    (`policy.model.build_model` streams them). Raises FileNotFoundError naming `ref` when it has no config.json.
+    Credentials and endpoints are fsspec's defaults (for gs://, `STORAGE_EMULATOR_HOST` selects an emulator)."""
+    if not is_remote(ref):
         return ref.removeprefix("file://")
     cache = os.environ.get(HF_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "rlpipe-hf")
     dest = os.path.join(cache, hashlib.sha256(ref.rstrip("/").encode()).hexdigest()[:24])
     if os.path.exists(os.path.join(dest, "config.json")):
         return dest
     fs, base = fsspec.core.url_to_fs(ref)
+    base = base.rstrip("/")
     try:
-        names = [p.rsplit("/", 1)[-1] for p in fs.ls(base.rstrip("/"), detail=False)]
+        names = [p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)]
     except FileNotFoundError:
         names = []
     if "config.json" not in names:
@@ -72,11 +84,11 @@ def local_hf_folder(ref: str) -> str:
     os.makedirs(cache, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache, prefix=".partial-")
     for name in names:
-        if fs.isfile(f"{base.rstrip('/')}/{name}"):
-            fs.get_file(f"{base.rstrip('/')}/{name}", os.path.join(tmp, name))
+        if not name.endswith(WEIGHT_SUFFIXES) and fs.isfile(f"{base}/{name}"):
+            fs.get_file(f"{base}/{name}", os.path.join(tmp, name))
     try:
         os.rename(tmp, dest)
     except OSError:  # another process finished the same copy first: use its folder
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("copied HF checkpoint %s to %s", ref, dest)
+    logger.info("copied the config and tokenizer files of HF checkpoint %s to %s", ref, dest)
     return dest

@@ -401,7 +401,7 @@ def resume_or_init(
     if errors:
         raise ckpt.CheckpointError("no committed checkpoint loads: " + "; ".join(errors))
     logger.info("no checkpoint: initialising %s model (seed %d)", config.model.family, config.model.seed)
-    model = M.build_model(config.model, vocab_size, jax.random.PRNGKey(config.model.seed))
+    model = M.build_model(config.model, vocab_size, jax.random.PRNGKey(config.model.seed), mesh=lm)
     if config.model.param_dtype not in ("float32", "fp32"):
         model = M.cast_for_compute(model, config.model.param_dtype)
     if config.model.lora is not None:  # adapters with B = 0: the model still computes the base's outputs

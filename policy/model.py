@@ -1,14 +1,15 @@
 """The model side shared by the learner, rollout and evaluation steps (levanter Llama, Qwen2/2.5, Qwen3,
 Mistral, Gemma: `policy.families.FAMILIES`).
 
-Reads: an optional Hugging Face checkpoint folder (local or gs://) named by `ModelSpec.hf_checkpoint`;
-committed policies `policies/step-S/` of a run root.
+Reads: an optional Hugging Face checkpoint folder (local or any fsspec URL such as gs://) named by
+`ModelSpec.hf_checkpoint` (a remote one streamed: `policy.hf_checkpoint`); committed policies
+`policies/step-S/` of a run root.
 Writes: policies `policies/step-S/weights-<attempt>.safetensors` + `policies/step-S/COMMITTED` (written
 last, create-if-absent) + the `policies/LATEST` hint; HF exports (`export_hf`).
 
 API (stable; other steps call these):
 
-    build_model(spec, vocab_size, key=None) -> LmHeadModel        # from scratch (seeded) or from HF
+    build_model(spec, vocab_size, key=None, mesh=None) -> LmHeadModel  # from scratch (seeded) or from HF
     save_policy(store, step, model, extra=None) -> bool            # commit policies/step-S
     load_policy(store, step, spec, vocab_size) -> LmHeadModel      # verified against the marker, in its stored dtype
     latest_policy_step(store) -> int | None                        # listing is the truth
@@ -28,7 +29,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import fsspec
@@ -42,8 +43,14 @@ from levanter.models.lm_model import LmHeadModel
 from pipeline import layout, run_state
 from pipeline.config import ConfigError, ModelSpec
 from policy import checkpoints as ckpt
-from policy.families import FAMILIES, local_hf_folder
+from policy.families import FAMILIES, hf_metadata_folder
+from policy.hf_checkpoint import hf_converter as _hf_converter
+from policy.hf_checkpoint import host_mesh as _host_mesh
+from policy.hf_checkpoint import load_hf_model
 from schemas.records import CommitMarker, LatestPointer, RecordError
+
+if TYPE_CHECKING:
+    from policy.mesh import LearnerMesh
 
 logger = logging.getLogger(__name__)
 
@@ -67,30 +74,6 @@ def _attn_backend(spec: ModelSpec) -> AttentionBackend | None:
     return AttentionBackend(spec.attention_backend)
 
 
-def _hf_converter(spec: ModelSpec, ref: str, tokenizer: Any = None) -> Any:
-    import transformers
-    from levanter.compat.hf_checkpoints import HFCheckpointConverter
-
-    family = FAMILIES[spec.family]
-    if tokenizer is None:
-        from pipeline.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(spec.tokenizer)
-    return HFCheckpointConverter(
-        family.config_class,
-        reference_checkpoint=ref,
-        HfConfigClass=getattr(transformers, family.hf_config),
-        tokenizer=tokenizer,
-    )
-
-
-def _host_mesh() -> Any:
-    """A one-axis mesh over the local devices (levanter's HF converter requires a mesh in context)."""
-    from jax.sharding import Mesh
-
-    return jax.set_mesh(Mesh(np.array(jax.devices()), ("data",)))
-
-
 def levanter_config(spec: ModelSpec) -> Any:
     """The levanter config for `spec`.
 
@@ -108,7 +91,7 @@ def levanter_config(spec: ModelSpec) -> Any:
     if spec.hf_checkpoint:
         from transformers import AutoConfig
 
-        hf_cfg = AutoConfig.from_pretrained(local_hf_folder(spec.hf_checkpoint))
+        hf_cfg = AutoConfig.from_pretrained(hf_metadata_folder(spec.hf_checkpoint))
         if getattr(hf_cfg, "model_type", spec.family) != spec.family:
             raise ConfigError(
                 "model.family",
@@ -134,30 +117,25 @@ def levanter_config(spec: ModelSpec) -> Any:
     return cls(**sizes, **common)
 
 
-def build_model(spec: ModelSpec, vocab_size: int, key: jax.Array | None = None) -> LmHeadModel:
+def build_model(
+    spec: ModelSpec, vocab_size: int, key: jax.Array | None = None, mesh: LearnerMesh | None = None
+) -> LmHeadModel:
     """A levanter LM with `vocab_size` output classes, float32 parameters.
 
     From scratch the weights depend only on `key` (default `PRNGKey(spec.seed)`), so two calls give
-    bitwise-identical models. From an HF folder the weights are loaded and the vocabulary resized to
-    `vocab_size` if it differs (new rows deterministic).
+    bitwise-identical models (`mesh` is not used). From an HF checkpoint the weights are loaded (the same values
+    whatever the mesh) and the vocabulary resized to `vocab_size` if it differs (new rows deterministic per
+    mesh): onto `mesh` with its parameter mapping (FSDP over "embed", tensor parallel over heads and mlp) when
+    given, else onto a one-axis mesh over this process's devices.
+
+    A remote checkpoint (gs:// or any fsspec URL) is never copied whole to local disk: its weights are streamed
+    onto the devices, and one host holds at most one checkpoint file's bytes at a time
+    (`policy.hf_checkpoint.load_hf_model` states the contract).
     """
     config = levanter_config(spec)
-    Vocab = hax.Axis("vocab", vocab_size)
     if spec.hf_checkpoint:
-        folder = local_hf_folder(spec.hf_checkpoint)
-        converter = _hf_converter(spec, folder)
-        with _host_mesh():
-            model = converter.load_pretrained(
-                config.model_type,
-                ref=folder,
-                config=config,
-                resize_vocab_to_match_tokenizer=False,
-                dtype=jnp.float32,
-            )
-        if model.Vocab.size != vocab_size:
-            logger.info("resizing HF model vocab %d -> %d", model.Vocab.size, vocab_size)
-            model = model.resize_vocab(vocab_size, key=jax.random.PRNGKey(spec.seed))
-        return model
+        return load_hf_model(spec, config, vocab_size, mesh)
+    Vocab = hax.Axis("vocab", vocab_size)
     if key is None:
         key = jax.random.PRNGKey(spec.seed)
     # jitted init: the same bits as eager (threefry is exact) but one compiled program instead of many dispatches

@@ -76,7 +76,8 @@ class ModelSpec:
     num_kv_heads: int = 4
     max_seq_len: int = 256
     hf_checkpoint: str | None = None
-    """Local path or gs:// folder of a Hugging Face checkpoint; None: initialise from `seed`."""
+    """Local path or gs:// (any fsspec URL) folder of a Hugging Face checkpoint, streamed onto the learner's mesh
+    (only its config and tokenizer files are copied to local disk); None: initialise from `seed`."""
     tokenizer: str = "builtin:tiny"
     """A local tokenizer folder, or `builtin:tiny` (built deterministically in code)."""
     seed: int = 0
