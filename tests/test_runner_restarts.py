@@ -95,3 +95,20 @@ def test_an_outage_longer_than_the_bound_stops_the_job(tmp_path: Path, monkeypat
     assert runner.returncode == 1  # type: ignore[attr-defined]
     codes = learner(runner).exit_codes
     assert len(codes) >= 3 and set(codes) == {75}
+
+
+def test_local_step_processes_share_the_accelerators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """JAX must not reserve most of a GPU in the first step process of a job (the others would run out of
+    memory): local step processes get XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user set it."""
+    from pipeline.runners.local import child_env
+
+    spec, log = StepSpec("learner", "learner", "cfg.yaml"), LogTarget("/tmp/run", None, "learner", "a1")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    env = child_env(spec, log)
+    assert (env["XLA_PYTHON_CLIENT_PREALLOCATE"], env["RLPIPE_STEP"], env["RLPIPE_ATTEMPT"]) == (
+        "false",
+        "learner",
+        "a1",
+    )
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    assert child_env(spec, log)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"

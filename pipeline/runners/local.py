@@ -52,6 +52,18 @@ class LocalProcess:
             self._proc.kill()
 
 
+SHARED_DEVICE_DEFAULTS = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+"""Environment defaults of every local step process (a value already in the environment wins): the job's JAX
+processes share this machine's accelerators, and JAX's default of reserving 75% of a GPU's memory in the first
+process would leave the others out of memory."""
+
+
+def child_env(spec: StepSpec, log: LogTarget) -> dict[str, str]:
+    """The environment of a local step process: this one's, `SHARED_DEVICE_DEFAULTS` where unset, and
+    `RLPIPE_STEP` / `RLPIPE_ATTEMPT` (the step's name and its log's attempt id; a child server logs beside it)."""
+    return {**SHARED_DEVICE_DEFAULTS, **os.environ, "RLPIPE_STEP": spec.name, "RLPIPE_ATTEMPT": log.attempt}
+
+
 class LocalLauncher:
     """Starts steps as local child processes (no resources: the steps share this machine)."""
 
@@ -67,8 +79,7 @@ class LocalLauncher:
         processes, see `ProcessGroup`."""
         if spec.processes > 1:
             return start_group(spec, log, spec.processes)
-        env = {**os.environ, "RLPIPE_STEP": spec.name, "RLPIPE_ATTEMPT": log.attempt}
-        return LocalProcess(spec.module, spec.config_path, log, env)
+        return LocalProcess(spec.module, spec.config_path, log, child_env(spec, log))
 
 
 class ProcessGroup:
@@ -131,9 +142,7 @@ def start_group(spec: StepSpec, log: LogTarget, processes: int) -> StepProcess:
     procs = []
     for i in range(processes):
         env = {
-            **os.environ,
-            "RLPIPE_STEP": spec.name,
-            "RLPIPE_ATTEMPT": log.attempt,
+            **child_env(spec, log),
             "RLPIPE_COORDINATOR": coordinator,
             "RLPIPE_NUM_PROCESSES": str(processes),
             "RLPIPE_PROCESS_ID": str(i),
