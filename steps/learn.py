@@ -49,6 +49,7 @@ from pipeline.tokenizer import load_tokenizer
 from policy import learner as L
 from policy import mesh as mesh_lib
 from policy import model as M
+from policy import publisher as P
 from policy.losses import Batch, RLLossModule, loss_module_from_config
 from policy.trackers import make_run_tracker
 
@@ -73,7 +74,7 @@ class Learner:
     metrics: Any = None
     tracker: Any = None
     publisher: Any = None
-    """`policy.learner.PolicyPublisher`: policies are committed behind the next step's compute, in order."""
+    """`policy.publisher.PolicyPublisher`: policies are committed behind the next step's compute, in order."""
     mesh: Any = None
     """The device mesh (`policy.mesh.LearnerMesh`) parameters, optimizer state and batches live on."""
 
@@ -147,7 +148,7 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
     writer = mesh_lib.is_writer()  # one process writes metrics and tracker records
     learner.metrics = MetricsWriter(learner.store, "learner", "learner") if writer else _NoMetrics()
     learner.tracker = make_run_tracker(config.tracker, config.store.run_root, learner.store) if writer else None
-    learner.publisher = L.PolicyPublisher(learner.store, config)
+    learner.publisher = P.PolicyPublisher(learner.store, config)
     progress = _progress(learner.total, state.step)
     started_at = time.time()
     try:
@@ -162,7 +163,7 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
                 return state, "control/STOP"
             if entry is None:
                 entry = learner.store.read_log_entry(slot)
-            events = {"learner_noticed_at": time.time(), **L.batch_events(learner.store, entry, learner.publisher)}
+            events = {"learner_noticed_at": time.time(), **P.batch_events(learner.store, entry, learner.publisher)}
             batch, data_file = L.read_batch(learner.store, slot, entry, config.train, learner.vocab_size, learner.mesh)
             events["train_started_at"] = time.time()
             state, record = train_one(learner, state, batch, data_file, waited)
