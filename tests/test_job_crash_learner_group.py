@@ -110,22 +110,20 @@ def _until(group: list[psutil.Process], ready: object, period: float) -> None:
         time.sleep(period)
 
 
-def _kill_point(
-    rng: random.Random, store: RunStore, group: list[psutil.Process], log: Path, newest: int | None, kills: int
-) -> str:
-    """Wait for a random point of this attempt; returns its name. Progress stays bounded: once the slots left
-    barely exceed the kills still due, only start-up points (no slot trained) are drawn."""
+def _kill_point(rng: random.Random, store: RunStore, group: list[psutil.Process], log: Path, newest: int | None) -> str:
+    """Wait for a random point of this attempt; returns its name. A start-up point trains no slot, so once few
+    slots are left only those are drawn: the job cannot end before every kill has landed."""
 
-    def logged(needle: bytes, count: int = 1) -> object:
-        return lambda: log.exists() and log.read_bytes().count(needle) >= count
+    def logged(needle: bytes) -> object:
+        return lambda: log.exists() and needle in log.read_bytes()
 
-    mode = rng.random()
-    if STEPS - (newest or 0) <= MIN_KILLS - kills + 2 or mode < 0.4:
+    mode = rng.randrange(3)
+    if mode == 0 or STEPS - (newest or 0) <= 4:
         needle = rng.choice(START_UP)
         if needle is not None:
             _until(group, logged(needle), 0.005)
         return f"start-up:{needle.decode() if needle else 'at once'}"
-    if mode < 0.7:  # the first shard file of the attempt's next checkpoint
+    if mode == 1:  # the first shard file of the attempt's next checkpoint
         folder = Path(store.full_path(layout.checkpoint_dir((newest or 0) + 1)))
         _until(group, lambda: folder.is_dir() and any(n.name.startswith("shard-") for n in folder.iterdir()), 0.001)
         return "first shard"
@@ -154,6 +152,22 @@ def _reference_group(tmp_path: Path, config_path: Path, run_root: Path) -> RunSt
     return RunStore(str(ref_root))
 
 
+def _check_resumes(store: RunStore, attempts: list[tuple[str, int | None, list[str]]]) -> list[int | None]:
+    """Every attempt resumed, on both processes, from the newest checkpoint committed at its start, never from a
+    folder without COMMITTED; returns the resume points."""
+    for attempt, newest, half_written in attempts:
+        for path in _logs(store, attempt):
+            text = path.read_text(errors="replace")
+            if m := re.search(r"resuming from checkpoint (\d+)", text):
+                assert int(m.group(1)) == newest, f"{path.name} resumed from {m.group(1)}; newest was {newest}"
+                assert layout.checkpoint_dir(int(m.group(1))) not in half_written
+            elif "no checkpoint: initialising" in text:
+                assert newest is None, f"{path.name} re-initialised although checkpoint {newest} was committed"
+            else:  # killed before it chose
+                assert "learner at step" not in text, path.name
+    return [newest for _, newest, _ in attempts]
+
+
 @pytest.mark.slow
 def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_env: None) -> None:
     t0 = time.monotonic()
@@ -169,8 +183,8 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
     )
     rng = random.Random(2468)
     kills, seen, points = 0, set(), []
-    attempts: list[tuple[str, int | None]] = []  # (attempt id, newest committed checkpoint at its start)
-    half_written: set[str] = set()
+    # (attempt id, newest committed checkpoint and half-written checkpoint folders at its start)
+    attempts: list[tuple[str, int | None, list[str]]] = []
     try:
         while runner.poll() is None and kills < MIN_KILLS:
             found = _learner_group(runner, seen)
@@ -180,8 +194,8 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
             group, attempt = found
             seen.update(p.pid for p in group)
             newest = _newest_checkpoint(store)  # the previous attempt has ended: both its processes are reaped
-            attempts.append((attempt, newest))
-            points.append(_kill_point(rng, store, group, _logs(store, attempt)[0], newest, kills))
+            attempts.append((attempt, newest, half_written_checkpoints(store)))
+            points.append(_kill_point(rng, store, group, _logs(store, attempt)[0], newest))
             victim = group[rng.randrange(2)]
             try:
                 victim.send_signal(signal.SIGKILL)
@@ -189,12 +203,11 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
             except psutil.NoSuchProcess:  # the attempt ended on its own first
                 points[-1] += " (ended first)"
             psutil.wait_procs(group, timeout=60)  # the runner kills the other one and reaps both
-            half_written.update(half_written_checkpoints(store))
         crash_s = time.monotonic() - t0
         while runner.poll() is None and time.monotonic() - t0 < 900:  # the last attempt, undisturbed
             if (found := _learner_group(runner, seen)) is not None:
                 seen.update(p.pid for p in found[0])
-                attempts.append((found[1], _newest_checkpoint(store)))
+                attempts.append((found[1], _newest_checkpoint(store), half_written_checkpoints(store)))
             time.sleep(0.05)
         out, _ = runner.communicate(timeout=60)
     finally:
@@ -204,21 +217,9 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
     assert runner.returncode == 0, out[-4000:]
     check_finished_run(store, num_steps=STEPS, max_lag=1, evaluated=False)
 
-    # every attempt resumed, on both processes, from the newest checkpoint committed when it started
-    resumed = []
-    for attempt, newest in attempts:
-        for path in _logs(store, attempt):
-            text = path.read_text(errors="replace")
-            if m := re.search(r"resuming from checkpoint (\d+)", text):
-                assert int(m.group(1)) == newest, f"{path.name} resumed from {m.group(1)}; newest was {newest}"
-                assert layout.checkpoint_dir(int(m.group(1))) not in half_written
-            elif "no checkpoint: initialising" in text:
-                assert newest is None, f"{path.name} re-initialised although checkpoint {newest} was committed"
-            else:  # killed before it chose
-                assert "learner at step" not in text, path.name
-        resumed.append(newest)
+    resumed = _check_resumes(store, attempts)
     started = {p.name.removesuffix(".log") for p in (run_root / layout.LOGS / "learner").glob("*.log")}
-    assert {a for a, _ in attempts} == {a for a in started if not a.endswith(".p1")}, "an attempt went unobserved"
+    assert {a for a, _, _ in attempts} == {a for a in started if not a.endswith(".p1")}, "an attempt went unobserved"
     chain = check_checkpoint_lineage(store, STEPS)
     for step in chain:  # each written by both processes, in the sharded format
         rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(step)), path=layout.checkpoint_marker(step))
@@ -227,8 +228,9 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
     ref = _reference_group(tmp_path, config_path, run_root)
     a, b = policy_arrays(store, STEPS), policy_arrays(ref, STEPS)
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    half = {f for _, _, h in attempts for f in h}
     print(
         f"job with a two-process learner: {kills} kills at {points}; attempts resumed from {resumed}; lineage "
-        f"{chain}; half-written checkpoint folders left by kills (never loaded) {sorted(half_written)}; "
+        f"{chain}; half-written checkpoint folders left by kills (never loaded) {sorted(half)}; "
         f"{crash_s:.0f} s under kills, {time.monotonic() - t0:.0f} s in all"
     )
