@@ -174,10 +174,11 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
     run_root = tmp_path / "run"
     store = RunStore(str(run_root))
     config_path = _config(tmp_path, run_root)
+    runner_log = tmp_path / "runner.log"  # a file, not a pipe: nobody reads while the kills go on
     runner = subprocess.Popen(
         [sys.executable, "-m", "steps.run", "--config_path", str(config_path)],
         cwd=ROOT,
-        stdout=subprocess.PIPE,
+        stdout=runner_log.open("w"),
         stderr=subprocess.STDOUT,
         text=True,
     )
@@ -209,12 +210,12 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
                 seen.update(p.pid for p in found[0])
                 attempts.append((found[1], _newest_checkpoint(store), half_written_checkpoints(store)))
             time.sleep(0.05)
-        out, _ = runner.communicate(timeout=60)
+        runner.wait(timeout=60)
     finally:
         if runner.poll() is None:
             runner.kill()
     assert kills >= MIN_KILLS, f"only {kills} kills before the job ended; points: {points}"
-    assert runner.returncode == 0, out[-4000:]
+    assert runner.returncode == 0, runner_log.read_text()[-4000:]
     check_finished_run(store, num_steps=STEPS, max_lag=1, evaluated=False)
 
     resumed = _check_resumes(store, attempts)
