@@ -17,6 +17,7 @@ the job's committed batches in a fresh run root (same mesh over the same devices
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import re
 import shutil
@@ -114,22 +115,28 @@ def _kill_point(rng: random.Random, store: RunStore, group: list[psutil.Process]
     """Wait for a random point of this attempt; returns its name. A start-up point trains no slot, so once few
     slots are left only those are drawn: the job cannot end before every kill has landed."""
 
-    def logged(needle: bytes) -> object:
-        return lambda: log.exists() and needle in log.read_bytes()
+    def logged(needle: bytes, count: int = 1) -> object:
+        return lambda: log.exists() and log.read_bytes().count(needle) >= count
 
-    mode = rng.randrange(3)
-    if mode == 0 or STEPS - (newest or 0) <= 4:
+    mode = rng.random()
+    if mode < 0.3 or STEPS - (newest or 0) <= 4:
         needle = rng.choice(START_UP)
         if needle is not None:
             _until(group, logged(needle), 0.005)
         return f"start-up:{needle.decode() if needle else 'at once'}"
-    if mode == 1:  # the first shard file of the attempt's next checkpoint
-        folder = Path(store.full_path(layout.checkpoint_dir((newest or 0) + 1)))
-        _until(group, lambda: folder.is_dir() and any(n.name.startswith("shard-") for n in folder.iterdir()), 0.001)
-        return "first shard"
-    _until(group, logged(b"trained slot"), 0.005)
+    k = rng.randint(1, 2)  # the attempt's first or second checkpoint / trained slot
+    if mode < 0.55:  # the instant this attempt's first shard file of that checkpoint lands
+        folder = Path(store.full_path(layout.checkpoint_dir((newest or 0) + k)))
+        old = set(os.listdir(folder)) if folder.is_dir() else set()  # left by a killed attempt
+
+        def landed() -> bool:
+            return folder.is_dir() and any(n.startswith("shard-") and n not in old for n in os.listdir(folder))
+
+        _until(group, landed, 0.001)
+        return f"first shard of checkpoint {(newest or 0) + k}"
+    _until(group, logged(b"trained slot", k), 0.005)
     time.sleep(rng.uniform(0.0, 0.2))
-    return "after a trained slot"
+    return f"after trained slot {(newest or 0) + k}"
 
 
 def _reference_group(tmp_path: Path, config_path: Path, run_root: Path) -> RunStore:
