@@ -1,7 +1,7 @@
 """The job runner: starts the learner, the BatchMaker, N rollout workers and the evaluator on the job's backend
 (`backend: {type: local}`: child processes; `{type: ray}`: Ray tasks; see `pipeline.runners`), restarts a crashed
-one with bounded exponential backoff (`restart_backoff_s` doubling up to `restart_backoff_max_s`), shows live progress, and stops everything cleanly when the learner
-reaches `num_train_steps` or on Ctrl-C.
+one with bounded exponential backoff (`restart_backoff_s` doubling up to `restart_backoff_max_s`), shows live
+progress, and stops everything cleanly when the learner reaches `num_train_steps` or on Ctrl-C.
 
 Restart rules, by the step's exit code: 2 (a refused configuration) is never restarted and stops the job; 75
 (`EXIT_STORAGE_UNAVAILABLE`: the run root's storage could not be reached) is restarted with backoff outside
