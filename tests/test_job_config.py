@@ -184,7 +184,6 @@ def test_step_level_cross_field_checks_name_the_field() -> None:
     assert e.value.field == "train.pad_multiple"
 
 
-
 def test_restart_backoff_longer_than_its_cap_is_refused() -> None:
     cfg = _demo()
     assert dataclasses.replace(cfg, restart_backoff_s=0.05, restart_backoff_max_s=0.2).restart_backoff_max_s == 0.2
