@@ -85,7 +85,9 @@ class RLJobConfig:
     max_restarts: int = 5
     """Restarts per step before the job fails."""
     restart_backoff_s: float = 1.0
-    """First restart delay; doubles per restart of the same step (capped at 30 s)."""
+    """First restart delay; doubles per restart of the same step (up to `restart_backoff_max_s`)."""
+    restart_backoff_max_s: float = 30.0
+    """Longest restart delay."""
     batch_wait_timeout_s: float = 600.0
     poll_interval_s: float = 0.2
     seed: int = 0
@@ -100,6 +102,9 @@ class RLJobConfig:
             raise ConfigError("num_rollout_workers", self.num_rollout_workers, "must be >= 1")
         if self.max_restarts < 0:
             raise ConfigError("max_restarts", self.max_restarts, "must be >= 0")
+        if not 0 <= self.restart_backoff_s <= self.restart_backoff_max_s:
+            raise ConfigError("restart_backoff_s", self.restart_backoff_s,
+                              f"must be in [0, restart_backoff_max_s={self.restart_backoff_max_s}]")  # fmt: skip
 
 
 class RLJob:

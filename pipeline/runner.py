@@ -1,7 +1,7 @@
 """The job runner: starts the learner, the BatchMaker, N rollout workers and the evaluator on the job's backend
 (`backend: {type: local}`: child processes; `{type: ray}`: Ray tasks; see `pipeline.runners`), restarts a crashed
-one with bounded exponential backoff, shows live progress, and stops everything cleanly when the learner
-reaches `num_train_steps` or on Ctrl-C.
+one with bounded exponential backoff (`restart_backoff_s` doubling up to `restart_backoff_max_s`), shows live
+progress, and stops everything cleanly when the learner reaches `num_train_steps` or on Ctrl-C.
 
 Restart rules, by the step's exit code: 2 (a refused configuration) is never restarted and stops the job; 75
 (`EXIT_STORAGE_UNAVAILABLE`: the run root's storage could not be reached) is restarted with backoff outside
@@ -206,7 +206,7 @@ class JobRunner:
                 self.log_location(spec.name),
             )
             return False
-        delay = min(30.0, self.cfg.restart_backoff_s * 2 ** (spec.restarts - 1))
+        delay = min(self.cfg.restart_backoff_max_s, self.cfg.restart_backoff_s * 2 ** (spec.restarts - 1))
         logger.warning(
             "%s exited with %d (log: %s); restart %d/%d in %.1f s",
             spec.name,
@@ -229,7 +229,7 @@ class JobRunner:
                          "job; see %s", spec.name, now - since, self.log_location(spec.name))  # fmt: skip
             return False
         self._outage[spec.name] = (since, restarts + 1)
-        delay = min(30.0, self.cfg.restart_backoff_s * 2**restarts)
+        delay = min(self.cfg.restart_backoff_max_s, self.cfg.restart_backoff_s * 2**restarts)
         logger.warning("%s exited with %d: storage unavailable (log: %s); restart in %.1f s (outage for %.0f s, "
                        "given up after %.0f s)", spec.name, EXIT_STORAGE_UNAVAILABLE, self.log_location(spec.name),
                        delay, now - since, STORAGE_OUTAGE_S)  # fmt: skip

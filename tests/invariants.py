@@ -93,3 +93,30 @@ def audit_run(store: RunStore, max_samples_per_rollout: int, max_lag: int) -> Ru
         layout.parse_step(p) for p in store.list(layout.POLICIES) if store.exists(p + "/" + layout.COMMIT_MARKER)
     )
     return RunAudit(slots, uses, dropped, rollouts, policies, problems)
+
+
+def check_checkpoint_lineage(store: RunStore, last: int) -> list[int]:
+    """Walk checkpoint markers from checkpoint `last` through their parents; assert that every marker records the
+    slots it consumed since its parent, and that together they cover batch slots 1..last exactly once. Returns
+    the checkpoint steps of the lineage, oldest first."""
+    from schemas.records import CommitMarker
+
+    covered: list[int] = []
+    chain: list[int] = []
+    step: int | None = last
+    while step is not None:
+        rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(step)), path=layout.checkpoint_marker(step))
+        assert rec.slots is not None, f"checkpoint {step} records no slots"
+        first, end = rec.slots
+        assert end == step and rec.batch_slot == step and first == (rec.parent or 0) + 1, (step, rec)
+        covered = list(range(first, end + 1)) + covered
+        chain.insert(0, step)
+        step = rec.parent
+    assert covered == list(range(1, last + 1)), f"lineage of checkpoint {last} covers slots {covered}"
+    return chain
+
+
+def half_written_checkpoints(store: RunStore) -> list[str]:
+    """Checkpoint folders holding data files but no COMMITTED marker (what a kill mid-save leaves)."""
+    folders = [f for f in store.list(layout.CHECKPOINTS) if any(r.endswith(".safetensors") for r in store.list(f))]
+    return [f for f in folders if not store.exists(layout.join(f, layout.COMMIT_MARKER))]

@@ -49,7 +49,9 @@ def run_job(config_path: Path, timeout: float = 600) -> subprocess.CompletedProc
     )
 
 
-def check_finished_run(store: RunStore, num_steps: int, max_lag: int) -> None:
+def check_finished_run(store: RunStore, num_steps: int, max_lag: int, evaluated: bool = True) -> None:
+    """The run audit passes, slots and policies 1..num_steps are committed and within the staleness window, and
+    (`evaluated`: a job with the evaluator) the first and the final policy were scored."""
     audit = audit_run(store, max_samples_per_rollout=1, max_lag=max_lag)
     assert not audit.problems, "\n".join(audit.problems[:20])
     assert audit.slots == list(range(1, num_steps + 1))
@@ -64,6 +66,18 @@ def check_finished_run(store: RunStore, num_steps: int, max_lag: int) -> None:
         for steps in t.column("policy_steps").to_pylist():
             for p in steps:
                 assert 0 <= (slot - 1) - p <= max_lag, (slot, p)
+    if not evaluated:
+        return
     # the evaluator scored the first and the final policy
     assert store.exists(layout.eval_summary_file(0, "cats"))
     assert store.exists(layout.eval_summary_file(num_steps, "cats"))
+
+
+def policy_arrays(store: RunStore, step: int) -> list:
+    """Every parameter of committed policy `step` of a run of the test job config, as numpy arrays."""
+    from pipeline.tokenizer import load_tokenizer
+    from policy.model import load_policy, model_vocab_size, numpy_params
+
+    cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[])
+    tok = load_tokenizer(cfg.model.tokenizer)
+    return numpy_params(load_policy(store, step, cfg.model, model_vocab_size(tok)))

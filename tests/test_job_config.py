@@ -184,6 +184,14 @@ def test_step_level_cross_field_checks_name_the_field() -> None:
     assert e.value.field == "train.pad_multiple"
 
 
+def test_restart_backoff_longer_than_its_cap_is_refused() -> None:
+    cfg = _demo()
+    assert dataclasses.replace(cfg, restart_backoff_s=0.05, restart_backoff_max_s=0.2).restart_backoff_max_s == 0.2
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(cfg, restart_backoff_s=2.0, restart_backoff_max_s=1.0)
+    assert e.value.field == "restart_backoff_s" and "restart_backoff_max_s=1.0" in str(e.value)
+
+
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 

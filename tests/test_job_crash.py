@@ -11,13 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import draccus
 import numpy as np
 import psutil
 import pytest
-from jobs import TEST_CONFIG, check_finished_run, job_config
+from jobs import check_finished_run, job_config, policy_arrays
 
-from pipeline.job import RLJobConfig
 from pipeline.storage import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,19 +91,8 @@ def test_crash_suite_sigkill_random_steps(tmp_path: Path) -> None:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from policy.checkpoints import read_blob, read_marker  # noqa: F401 — same reader as the steps
-
-    a = _policy_arrays(RunStore(str(run_root)), STEPS)
-    b = _policy_arrays(RunStore(str(replay_root)), STEPS)
+    a = policy_arrays(RunStore(str(run_root)), STEPS)
+    b = policy_arrays(RunStore(str(replay_root)), STEPS)
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
-
-
-def _policy_arrays(store: RunStore, step: int) -> list[np.ndarray]:
-    from pipeline.tokenizer import load_tokenizer
-    from policy.model import load_policy, model_vocab_size, numpy_params
-
-    cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[])
-    tok = load_tokenizer(cfg.model.tokenizer)
-    return numpy_params(load_policy(store, step, cfg.model, model_vocab_size(tok)))

@@ -26,6 +26,7 @@ from schemas.records import CommitMarker
 
 pytest.importorskip("jax")
 
+from invariants import check_checkpoint_lineage
 from test_learner import VOCAB, tiny_config, write_batches
 
 from policy import learner
@@ -110,17 +111,7 @@ def test_sigkill_resume_replays_exactly(tmp_path):
             assert newest_before is None, f"re-initialised although checkpoint {newest_before} was committed"
     assert kills >= MIN_KILLS
 
-    # lineage: walk parents from the final checkpoint; slot ranges tile 1..N exactly once
-    covered: list[int] = []
-    step: int | None = N_STEPS
-    while step is not None:
-        rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(step)), path=layout.checkpoint_marker(step))
-        assert rec.slots is not None
-        first, last = rec.slots
-        assert last == step and first == (rec.parent or 0) + 1
-        covered = list(range(first, last + 1)) + covered
-        step = rec.parent
-    assert covered == list(range(1, N_STEPS + 1))
+    check_checkpoint_lineage(store, N_STEPS)  # the slot ranges of the lineage tile 1..N exactly once
     # every committed checkpoint marker, in any lineage, is consistent (no slot trained twice into one chain)
     for s in ckpt_steps(store):
         rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(s)), path=layout.checkpoint_marker(s))

@@ -1,30 +1,61 @@
 """The Ray backend starts a two-process learner: one Ray actor per process, wired to one coordinator.
 
-A local Ray cluster started by the test; the learner trains pre-committed batches (as in the two-process crash
-test) as two `python -m steps.learn` processes × 2 simulated CPU devices under `jax.distributed`, and its
-checkpoints are sharded over both processes."""
+A local Ray cluster started by the test; the learner trains pre-committed batches as two `python -m steps.learn`
+processes × 2 simulated CPU devices under `jax.distributed`, and its checkpoints are sharded over both processes."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import draccus
 import pytest
-from test_learn_crash_multiprocess import _prepare, learner_env  # noqa: F401 - the fixture is used by name
 
 from pipeline import layout
 from pipeline.config import RayBackendConfig
 from pipeline.runners.base import StepSpec
 from pipeline.runners.ray import RayLauncher, RayProcessGroup
 from pipeline.step_logs import log_target
+from pipeline.storage import RunStore
 from schemas.records import CommitMarker
+
+pytest.importorskip("jax")
+
+from test_learner import tiny_config, write_batches
 
 ray = pytest.importorskip("ray")
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def learner_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What every learner process inherits: CPU, 2 simulated devices, a shared compilation cache."""
+    monkeypatch.chdir(REPO)
+    for k, v in {
+        "JAX_PLATFORMS": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONHASHSEED": "0",
+        "PYTHONPATH": str(REPO),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }.items():
+        monkeypatch.setenv(k, v)
+
+
+def _prepare(tmp_path: Path, steps: int) -> tuple[RunStore, str]:
+    """A run root with batches 1..steps committed, and the learner's config file for it."""
+    store = RunStore(str(tmp_path / "run"))
+    write_batches(store, range(1, steps + 1))
+    cfg = tiny_config(store.root, steps=steps, keep_checkpoints=1000, batch_wait_timeout_s=120.0)
+    config_path = tmp_path / "learner.yaml"
+    with open(config_path, "w") as f:
+        draccus.dump(cfg, f)
+    return store, str(config_path)
+
 
 @pytest.mark.slow
-def test_ray_backend_starts_one_actor_per_learner_process(tmp_path: Path, learner_env: None) -> None:  # noqa: F811
-    store, config_path = _prepare(tmp_path, "run", steps=2)
+def test_ray_backend_starts_one_actor_per_learner_process(tmp_path: Path, learner_env: None) -> None:
+    store, config_path = _prepare(tmp_path, steps=2)
     launcher = RayLauncher(RayBackendConfig())
     spec = StepSpec("learner", "learner", config_path, processes=2)
     try:

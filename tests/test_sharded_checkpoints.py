@@ -3,7 +3,8 @@ bitwise (local disk and the GCS emulator), a folder without COMMITTED is never l
 refused naming the file, and a checkpoint of the older whole-pytree format still loads.
 
 Several processes and other mesh shapes: tests/test_mesh.py (saved on 4 devices, resumed on 1 and 2; exact
-replay on the same mesh) and tests/test_learn_crash_multiprocess.py (two processes killed and restarted)."""
+replay on the same mesh) and tests/test_job_crash_learner_group.py (two processes of a job's learner killed and
+restarted)."""
 
 from __future__ import annotations
 
