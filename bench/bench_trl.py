@@ -9,13 +9,18 @@ size in the opposite order) in one process tree, each in a fresh process.
 Differences that cannot be removed: TRL trains a PyTorch `LlamaForCausalLM` (random init from torch's seed),
 rlpipe a levanter Llama (random init from JAX's key), so the starting policies differ; TRL's GRPO uses the
 group-normalised advantage and its own loss aggregation, rlpipe the job's `rloo` loss module; rlpipe runs
-asynchronously (a batch may come from the previous policy, `max_lag: 1`), TRL synchronously.
+asynchronously (a batch may come from the previous policy, `max_lag: 1`), TRL synchronously. rlpipe's batch rows
+are as long as the longest prompt plus 16 tokens (`seq_len_for_task`: TRL pads each batch to its longest prompt +
+completion, so neither trains on more positions), and it keeps the demo's zero-variance filtering (a slot holds
+16 rows with signal, so it may need more than 16 generated rows, where TRL trains on the 16 it generated).
 
 Per size: learner steps to 3x the start reward and to 0.5 (start = mean of the first 3 steps; a milestone is
 the first step whose 5-step trailing mean reaches it), wall seconds per learner step at steady state
 (median of step-to-step intervals after the first 3 steps; of all intervals in a run of 4 steps or fewer),
 wall time to each milestone from process start, peak memory (RSS summed over the run's process tree, sampled
-every 0.2 s) and the ratio rlpipe / TRL of each.
+every 0.2 s), CPU seconds per learner step (user + system of the whole process tree over the whole run, start-up
+and compilation included, divided by the steps: the load-independent cost of a step) and the ratio rlpipe / TRL
+of each.
 
     python -m bench.bench_trl --sizes tiny,50m --steps 50 --steps_50m 10 --json out.json
 TRL runs in the interpreter named by --trl_python (default: this one); without `trl` there, the TRL column is
@@ -45,6 +50,19 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "50m": (640, 1728, 10, 10, 5),
 }
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, MAX_TOKENS, LR = 4, 4, 16, 1e-3
+ROLLOUT_WORKERS = {"tiny": 2, "50m": 1}
+"""rlpipe's rollout workers per size: at ~50M one worker's sampler already uses both cores of the 2-core machine,
+and a second one only races it for them (and for the same rows, which then go stale)."""
+
+
+def seq_len_for_task() -> int:
+    """rlpipe's batch row length: the longest cats prompt plus MAX_TOKENS, the most TRL trains on per
+    sequence (it pads each batch to its longest prompt + completion); longer rows would only add padding."""
+    from pipeline.environments.cats import TRAIN_PROMPTS
+    from pipeline.tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    return max(len(tok(p)["input_ids"]) for p in TRAIN_PROMPTS) + MAX_TOKENS
 
 
 # ----------------------------------------------------------------------------------------------- TRL (child)
@@ -96,13 +114,15 @@ def trl_child(size: str, steps: int, out: str, t_start: float) -> None:
 
 # ------------------------------------------------------------------------------------------------ harness
 class PeakRss:
-    """Peak of the RSS summed over a process and its descendants, sampled in a thread."""
+    """Peak of the RSS summed over a process and its descendants, sampled in a thread; also the CPU seconds
+    (user + system) of every process of the tree, as last sampled (`cpu_s`: their sum)."""
 
     def __init__(self, pid: int, period_s: float = 0.2) -> None:
         import psutil
 
         self._proc = psutil.Process(pid)
         self.peak = 0
+        self._cpu: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(period_s,), daemon=True)
         self._thread.start()
@@ -117,6 +137,8 @@ class PeakRss:
                 for p in procs:
                     try:
                         total += p.memory_info().rss
+                        t = p.cpu_times()
+                        self._cpu[p.pid] = t.user + t.system
                     except psutil.Error:
                         pass
                 self.peak = max(self.peak, total)
@@ -129,9 +151,15 @@ class PeakRss:
         self._thread.join()
         return self.peak
 
+    @property
+    def cpu_s(self) -> float:
+        return sum(self._cpu.values())
 
-def _spawn(cmd: list[str], timeout_s: float, extra_env: dict[str, str] | None = None) -> tuple[float, int, float]:
-    """Run cmd; (wall seconds, peak RSS bytes of its tree, start time as epoch seconds)."""
+
+def _spawn(
+    cmd: list[str], timeout_s: float, extra_env: dict[str, str] | None = None
+) -> tuple[float, int, float, float]:
+    """Run cmd; (wall seconds, peak RSS bytes of its tree, start time as epoch seconds, CPU seconds of its tree)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     env.update(extra_env or {})
     t0 = time.time()
@@ -145,16 +173,16 @@ def _spawn(cmd: list[str], timeout_s: float, extra_env: dict[str, str] | None = 
             proc.kill()
     if rc != 0:
         raise RuntimeError(f"{cmd[:4]} exited with {rc}")
-    return time.time() - t0, peak, t0
+    return time.time() - t0, peak, t0, mon.cpu_s
 
 
 def run_trl(python: str, size: str, steps: int, tmp: Path) -> dict[str, Any]:
     out = tmp / f"trl-{size}.json"
     cmd = [python, "-m", "bench.bench_trl", "--trl_child", size, "--steps", str(steps), "--child_out", str(out)]
     # TRL needs transformers' PyTorch classes: USE_TORCH=0 (set for step processes) must not reach it.
-    wall, peak, _ = _spawn([*cmd, "--t_start", repr(time.time())], 3600, {"USE_TORCH": "1"})
+    wall, peak, _, cpu = _spawn([*cmd, "--t_start", repr(time.time())], 3600, {"USE_TORCH": "1"})
     res = json.loads(out.read_text())
-    return {"rows": res["rows"], "params": res["params"], "wall_s": wall, "peak_rss_mib": peak / 2**20}
+    return {"rows": res["rows"], "params": res["params"], "wall_s": wall, "peak_rss_mib": peak / 2**20, "cpu_s": cpu}
 
 
 def rlpipe_overrides(size: str, steps: int, run_root: str) -> list[str]:
@@ -169,6 +197,7 @@ def rlpipe_overrides(size: str, steps: int, run_root: str) -> list[str]:
         "--curriculum.default_sampling.n_generations_per_prompt", str(SAMPLES_PER_PROMPT),
         "--curriculum.default_sampling.max_tokens", str(MAX_TOKENS),
         "--checkpoint_interval", str(max(steps, 1)), "--curriculum.eval_frequency", str(10 * steps),
+        "--train.seq_len", str(seq_len_for_task()), "--num_rollout_workers", str(ROLLOUT_WORKERS[size]),
     ]  # fmt: skip
 
 
@@ -176,7 +205,7 @@ def run_rlpipe(size: str, steps: int, tmp: Path) -> dict[str, Any]:
     from pipeline.report import load_run
 
     run_root = str(tmp / f"rlpipe-{size}")
-    wall, peak, t0 = _spawn([sys.executable, "-m", "steps.run", *rlpipe_overrides(size, steps, run_root)], 3600)
+    wall, peak, t0, cpu = _spawn([sys.executable, "-m", "steps.run", *rlpipe_overrides(size, steps, run_root)], 3600)
     data = load_run(run_root)
     learner = {int(r["step"]): r for r in data.metrics.get("learner", []) if "step" in r and "train_s" in r}
     rewards = {
@@ -186,7 +215,7 @@ def run_rlpipe(size: str, steps: int, tmp: Path) -> dict[str, Any]:
         {"step": s, "reward": rewards[s], "t": float(learner[s]["time"]) - t0} for s in sorted(learner) if s in rewards
     ]
     _hidden, _inter, _layers, _heads, _kv = SIZES[size]
-    return {"rows": rows, "wall_s": wall, "peak_rss_mib": peak / 2**20}
+    return {"rows": rows, "wall_s": wall, "peak_rss_mib": peak / 2**20, "cpu_s": cpu}
 
 
 def milestones(rows: list[dict[str, float]]) -> dict[str, Any]:
@@ -229,7 +258,12 @@ def compare(sizes: list[str], steps: dict[str, int], trl_python: str) -> list[di
                     if system == "trl"
                     else run_rlpipe(size, steps[size], tmp)
                 )
-                got[system] = {**milestones(res["rows"]), "wall_s": res["wall_s"], "peak_rss_mib": res["peak_rss_mib"]}
+                got[system] = {
+                    **milestones(res["rows"]),
+                    "wall_s": res["wall_s"],
+                    "peak_rss_mib": res["peak_rss_mib"],
+                    "cpu_s_per_step": res["cpu_s"] / max(steps[size], 1),
+                }
                 got[system]["rewards"] = [round(r["reward"], 4) for r in sorted(res["rows"], key=lambda r: r["step"])]
             for system, figs in got.items():
                 row = {"size": size, "system": system, "steps": steps[size], **figs}
@@ -237,7 +271,7 @@ def compare(sizes: list[str], steps: dict[str, int], trl_python: str) -> list[di
                     row["ratio"] = {
                         k: (figs[k] / got["trl"][k] if figs.get(k) and got["trl"].get(k) else None)
                         for k in ("steps_to_3x_start", "steps_to_0.5", "s_per_step", "s_to_3x_start", "s_to_0.5",
-                                  "peak_rss_mib")
+                                  "peak_rss_mib", "cpu_s_per_step")
                     }  # fmt: skip
                 results.append(row)
             if not have_trl:
@@ -251,7 +285,10 @@ def _f(x: Any, fmt: str = ".3g") -> str:
 
 def print_table(rows: list[dict[str, Any]], machine: str) -> None:
     print(f"\nrlpipe vs TRL GRPOTrainer, cats task, machine: {machine}")
-    cols = ("steps_to_3x_start", "steps_to_0.5", "s_per_step", "s_to_3x_start", "s_to_0.5", "peak_rss_mib")
+    cols = (
+        "steps_to_3x_start", "steps_to_0.5", "s_per_step", "s_to_3x_start", "s_to_0.5", "peak_rss_mib",
+        "cpu_s_per_step",
+    )  # fmt: skip
     head = ["size", "system", "steps", "start", "end", *cols]
     print("  ".join(f"{h:>17}" for h in head))
     for r in rows:

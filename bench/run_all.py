@@ -339,6 +339,7 @@ def _rows_trl(results: dict[str, Any]) -> list[Row]:
             ("s_to_3x_start", "wall s to 3x start reward"),
             ("s_to_0.5", "wall s to reward 0.5"),
             ("peak_rss_mib", "peak memory MiB"),
+            ("cpu_s_per_step", "CPU s per learner step (process tree, whole run)"),
         ):
             rows.append(
                 (

@@ -31,8 +31,6 @@ from typing import Any, Protocol, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import _getdtype as _st_load_numpy_dtype
-from safetensors.numpy import load as _st_load_numpy
 from safetensors.numpy import save as st_save
 
 from pipeline import layout, run_state
@@ -62,19 +60,46 @@ class _Store(Protocol):
     def delete(self, rel: str) -> None: ...
 
 
-def st_load(data: bytes) -> dict[str, Any]:
-    """safetensors bytes -> numpy arrays by name, bfloat16 tensors included (published policies may be bf16)."""
-    try:
-        return _st_load_numpy(data)
-    except KeyError:  # a dtype safetensors' numpy loader lacks (BF16): read the raw tensors
-        import ml_dtypes
-        from safetensors import deserialize
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
+    "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}  # fmt: skip
 
-        out = {}
-        for name, t in deserialize(data):
-            dtype = ml_dtypes.bfloat16 if t["dtype"] == "BF16" else _st_load_numpy_dtype(t["dtype"])
-            out[name] = np.frombuffer(bytes(t["data"]), dtype=dtype).reshape(t["shape"])
-        return out
+
+def st_load(data: bytes) -> dict[str, Any]:
+    """safetensors bytes -> numpy arrays by name, bfloat16 tensors included (published policies may be bf16).
+
+    The arrays are read-only views into `data` (no copy: a policy is loaded once per step by every rollout
+    worker); raises CheckpointError when the header or a tensor's extent is malformed."""
+    import json
+
+    import ml_dtypes
+
+    try:
+        if len(data) < 8:
+            raise ValueError(f"{len(data)} bytes")
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(bytes(data[8 : 8 + n]))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except ValueError as e:
+        raise CheckpointError(f"not a safetensors file ({e})") from None
+    base = 8 + n
+    out: dict[str, Any] = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = np.dtype(ml_dtypes.bfloat16 if t["dtype"] == "BF16" else _ST_DTYPES[t["dtype"]])
+            shape = tuple(int(d) for d in t["shape"])
+            start, end = (int(o) for o in t["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"tensor {name!r}: malformed header entry ({e!r})") from None
+        count = int(np.prod(shape, dtype=np.int64))
+        if not 0 <= start <= end <= len(data) - base or end - start != count * dtype.itemsize:
+            raise CheckpointError(f"tensor {name!r}: extent [{start}, {end}) does not hold {shape} {dtype}")
+        out[name] = np.frombuffer(data, dtype=dtype, count=count, offset=base + start).reshape(shape)
+    return out
 
 
 def _is_array_leaf(x: Any) -> bool:

@@ -345,11 +345,15 @@ class RolloutWorker:
     def _paused(self, decision: PacingDecision) -> bool:
         """Wait one poll interval when pacing says pause; True if it did.
 
-        A pause "ahead" that saw no batch/policy progress for `stall_grace_s` lets one write through (a safety
-        net should the BatchMaker need more rows than counted), so pacing can never deadlock the run.
+        A pause "ahead" that saw no batch/policy progress for `stall_grace_s`, while the BatchMaker could be
+        filling the next slot, lets one write through (a safety net should the BatchMaker need more rows than
+        counted), so pacing can never deadlock the run; while the BatchMaker waits for the learner
+        (`train.max_batches_ahead`) no write is let through, since its rows could only go stale.
         """
         state = (self._last_batch_slot(), self._latest_policy())
-        if state != self._progress[:2]:
+        if state != self._progress[:2] or self._batchmaker_waits_for_learner(*state):
+            # a BatchMaker held back by max_batches_ahead waits for the learner, not for rows: more rows
+            # would only go stale, so the stall clock runs only while it could be filling the next slot
             self._progress = (*state, time.monotonic())
         if decision.produce:
             self._backoff.reset()
@@ -369,6 +373,12 @@ class RolloutWorker:
         )
         self._progress = (*state, time.monotonic())
         return False
+
+    def _batchmaker_waits_for_learner(self, last_slot: int, latest_policy: int | None) -> bool:
+        """True while the BatchMaker may not write the next slot yet (slot B+1 > newest policy +
+        `train.max_batches_ahead`): it is waiting for the learner, whatever rows are committed."""
+        newest = -1 if latest_policy is None else latest_policy
+        return last_slot + 1 > newest + self.config.train.max_batches_ahead
 
     def _produce_one(self, writes: int) -> bool:
         """Sample a lesson, generate one batch under the watchdog and commit it; True if a file was written."""

@@ -35,7 +35,8 @@ Algorithm (RolloutWorker.run, named phases):
                          `signal_rows` in its ready marker, see `usable_rows`). A pause
                          "ahead" that sees no batch/policy progress for `stall_grace_s` lets one write
                          through (a safety net should the BatchMaker need more rows than counted), so
-                         pacing can never deadlock the run.
+                         pacing can never deadlock the run; not while the BatchMaker waits for the learner
+                         (slot T > newest policy + train.max_batches_ahead): such rows would go stale.
        c. sample_lesson  from the newest curriculum state (`pipeline.curriculum`).
        d. generate       `manager.sample_batch(...)` under the generation watchdog.
        e. write          `store.commit_data(rollouts/step-P/<worker>.<nonce>-<seq>.parquet)` under the

@@ -92,3 +92,30 @@ def test_publish_dtype_choice() -> None:
     assert M.publish_dtype("bfloat16") == "bfloat16" and M.publish_dtype("fp32") == "float32"
     with pytest.raises(ConfigError, match=r"model\.publish_dtype"):
         ModelSpec(publish_dtype="int8")
+
+
+def test_safetensors_reader_reads_every_dtype_without_copying_and_refuses_malformed_files() -> None:
+    """`st_load` (what policies and checkpoints are read with) returns the tensors safetensors wrote, bf16 and
+    scalars included, as views of the bytes; a truncated header or tensor extent is a CheckpointError."""
+    import ml_dtypes
+    from safetensors.numpy import save
+
+    from policy.checkpoints import CheckpointError, st_load
+
+    tensors = {
+        "w": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "s": np.array(3.5, np.float64),
+        "i": np.arange(5, dtype=np.int32),
+        "mask": np.array([True, False]),
+        "h": np.full((2, 2), 1.5, ml_dtypes.bfloat16),
+    }
+    data = save(tensors, metadata={"format": "test"})
+    got = st_load(data)
+    assert sorted(got) == sorted(tensors)
+    for name, want in tensors.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape
+        assert np.array_equal(got[name], want), name
+    assert not got["w"].flags.owndata  # a view of `data`
+    for bad in (b"", b"\x05", data[:20], data[:-1]):
+        with pytest.raises(CheckpointError):
+            st_load(bad)

@@ -364,6 +364,31 @@ def test_stalled_batchmaker_gets_one_write_per_grace_period(
         run.stop()
 
 
+def test_no_stall_write_while_the_batchmaker_waits_for_the_learner(
+    tmp_path: Path, tokenizer: Any, model: Any, manager: Any
+) -> None:
+    """Slot 1 committed, newest policy 0, max_batches_ahead 1: slot 2 waits for policy 1, so a paused worker
+    lets no write through however long the learner takes (such rows could only go stale)."""
+    store = RunStore(str(tmp_path / "run"))
+    save_policy(store, 0, model)
+    train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1, filter_zero_variance=False)
+    cfg = _config(tmp_path / "run", train=train, max_steps_ahead=1)
+    worker = RolloutWorker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=0.3)
+    run = _Running(worker)
+    try:
+        _wait(lambda: len(_committed(store, 0)) >= 1, what="first write")
+        _log_slot(store, 1)
+        _wait(lambda: len(_committed(store, 0)) >= 2, what="the write for slot 2")
+        n = len(_committed(store, 0))
+        time.sleep(2.0)  # > 6 grace periods
+        assert len(_committed(store, 0)) == n, "no write may be let through while slot 2 waits for policy 1"
+        save_policy(store, 1, _scaled(model, 1.5))
+        _log_slot(store, 2)
+        _wait(lambda: len(_committed(store, 1)) >= 1, what="a write from policy 1 once the learner moved on")
+    finally:
+        run.stop()
+
+
 class _CrashBeforeMarker(RunStore):
     """A store whose process 'dies' right after writing a data file, before its ready marker."""
 
