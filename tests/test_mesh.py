@@ -1,7 +1,8 @@
 """The learner on a device mesh: the same committed batches give the same parameters on every mesh shape.
 
 Each case runs `tests/mesh_run_steps.py` (3 optimizer steps on fixed synthetic 32-row batches, f32, CPU) in a
-subprocess, since the number of simulated CPU devices is fixed when JAX starts. Reference: one device, one
+subprocess with its number of simulated CPU devices (fixed when JAX starts); the cases of one device count share
+one process. Reference: one device, one
 pass per slot. Tolerance: per parameter tensor, ‖a − b‖ / ‖a‖ ≤ 1e-5. Measured on the 2-core CI machine (every case
 compiled at XLA's backend optimisation level 0, see `_env`): FSDP×4 5.7e-8, data 2 × model 2 7.7e-8, microbatches
 6.8e-8, two processes 5.7e-8, resumed on another mesh 5.7e-8 (the figure measured at the default level; resuming on 1
