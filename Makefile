@@ -45,7 +45,7 @@ demo: setup ## Run the cats demo job on RUN (runs/demo; an existing one is refus
 	$(PY) -m steps.demo --config_path $(CONFIG) --run_root $(RUN) $(if $(filter 1 true yes,$(FRESH)),--fresh true) $(ARGS)
 
 # --dist loadgroup: tests sharing a module-scoped job fixture stay on one worker, every other test (the long
-# end-to-end ones included) is scheduled on its own, slow tests first (tests/conftest.py). --durations=25 prints
+# end-to-end ones included) is scheduled on its own, longest first (tests/conftest.py). --durations=25 prints
 # where the time went.
 PYTEST_DIST := -n 2 --dist loadgroup --durations=25
 

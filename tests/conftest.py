@@ -11,8 +11,9 @@
 Scheduling over xdist workers (`make test` runs `-n 2 --dist loadgroup`): a test that uses a module- or
 class-scoped fixture (a job shared by several assertions) is kept on one worker with the other users of that
 fixture (its `xdist_group` is the module or class), so the fixture runs once; every other test is scheduled on
-its own, so the long end-to-end tests spread over both workers instead of queueing behind one file. Slow tests
-are scheduled first, so the short ones fill in at the end. A test's own `xdist_group` mark wins.
+its own, so the long end-to-end tests spread over both workers instead of queueing behind one file. The longest
+tests and groups are scheduled first (`EXPECTED_SECONDS`), then the other slow tests, so the short ones fill in at
+the end and both workers finish together. A test's own `xdist_group` mark wins.
 """
 
 from __future__ import annotations
@@ -67,6 +68,47 @@ _GROUPS_ENV = "RLPIPE_XDIST_GROUPS"
 # Session-scoped fixtures that run a job: every test using one is kept on one worker, so the job runs once.
 SHARED_SESSION_JOBS = ("default_job",)
 
+# Wall seconds (fixtures included) of the longest tests and test groups on the 2-core CI machine under `make test`,
+# by node-id prefix (the longest prefix that matches wins) or shared job fixture. Only their order matters: they
+# are scheduled longest first, so no long test starts last while the other worker sits idle.
+EXPECTED_SECONDS = {
+    "tests/test_learn_crash_multiprocess.py": 210,
+    "tests/test_mesh.py": 70,
+    "tests/test_learn_crash.py": 64,
+    "tests/test_server_job.py": 53,
+    "tests/test_job_crash.py": 52,
+    "tests/test_readme_gcs.py": 51,
+    "tests/test_server_backend.py": 49,
+    "tests/test_retention.py": 42,
+    "tests/test_make_batches_crash.py": 40,
+    "default_job": 40,
+    "tests/test_loss_learning.py": 37,
+    "tests/test_demo.py": 34,
+    "tests/test_storage.py::test_an_outage_of_a_real_endpoint": 33,
+    "tests/test_lora.py::test_lora_learns_cats": 33,
+    "tests/test_ray_learner_group.py": 33,
+    "tests/test_job_ray.py": 30,
+    "tests/test_job_e2e.py": 28,
+    "tests/test_curriculum_run.py": 25,
+    "tests/test_rollout_join.py": 24,
+    "tests/test_evaluate_step.py": 23,
+    "tests/test_job_progress.py": 20,
+    "tests/test_inference.py": 45,  # not slow, but a module of in-process sampler tests of ~45 s of CPU
+    "tests/test_rollout_worker.py": 30,
+}
+SLOW_SECONDS = 10
+"""What a slow test not in `EXPECTED_SECONDS` is taken to last (every other test: 0)."""
+
+
+def _expected_seconds(item: pytest.Item) -> float:
+    for name in SHARED_SESSION_JOBS:
+        if name in getattr(item, "fixturenames", ()):
+            return EXPECTED_SECONDS[name]
+    prefixes = [p for p in EXPECTED_SECONDS if item.nodeid.startswith(p)]
+    if prefixes:
+        return EXPECTED_SECONDS[max(prefixes, key=len)]
+    return SLOW_SECONDS if item.get_closest_marker("slow") else 0
+
 
 def _group(item: pytest.Item) -> str | None:
     """The xdist group of a test: its own `xdist_group` mark, else the shared session job it uses, else its
@@ -95,8 +137,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Slow tests first, so the short ones fill in at the end; a worker records the groups for the scheduler."""
-    items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1)
+    """Longest first (`EXPECTED_SECONDS`), then the other slow tests, so the short ones fill in at the end; a worker
+    records the groups for the scheduler."""
+    items.sort(key=lambda it: -_expected_seconds(it))
     path = os.environ.get(_GROUPS_ENV)
     if path and hasattr(config, "workerinput"):
         groups = {it.nodeid: g for it in items if (g := _group(it)) is not None}
@@ -114,7 +157,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadgroup` by the groups of `_group` (xdist's own `xdist_group` handling does not reach the
-    scheduler under pytest 9, whose node ids no longer follow `item._nodeid`)."""
+    scheduler under pytest 9, whose node ids no longer follow `item._nodeid`), in the collection's order: xdist
+    would otherwise put the groups with the most tests first, whatever their length."""
     path = os.environ.get(_GROUPS_ENV)
     if getattr(config.option, "dist", "no") != "loadgroup" or not path:
         return None
@@ -129,6 +173,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 self._groups = json.loads(text) if text else {}
             return self._groups.get(nodeid, nodeid)
 
+    config.option.loadscopereorder = False
     return FixtureGroupScheduling(config, log)
 
 

@@ -1,15 +1,21 @@
-"""Run k learner steps on fixed synthetic batches on the mesh of the command line; save the parameters.
+"""Run k learner steps on fixed synthetic batches on each mesh case of the command line; save the parameters.
 
-`python -m tests/mesh_run_steps.py OUT.npz DATA FSDP MODEL MICROBATCH [COORDINATOR NUM_PROCESSES PROCESS_ID]`
-Set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting (the device count is fixed at JAX start).
-With MESH_CKPT_ROOT set: MESH_CKPT_MODE=save commits a learner checkpoint of step 2 under that run root (and
-trains on); MESH_CKPT_MODE=resume starts from that (sharded) checkpoint, restored onto this mesh, and trains slot 3.
+`python tests/mesh_run_steps.py OUT_DIR CASE [CASE ...] [--distributed COORDINATOR NUM_PROCESSES PROCESS_ID]`
+with CASE = `NAME:DATA:FSDP:MODEL:MICROBATCH[:save|resume]`; each case's parameters go to OUT_DIR/NAME.npz. The
+cases run one after the other in this process, on the devices it has: set
+XLA_FLAGS=--xla_force_host_platform_device_count=N before starting (the device count is fixed at JAX start), so one
+process serves every mesh shape of one device count and pays JAX's start-up once.
+With MESH_CKPT_ROOT set: a `save` case commits a learner checkpoint of step 2 under that run root (and trains on);
+a `resume` case starts from that (sharded) checkpoint, restored onto its mesh, and trains slot 3; it waits for the
+checkpoint when another process is still writing it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from typing import Any
 
 import numpy as np
 
@@ -45,19 +51,16 @@ def synthetic_rows(slot: int) -> dict[str, np.ndarray]:
     }
 
 
-def main(argv: list[str]) -> None:
-    out, data, fsdp, model_ways, micro = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4])
+def run_case(out: str, data: int, fsdp: int, model_ways: int, micro: int, mode: str | None) -> None:
+    """Train slots 1..STEPS (or 3 from checkpoint 2 with `mode == "resume"`) on this mesh; write the parameters."""
+    import equinox as eqx
     import jax
 
-    from pipeline.config import DistributedConfig, LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
+    from pipeline.config import LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
     from policy import learner as L
     from policy import mesh as mesh_lib
     from policy import model as M
 
-    if len(argv) > 5:
-        mesh_lib.initialize_distributed(
-            DistributedConfig(coordinator_address=argv[5], num_processes=int(argv[6]), process_id=int(argv[7]))
-        )
     config = LearnerStepConfig(
         model=ModelSpec(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=S),
         train=TrainParams(batch_size=B, seq_len=S, num_train_steps=10, microbatch_size=micro or None),
@@ -66,16 +69,15 @@ def main(argv: list[str]) -> None:
     lm = mesh_lib.build_mesh(config.mesh)
     model = M.build_model(config.model, VOCAB, jax.random.PRNGKey(0))
     optimizer = L.build_optimizer(config.optimizer, config.train.num_train_steps)
-    import equinox as eqx
-
     state = L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None)
-    ckpt_root, mode = os.environ.get("MESH_CKPT_ROOT"), os.environ.get("MESH_CKPT_MODE")
+    ckpt_root = os.environ.get("MESH_CKPT_ROOT") if mode else None
     store = None
     if ckpt_root:
         from pipeline.storage import RunStore
 
         store = RunStore(ckpt_root)
         if mode == "resume":  # restored straight onto this run's mesh, whatever mesh saved it
+            _wait_for_checkpoint(store, 2)
             state = L.load_checkpoint(store, 2, config.model, VOCAB, optimizer, lm)
     state = L.shard_state(state, lm)
     if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:  # FSDP or tensor parallel: parameters really split
@@ -88,7 +90,7 @@ def main(argv: list[str]) -> None:
         batch = mesh_lib.global_batch(local, lm, B)
         m, o, metrics = step(state.model, state.opt_state, None, batch)
         state = L.LearnerState(slot, m, o, None)
-        print("slot", slot, "loss", float(metrics["loss"]), flush=True)
+        print(out, "slot", slot, "loss", float(metrics["loss"]), flush=True)
         if store is not None and mode == "save" and slot == 2:
             L.save_checkpoint(store, state, config, 1)
     if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:
@@ -97,6 +99,34 @@ def main(argv: list[str]) -> None:
     params = M.numpy_params(mesh_lib.to_host(state.model))
     if mesh_lib.is_writer():
         np.savez(out, *params)
+
+
+def _wait_for_checkpoint(store: Any, step: int, timeout_s: float = 600.0) -> None:
+    """Until checkpoint `step` is committed under `store` (by another process of the test)."""
+    from policy import learner as L
+
+    deadline = time.monotonic() + timeout_s
+    while step not in L.committed_checkpoints(store):
+        assert time.monotonic() < deadline, f"checkpoint {step} was never committed"
+        time.sleep(0.2)
+
+
+def main(argv: list[str]) -> None:
+    if "--distributed" in argv:
+        i = argv.index("--distributed")
+        argv, (coordinator, num_processes, pid) = argv[:i], argv[i + 1 : i + 4]
+        from pipeline.config import DistributedConfig
+        from policy import mesh as mesh_lib
+
+        mesh_lib.initialize_distributed(
+            DistributedConfig(coordinator_address=coordinator, num_processes=int(num_processes), process_id=int(pid))
+        )
+    out_dir = argv[0]
+    for case in argv[1:]:
+        name, *fields = case.split(":")
+        data, fsdp, model_ways, micro = (int(x) for x in fields[:4])
+        mode = fields[4] if len(fields) > 4 else None
+        run_case(os.path.join(out_dir, f"{name}.npz"), data, fsdp, model_ways, micro, mode)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The learner on a device mesh: the same committed batches give the same parameters on every mesh shape.
 
 Each case runs `tests/mesh_run_steps.py` (3 optimizer steps on fixed synthetic 32-row batches, f32, CPU) in a
-subprocess, since the number of simulated CPU devices is fixed when JAX starts. Reference: one device, one
+subprocess with its number of simulated CPU devices (fixed when JAX starts); the cases of one device count share
+one process. Reference: one device, one
 pass per slot. Tolerance: per parameter tensor, ‖a − b‖ / ‖a‖ ≤ 1e-5. Measured on the 2-core CI machine (every case
 compiled at XLA's backend optimisation level 0, see `_env`): FSDP×4 5.7e-8, data 2 × model 2 7.7e-8, microbatches
 6.8e-8, two processes 5.7e-8, resumed on another mesh 5.7e-8 (the figure measured at the default level; resuming on 1
@@ -34,6 +35,7 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         PYTHONHASHSEED="0",
         PYTHONPATH=str(ROOT),
+        USE_TORCH="0",  # transformers (imported by levanter) would load PyTorch, unused here: ~4 s of CPU per process
         # Level 0 skips most of LLVM's passes, about half of these processes' CPU (each compiles its own train step
         # and runs it 3 times); every case is compiled the same way (against the default level: 5e-7 relative).
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
@@ -41,8 +43,13 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def _start(out: Path, devices: int, *args: object, **env: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, str(SCRIPT), str(out), *map(str, args)]
+def _start(
+    out: Path, devices: int, *cases: str, distributed: tuple[object, ...] = (), **env: str
+) -> subprocess.Popen[str]:
+    """One process with `devices` simulated devices running `cases` (`NAME:DATA:FSDP:MODEL:MICRO[:MODE]`) in turn."""
+    cmd = [sys.executable, str(SCRIPT), str(out), *cases]
+    if distributed:
+        cmd += ["--distributed", *map(str, distributed)]
     return subprocess.Popen(cmd, env=_env(devices, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -74,29 +81,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     device and on 4 devices (FSDP×4 again: exact replay), two processes × 2 devices."""
     d = tmp_path_factory.mktemp("mesh")
     names = ("ref", "fsdp4", "dp2tp2", "micro", "resumed", "resumed1", "replay4", "two_proc")
-    out = {name: d / f"{name}.npz" for name in names}
     ckpt = {"MESH_CKPT_ROOT": str(d / "root")}
-    # two at a time: the CI machine has 2 cores
-    procs = [_start(out["ref"], 1, 1, -1, 1, 0), _start(out["fsdp4"], 4, 1, 4, 1, 0, **ckpt, MESH_CKPT_MODE="save")]
-    for p in procs:
-        _finish(p)
-    procs = [_start(out["dp2tp2"], 4, 2, 1, 2, 0), _start(out["micro"], 1, 1, -1, 1, 8)]
-    procs.append(_start(out["resumed"], 2, 2, 1, 1, 0, **ckpt, MESH_CKPT_MODE="resume"))
-    for p in procs:
-        _finish(p)
+    # One process per device count, running its mesh shapes in turn (JAX starts once per process); the resumed
+    # cases wait for the FSDP×4 checkpoint of step 2. Then the two distributed processes: the CI machine has 2 cores.
     procs = [
-        _start(out[name], n, 1, -1, 1, 0, **ckpt, MESH_CKPT_MODE="resume")
-        for name, n in (("resumed1", 1), ("replay4", 4))
+        _start(d, 4, "fsdp4:1:4:1:0:save", "dp2tp2:2:1:2:0", "replay4:1:-1:1:0:resume", **ckpt),
+        _start(d, 1, "ref:1:-1:1:0", "micro:1:-1:1:8", "resumed1:1:-1:1:0:resume", **ckpt),
+        _start(d, 2, "resumed:2:1:1:0:resume", **ckpt),
     ]
     for p in procs:
         _finish(p)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [_start(out["two_proc"], 2, 1, -1, 1, 0, f"127.0.0.1:{port}", 2, i) for i in range(2)]
+    procs = [_start(d, 2, "two_proc:1:-1:1:0", distributed=(f"127.0.0.1:{port}", 2, i)) for i in range(2)]
     for p in procs:
         _finish(p)
-    return out
+    return {name: d / f"{name}.npz" for name in names}
 
 
 @pytest.mark.slow
