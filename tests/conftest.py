@@ -72,7 +72,7 @@ SHARED_SESSION_JOBS = ("default_job",)
 # by node-id prefix (the longest prefix that matches wins) or shared job fixture. Only their order matters: they
 # are scheduled longest first, so no long test starts last while the other worker sits idle.
 EXPECTED_SECONDS = {
-    "tests/test_learn_crash_multiprocess.py": 210,
+    "tests/test_job_crash_learner_group.py": 200,
     "tests/test_mesh.py": 70,
     "tests/test_learn_crash.py": 64,
     "tests/test_server_job.py": 53,
