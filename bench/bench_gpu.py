@@ -339,8 +339,8 @@ def bench_rlpipe_learner(shape: str, args: argparse.Namespace) -> list[dict[str,
 def _rlpipe_learner_run(shape: str, args: argparse.Namespace, B: int, block: int | None, attn: str) -> dict[str, Any]:
     import equinox as eqx
     import jax
-    import numpy as np
 
+    from bench.common import synthetic_learner_batch
     from pipeline.config import LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
     from policy import learner as L
     from policy import mesh as mesh_lib
@@ -369,23 +369,7 @@ def _rlpipe_learner_run(shape: str, args: argparse.Namespace, B: int, block: int
     optimizer = L.build_optimizer(config.optimizer, 1000)
     state = L.shard_state(L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None), lm)
     del model
-    rng = np.random.default_rng(0)
-    rows = np.arange(B, dtype=np.int32)[:, None]
-    batch = mesh_lib.global_batch(
-        {
-            "tokens": rng.integers(0, vocab, (B, S)).astype(np.int32),
-            "segment_ids": np.zeros((B, S), np.int32),
-            "position_ids": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy(),
-            "loss_mask": np.ones((B, S), np.float32),
-            "advantages": rng.normal(size=(B, S)).astype(np.float32),
-            "generator_logprobs": np.full((B, S), -11.0, np.float32),
-            "temperature": np.ones((B, S), np.float32),
-            "truncated": np.zeros((B, S), bool),
-            "seq_index": np.broadcast_to(rows * S, (B, S)).astype(np.int32),
-        },
-        lm,
-        B,
-    )
+    batch = mesh_lib.global_batch(synthetic_learner_batch(B, S, vocab, -11.0), lm, B)
     step = L.mesh_train_step(config, lm)
     t0 = time.perf_counter()
     m, o, metrics = step(state.model, state.opt_state, None, batch)

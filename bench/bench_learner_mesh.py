@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import machine_name
+from bench.common import machine_name, synthetic_learner_batch
 
 B, S, VOCAB = 32, 128, 512
 
@@ -25,7 +25,6 @@ def child(steps: int) -> dict[str, float]:
     """Time `steps` optimizer steps of the tiny model on the mesh of every visible device."""
     import equinox as eqx
     import jax
-    import numpy as np
 
     from pipeline.config import LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
     from policy import learner as L
@@ -41,23 +40,7 @@ def child(steps: int) -> dict[str, float]:
     model = M.build_model(config.model, VOCAB)
     optimizer = L.build_optimizer(config.optimizer, 100)
     state = L.shard_state(L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None), lm)
-    rng = np.random.default_rng(0)
-    rows = np.arange(B, dtype=np.int32)[:, None]
-    batch = mesh_lib.global_batch(
-        {
-            "tokens": rng.integers(0, VOCAB, (B, S)).astype(np.int32),
-            "segment_ids": np.zeros((B, S), np.int32),
-            "position_ids": np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy(),
-            "loss_mask": np.ones((B, S), np.float32),
-            "advantages": rng.normal(size=(B, S)).astype(np.float32),
-            "generator_logprobs": np.full((B, S), -6.0, np.float32),
-            "temperature": np.ones((B, S), np.float32),
-            "truncated": np.zeros((B, S), bool),
-            "seq_index": np.broadcast_to(rows * S, (B, S)).astype(np.int32),
-        },
-        lm,
-        B,
-    )
+    batch = mesh_lib.global_batch(synthetic_learner_batch(B, S, VOCAB, -6.0), lm, B)
     step = L.mesh_train_step(config, lm)
     m, o, metrics = step(state.model, state.opt_state, None, batch)
     jax.block_until_ready(m)
