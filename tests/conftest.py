@@ -177,6 +177,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return FixtureGroupScheduling(config, log)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _test_process_jax_backend() -> None:
+    """Start this test process's own JAX backend before any test runs.
+
+    JAX fixes the device count when its backend starts; tests that set `XLA_FLAGS` (simulated devices) for the
+    processes they start would otherwise, if they happened to be the first to touch JAX in this worker, leave
+    every later in-process test of the worker on several devices (seen: a replay on 2 devices not bitwise equal
+    to its 1-device run)."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return  # set by whoever started pytest: theirs to keep
+    try:
+        import jax
+    except ImportError:
+        return
+    jax.devices()
+
+
 @pytest.fixture(scope="session")
 def gcs_endpoint() -> Iterator[GcsEmulator]:
     """One fake-gcs-server for the whole test session (per xdist worker)."""
