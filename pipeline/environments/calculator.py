@@ -18,7 +18,6 @@ A generation error fails every example of that generation batch (an `ExampleFail
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,8 +45,7 @@ from pipeline.environments.base import (
     token_rewards_for,
 )
 from pipeline.environments.generation import GenerationRequest
-
-logger = logging.getLogger(__name__)
+from pipeline.environments.turns import play_turns
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -396,35 +394,16 @@ class CalculatorEnv(ArithmeticProblems, Environment):
         rng: np.random.Generator,
         failures: list[ExampleFailure],
     ) -> set[int]:
-        """Play every episode turn by turn, at most `max_turns`; returns the indices of the examples that failed.
-
-        Each failed example gets one `ExampleFailure` appended to `failures`: a generation error fails every
-        example of that generation batch, a malformed completion fails its own example only.
-        """
-        failed: set[int] = set()
-
-        def fail(example: int, why: str) -> None:
-            if example not in failed:
-                failed.add(example)
-                failures.append(ExampleFailure(exprs[example], why))
-
-        for turn in range(self.max_turns):
-            active = [e for e in episodes if not e.done and e.example not in failed]
-            if not active:
-                break
-            try:
-                comps = _generate_turn(ctx, turn, prompts, active, sampling, rng)
-            except Exception as e:  # every example of this batch fails with the reason
-                logger.warning("calculator: generation failed in turn %d: %r", turn, e)
-                for ex in sorted({a.example for a in active}):
-                    fail(ex, f"generation error in turn {turn}: {e!r}")
-                break
-            for ep, comp in zip(active, comps, strict=True):
-                try:
-                    self._advance(ctx.tokenizer, ep, comp, stop, last_turn=turn == self.max_turns - 1)
-                except Exception as e:  # a malformed completion fails its example only
-                    fail(ep.example, f"bad completion in turn {turn}: {e!r}")
-        return failed
+        """Play every episode turn by turn (`play_turns`); returns the indices of the examples that failed."""
+        return play_turns(
+            self.name,
+            episodes,
+            exprs,
+            self.max_turns,
+            lambda turn, active: _generate_turn(ctx, turn, prompts, active, sampling, rng),
+            lambda ep, comp, last: self._advance(ctx.tokenizer, ep, comp, stop, last_turn=last),
+            failures,
+        )
 
     def _advance(
         self,

@@ -22,7 +22,6 @@ template is refused at start-up rather than failing every example.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -45,8 +44,7 @@ from pipeline.environments.base import (
 )
 from pipeline.environments.calculator import ArithmeticProblems, ToolError, final_answer, format_value, safe_eval
 from pipeline.environments.chat import ChatRequest, ChatTranscript, ChatTurn, Message, chat_turns
-
-logger = logging.getLogger(__name__)
+from pipeline.environments.turns import play_turns
 
 TOOL_NAME = "calculator"
 CALCULATOR_TOOL: dict[str, Any] = {
@@ -135,17 +133,8 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
             _Conversation(i, self.first_messages(e)) for i, e in enumerate(exprs) for _ in range(spec.n_generations)
         ]
         failures: list[ExampleFailure] = []
-        failed: set[int] = set()
 
-        def fail(example: int, why: str) -> None:
-            if example not in failed:
-                failed.add(example)
-                failures.append(ExampleFailure(exprs[example], why))
-
-        for turn in range(self.max_turns):
-            active = [c for c in convs if not c.done and c.example not in failed]
-            if not active:
-                break
+        def generate(turn: int, active: list[_Conversation]) -> list[ChatTurn]:
             request = ChatRequest(
                 [c.messages for c in active],
                 [CALCULATOR_TOOL],
@@ -154,18 +143,12 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
                 draw_seed(rng),
                 spec.stop_tokens,
             )
-            try:
-                turns = chat_turns(ctx, request)
-            except Exception as e:  # every example of this request fails with the reason
-                logger.warning("%s: chat request failed in turn %d: %r", self.name, turn, e)
-                for c in active:
-                    fail(c.example, f"generation error in turn {turn}: {e!r}")
-                break
-            for c, t in zip(active, turns, strict=True):
-                try:
-                    self._advance(c, t, last_turn=turn == self.max_turns - 1)
-                except Exception as e:  # a turn that does not fit the transcript fails its example only
-                    fail(c.example, f"bad turn {turn}: {e!r}")
+            return chat_turns(ctx, request)
+
+        def advance(conv: _Conversation, turn: ChatTurn, last: bool) -> None:
+            self._advance(conv, turn, last_turn=last)
+
+        failed = play_turns(self.name, convs, exprs, self.max_turns, generate, advance, failures)
         groups = []
         for i, expr in enumerate(exprs):
             if i not in failed:
