@@ -89,6 +89,9 @@ class JobRunner:
             return self._supervise()
         finally:
             self._stop_all()
+            close = getattr(self.launcher, "close", None)  # optional for a backend registered outside rlpipe
+            if close is not None:
+                close()
             signal.signal(signal.SIGINT, previous)
             logger.info("logs of every step are under %s (<step>/<attempt>.log)", self.log_dir)
 
@@ -132,6 +135,8 @@ class JobRunner:
         self._started_at[spec.name] = time.monotonic()
         spec.process = self.launcher.start(spec, target)
         pid = f" pid={spec.process.pid}" if spec.process.pid is not None else ""
+        if getattr(spec.process, "forked", False):  # the local backend's fork server started it
+            pid += " (forked)"
         logger.info("started %s (%s)%s; log: %s", spec.name, spec.module, pid, target.location)
 
     def _supervise(self) -> int:

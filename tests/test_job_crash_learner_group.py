@@ -32,7 +32,7 @@ import numpy as np
 import psutil
 import pytest
 from invariants import check_checkpoint_lineage, half_written_checkpoints
-from jobs import ROOT, check_finished_run, job_config, policy_arrays
+from jobs import ROOT, check_finished_run, job_config, policy_arrays, simulated_devices, step_module
 
 from pipeline import layout
 from pipeline.config import LocalBackendConfig, StoreConfig
@@ -54,7 +54,7 @@ START_UP = (None, b"rlpipe.cli: config", b"jax.distributed: process", b"learner 
 @pytest.fixture
 def group_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every process of the job (and of the reference group) sees 2 simulated CPU devices."""
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", simulated_devices(2))
     monkeypatch.setenv("PYTHONHASHSEED", "0")
 
 
@@ -76,20 +76,29 @@ def _config(tmp_path: Path, run_root: Path) -> Path:
 
 
 def _learner_group(runner: subprocess.Popen[str], seen: set[int]) -> tuple[list[psutil.Process], str] | None:
-    """Both processes of a learner attempt not seen before, process 0 first, and the attempt's id; else None."""
+    """Both processes of a learner attempt not seen before, process 0 first, and the attempt's id; else None.
+
+    A process's attempt and index are read from the learner log it writes to (`<attempt>.log` for process 0,
+    `<attempt>.p1.log` for process 1): its environment cannot tell, since a process forked by the job's fork
+    server shows the server's environment in /proc."""
     try:
         procs = [
             p
             for p in psutil.Process(runner.pid).children()
-            if "steps.learn" in p.cmdline() and p.pid not in seen and p.status() != psutil.STATUS_ZOMBIE
+            if step_module(p.cmdline()) == "steps.learn" and p.pid not in seen and p.status() != psutil.STATUS_ZOMBIE
         ]
         if len(procs) != 2:
             return None
-        envs = [p.environ() for p in procs]
+        logs = [sorted({Path(f.path).name for f in p.open_files() if "/logs/learner/" in f.path}) for p in procs]
     except psutil.Error:  # one ended while we looked
         return None
-    order = sorted(range(2), key=lambda i: int(envs[i]["RLPIPE_PROCESS_ID"]))
-    return [procs[i] for i in order], envs[order[0]]["RLPIPE_ATTEMPT"]
+    if any(len(names) != 1 for names in logs):
+        return None
+    order = sorted(range(2), key=lambda i: logs[i][0].endswith(".p1.log"))
+    attempt = logs[order[0]][0].removesuffix(".log")
+    if logs[order[1]][0] != f"{attempt}.p1.log":
+        return None
+    return [procs[i] for i in order], attempt
 
 
 def _newest_checkpoint(store: RunStore) -> int | None:

@@ -41,6 +41,10 @@ def test_job_runs_end_to_end_on_local_run_root(default_job: FinishedJob) -> None
     check_finished_run(store, num_steps=6, max_lag=1)
     check_step_logs(store, default_job.proc.stderr, 6)
     check_progress_lines(default_job.proc.stderr, 6)
+    # the default local backend forked every step from its fork server (no silent fallback to fresh interpreters)
+    forked = re.findall(r"started (\S+) \(steps\.\w+\) pid=\d+ \(forked\)", default_job.proc.stderr)
+    assert sorted(forked) == sorted(STEP_NAMES), default_job.proc.stderr[-3000:]
+    assert "fork server:" not in default_job.proc.stderr
 
 
 @pytest.mark.slow
@@ -50,11 +54,13 @@ def test_job_runs_with_run_root_on_gcs_emulator(tmp_path: Path, gcs_endpoint) ->
         tmp_path,
         run_root,
         gcs_endpoint.storage_options,
-        **{"train.num_train_steps": "3", "curriculum.eval_frequency": "3"},
+        # every step a fresh interpreter: the local backend's other way to start steps, end to end
+        **{"train.num_train_steps": "3", "curriculum.eval_frequency": "3", "backend.fork_server": "false"},
     )
     proc = run_job(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     store = RunStore(run_root, gcs_endpoint.storage_options)
     check_finished_run(store, num_steps=3, max_lag=1)
     check_step_logs(store, proc.stderr, 3)
+    assert "(forked)" not in proc.stderr and "fork server" not in proc.stderr
     assert not (tmp_path / "run").exists()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jobs import simulated_devices
 
 from pipeline.config import ConfigError, LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
 
@@ -36,9 +37,9 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
         PYTHONHASHSEED="0",
         PYTHONPATH=str(ROOT),
         USE_TORCH="0",  # transformers (imported by levanter) would load PyTorch, unused here: ~4 s of CPU per process
-        # Level 0 skips most of LLVM's passes, about half of these processes' CPU (each compiles its own train step
-        # and runs it 3 times); every case is compiled the same way (against the default level: 5e-7 relative).
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
+        # LLVM level 0 as in every test (conftest.TEST_XLA_FLAGS): about half of these processes' CPU (each
+        # compiles its own train step and runs it 3 times); against the default level: 5e-7 relative.
+        XLA_FLAGS=simulated_devices(devices),
     )
     return env
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jobs import simulated_devices
 from test_learner import make_rows
 
 torch = pytest.importorskip("torch")
@@ -165,7 +166,7 @@ def test_hf_checkpoint_streamed_from_gs(tmp_path: Path, gcs_endpoint: object, mo
         "PYTHONDONTWRITEBYTECODE": "1",  # no .pyc of any size is written under the file-size limit
         "USE_TORCH": "0",  # as in a step process: transformers skips importing torch (levanter reads safetensors)
         "PYTHONPATH": str(STREAM_SCRIPT.parent.parent),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+        "XLA_FLAGS": simulated_devices(4),
         "STORAGE_EMULATOR_HOST": emu.endpoint,  # type: ignore[attr-defined]
         families.HF_CACHE_ENV: str(cache),
         "TMPDIR": str(tmp),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import draccus
 import pytest
+from jobs import simulated_devices
 
 from pipeline import layout
 from pipeline.config import RayBackendConfig
@@ -37,7 +38,7 @@ def learner_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "HF_HUB_OFFLINE": "1",
         "PYTHONHASHSEED": "0",
         "PYTHONPATH": str(REPO),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": simulated_devices(2),
     }.items():
         monkeypatch.setenv(k, v)
 

@@ -81,6 +81,10 @@ class Launcher(Protocol):
         """Start `spec`'s program with its config; its stdout and stderr go to `log` (under the run root)."""
         ...
 
+    def close(self) -> None:
+        """The job has ended (every step stopped): release what `prepare` set up."""
+        ...
+
 
 def make_launcher(backend: JobBackendConfig) -> Launcher:
     """The launcher of a backend config (its class names it as `launcher = "module:Class"`)."""

@@ -11,22 +11,30 @@ from collections.abc import Sequence
 
 from pipeline.config import LocalBackendConfig
 from pipeline.runners.base import StepProcess, StepSpec
+from pipeline.runners.forkserver import ForkedProcess, ForkServer
 from pipeline.step_logs import LogTarget, StepLog
 
 
 class LocalProcess:
-    """A step as a local child process, stdout and stderr appended to its `StepLog`."""
+    """A step as a local child process, stdout and stderr appended to its `StepLog`: forked by `fork_server`
+    when one is given and can, else a fresh `python -m <module>`."""
 
-    def __init__(self, module: str, config_path: str, log: LogTarget, env: dict[str, str]) -> None:
+    def __init__(
+        self, module: str, config_path: str, log: LogTarget, env: dict[str, str], fork_server: ForkServer | None = None
+    ) -> None:
         self._log = StepLog(log)
         self._file = self._log.open()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--config_path", config_path],
+        argv = ["--config_path", config_path]
+        forked = fork_server.spawn(module, argv, env, self._file.fileno()) if fork_server is not None else None
+        self._proc: subprocess.Popen[bytes] | ForkedProcess = forked or subprocess.Popen(
+            [sys.executable, "-m", module, *argv],
             stdout=self._file,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # Ctrl-C in the terminal reaches the runner only; it stops children itself
         )
+        self.forked = forked is not None
+        """Whether the fork server started this process."""
 
     @property
     def pid(self) -> int | None:
@@ -65,21 +73,34 @@ def child_env(spec: StepSpec, log: LogTarget) -> dict[str, str]:
 
 
 class LocalLauncher:
-    """Starts steps as local child processes (no resources: the steps share this machine)."""
+    """Starts steps as local child processes (no resources: the steps share this machine); with
+    `fork_server` (the default), forked from a server that has imported the step programs once
+    (`pipeline.runners.forkserver`)."""
 
     def __init__(self, config: LocalBackendConfig) -> None:
         self.config = config
+        self.fork_server: ForkServer | None = None
 
     def prepare(self, steps: Sequence[StepSpec]) -> None:
-        """Nothing to connect to."""
+        """Start the fork server (it imports the job's step programs while the runner goes on)."""
+        if self.config.fork_server and self.fork_server is None:
+            modules = sorted({s.module for s in steps}, key=lambda m: m != "steps.learn")  # the heaviest first
+            self.fork_server = ForkServer(modules, {**SHARED_DEVICE_DEFAULTS, **os.environ})
+            self.fork_server.start()
 
     def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
         """Start the step's program as a child process, `RLPIPE_STEP` and `RLPIPE_ATTEMPT` set to the step's name
         and its log's attempt id (a child server logs beside it); a learner of `processes` > 1: that many
         processes, see `ProcessGroup`."""
         if spec.processes > 1:
-            return start_group(spec, log, spec.processes)
-        return LocalProcess(spec.module, spec.config_path, log, child_env(spec, log))
+            return start_group(spec, log, spec.processes, self.fork_server)
+        return LocalProcess(spec.module, spec.config_path, log, child_env(spec, log), self.fork_server)
+
+    def close(self) -> None:
+        """Stop the fork server (the steps it started are the runner's to stop)."""
+        if self.fork_server is not None:
+            self.fork_server.close()
+            self.fork_server = None
 
 
 class ProcessGroup:
@@ -97,6 +118,11 @@ class ProcessGroup:
     def pid(self) -> int | None:
         """Process 0's id."""
         return self._procs[0].pid
+
+    @property
+    def forked(self) -> bool:
+        """Whether the fork server started every process of the group."""
+        return all(p.forked for p in self._procs)
 
     @property
     def members(self) -> list[LocalProcess]:
@@ -136,7 +162,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_group(spec: StepSpec, log: LogTarget, processes: int) -> StepProcess:
+def start_group(spec: StepSpec, log: LogTarget, processes: int, fork_server: ForkServer | None = None) -> StepProcess:
     """Start `processes` copies of the step's program wired to one coordinator on loopback."""
     coordinator = f"127.0.0.1:{free_port()}"
     procs = []
@@ -148,5 +174,5 @@ def start_group(spec: StepSpec, log: LogTarget, processes: int) -> StepProcess:
             "RLPIPE_PROCESS_ID": str(i),
         }
         target = log if i == 0 else dataclasses.replace(log, attempt=f"{log.attempt}.p{i}")
-        procs.append(LocalProcess(spec.module, spec.config_path, target, env))
+        procs.append(LocalProcess(spec.module, spec.config_path, target, env, fork_server))
     return ProcessGroup(procs)

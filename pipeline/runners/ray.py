@@ -268,3 +268,6 @@ class RayLauncher:
         if spec.processes > 1:
             return start_ray_group(spec, log, config_yaml, cpus, gpus, node, env)
         return RayProcess(spec.module, config_yaml, cpus, gpus, env, log, node)
+
+    def close(self) -> None:
+        """Nothing to release: the actors end with their steps, and the Ray connection with the driver."""

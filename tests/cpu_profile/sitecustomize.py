@@ -121,6 +121,8 @@ def _write() -> None:
     _RECORD["written"] = True
     t = os.times()
     _RECORD.update(wall=time.time() - _T0, cpu=_cpu(), children_cpu=t.children_user + t.children_system)
+    _RECORD["argv"] = list(getattr(sys, "orig_argv", sys.argv))  # a forked step process rewrites it
+    _RECORD["test"] = _RECORD["test"] or os.environ.get("PYTEST_CURRENT_TEST", "")
     try:
         with open(str(_LOG), "a") as f:
             f.write(json.dumps(_RECORD) + "\n")
@@ -134,7 +136,16 @@ def _on_sigterm(signum: int, _frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
+def _after_fork() -> None:
+    """A process forked by the fork server (or an intermediate): its own clock, counters and command line."""
+    global _T0
+    _T0 = time.time()
+    _RECORD.update(compile_s=0.0, trace_s=0.0, lower_s=0.0, hits=0, misses=0, pre_main_cpu=None)
+    _RECORD["test"] = ""
+
+
 if _LOG:
+    os.register_at_fork(after_in_child=_after_fork)
     sys.meta_path.insert(0, _Hook())
     atexit.register(_write)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
