@@ -1,4 +1,5 @@
-"""Crash test: SIGKILL the real `python -m steps.learn` at random points (>= 10 times), restart each time.
+"""Crash test: SIGKILL the real `python -m steps.learn` at random points (>= 10 times), restart each time
+(started as the local job backend starts it: forked by its fork server).
 
 Checks: every restart resumes from the newest committed checkpoint at the time of the kill; the lineage of
 checkpoint markers (parent + slots consumed) covers batch slots 1..N exactly once; the final parameters
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from pipeline import layout
+from pipeline.runners.forkserver import ForkedProcess, ForkServer
 from pipeline.storage import RunStore
 from schemas.records import CommitMarker
 
@@ -38,8 +40,8 @@ N_STEPS = 60
 MIN_KILLS = 10
 
 
-def _start(config_path: Path, log_path: Path, cache_dir: Path) -> subprocess.Popen[bytes]:
-    env = {
+def _env(cache_dir: Path) -> dict[str, str]:
+    return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "HF_HUB_OFFLINE": "1",
@@ -47,19 +49,22 @@ def _start(config_path: Path, log_path: Path, cache_dir: Path) -> subprocess.Pop
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
-    out = open(log_path, "wb")  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(
-        [sys.executable, "-m", "steps.learn", "--config_path", str(config_path)],
-        cwd=REPO,
-        env=env,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-    )
 
 
-def _wait_for(
-    proc: subprocess.Popen[bytes], log_path: Path, needle: bytes, count: int = 1, timeout: float = 300.0
-) -> None:
+def _start(server: ForkServer, config_path: Path, log_path: Path, cache_dir: Path) -> ForkedProcess:
+    """`python -m steps.learn` as the local job backend starts it: forked by a fork server (a real process of
+    its own, the starting process's child); a fresh interpreter if the server cannot."""
+    argv = ["--config_path", str(config_path)]
+    with open(log_path, "wb") as out:
+        forked = server.spawn("steps.learn", argv, _env(cache_dir), out.fileno())
+        if forked is not None:
+            return forked
+        popen = subprocess.Popen([sys.executable, "-m", "steps.learn", *argv], cwd=REPO, env=_env(cache_dir),
+                                 stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    return popen  # type: ignore[return-value]  # the same poll / wait / send_signal
+
+
+def _wait_for(proc: ForkedProcess, log_path: Path, needle: bytes, count: int = 1, timeout: float = 300.0) -> None:
     """Until `needle` occurs `count` times in the child's log (or it exits, or `timeout`)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -69,7 +74,7 @@ def _wait_for(
 
 
 @pytest.mark.slow
-def test_sigkill_resume_replays_exactly(tmp_path):
+def test_sigkill_resume_replays_exactly(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     rng = random.Random(1234)
     root = tmp_path / "run"
     store = RunStore(str(root))
@@ -79,6 +84,9 @@ def test_sigkill_resume_replays_exactly(tmp_path):
     with open(config_path, "w") as f:
         draccus.dump(cfg, f)
     cache = tmp_path / "jax-cache"
+    server = ForkServer(["steps.learn"], _env(cache))
+    server.start()
+    request.addfinalizer(server.close)
 
     kills = 0
     runs = 0
@@ -86,7 +94,7 @@ def test_sigkill_resume_replays_exactly(tmp_path):
         assert runs < 40, "learner never finished"
         log_path = tmp_path / f"learn-{runs}.log"
         newest_before = (learner.committed_checkpoints(store) or [None])[-1]
-        proc = _start(config_path, log_path, cache)
+        proc = _start(server, config_path, log_path, cache)
         runs += 1
         if kills < MIN_KILLS:
             # kill at a random point: sometimes during start-up / init / resume, mostly while training,

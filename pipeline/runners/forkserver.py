@@ -77,10 +77,18 @@ class ForkedProcess:
             self._wait(os.WNOHANG)
         return self.returncode
 
-    def wait(self) -> int:
-        """Wait for the process to end; its exit code."""
-        while self.returncode is None:
-            self._wait(0)
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the process to end (`subprocess.TimeoutExpired` after `timeout` s); its exit code."""
+        if timeout is None:
+            while self.returncode is None:
+                self._wait(0)
+            return self.returncode
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+        assert self.returncode is not None
         return self.returncode
 
     def _wait(self, flags: int) -> None:
