@@ -11,6 +11,11 @@ process (USE_TORCH=0, as `steps/__init__.py` sets for `python -m steps.*`), time
 the child's READY line. "cold" is the first start in this run (the OS file cache may already be warm from
 earlier runs), "warm" the median of the following starts.
 
+With the local job backend's fork server (`backend.fork_server: true`, the default) a step process is forked
+from a server that has imported the step programs once: each JAX step is also measured that way ("forked":
+spawn request -> READY, the same child code, the server preloaded with every step module, as a job's is; the
+server's own import is reported once as `fork server ready`).
+
     python -m bench.bench_startup                     # all steps, 3 starts each
     python -m bench.bench_startup --steps learn --starts 5 --json out.json
 """
@@ -68,8 +73,7 @@ def child(step: str, config_path: str, run_root: str) -> None:
 
 def measure(step: str, config_path: str, run_root: str) -> dict[str, Any]:
     """One start of `step` in a fresh process: wall seconds from spawn to READY, and the child's phases."""
-    env = {**os.environ, "USE_TORCH": "0", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    env.setdefault("HF_HUB_OFFLINE", "1")
+    env = _env()
     cmd = [
         sys.executable,
         "-m",
@@ -90,15 +94,56 @@ def measure(step: str, config_path: str, run_root: str) -> dict[str, Any]:
     return {"wall_s": wall, "phases": json.loads(ready[-1][len("READY ") :])}
 
 
-def run(steps: list[str], starts: int, config_path: str) -> list[dict[str, Any]]:
-    """`starts` starts of each step, interleaved across steps; one row per step."""
+def _env() -> dict[str, str]:
+    env = {**os.environ, "USE_TORCH": "0", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def measure_forked(server: Any, step: str, config_path: str, run_root: str, log: Path) -> dict[str, Any]:
+    """One start of `step` forked by `server` (a `ForkServer`): wall seconds from the request to READY."""
+    t0 = time.perf_counter()
+    with open(log, "wb") as f:
+        argv = ["--child", step, "--config", config_path, "--run_root", run_root]
+        proc = server.spawn("bench.bench_startup", argv, _env(), f.fileno())
+    if proc is None:
+        raise RuntimeError(f"the fork server could not start {step}: {server.disabled}")
+    rc = proc.wait(timeout=600)
+    wall = time.perf_counter() - t0
+    ready = [line for line in log.read_text().splitlines() if line.startswith("READY ")]
+    if rc != 0 or not ready:
+        raise RuntimeError(f"forked step {step} did not get ready (exit {rc}): {log.read_text()[-2000:]}")
+    return {"wall_s": wall, "phases": json.loads(ready[-1][len("READY ") :])}
+
+
+def run(steps: list[str], starts: int, config_path: str, forked: bool = True) -> list[dict[str, Any]]:
+    """`starts` starts of each step, interleaved across steps; one row per step, and (`forked`) one per JAX
+    step started by a fork server."""
+    from pipeline.runners.forkserver import ForkServer
+
     samples: dict[str, list[dict[str, Any]]] = {s: [] for s in steps}
+    jax_steps = [s for s in steps if s in ("learn", "rollout", "evaluate")] if forked else []
     with tempfile.TemporaryDirectory(prefix="rlpipe-startup-") as tmp:
         for _ in range(starts):
             for s in steps:
                 samples[s].append(measure(s, config_path, str(Path(tmp) / "run")))
+        if jax_steps:
+            server = ForkServer([f"steps.{s}" for s in jax_steps] + ["bench.bench_startup"], _env())
+            t0 = time.perf_counter()
+            server.start()
+            try:
+                if not server.wait_ready():
+                    raise RuntimeError(f"the fork server did not get ready: {server.disabled}")
+                ready_s = time.perf_counter() - t0
+                for _ in range(starts):
+                    for s in jax_steps:
+                        m = measure_forked(server, s, config_path, str(Path(tmp) / "run"), Path(tmp) / "f.log")
+                        samples.setdefault(f"{s} (forked)", []).append(m)
+            finally:
+                server.close()
+            print(f"fork server ready (imports of {', '.join(jax_steps)}) in {ready_s:.2f} s")
     rows = []
-    for s in steps:
+    for s in samples:
         walls = [m["wall_s"] for m in samples[s]]
         warm = walls[1:] or walls
         rows.append(

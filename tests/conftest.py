@@ -71,33 +71,34 @@ _GROUPS_ENV = "RLPIPE_XDIST_GROUPS"
 # Session-scoped fixtures that run a job: every test using one is kept on one worker, so the job runs once.
 SHARED_SESSION_JOBS = ("default_job",)
 
-# Wall seconds (fixtures included) of the longest tests and test groups on the 2-core CI machine under `make test`,
+# Wall seconds (fixtures included) of the longest tests and test groups on the 2-core CI machine under `make test`
+# (2026-11-24, with the fork server),
 # by node-id prefix (the longest prefix that matches wins) or shared job fixture. Only their order matters: they
 # are scheduled longest first, so no long test starts last while the other worker sits idle.
 EXPECTED_SECONDS = {
-    "tests/test_job_crash_learner_group.py": 200,
-    "tests/test_mesh.py": 70,
-    "tests/test_learn_crash.py": 64,
-    "tests/test_server_job.py": 53,
-    "tests/test_job_crash.py": 52,
-    "tests/test_readme_gcs.py": 51,
-    "tests/test_server_backend.py": 49,
-    "tests/test_retention.py": 42,
-    "tests/test_make_batches_crash.py": 40,
+    "tests/test_job_crash_learner_group.py": 68,
+    "tests/test_mesh.py": 64,
+    "tests/test_job_crash.py": 57,
+    "tests/test_inference.py": 46,  # not slow, but a module of in-process sampler tests
+    "tests/test_make_batches_crash.py": 43,
+    "tests/test_evaluate_step.py": 42,
+    "tests/test_readme_gcs.py": 41,
     "default_job": 40,
-    "tests/test_loss_learning.py": 37,
-    "tests/test_demo.py": 34,
+    "tests/test_server_job.py": 38,
+    "tests/test_lora.py::test_lora_learns_cats": 37,
+    "tests/test_learn_crash.py": 34,
+    "tests/test_loss_learning.py": 34,
     "tests/test_storage.py::test_an_outage_of_a_real_endpoint": 33,
-    "tests/test_lora.py::test_lora_learns_cats": 33,
-    "tests/test_ray_learner_group.py": 33,
-    "tests/test_job_ray.py": 30,
-    "tests/test_job_e2e.py": 28,
-    "tests/test_curriculum_run.py": 25,
-    "tests/test_rollout_join.py": 24,
-    "tests/test_evaluate_step.py": 23,
-    "tests/test_job_progress.py": 20,
-    "tests/test_inference.py": 45,  # not slow, but a module of in-process sampler tests of ~45 s of CPU
-    "tests/test_rollout_worker.py": 30,
+    "tests/test_server_backend.py": 30,
+    "tests/test_ray_learner_group.py": 28,
+    "tests/test_job_ray.py": 26,
+    "tests/test_retention.py": 24,
+    "tests/test_demo.py": 22,
+    "tests/test_rollout_worker.py": 21,
+    "tests/test_curriculum_run.py": 19,
+    "tests/test_job_e2e.py": 17,
+    "tests/test_rollout_join.py": 16,
+    "tests/test_job_progress.py": 10,
 }
 SLOW_SECONDS = 10
 """What a slow test not in `EXPECTED_SECONDS` is taken to last (every other test: 0)."""

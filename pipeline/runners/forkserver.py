@@ -181,7 +181,10 @@ class ForkServer:
                 return None
             return json.loads(data) if data else None
 
-    def _wait_ready(self) -> bool:
+    def wait_ready(self) -> bool:
+        """Wait until the server has imported its modules; False if it will not be used."""
+        if self.disabled is not None or self._sock is None:
+            return False
         if self._ready:
             return True
         started = time.monotonic()
@@ -211,7 +214,7 @@ class ForkServer:
         if base_env(env) != self.env:
             logger.debug("fork server: %s has another environment; a fresh interpreter starts it", module)
             return None
-        if not self._wait_ready():
+        if not self.wait_ready():
             return None
         go_r, go_w = os.pipe()
         try:
