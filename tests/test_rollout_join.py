@@ -4,13 +4,15 @@ rollout files under its own worker id, nothing of the job is restarted, and the 
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-from jobs import ROOT, check_finished_run, job_config
+from jobs import ROOT, check_finished_run, job_config, step_module
 
 from pipeline import layout
 from pipeline.storage import RunStore
@@ -22,33 +24,59 @@ def ready_files(run_root: Path, worker: str) -> list[Path]:
     return sorted((run_root / layout.ROLLOUTS).glob(f"step-*/{worker}.*{layout.READY_SUFFIX}"))
 
 
+def _learner(job: subprocess.Popen[str]) -> psutil.Process | None:
+    for child in psutil.Process(job.pid).children():
+        try:
+            if step_module(child.cmdline()) == "steps.learn":
+                return child
+        except psutil.Error:
+            pass
+    return None
+
+
 @pytest.mark.slow
 def test_a_rollout_worker_joins_a_running_job(tmp_path: Path) -> None:
+    """The job's learner is held (SIGSTOP) from its first published policy until the joiner has loaded a policy,
+    so the joiner, a fresh interpreter, joins while the job is running whatever the machine's load (the job,
+    whose steps are forked, could otherwise train all its steps before the joiner is up)."""
     run_root = tmp_path / "run"
     cfg = job_config(tmp_path, str(run_root), **{"num_rollout_workers": "1", "train.num_train_steps": str(STEPS)})
     job = subprocess.Popen([sys.executable, "-m", "steps.run", "--config_path", str(cfg)], cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     joiner: subprocess.Popen[str] | None = None
+    joiner_log = tmp_path / "joiner.log"
+    held: psutil.Process | None = None
     try:
         deadline = time.monotonic() + 300
-        while not (run_root / layout.RUN_CONFIG).exists():  # the job is running: its runner wrote run.json
+        while (learner := _learner(job)) is None or not (run_root / layout.policy_marker(0)).exists():
             assert job.poll() is None, job.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the job wrote no run.json in 300 s"
-            time.sleep(0.2)
+            assert time.monotonic() < deadline, "the job published no policy in 300 s"
+            time.sleep(0.05)
+        learner.send_signal(signal.SIGSTOP)
+        held = learner
         assert not (run_root / layout.LEARNER_DONE).exists()
         joiner = subprocess.Popen(
             [sys.executable, "-m", "steps.run", "step", "rollout", "--config_path", str(cfg), "--run_root",
              str(run_root), "--worker_id", "joiner"],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=joiner_log.open("w"), text=True,
         )  # fmt: skip
+        while "loaded policy" not in joiner_log.read_text():
+            assert joiner.poll() is None, joiner_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the joiner loaded no policy"
+            time.sleep(0.05)
+        held.send_signal(signal.SIGCONT)
+        held = None
         out, err = job.communicate(timeout=600)
         assert job.returncode == 0, out[-3000:] + err[-3000:]
-        j_out, j_err = joiner.communicate(timeout=120)  # it stops on its own once the last policy is published
-        assert joiner.returncode == 0, j_out[-3000:] + j_err[-3000:]
+        joiner.wait(timeout=120)  # it stops on its own once the last policy is published
+        assert joiner.returncode == 0, joiner_log.read_text()[-3000:]
     finally:
+        if held is not None:
+            held.send_signal(signal.SIGCONT)
         for p in (job, joiner):
             if p is not None and p.poll() is None:
                 p.kill()
+    j_err = joiner_log.read_text()
     joined = ready_files(run_root, "joiner")
     assert joined, "the joining worker committed no rollout file:\n" + j_err[-3000:]
     assert all((run_root / layout.data_of_marker(str(p.relative_to(run_root)))).exists() for p in joined)
