@@ -47,7 +47,7 @@ demo: setup ## Run the cats demo job on RUN (runs/demo; an existing one is refus
 # --dist loadgroup: tests sharing a module-scoped job fixture stay on one worker, every other test (the long
 # end-to-end ones included) is scheduled on its own, longest first (tests/conftest.py). --durations=25 prints
 # where the time went.
-PYTEST_DIST := -n 3 --dist loadgroup --durations=25
+PYTEST_DIST := -n 2 --dist loadgroup --durations=25
 
 test: setup ## Run the whole test suite (what CI runs)
 	$(PY) -m pytest -q $(PYTEST_DIST) --timeout 900 tests $(ARGS)

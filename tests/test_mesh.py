@@ -2,12 +2,12 @@
 
 Each case runs `tests/mesh_run_steps.py` (3 optimizer steps on fixed synthetic 32-row batches, f32, CPU) in a
 subprocess with its number of simulated CPU devices (fixed when JAX starts); the cases of one device count share
-one process. Reference: one device, one
-pass per slot. Tolerance: per parameter tensor, ‖a − b‖ / ‖a‖ ≤ 1e-5. Measured on the 2-core CI machine (every case
-compiled at XLA's backend optimisation level 0, see `_env`): FSDP×4 5.7e-8, data 2 × model 2 7.7e-8, microbatches
-6.8e-8, two processes 5.7e-8, resumed on another mesh 5.7e-8 (the figure measured at the default level; resuming on 1
-or 2 devices passes the same tolerance); resumed on the same mesh: bitwise equal; the same microbatches averaged per
-microbatch (the wrong normalisation) differ by 4.5e-3, so the tolerance separates.
+one process. Reference: one device, one pass per slot. Tolerance: per parameter tensor, ‖a − b‖ / ‖a‖ ≤ 1e-5.
+Every case is compiled with the tests' XLA flags (see `_env`). Measured on the 2-core CI machine with LLVM level 0
+alone: FSDP×4 5.7e-8, data 2 × model 2 7.7e-8, microbatches 6.8e-8, two processes 5.7e-8, resumed on another mesh
+5.7e-8 (the figure measured at the default level; resuming on 1 or 2 devices passes the same tolerance); resumed on
+the same mesh: bitwise equal; the same microbatches averaged per microbatch (the wrong normalisation) differ by
+4.5e-3, so the tolerance separates.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def _env(devices: int, **extra: str) -> dict[str, str]:
         PYTHONHASHSEED="0",
         PYTHONPATH=str(ROOT),
         USE_TORCH="0",  # transformers (imported by levanter) would load PyTorch, unused here: ~4 s of CPU per process
-        # LLVM level 0 as in every test (conftest.TEST_XLA_FLAGS): about half of these processes' CPU (each
-        # compiles its own train step and runs it 3 times); against the default level: 5e-7 relative.
+        # the tests' XLA flags (jobs.TEST_XLA_FLAGS): compiling is most of these processes' CPU (each compiles its
+        # own train step and runs it 3 times); LLVM level 0 against the default level: 5e-7 relative.
         XLA_FLAGS=simulated_devices(devices),
     )
     return env
