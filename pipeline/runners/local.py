@@ -66,10 +66,15 @@ processes share this machine's accelerators, and JAX's default of reserving 75% 
 process would leave the others out of memory."""
 
 
+def shared_env() -> dict[str, str]:
+    """What every local step process's environment starts from: this one's, `SHARED_DEVICE_DEFAULTS` where unset."""
+    return {**SHARED_DEVICE_DEFAULTS, **os.environ}
+
+
 def child_env(spec: StepSpec, log: LogTarget) -> dict[str, str]:
-    """The environment of a local step process: this one's, `SHARED_DEVICE_DEFAULTS` where unset, and
-    `RLPIPE_STEP` / `RLPIPE_ATTEMPT` (the step's name and its log's attempt id; a child server logs beside it)."""
-    return {**SHARED_DEVICE_DEFAULTS, **os.environ, "RLPIPE_STEP": spec.name, "RLPIPE_ATTEMPT": log.attempt}
+    """The environment of a local step process: `shared_env()` plus `RLPIPE_STEP` / `RLPIPE_ATTEMPT` (the step's
+    name and its log's attempt id; a child server logs beside it)."""
+    return {**shared_env(), "RLPIPE_STEP": spec.name, "RLPIPE_ATTEMPT": log.attempt}
 
 
 class LocalLauncher:
@@ -84,8 +89,7 @@ class LocalLauncher:
     def prepare(self, steps: Sequence[StepSpec]) -> None:
         """Start the fork server (it imports the job's step programs while the runner goes on)."""
         if self.config.fork_server and self.fork_server is None:
-            modules = sorted({s.module for s in steps}, key=lambda m: m != "steps.learn")  # the heaviest first
-            self.fork_server = ForkServer(modules, {**SHARED_DEVICE_DEFAULTS, **os.environ})
+            self.fork_server = ForkServer(sorted({s.module for s in steps}), shared_env())
             self.fork_server.start()
 
     def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
