@@ -31,14 +31,17 @@ def job_config(tmp_path: Path, run_root: str, storage_options: dict | None = Non
     return path
 
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+)
 """XLA flags of every test process and every process a test starts (conftest.py sets them): programs compiled at
-LLVM optimisation level 0 and with XLA:CPU's older fusion code generator instead of its MLIR fusion emitters.
-Compiling, not running, is most of a test's XLA time at these model sizes (measured on the 2-core VM with no
-compile cache, the microbatch tests: 71 s of CPU with XLA's defaults, 43 s at level 0, 25 s with both; three job
-tests: 134 -> 115 s from the second flag). Every program of a test is compiled the same way, so bitwise
-comparisons (replay, crash against uninterrupted) hold as before; `make demo` and `make bench` keep XLA's
-defaults."""
+LLVM optimisation level 0, with XLA:CPU's older fusion code generator instead of its MLIR fusion emitters, and
+each as one LLVM module (XLA splits a module to compile its parts on several threads; with both cores busy the
+split only adds work). Compiling, not running, is most of a test's XLA time at these model sizes (measured on the
+2-core VM with no compile cache, the microbatch tests: 71 s of CPU with XLA's defaults, 43 s at level 0, 25 s with
+the second flag; three job tests: 134 -> 115 s from the second flag; the microbatch, learner and inference tests:
+46 -> 41-42 s of CPU from the third). Every program of a test is compiled the same way, so bitwise comparisons
+(replay, crash against uninterrupted) hold as before; `make demo` and `make bench` keep XLA's defaults."""
 
 
 def simulated_devices(n: int) -> str:
