@@ -8,12 +8,12 @@
 - `default_job` (session): the test job (configs/test_cats.yaml as it is) run once on a local root, shared
   read-only by the tests that check what a finished job leaves behind.
 
-Scheduling over xdist workers (`make test` runs `-n 2 --dist loadgroup`): a test that uses a module- or
+Scheduling over xdist workers (`make test` runs `-n 3 --dist loadgroup`): a test that uses a module- or
 class-scoped fixture (a job shared by several assertions) is kept on one worker with the other users of that
 fixture (its `xdist_group` is the module or class), so the fixture runs once; every other test is scheduled on
-its own, so the long end-to-end tests spread over both workers instead of queueing behind one file. The longest
+its own, so the long end-to-end tests spread over the workers instead of queueing behind one file. The longest
 tests and groups are scheduled first (`EXPECTED_SECONDS`), then the other slow tests, so the short ones fill in at
-the end and both workers finish together. A test's own `xdist_group` mark wins.
+the end and the workers finish together. A test's own `xdist_group` mark wins.
 """
 
 from __future__ import annotations
