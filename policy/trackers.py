@@ -118,7 +118,28 @@ def _wandb_tracker(config: WandbTrackerConfig, run: TrackerRun) -> Tracker:
     if config.logdir or "WANDB_DIR" not in os.environ:  # an explicit logdir wins over the environment
         os.environ["WANDB_DIR"] = logdir
     os.environ.setdefault("WANDB_SILENT", "true")
-    return WandbConfig(project=config.project, name=run.name, mode=config.mode, save_code=False).init(run.name)
+    return _WandbRun(
+        WandbConfig(project=config.project, name=run.name, mode=config.mode, save_code=False).init(run.name)
+    )
+
+
+class _WandbRun:
+    """levanter's wandb tracker whose `finish()` returns only once the run's files are written (offline) or sent.
+
+    `wandb.Run.finish()` returns while wandb's service process may still be writing the run file (seen under load:
+    the offline `.wandb` file held only its header when `finish()` returned); `wandb.teardown()` waits for it."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tracker, name)
+
+    def finish(self) -> None:
+        import wandb
+
+        self.tracker.finish()
+        wandb.teardown()
 
 
 FORWARD_EVERY_S = 2.0
