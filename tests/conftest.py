@@ -11,9 +11,9 @@
 Scheduling over xdist workers (`make test` runs `-n 3 --dist loadgroup`): a test that uses a module- or
 class-scoped fixture (a job shared by several assertions) is kept on one worker with the other users of that
 fixture (its `xdist_group` is the module or class), so the fixture runs once; every other test is scheduled on
-its own, so the long end-to-end tests spread over the workers instead of queueing behind one file. The longest
-tests and groups are scheduled first (`EXPECTED_SECONDS`), then the other slow tests, so the short ones fill in at
-the end and the workers finish together. A test's own `xdist_group` mark wins.
+its own, so the long end-to-end tests spread over the workers instead of queueing behind one file. The tests that
+mostly wait are scheduled first (`WAITING_FIRST`), then the longest tests and groups (`EXPECTED_SECONDS`), then the
+other slow tests, so the short ones fill in at the end and the workers finish together. A test's own `xdist_group` mark wins.
 """
 
 from __future__ import annotations
@@ -100,6 +100,13 @@ EXPECTED_SECONDS = {
     "tests/test_rollout_join.py": 16,
     "tests/test_job_progress.py": 10,
 }
+WAITING_FIRST = (
+    "tests/test_storage.py::test_an_outage_of_a_real_endpoint",  # ~33 s waiting out gcsfs's retries, no CPU
+    "tests/test_make_batches_crash.py",  # ~45 s, half of it lease and restart waits
+)
+"""Tests that mostly wait (timers, leases): scheduled before everything else, so that their waits overlap the
+longest CPU-bound tests instead of each other (with three workers on two cores, the first three tests start
+together)."""
 SLOW_SECONDS = 10
 """What a slow test not in `EXPECTED_SECONDS` is taken to last (every other test: 0)."""
 
@@ -141,9 +148,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest first (`EXPECTED_SECONDS`), then the other slow tests, so the short ones fill in at the end; a worker
-    records the groups for the scheduler."""
-    items.sort(key=lambda it: -_expected_seconds(it))
+    """The mostly waiting tests (`WAITING_FIRST`), then longest first (`EXPECTED_SECONDS`), then the other slow
+    tests, so the short ones fill in at the end; a worker records the groups for the scheduler."""
+    items.sort(key=lambda it: (not it.nodeid.startswith(WAITING_FIRST), -_expected_seconds(it)))
     path = os.environ.get(_GROUPS_ENV)
     if path and hasattr(config, "workerinput"):
         groups = {it.nodeid: g for it in items if (g := _group(it)) is not None}
