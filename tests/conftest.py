@@ -13,7 +13,8 @@ class-scoped fixture (a job shared by several assertions) is kept on one worker 
 fixture (its `xdist_group` is the module or class), so the fixture runs once; every other test is scheduled on
 its own, so the long end-to-end tests spread over the workers instead of queueing behind one file. The tests that
 mostly wait are scheduled first (`WAITING_FIRST`), then the longest tests and groups (`EXPECTED_SECONDS`), then the
-other slow tests, so the short ones fill in at the end and the workers finish together. A test's own `xdist_group` mark wins.
+other slow tests, so the short ones fill in at the end and the workers finish together. A test's own
+`xdist_group` mark wins.
 """
 
 from __future__ import annotations
