@@ -35,7 +35,7 @@ class LocalBackendConfig(JobBackendConfig):
 
     fork_server: bool = True
     """Start step processes by forking a server that has imported the step programs once (a start or restart
-    then costs ~0.05 s instead of ~4–5 s of imports; Linux). False: every step process is a fresh
+    then forks in ~0.05 s instead of importing for ~2–5 s of CPU; Linux). False: every step process is a fresh
     `python -m steps.<name>`. Either way a step is the runner's child process with the same exit codes and logs."""
 
 
