@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -73,6 +73,17 @@ def learning_rate_schedule(spec: OptimizerSpec, num_train_steps: int, updates_pe
         decay_steps=decay_steps + spec.warmup_steps,
         end_value=spec.learning_rate * spec.min_lr_ratio,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_schedule(spec: OptimizerSpec, num_train_steps: int) -> Callable[[int], jax.Array]:
+    return jax.jit(learning_rate_schedule(spec, num_train_steps))
+
+
+def learning_rate_at(spec: OptimizerSpec, num_train_steps: int, step: int) -> float:
+    """The rate `learning_rate_schedule(spec, num_train_steps)` gives learner step `step` (0-based), for metrics."""
+    # one compiled program per schedule, where calling the schedule eagerly compiles one per operation
+    return float(_jitted_schedule(spec, num_train_steps)(step))
 
 
 def build_optimizer(
@@ -212,7 +223,7 @@ def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) 
 
 def batch_arrays(rows: list[schemas.BatchRow], train: TrainParams, vocab_size: int, path: str) -> Batch:
     """Fixed-shape [batch_size, seq_len] learner arrays from batch rows; BatchMismatchError on any misfit."""
-    return {k: jnp.asarray(v) for k, v in host_batch_arrays(rows, train, vocab_size, path).items()}
+    return jax.device_put(host_batch_arrays(rows, train, vocab_size, path), may_alias=False)
 
 
 def host_batch_arrays(
@@ -403,7 +414,8 @@ def resume_or_init(
         model = M.cast_for_compute(model, config.model.param_dtype)
     if config.model.lora is not None:  # adapters with B = 0: the model still computes the base's outputs
         model = lora.loraize(model, config.model.lora, config.model.seed)
-    opt_state = optimizer.init(lora.trainable_params(model))
+    # jitted: one compiled program instead of one per distinct moment shape (the same zeros)
+    opt_state = eqx.filter_jit(optimizer.init)(lora.trainable_params(model))
     return LearnerState(step=0, model=model, opt_state=opt_state, parent=None)
 
 

@@ -145,7 +145,8 @@ def build_model(
 def model_template(spec: ModelSpec, vocab_size: int) -> LmHeadModel:
     """The model's structure with ShapeDtypeStruct leaves (no weights computed or loaded)."""
     config = levanter_config(spec)
-    return eqx.filter_eval_shape(config.build, hax.Axis("vocab", vocab_size), key=jax.random.PRNGKey(0))
+    vocab = hax.Axis("vocab", vocab_size)
+    return eqx.filter_eval_shape(lambda: config.build(vocab, key=jax.random.PRNGKey(0)))  # nothing computed
 
 
 def model_vocab_size(tokenizer: Any, multiple: int = 1) -> int:

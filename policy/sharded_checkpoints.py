@@ -43,7 +43,6 @@ from typing import Any
 
 import haliax as hax
 import jax
-import jax.numpy as jnp
 import numpy as np
 from haliax.partitioning import pspec_for
 from jax.experimental import multihost_utils
@@ -261,7 +260,7 @@ def load_sharded(
                 block = functools.partial(reader.assemble, full)
                 arr: jax.Array = jax.make_array_from_callback(leaf.shape, sharding, block)
             else:
-                arr = jnp.asarray(reader.assemble(full, None))
+                arr = jax.device_put(reader.assemble(full, None), may_alias=False)  # no per-shape program
             values.append(hax.NamedArray(arr, axes) if axes is not None else arr)
         out[blob] = _fill(template, values)
     extra = sorted(set(tensors) - seen)

@@ -206,7 +206,7 @@ def train_one(
         "wait_s": waited,
         "train_s": train_s,
         "tokens_per_s": tokens_per_batch / max(train_s, 1e-9),
-        "learning_rate": float(L.learning_rate_schedule(learner.config.optimizer, learner.total)(slot - 1)),
+        "learning_rate": L.learning_rate_at(learner.config.optimizer, learner.total, slot - 1),
         **step_metrics,
     }
     return L.LearnerState(slot, model, opt_state, state.parent), record

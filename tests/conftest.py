@@ -19,6 +19,7 @@ other slow tests, so the short ones fill in at the end and the workers finish to
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -263,3 +264,9 @@ def default_job(tmp_path_factory: pytest.TempPathFactory) -> FinishedJob:
     proc = run_job(job_config(tmp, str(root)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return FinishedJob(root, proc)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every test module is imported: freeze those objects out of the cyclic collector's full collections (as
+    step programs do), which JAX's tracing in the tests triggers often."""
+    gc.freeze()

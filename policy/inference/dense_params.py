@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -136,6 +137,15 @@ def _one_layer_params(layer: Any, dtype: Any) -> dict[str, Any]:
     return p
 
 
+@eqx.filter_jit
+def _unstacked_layer_params(layer: Any, dtype: str, n: int) -> list[dict[str, Any]]:
+    """`_one_layer_params` of a stacked layer module, split into its `n` layers. Compiled as one program: done
+    eagerly, every slice of every weight is a program of its own to compile (or fetch from the cache) at each
+    process start."""
+    whole = _one_layer_params(layer, jnp.dtype(dtype))
+    return [jax.tree_util.tree_map(lambda a, i=i: a[i], whole) for i in range(n)]
+
+
 def extract_params(model: Any, compute_dtype: str) -> dict[str, Any]:
     """Plain-array weights of a levanter Llama/Qwen3 model, cast to `compute_dtype`, one dict per layer.
 
@@ -146,9 +156,7 @@ def extract_params(model: Any, compute_dtype: str) -> dict[str, Any]:
     dtype = jnp.dtype(compute_dtype)
     layer, stacked = _layer_modules(model)
     if stacked:
-        whole = _one_layer_params(layer, dtype)
-        n = model.config.num_layers
-        layers = [jax.tree_util.tree_map(lambda a, i=i: a[i], whole) for i in range(n)]
+        layers = _unstacked_layer_params(layer, str(dtype), model.config.num_layers)
     else:
         layers = [_one_layer_params(b, dtype) for b in layer]
     emb = model.embeddings

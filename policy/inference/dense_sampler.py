@@ -294,7 +294,8 @@ class DenseSampler:
         lens: jax.Array,
         limits: jax.Array,
         active: jax.Array,
-        seq_keys: jax.Array,
+        base_key: jax.Array,
+        sample_ids: jax.Array,
         stop_ids: jax.Array,
         temperature: jax.Array,
         controls: tuple[jax.Array, jax.Array, jax.Array],
@@ -307,6 +308,7 @@ class DenseSampler:
         S = P + T
         logger.info("dense sampler: tracing batch=%d prompt=%d new=%d stops=%d", B, P, T, stop_ids.shape[0])
         m = self._m
+        seq_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base_key, sample_ids)  # row i's PRNG stream
         pad = P - lens  # [B]
         slots = jnp.arange(P, dtype=jnp.int32)
         pos = jnp.maximum(slots[None, :] - pad[:, None], 0)
@@ -387,19 +389,10 @@ class DenseSampler:
         K = bucket(len(stop_tokens), minimum=4)
         stops = np.full((K,), -1, np.int32)
         stops[: len(stop_tokens)] = stop_tokens
-        base = jax.random.PRNGKey(seed)
-        seq_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jnp.asarray(ids))
-        out = self._jitted(
-            self.params,
-            jnp.asarray(tokens),
-            jnp.asarray(lens),
-            jnp.asarray(limits),
-            jnp.asarray(active),
-            seq_keys,
-            jnp.asarray(stops),
-            jnp.float32(temperature),
-            (jnp.float32(controls.top_p), jnp.int32(controls.top_k), jnp.float32(controls.min_p)),
-            max_new=max_new_bucket,
-        )
+        # host inputs go in by device_put, not jnp.asarray / jnp.float32: those compile a small program per shape
+        # at each process start; the per-row keys are folded inside the compiled program for the same reason
+        host = (tokens, lens, limits, active, jax.random.PRNGKey(seed), ids, stops, np.float32(temperature))
+        controls_host = (np.float32(controls.top_p), np.int32(controls.top_k), np.float32(controls.min_p))
+        out = self._jitted(self.params, *jax.device_put(host), jax.device_put(controls_host), max_new=max_new_bucket)
         out_tok, out_lp, n_gen, stopped = jax.device_get(out)
         return DenseOutput(np.asarray(out_tok), np.asarray(out_lp), np.asarray(n_gen), np.asarray(stopped))
