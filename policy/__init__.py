@@ -6,6 +6,8 @@ logic) -> `schemas` (declared records and tables).
 
 # First, before any module of this package imports levanter: load levanter's submodules without its package
 # `__init__` (which imports datasets, pandas, ray and torch and costs ~10 s per step process). See _imports.py.
-from policy import _imports
+from policy import _hf_structure, _imports
 
 _imports.install()
+# transformers.models (imported by levanter's models) scans ~1,400 source files at every import: cached on disk.
+_hf_structure.install()

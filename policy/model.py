@@ -25,10 +25,12 @@ token t's segment; T <= 0 (greedy) is treated as 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
@@ -135,11 +137,18 @@ def build_model(
     config = levanter_config(spec)
     if spec.hf_checkpoint:
         return load_hf_model(spec, config, vocab_size, mesh)
-    Vocab = hax.Axis("vocab", vocab_size)
     if key is None:
         key = jax.random.PRNGKey(spec.seed)
-    # jitted init: the same bits as eager (threefry is exact) but one compiled program instead of many dispatches
-    return eqx.filter_jit(lambda k: config.build(Vocab, key=k))(key)
+    return _init_program(config, vocab_size)(key)
+
+
+@functools.lru_cache(maxsize=16)
+def _init_program(config: Any, vocab_size: int) -> Callable[[jax.Array], LmHeadModel]:
+    """The jitted random initialisation of a model of `config`: the same bits as eager (threefry is exact) but one
+    compiled program instead of many dispatches; kept per config, so a process that builds the same model again
+    (a test session, a bench) traces and compiles it once."""
+    vocab = hax.Axis("vocab", vocab_size)
+    return eqx.filter_jit(lambda k: config.build(vocab, key=k))
 
 
 def model_template(spec: ModelSpec, vocab_size: int) -> LmHeadModel:
