@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,23 @@ def test_ray_backend_refuses_resources_the_cluster_cannot_hold(tmp_path: Path) -
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resources=" in proc.stderr and "GPUs" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "rollouts").exists()
+
+
+@pytest.mark.slow
+def test_ray_backend_runs_on_a_gs_run_root(tmp_path: Path, gcs_endpoint) -> None:
+    """The Ray backend with the run root on the GCS emulator: every step task reads and writes gs:// through the
+    storage options of the job config, the step logs included; nothing is written locally."""
+    run_root = f"gs://{gcs_endpoint.bucket}/ray-{os.getpid()}"
+    cfg = job_config(
+        tmp_path,
+        run_root,
+        gcs_endpoint.storage_options,
+        **{"backend.type": "ray", "train.num_train_steps": "3", "curriculum.eval_frequency": "3"},
+    )
+    proc = run_job(cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    store = RunStore(run_root, gcs_endpoint.storage_options)
+    check_finished_run(store, num_steps=3, max_lag=1)
+    check_step_logs(store, proc.stderr, 3)
+    assert "trained slot 3 " in proc.stdout, proc.stdout[-3000:]
+    assert not (tmp_path / "run").exists()
