@@ -13,18 +13,22 @@ from pipeline.storage import RunStore
 
 
 @pytest.mark.slow
-def test_ray_backend_runs_the_same_steps(tmp_path: Path) -> None:
-    run_root = tmp_path / "run"
+def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint) -> None:
+    """A whole job as Ray tasks, its run root on gs:// (the GCS emulator): every step task reads and writes the
+    bucket through the job's storage options, step logs included, and nothing is written locally."""
+    run_root = f"gs://{gcs_endpoint.bucket}/ray-{os.getpid()}"
     cfg = job_config(
         tmp_path,
-        str(run_root),
+        run_root,
+        gcs_endpoint.storage_options,
         **{"backend.type": "ray", "train.num_train_steps": "3", "curriculum.eval_frequency": "3"},
     )
     proc = run_job(cfg)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    store = RunStore(str(run_root))
+    store = RunStore(run_root, gcs_endpoint.storage_options)
     check_finished_run(store, num_steps=3, max_lag=1)
     check_step_logs(store, proc.stderr, 3)
+    assert not (tmp_path / "run").exists()
     # the step output also reaches the driver (Ray's log_to_driver), and stopping the producers at the end is
     # a clean stop, not a failure
     assert "[learner] " in proc.stdout and "trained slot 3 " in proc.stdout, proc.stdout[-3000:]
@@ -41,23 +45,3 @@ def test_ray_backend_refuses_resources_the_cluster_cannot_hold(tmp_path: Path) -
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resources=" in proc.stderr and "GPUs" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "rollouts").exists()
-
-
-@pytest.mark.slow
-def test_ray_backend_runs_on_a_gs_run_root(tmp_path: Path, gcs_endpoint) -> None:
-    """The Ray backend with the run root on the GCS emulator: every step task reads and writes gs:// through the
-    storage options of the job config, the step logs included; nothing is written locally."""
-    run_root = f"gs://{gcs_endpoint.bucket}/ray-{os.getpid()}"
-    cfg = job_config(
-        tmp_path,
-        run_root,
-        gcs_endpoint.storage_options,
-        **{"backend.type": "ray", "train.num_train_steps": "3", "curriculum.eval_frequency": "3"},
-    )
-    proc = run_job(cfg)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    store = RunStore(run_root, gcs_endpoint.storage_options)
-    check_finished_run(store, num_steps=3, max_lag=1)
-    check_step_logs(store, proc.stderr, 3)
-    assert "trained slot 3 " in proc.stdout, proc.stdout[-3000:]
-    assert not (tmp_path / "run").exists()
