@@ -7,7 +7,7 @@ The answer depends only on those files, so `install()` keeps it in a JSON file k
 the folder and its modification time, and reads it back on later imports; any problem (no cache folder, an
 unreadable or foreign file) falls back to transformers' own scan, so the import behaves exactly as without it.
 
-Where: `$RLPIPE_CACHE_DIR`, else `$XDG_CACHE_HOME/rlpipe`, else `~/.cache/rlpipe`. `RLPIPE_HF_STRUCTURE_CACHE=0`
+Where: `$RLPIPE_CACHE_DIR`, else `~/.cache/rlpipe`. `RLPIPE_HF_STRUCTURE_CACHE=0`
 turns it off.
 """
 
@@ -33,11 +33,9 @@ FORMAT = 1
 
 
 def cache_dir() -> Path:
-    """The folder of rlpipe's small process-start caches."""
-    if env := os.environ.get("RLPIPE_CACHE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "rlpipe"
+    """The folder of rlpipe's small process-start caches: `$RLPIPE_CACHE_DIR`, else `~/.cache/rlpipe` (where step
+    processes also keep JAX's compilation cache by default)."""
+    return Path(os.environ.get("RLPIPE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "rlpipe"))
 
 
 def _cache_file(module_path: str, prefix: str | None) -> Path | None:
