@@ -1,7 +1,7 @@
 """BatchMaker throughput and memory on synthetic rollouts, against raw pyarrow I/O of the same bytes.
 
 What it measures (one process, same files, same machine, same run; every parquet read verifies page
-checksums and every write is zstd + page checksums, exactly as pipeline/storage.py does):
+checksums and every write is zstd + page checksums, exactly as pipeline/store/storage.py does):
 - pipeline: per rollout file: read + parse (read ahead by 2 files in threads, as the step does),
             `BatchMaker.add_rollouts`; whenever the batch is full
             (`not wants_more`, as the step decides) `make_batch`, serialize the batch and write it (on one
@@ -44,8 +44,8 @@ import pyarrow as pa
 from bench.common import cpu_model
 from pipeline.batch_maker import BatchMaker
 from pipeline.config import BatchMakerStepConfig, TrainParams
-from pipeline.prefetch import read_ahead
-from pipeline.storage import RunStore
+from pipeline.store.prefetch import read_ahead
+from pipeline.store.storage import RunStore
 from schemas import BATCH, ROLLOUT
 
 logger = logging.getLogger("bench.batch_maker")

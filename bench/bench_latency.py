@@ -1,7 +1,7 @@
 """Per-step latency of the whole pipeline: runs a short job and prints where each learner step's wall time goes.
 
 Runs `python -m steps.run` on a fresh run root with a job config (default: the cats demo), then reads the
-learner's metrics records (`hops`, `step_s`; see `pipeline.hops`) and prints the median seconds per hop and
+learner's metrics records (`hops`, `step_s`; see `pipeline.telemetry.hops`) and prints the median seconds per hop and
 wall seconds per learner step at steady state (after the first step, which is mostly compilation), two ways:
 the median of `step_s`, and the span from the end of step 2 to the last step divided by the steps in it.
 

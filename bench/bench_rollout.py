@@ -28,7 +28,7 @@ import numpy as np
 
 from bench.common import machine_name
 from pipeline.config import InferenceConfig, ModelSpec
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, make_backend
 from policy.model import build_model, count_params
 
@@ -58,7 +58,7 @@ def _server_backend(spec: ModelSpec, model: Any, tok: Any, *, max_seqs: int) -> 
     import tempfile
 
     from pipeline.config import ServerInferenceConfig
-    from pipeline.storage import RunStore
+    from pipeline.store.storage import RunStore
     from policy.model import save_policy
 
     root = tempfile.mkdtemp(prefix="bench_server_")

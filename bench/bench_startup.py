@@ -48,9 +48,9 @@ def child(step: str, config_path: str, run_root: str) -> None:
 
     importlib.import_module(f"steps.{step}")
     phases["import"] = time.perf_counter() - t0
-    from pipeline import run_state
-    from pipeline.job import RLJob
-    from pipeline.storage import RunStore
+    from pipeline.jobs.job import RLJob
+    from pipeline.store import run_state
+    from pipeline.store.storage import RunStore
     from steps.run import parse_job, step_config
 
     job = RLJob(parse_job(["--config_path", config_path, "--store.run_root", run_root]))
@@ -58,7 +58,7 @@ def child(step: str, config_path: str, run_root: str) -> None:
         step_config(job, _STEP_KEY[step], [])
     phases["config"] = time.perf_counter() - t0 - sum(phases.values())
     if step in ("learn", "rollout", "evaluate", "export"):
-        from pipeline.tokenizer import load_tokenizer
+        from pipeline.environments.tokenizer import load_tokenizer
         from policy.model import build_model, model_vocab_size
 
         spec = job.config.model
@@ -119,7 +119,7 @@ def measure_forked(server: Any, step: str, config_path: str, run_root: str, log:
 def run(steps: list[str], starts: int, config_path: str, forked: bool = True) -> list[dict[str, Any]]:
     """`starts` starts of each step, interleaved across steps; one row per step, and (`forked`) one per JAX
     step started by a fork server."""
-    from pipeline.runners.forkserver import ForkServer
+    from pipeline.jobs.launchers.forkserver import ForkServer
 
     samples: dict[str, list[dict[str, Any]]] = {s: [] for s in steps}
     jax_steps = [s for s in steps if s in ("learn", "rollout", "evaluate")] if forked else []

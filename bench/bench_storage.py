@@ -25,8 +25,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import layout
-from pipeline.storage import RunStore, parquet_write_options
+from pipeline.store import layout
+from pipeline.store.storage import RunStore, parquet_write_options
 from schemas import ROLLOUT
 
 

@@ -63,7 +63,7 @@ def seq_len_for_task() -> int:
     """rlpipe's batch row length: the longest cats prompt plus MAX_TOKENS, the most TRL trains on per
     sequence (it pads each batch to its longest prompt + completion); longer rows would only add padding."""
     from pipeline.environments.cats import TRAIN_PROMPTS
-    from pipeline.tokenizer import build_tiny_tokenizer
+    from pipeline.environments.tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     return max(len(tok(p)["input_ids"]) for p in TRAIN_PROMPTS) + MAX_TOKENS
@@ -78,7 +78,7 @@ def trl_child(size: str, steps: int, out: str, t_start: float) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from pipeline.environments.cats import TRAIN_PROMPTS, count_cats
-    from pipeline.tokenizer import build_tiny_tokenizer
+    from pipeline.environments.tokenizer import build_tiny_tokenizer
 
     torch.manual_seed(0)
     tok = build_tiny_tokenizer()

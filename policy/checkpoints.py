@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from pipeline import layout, run_state
+from pipeline.store import layout, run_state
 from schemas.records import CHECKPOINT_FORMAT, CommitFile, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)

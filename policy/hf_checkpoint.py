@@ -34,7 +34,7 @@ def hf_converter(spec: ModelSpec, ref: str, tokenizer: Any = None) -> Any:
 
     family = FAMILIES[spec.family]
     if tokenizer is None:
-        from pipeline.tokenizer import load_tokenizer
+        from pipeline.environments.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(spec.tokenizer)
     return HFCheckpointConverter(

@@ -25,11 +25,11 @@ import numpy as np
 import optax
 
 import schemas
-from pipeline import layout
 from pipeline.config import LearnerStepConfig, LossConfig, ModelSpec, OptimizerSpec, TrainParams
-from pipeline.poll import poll_until
-from pipeline.storage import RunStore
-from pipeline.watch import waker_for
+from pipeline.store import layout
+from pipeline.store.notify import waker_for
+from pipeline.store.poll import poll_until
+from pipeline.store.storage import RunStore
 from policy import checkpoints as ckpt
 from policy import lora
 from policy import mesh as mesh_lib
@@ -194,7 +194,7 @@ def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransfor
 def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) -> tuple[BatchLogEntry | None, float]:
     """The commit object of batch `slot` and the seconds waited; (None, waited) if control/STOP appeared.
 
-    Raises `pipeline.poll.WaitTimeout` naming the log entry and `batch_wait_timeout_s` when nothing appears
+    Raises `pipeline.store.poll.WaitTimeout` naming the log entry and `batch_wait_timeout_s` when nothing appears
     within `timeout_s`, and BatchMismatchError naming the file and field when the entry is not a valid
     `BatchLogEntry`.
     """

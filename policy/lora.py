@@ -26,8 +26,8 @@ import haliax as hax
 import jax
 from levanter import lora as llora
 
-from pipeline import layout
 from pipeline.config import LoraSpec, ModelSpec
+from pipeline.store import layout
 from policy import checkpoints as ckpt
 
 ADAPTERS_BLOB = "adapters"

@@ -42,8 +42,8 @@ import numpy as np
 from levanter.layers.attention import AttentionBackend, AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
-from pipeline import layout, run_state
 from pipeline.config import ConfigError, ModelSpec
+from pipeline.store import layout, run_state
 from policy import checkpoints as ckpt
 from policy.families import FAMILIES, hf_metadata_folder
 from policy.hf_checkpoint import hf_converter as _hf_converter
@@ -449,7 +449,7 @@ def export_hf(model: LmHeadModel, out_dir: str, tokenizer: Any, family: str = "l
     """Write a Hugging Face folder for `model` that transformers, vLLM and SGLang load as is.
 
     The folder: `config.json` (with `architectures` and `torch_dtype`), `generation_config.json` (BOS, EOS and
-    pad ids), `model.safetensors`, and the tokenizer as `pipeline.tokenizer.save_for_export` writes it (it
+    pad ids), `model.safetensors`, and the tokenizer as `pipeline.environments.tokenizer.save_for_export` writes it (it
     encodes a prompt to the ids the rollout workers use, BOS included, and returns no `token_type_ids`).
     Nothing is fetched from a hub. `out_dir` may be local or an fsspec URL.
     """
@@ -468,7 +468,7 @@ def export_hf(model: LmHeadModel, out_dir: str, tokenizer: Any, family: str = "l
 def _write_hf_folder(model: LmHeadModel, out: str, tokenizer: Any, family: str, ref_dir: str) -> None:
     import transformers
 
-    from pipeline.tokenizer import save_for_export
+    from pipeline.environments.tokenizer import save_for_export
 
     hf_config = model.config.to_hf_config(model.Vocab.size)
     hf_config.architectures = [FAMILIES[family].architecture]

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 
 from pipeline.config import LearnerStepConfig
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
 from policy import mesh as mesh_lib
 from policy.learner import LearnerState, publish_policy
 from schemas.records import BatchLogEntry
@@ -90,8 +90,8 @@ class PolicyPublisher:
 
 
 def batch_events(store: RunStore, entry: BatchLogEntry, publisher: PolicyPublisher | None) -> dict[str, float | None]:
-    """The chain's events (`pipeline.hops.EVENTS`) up to `batch_committed_at`, from the slot's log entry and the
-    ready marker of the rollout file the BatchMaker read last for it (missing ones are None)."""
+    """The chain's events (`pipeline.telemetry.hops.EVENTS`) up to `batch_committed_at`, from the slot's log entry
+    and the ready marker of the rollout file the BatchMaker read last for it (missing ones are None)."""
     timing = entry.timing or {}
     events: dict[str, float | None] = {
         "batch_noticed_at": timing.get("batch_noticed_at"),

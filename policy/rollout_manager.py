@@ -1,6 +1,6 @@
 """The RolloutManager: inference, the policy model, environments, rollout generation and evaluation.
 
-No storage and no weight sync (the rollout worker, `policy.rollout_worker`, owns those): usable on its own for
+No storage and no weight sync (the rollout worker, `pipeline.rollout.worker`, owns those): usable on its own for
 offline evaluation and tests. Also the data it returns: `RolloutBatch` (rows + `RolloutMetadata` + every
 `RecordedFailure`) and its summary `RolloutBatchStats` (`batch_stats`).
 
@@ -25,9 +25,8 @@ import numpy as np
 
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
 from pipeline.environments import Environment, SampleSpec, load_environment
-from pipeline.tokenizer import check_chat_lessons
-from policy.inference import BackendContext, InferenceBackend, make_backend
-from policy.rollout_batch import (  # noqa: F401  (re-exported: the manager's return types)
+from pipeline.environments.tokenizer import check_chat_lessons
+from pipeline.rollout.rollout_batch import (  # noqa: F401  (re-exported: the manager's return types)
     SUCCESS_REWARD,
     RecordedFailure,
     RolloutBatch,
@@ -38,6 +37,7 @@ from policy.rollout_batch import (  # noqa: F401  (re-exported: the manager's re
     is_success,
     schema_rows,
 )
+from policy.inference import BackendContext, InferenceBackend, make_backend
 
 logger = logging.getLogger(__name__)
 
@@ -366,3 +366,32 @@ class RolloutManager:
         if batch.lesson_id != lesson_id:
             raise ValueError(f"batch is from lesson {batch.lesson_id!r}, not {lesson_id!r}")
         return batch_stats(batch)
+
+
+def policy_runtime(config: Any, tokenizer: Any) -> Any:
+    """The `pipeline.rollout.worker.PolicyRuntime` of a rollout step config: its backend's manager, the policy
+    models of committed steps, and the Hugging Face folders a server backend loads."""
+    from pipeline.rollout.worker import PolicyRuntime
+    from policy.inference import backend_class
+    from policy.inference.hf_publish import publish_hf_if_needed
+    from policy.model import load_policy, policy_metadata
+
+    def build_manager(model: Any) -> RolloutManager:
+        return RolloutManager(
+            config.inference,
+            config.model,
+            config.curriculum,
+            tokenizer,
+            model,
+            max_example_retries=config.max_example_retries,
+        )
+
+    def load_model(store: Any, step: int) -> Any:
+        return load_policy(store, step, config.model, policy_metadata(store, step).vocab_size)
+
+    return PolicyRuntime(
+        manages_weights=backend_class(config.inference).manages_weights,
+        build_manager=build_manager,
+        load_model=load_model,
+        publish_hf=lambda store, step: publish_hf_if_needed(store, config, step, tokenizer),
+    )

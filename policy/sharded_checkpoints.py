@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from pipeline import layout
+from pipeline.store import layout
 from policy import mesh as mesh_lib
 from policy.checkpoints import CheckpointError, _Store, sha256_hex
 from schemas.records import SHARDED_CHECKPOINT_FORMAT, CommitMarker, RecordError

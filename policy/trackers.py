@@ -27,7 +27,7 @@ from pipeline.config import (
     TrackerConfig,
     WandbTrackerConfig,
 )
-from pipeline.run_state import is_local
+from pipeline.store.run_state import is_local
 
 Tracker = Any
 """A `levanter.tracker.Tracker`: `log(metrics, step=)`, `finish()`."""
@@ -154,15 +154,15 @@ class RunTracker:
     since the tracker started, `eval/<lesson>/<key>` per evaluated policy, at the learner step it arrives).
     Same interface as a levanter tracker (`log(metrics, step=)`, `finish()`).
 
-    A background thread reads the records (`pipeline.metrics.MetricsTail`), so the learner's step never waits on
-    storage; they are logged from the learner's thread at its next step, at step max(record's step, the last
+    A background thread reads the records (`pipeline.telemetry.metrics.MetricsTail`), so the learner's step never
+    waits on storage; they are logged from the learner's thread at its next step, at step max(record's step, the last
     step logged) so that every tracker sees non-decreasing steps. `finish()` forwards what is committed by then.
     """
 
     def __init__(self, tracker: Tracker, store: Any, *, forward_every_s: float = FORWARD_EVERY_S) -> None:
         import threading
 
-        from pipeline.metrics import MetricsTail
+        from pipeline.telemetry.metrics import MetricsTail
 
         self.tracker = tracker
         self._t0 = time.time()

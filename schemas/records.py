@@ -327,8 +327,9 @@ class BatchLogEntry(_Record):
     curriculum_eval_values: dict[str, list[float] | None] | None = None
     """With a curriculum: per folded summary, the success rates read (None: it was unreadable)."""
     timing: dict[str, Any] | None = None
-    """Unix times for the learner's per-hop breakdown (`pipeline.hops`): `batch_noticed_at`, `batch_committed_at`,
-    `last_file` (the rollout file read last among the batch's sources) and `last_file_noticed_at`."""
+    """Unix times for the learner's per-hop breakdown (`pipeline.telemetry.hops`): `batch_noticed_at`,
+    `batch_committed_at`, `last_file` (the rollout file read last among the batch's sources) and
+    `last_file_noticed_at`."""
 
 
 # ---------------------------------------------------------------------------------------------- markers

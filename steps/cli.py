@@ -32,9 +32,9 @@ from typing import TypeVar
 
 import draccus
 
-from pipeline.committed import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError
 from pipeline.config import ConfigError
-from pipeline.job import ALLOW_CHANGE_FLAG
+from pipeline.jobs.job import ALLOW_CHANGE_FLAG
+from pipeline.store.committed import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError
 
 C = TypeVar("C")
 A = TypeVar("A")
@@ -105,8 +105,8 @@ def program_name(main: Callable[..., object]) -> str:
 def check_against_run(config: object, program: str, allow_change: bool) -> None:
     """Refuse (RunConfigMismatchError, a ConfigError) a step config whose contract fields differ from its run
     root's run.json, unless `allow_change` (then recorded in run.json's history)."""
-    from pipeline.job import check_step_config
-    from pipeline.storage import RunStore, require_run
+    from pipeline.jobs.job import check_step_config
+    from pipeline.store.storage import RunStore, require_run
 
     store_config = getattr(config, "store", None)
     if store_config is None:

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import layout
 from pipeline.config import ConfigError
-from pipeline.job import RLJob, RLJobConfig
-from pipeline.storage import RunStore
+from pipeline.jobs.job import RLJob, RLJobConfig
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas import ROLLOUT
 from steps.cli import parse_bool, run_command
 from steps.run import parse_job
@@ -58,7 +58,7 @@ def rewards_by_policy(store: RunStore) -> dict[int, float]:
 def probe_answers(store: RunStore, cfg: Any, step: int) -> list[tuple[str, str]]:
     """Greedy answers of policy `step` to the cats probe prompts: [(prompt, answer)]."""
     from pipeline.environments.cats import PROBE_PROMPTS
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.environments.tokenizer import load_tokenizer
     from policy.model import load_policy, model_vocab_size
     from policy.rollout_manager import RolloutManager
 

@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import layout, run_state
 from pipeline.config import ConfigError, EvaluateStepConfig
-from pipeline.metrics import MetricsWriter
-from pipeline.storage import RunStore
+from pipeline.store import layout, run_state
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import MetricsWriter
 from schemas import EVAL_ROW, EVAL_SUMMARY
 
 logger = logging.getLogger("rlpipe.evaluate")
@@ -61,7 +61,7 @@ class Evaluator:
     """Evaluates policies of one run root; builds the model and the RolloutManager once."""
 
     def __init__(self, cfg: EvaluateStepConfig) -> None:
-        from pipeline.tokenizer import check_chat_lessons, load_tokenizer
+        from pipeline.environments.tokenizer import check_chat_lessons, load_tokenizer
         from policy.model import model_vocab_size
 
         self.cfg = cfg

@@ -27,9 +27,9 @@ from typing import Any
 
 import draccus
 
-from pipeline import layout
 from pipeline.config import ConfigError, ModelSpec, StoreConfig
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 logger = logging.getLogger("steps.export")
 
@@ -74,7 +74,7 @@ def export(store: RunStore, spec: ModelSpec, step: int | None, out: str, *, peft
     """Write policy `step` (None: the newest committed) of `store` as an HF folder `out`; returns `out`.
 
     `peft`: also the PEFT adapter folder `<out>/peft/` (ConfigError naming `peft` when the policy has no adapters)."""
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.environments.tokenizer import load_tokenizer
     from policy import model as M
 
     if step is None:

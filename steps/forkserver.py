@@ -1,7 +1,7 @@
 """The local backend's fork server: imports the step programs once, then starts each step process by forking.
 
 `python -m steps.forkserver --fd N --preload steps.learn,steps.rollout,…` is started by the job runner
-(`pipeline.runners.forkserver.ForkServer`; `backend.fork_server: true`, the default) with one end of a Unix
+(`pipeline.jobs.launchers.forkserver.ForkServer`; `backend.fork_server: true`, the default) with one end of a Unix
 `SOCK_SEQPACKET` socket pair as fd N. It imports the preloaded modules (JAX, haliax, levanter, transformers:
 ~4–5 s of CPU that every step process would otherwise pay at each start and restart), answers `{"ready": true}`,
 then serves one request per message until the runner closes its end:

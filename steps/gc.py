@@ -20,9 +20,9 @@ import logging
 import sys
 
 from pipeline.config import ConfigError, GcStepConfig
-from pipeline.lease import LeaseHeldError
 from pipeline.retention import collect
-from pipeline.storage import RunStore
+from pipeline.store.lease import LeaseHeldError
+from pipeline.store.storage import RunStore
 
 logger = logging.getLogger("rlpipe.gc")
 

@@ -40,12 +40,12 @@ from typing import Any
 
 import jax
 
-from pipeline import layout
 from pipeline.config import LearnerStepConfig
-from pipeline.hops import step_hops
-from pipeline.metrics import MetricsWriter
-from pipeline.storage import RunStore
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.hops import step_hops
+from pipeline.telemetry.metrics import MetricsWriter
 from policy import learner as L
 from policy import mesh as mesh_lib
 from policy import model as M
@@ -214,7 +214,7 @@ def train_one(
 
 def step_timing(started_at: float, ended_at: float, events: dict[str, float | None]) -> dict[str, Any]:
     """The record's latency fields: the chain's unix times, `step_s` and its per-hop breakdown `hops`
-    (`pipeline.hops`: the hops add up to `step_s`)."""
+    (`pipeline.telemetry.hops`: the hops add up to `step_s`)."""
     return {
         **{k: v for k, v in events.items() if v is not None},
         "step_started_at": started_at,

@@ -15,9 +15,9 @@ Writes:
   batches/log/step-T.json                   the commit of slot T (create-if-absent), written last
   curriculum/state-T.json                   curriculum state after slot T (with a curriculum; the one writer)
   leases/batchmaker/…                       the lease (a second maker exits non-zero naming the holder)
-  metrics/batchmaker/…                      one metrics record per batch (`pipeline.batch_step.metrics.METRICS`)
+  metrics/batchmaker/…                      one metrics record per batch (`pipeline.batch_maker.slot_metrics.METRICS`)
 
-Algorithm (the phases of `main`; the machinery they call is `pipeline.batch_step`):
+Algorithm (the phases of `main`; the machinery they call is `pipeline.batch_maker.loop`):
   1. acquire the `batchmaker` lease (held elsewhere: exit code 3, message names the holder);
   2. recover: list batches/log, read the newest entry K, rebuild the BatchMaker's reservoir from its
      `cursor` (re-reading only the few files that still have live rows) -> next slot T = K + 1;
@@ -79,11 +79,12 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.batch_maker import BatchResult
-from pipeline.batch_step import Maker, MakerState, SlotLost, StopRequested, new_slot_log
+from pipeline.batch_maker.loop import Maker
+from pipeline.batch_maker.loop_state import MakerState, SlotLost, StopRequested, new_slot_log
 from pipeline.config import BatchMakerStepConfig, validate_batch_maker
-from pipeline.lease import Lease, LeaseHeldError, LeaseLostError
-from pipeline.poll import WaitTimeout
-from pipeline.storage import RunStore
+from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError
+from pipeline.store.poll import WaitTimeout
+from pipeline.store.storage import RunStore
 
 logger = logging.getLogger("steps.make_batches")
 
@@ -102,7 +103,7 @@ BatchWaitTimeout = WaitTimeout
 def main(config: BatchMakerStepConfig) -> int:
     """Run the BatchMaker step (see the module docstring); returns 0 once it stopped as configured.
 
-    Raises ConfigError, LeaseHeldError, LeaseLostError, BatchWaitTimeout (`pipeline.poll.WaitTimeout`).
+    Raises ConfigError, LeaseHeldError, LeaseLostError, BatchWaitTimeout (`pipeline.store.poll.WaitTimeout`).
     """
     train = config.train
     validate_batch_maker(config)

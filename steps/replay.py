@@ -28,10 +28,10 @@ from typing import Any
 
 import draccus
 
-from pipeline import layout
 from pipeline.config import ConfigError, LearnerStepConfig, StoreConfig
-from pipeline.job import RLJob, RLJobConfig
-from pipeline.storage import RunStore, require_run
+from pipeline.jobs.job import RLJob, RLJobConfig
+from pipeline.store import layout
+from pipeline.store.storage import RunStore, require_run
 
 logger = logging.getLogger("steps.replay")
 
@@ -119,7 +119,7 @@ def check_steps(store: RunStore, from_step: int, to_step: int | None) -> int:
 
 def replay(store: RunStore, config: LearnerStepConfig, from_step: int, to_step: int) -> Any:
     """The learner state after training slots from_step+1..to_step from checkpoint `from_step` (read-only)."""
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.environments.tokenizer import load_tokenizer
     from policy import learner as L
     from policy import mesh as mesh_lib
     from policy import model as M

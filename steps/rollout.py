@@ -1,4 +1,4 @@
-"""The rollout step: a RolloutWorker (`policy.rollout_worker`: coordination, storage, weight sync) around a
+"""The rollout step: a RolloutWorker (`pipeline.rollout.worker`: coordination, storage, weight sync) around a
 RolloutManager (`policy.rollout_manager`: inference, environments, rollout generation, evaluation).
 
 Reads
@@ -9,14 +9,14 @@ Reads
     control/STOP                             stop file
 Writes
     rollouts/step-P/<worker>.<nonce>-<seq>.parquet (+ .ready.json)   one file per write, P = policy that sampled it
-    metrics/rollout/<worker>.<nonce>-<seq>.jsonl                     metrics records (`policy.rollout_worker.METRICS`)
+    metrics/rollout/<worker>.<nonce>-<seq>.jsonl                     metrics records (`pipeline.rollout.worker.METRICS`)
 
 Run
     python -m steps.rollout --store.run_root runs/demo --worker_id worker0 [--max_rollouts 64] [--max_seconds 60]
     python -m steps.rollout --config_path rollout.yaml        (a RolloutStepConfig as YAML)
 
 Algorithm (RolloutWorker.run, named phases):
-    1. wait_for_policy   poll `policies/` until a committed policy exists (`pipeline.poll.WaitTimeout` after
+    1. wait_for_policy   poll `policies/` until a committed policy exists (`pipeline.store.poll.WaitTimeout` after
                          `wait_for_policy_timeout_s`, naming `policies/step-00000000/COMMITTED`), load it.
     2. loop until stopped (SIGTERM/SIGINT, control/STOP, bounds, or -- in follow mode -- the learner published
        policy `train.num_train_steps`):
@@ -30,7 +30,7 @@ Algorithm (RolloutWorker.run, named phases):
                          is usable in slot T iff 0 <= (T-1) - P <= max_lag. Pause while (T-1) - P > max_lag
                          (it would arrive stale; wait for a newer policy), and while the unconsumed rows
                          usable by slot T or later are >= max_steps_ahead × train.batch_size (counted exactly
-                         from the BatchMaker's cursor in log entry B; see `pipeline.pacing`; with
+                         from the BatchMaker's cursor in log entry B; see `pipeline.rollout.pacing`; with
                          zero-variance filtering a file counts the rows of its groups with signal, recorded as
                          `signal_rows` in its ready marker, see `usable_rows`). A pause
                          "ahead" that sees no batch/policy progress for `stall_grace_s` lets one write
@@ -49,7 +49,7 @@ its previous incarnation, whatever that one left behind (an uncommitted data fil
 invisible to readers and simply stays unreferenced). `rollout_id` = `<file stem>-<row index>`: stable and
 unique; `group_key` = `<lesson>/<env group key>/<file stem>`: unique per (lesson, example, sampling call).
 
-Watchdogs: weight load, generation and write each run under a `pipeline.watchdog.watchdog` thread timer
+Watchdogs: weight load, generation and write each run under a `pipeline.process.watchdog.watchdog` thread timer
 (`weight_load_timeout_s`, `generation_timeout_s`, `write_timeout_s`). A phase that overruns logs a CRITICAL
 line naming the phase and limit and ends the process with `os._exit(WATCHDOG_EXIT_CODE)` (3): a hung JAX or
 network call cannot be interrupted from Python, and the job runner restarts the step.
@@ -65,12 +65,15 @@ batch, the ready marker (`failures`) and the metrics (`failures`). Nothing is dr
 from __future__ import annotations
 
 from pipeline.config import RolloutStepConfig
-from policy.rollout_worker import RolloutWorker
+from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.rollout.worker import RolloutWorker
+from policy.rollout_manager import policy_runtime
 
 
 def main(config: RolloutStepConfig) -> int:
     """Run one rollout worker until stopped; returns the exit status (0: clean stop)."""
-    worker = RolloutWorker(config)
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    worker = RolloutWorker(config, runtime=policy_runtime(config, tokenizer), tokenizer=tokenizer)
     worker.install_signal_handlers()
     try:
         worker.run()  # phase 1 (wait for a policy, load it), then phase 2 (the loop) until stopped

@@ -3,7 +3,7 @@
 Reads: a job config YAML (`configs/*.yaml`, an `RLJobConfig`). Writes: the run root, through the
 steps it starts. Algorithm: validate the whole config before any process starts (lesson DAG,
 environment classes, batch size vs prompts × generations, lengths), write or check `run.json`,
-then supervise the steps (pipeline.runner).
+then supervise the steps (pipeline.jobs.runner).
 
     python -m steps.run --config_path configs/demo_cats.yaml --run_root runs/demo [--train.num_train_steps 5 …]
     python -m steps.run step learn   --config_path configs/demo_cats.yaml --run_root runs/demo --max_steps 5
@@ -32,8 +32,8 @@ from typing import Any
 
 import draccus
 
-from pipeline.job import ALLOW_CHANGE_FLAG, RLJob, RLJobConfig, check_run_config, check_step_config
-from pipeline.storage import RunStore, require_run
+from pipeline.jobs.job import ALLOW_CHANGE_FLAG, RLJob, RLJobConfig, check_run_config, check_step_config
+from pipeline.store.storage import RunStore, require_run
 from steps.cli import parse_bool, parse_config, run_command
 
 STEP_MODULES = {

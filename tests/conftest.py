@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gcs_emulator import GcsEmulator
 from jobs import TEST_XLA_FLAGS, FinishedJob, job_config, run_job
 
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
 
 # Every test process, and every process it starts, compiles with `TEST_XLA_FLAGS` (see tests/jobs.py).
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     import jax
 
     from pipeline.config import LearnerStepConfig, ModelSpec, TrainParams
-    from pipeline.storage import RunStore
+    from pipeline.store.storage import RunStore
     from policy import learner as L
     from policy import mesh as mesh_lib
     from policy import model as M

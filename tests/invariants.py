@@ -12,8 +12,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas import BATCH, ROLLOUT
 from schemas.dropped import DROPPED
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import draccus
 from invariants import audit_run
 
-from pipeline import layout
-from pipeline.job import RLJobConfig
-from pipeline.storage import RunStore
+from pipeline.jobs.job import RLJobConfig
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_CONFIG = ROOT / "configs/test_cats.yaml"
@@ -100,7 +100,7 @@ def check_finished_run(store: RunStore, num_steps: int, max_lag: int, evaluated:
 
 def policy_arrays(store: RunStore, step: int) -> list:
     """Every parameter of committed policy `step` of a run of the test job config, as numpy arrays."""
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.environments.tokenizer import load_tokenizer
     from policy.model import load_policy, model_vocab_size, numpy_params
 
     cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[])

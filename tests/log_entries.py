@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas import BATCH
 from schemas.records import BatchLogEntry, Cursor, Lineage, Reservoir
 

@@ -73,7 +73,7 @@ def run_case(out: str, data: int, fsdp: int, model_ways: int, micro: int, mode: 
     ckpt_root = os.environ.get("MESH_CKPT_ROOT") if mode else None
     store = None
     if ckpt_root:
-        from pipeline.storage import RunStore
+        from pipeline.store.storage import RunStore
 
         store = RunStore(ckpt_root)
         if mode == "resume":  # restored straight onto this run's mesh, whatever mesh saved it

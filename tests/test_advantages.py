@@ -1,4 +1,4 @@
-"""Unit and property tests of the advantage estimators (pipeline/advantages.py)."""
+"""Unit and property tests of the advantage estimators (pipeline/batch_maker/advantages.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.advantages import (
+from pipeline.batch_maker.advantages import (
     ADVANTAGE_ESTIMATORS,
     GRPO_EPS,
     dr_grpo_advantages,

@@ -29,7 +29,7 @@ from pipeline.environments.base import encode_prompt
 from pipeline.environments.cats import CatsEnv
 from pipeline.environments.chat import ChatRequest, ChatTranscript, ChatTurn, TranscriptMismatch, parse_tool_calls
 from pipeline.environments.chat_calculator import CALCULATOR_TOOL, ChatCalculatorEnv
-from pipeline.tokenizer import BOS_ID, EOS_ID, check_chat_lessons, load_tokenizer, render_chat
+from pipeline.environments.tokenizer import BOS_ID, EOS_ID, check_chat_lessons, load_tokenizer, render_chat
 from policy.inference import BackendContext
 from policy.inference.openai import OpenAIBackend, OpenAIResponseError
 from policy.rollout_manager import RolloutManager
@@ -309,7 +309,7 @@ def test_rollout_and_evaluate_steps_refuse_a_chat_lesson_without_a_template(tmp_
     import draccus
 
     from pipeline.config import EvaluateStepConfig, RolloutStepConfig, StoreConfig
-    from pipeline.tokenizer import save_tiny_tokenizer
+    from pipeline.environments.tokenizer import save_tiny_tokenizer
 
     folder = tmp_path / "tok"
     save_tiny_tokenizer(folder)

@@ -11,7 +11,6 @@ import pytest
 from log_entries import log_entry, put_log_entry
 
 import schemas
-from pipeline import layout
 from pipeline.config import CurriculumConfig, LessonConfig, LessonDependency
 from pipeline.curriculum import (
     CurriculumStateError,
@@ -25,7 +24,8 @@ from pipeline.curriculum import (
     sample_lesson,
     sampling_weights,
 )
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas import EvalSummaryRow, RolloutRow
 
 WINDOW = 8

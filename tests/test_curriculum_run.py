@@ -27,7 +27,6 @@ import draccus
 import pytest
 from jobs import ROOT, run_job
 
-from pipeline import layout
 from pipeline.curriculum import (
     CurriculumEvent,
     CurriculumState,
@@ -36,8 +35,9 @@ from pipeline.curriculum import (
     load_curriculum_state,
     load_latest_curriculum,
 )
-from pipeline.job import RLJobConfig
-from pipeline.storage import RunStore
+from pipeline.jobs.job import RLJobConfig
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas import ROLLOUT
 
 ARITHMETIC_CONFIG = ROOT / "configs/arithmetic_curriculum.yaml"

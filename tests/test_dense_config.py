@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config import ConfigError, DenseInferenceConfig, ModelSpec
 from pipeline.config.validate import check_inference_fits_model
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, PromptTooLongError, make_backend
 from policy.inference.dense import DenseBackend
 from policy.model import build_model

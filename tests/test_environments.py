@@ -41,7 +41,7 @@ from pipeline.environments.calculator import (
 )
 from pipeline.environments.cats import PROBE_PROMPTS, CatsEnv, says_cat
 from pipeline.environments.exact_answer import ExactAnswerEnv, normalized_match
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -385,7 +385,7 @@ def test_environments_import_without_jax() -> None:
 
     code = (
         "import sys; import pipeline.environments.cats, pipeline.environments.arithmetic, "
-        "pipeline.environments.exact_answer, pipeline.environments.calculator, pipeline.tokenizer; "
+        "pipeline.environments.exact_answer, pipeline.environments.calculator, pipeline.environments.tokenizer; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'levanter', 'haliax', 'equinox')]; "
         "assert not bad, bad"
     )

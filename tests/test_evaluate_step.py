@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 from jobs import ROOT, job_config, run_job
 
-from pipeline import layout
 from pipeline.environments.cats import PROBE_PROMPTS
-from pipeline.metrics import read_metrics
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import read_metrics
 from schemas import EVAL_ROW, EVAL_SUMMARY
 from schemas.evaluation import EvalSummaryRow
 

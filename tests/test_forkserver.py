@@ -1,4 +1,4 @@
-"""The local backend's fork server (`pipeline.runners.forkserver`, `steps.forkserver`) with real processes.
+"""The local backend's fork server (`pipeline.jobs.launchers.forkserver`, `steps.forkserver`) with real processes.
 
 A step process forked by the server must be indistinguishable, to the runner and to the step, from a fresh
 `python -m <module>`: the runner's own child (exit codes and signals through `waitpid`), its own session,
@@ -22,7 +22,7 @@ import psutil
 import pytest
 from jobs import simulated_devices, step_module
 
-from pipeline.runners.forkserver import ForkedProcess, ForkServer
+from pipeline.jobs.launchers.forkserver import ForkedProcess, ForkServer
 
 pytest.importorskip("jax")
 

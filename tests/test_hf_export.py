@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 
 from pipeline.config import ModelSpec  # noqa: E402
-from pipeline.storage import RunStore  # noqa: E402
+from pipeline.store.storage import RunStore  # noqa: E402
 from policy import model as M  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_exported_folder_generates_like_our_sampler(tmp_path: Path) -> None:
     sampler's greedy tokens for the same prompt; the folder holds what vLLM/SGLang loaders read."""
     from pipeline.config import DenseInferenceConfig
     from pipeline.environments.base import encode_prompt
-    from pipeline.tokenizer import BOS_ID, load_tokenizer
+    from pipeline.environments.tokenizer import BOS_ID, load_tokenizer
     from policy.inference import GenerationRequest, make_backend
 
     spec = ModelSpec(max_seq_len=64)
@@ -115,7 +115,7 @@ def test_published_hf_folder_is_committed_by_a_typed_marker(tmp_path: Path) -> N
     from types import SimpleNamespace
 
     from pipeline.config import ServerInferenceConfig
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.environments.tokenizer import load_tokenizer
     from policy.inference.hf_publish import publish_hf_if_needed, read_hf_marker
 
     spec = ModelSpec(max_seq_len=32)

@@ -25,7 +25,7 @@ RUNTIME_MODULES = (
     "policy.model",
     "policy.learner",
     "policy.rollout_manager",
-    "policy.rollout_worker",
+    "pipeline.rollout.worker",
     "policy.inference.dense",
     "policy.inference.levanter_engine",
     "policy.inference.openai",

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import DenseInferenceConfig, LevanterInferenceConfig, ModelSpec
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import (
     BackendContext,
     GenerationError,

@@ -20,8 +20,8 @@ from pipeline.config import (
     SamplingParams,
     TrainParams,
 )
-from pipeline.job import RLJob, RLJobConfig, RunConfigMismatchError, check_run_config, contract_diff, encode_config
-from pipeline.storage import RunStore
+from pipeline.jobs.job import RLJob, RLJobConfig, RunConfigMismatchError, check_run_config, contract_diff, encode_config
+from pipeline.store.storage import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,9 +150,9 @@ def test_cli_refuses_bad_config_before_starting_anything(tmp_path: Path) -> None
 
 def test_backend_is_a_registered_choice_with_its_own_fields() -> None:
     from pipeline.config import LocalBackendConfig, RayBackendConfig
-    from pipeline.runners.base import make_launcher
-    from pipeline.runners.local import LocalLauncher
-    from pipeline.runners.ray import RayLauncher
+    from pipeline.jobs.launchers.base import make_launcher
+    from pipeline.jobs.launchers.local import LocalLauncher
+    from pipeline.jobs.launchers.ray import RayLauncher
 
     assert isinstance(_demo().backend, LocalBackendConfig)
     assert isinstance(make_launcher(_demo().backend), LocalLauncher)
@@ -232,7 +232,7 @@ def test_allowed_config_change_is_recorded_in_run_json_history(tmp_path: Path) -
 
 
 def test_step_config_is_checked_field_by_field_against_run_json(tmp_path: Path) -> None:
-    from pipeline.job import check_step_config
+    from pipeline.jobs.job import check_step_config
 
     cfg = dataclasses.replace(_demo(), store=dataclasses.replace(_demo().store, run_root=str(tmp_path)))
     store = RunStore(str(tmp_path))

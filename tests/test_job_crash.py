@@ -16,7 +16,7 @@ import psutil
 import pytest
 from jobs import check_finished_run, job_config, policy_arrays
 
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 # Long enough that >= 20 kills land before the job can finish on a fast machine (10 steps once ended after 9 kills

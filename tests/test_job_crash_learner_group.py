@@ -34,13 +34,13 @@ import pytest
 from invariants import check_checkpoint_lineage, half_written_checkpoints
 from jobs import ROOT, check_finished_run, job_config, policy_arrays, simulated_devices, step_module
 
-from pipeline import layout
 from pipeline.config import LocalBackendConfig, StoreConfig
-from pipeline.job import RLJob, RLJobConfig
-from pipeline.runners.base import StepSpec
-from pipeline.runners.local import LocalLauncher
-from pipeline.step_logs import log_target
-from pipeline.storage import RunStore
+from pipeline.jobs.job import RLJob, RLJobConfig
+from pipeline.jobs.launchers.base import StepSpec
+from pipeline.jobs.launchers.local import LocalLauncher
+from pipeline.jobs.step_logs import log_target
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker
 
 pytest.importorskip("jax")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from jobs import FinishedJob, check_finished_run, job_config, run_job
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 STEP_NAMES = ("learner", "batches", "rollout-worker0", "rollout-worker1", "evaluate")
 

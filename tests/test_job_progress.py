@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from jobs import ROOT, job_config
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 STEPS = 4
 NOISE = ("Disabling PyTorch", "transition_steps", "our own retried write", "Traceback")

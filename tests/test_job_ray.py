@@ -9,7 +9,7 @@ import pytest
 from jobs import check_finished_run, job_config, run_job
 from test_job_e2e import check_step_logs
 
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
 
 
 @pytest.mark.slow

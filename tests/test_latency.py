@@ -1,5 +1,5 @@
-"""Per-step latency: the hop breakdown (pipeline.hops), event-driven waits (pipeline.watch), and the timing
-records a real job writes (learner, BatchMaker, rollout metrics; log entries; ready markers; the report)."""
+"""Per-step latency: the hop breakdown (pipeline.telemetry.hops), event-driven waits (pipeline.store.notify), and the
+timing records a real job writes (learner, BatchMaker, rollout metrics; log entries; ready markers; the report)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from jobs import FinishedJob
 
-from pipeline import layout
-from pipeline.hops import EVENTS, HOPS, step_hops
-from pipeline.poll import poll_until
-from pipeline.storage import RunStore
-from pipeline.watch import Waker, waker_for
+from pipeline.store import layout
+from pipeline.store.notify import Waker, waker_for
+from pipeline.store.poll import poll_until
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.hops import EVENTS, HOPS, step_hops
 
 # ------------------------------------------------------------------------------------------ step_hops
 
@@ -161,7 +161,7 @@ def test_report_shows_the_latency_section(finished_job: Path, tmp_path: Path) ->
 def test_pacing_counts_no_row_whose_advantage_is_zero() -> None:
     """A row at its group's mean reward has advantage 0 and is dropped by the BatchMaker (`zero_advantage`):
     counting it made workers pause for rows that never came until the stall grace let one write through."""
-    from pipeline.pacing import signal_rows
+    from pipeline.rollout.pacing import signal_rows
     from schemas import RolloutRow
 
     def row(group: str, i: int, reward: float) -> RolloutRow:
@@ -177,7 +177,7 @@ def test_pacing_counts_no_row_whose_advantage_is_zero() -> None:
 def test_files_without_signal_count_only_once_they_would_fill_a_slot() -> None:
     """The stall seen on the demo: 2 files with 8 signal rows and 4 without any (no_signal_fill_after=4) give a
     BatchMaker 16 rows, not the 44 the old per-file share counted; a 5th file without signal is admitted whole."""
-    from pipeline.pacing import count_unconsumed_rows, fill_credit
+    from pipeline.rollout.pacing import count_unconsumed_rows, fill_credit
 
     assert fill_credit([32] * 4, 4) == 0 and fill_credit([32] * 5, 4) == 32 and fill_credit([32] * 9, 0) == 0
     files = {f"rollouts/step-00000017/f{i}.parquet": (17, 8 if i in (1, 3) else 0, 10.0 + i) for i in range(6)}

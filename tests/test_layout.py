@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pipeline import layout
+from pipeline.store import layout
 
 
 def test_step_names_sort_in_step_order() -> None:

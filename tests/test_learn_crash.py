@@ -21,9 +21,9 @@ import draccus
 import numpy as np
 import pytest
 
-from pipeline import layout
-from pipeline.runners.forkserver import ForkedProcess, ForkServer
-from pipeline.storage import RunStore
+from pipeline.jobs.launchers.forkserver import ForkedProcess, ForkServer
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker
 
 pytest.importorskip("jax")

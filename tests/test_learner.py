@@ -11,14 +11,14 @@ import pytest
 from log_entries import put_log_entry
 
 import schemas
-from pipeline import layout
 from pipeline.config import LearnerStepConfig, ModelSpec, OptimizerSpec, RLOOLossConfig, StoreConfig, TrainParams
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker
 
 jax = pytest.importorskip("jax")
 
-from pipeline.poll import WaitTimeout  # noqa: E402
+from pipeline.store.poll import WaitTimeout  # noqa: E402
 from policy import learner  # noqa: E402
 from policy import model as M  # noqa: E402
 from steps import learn  # noqa: E402
@@ -124,7 +124,7 @@ def test_learner_trains_publishes_and_replays(tmp_path):
     marker = M.policy_metadata(store, 3)
     assert marker.batch_slot == 3 and marker.seq_len == SEQ_LEN and marker.tokenizer == "builtin:tiny"
 
-    from pipeline.metrics import read_metrics
+    from pipeline.telemetry.metrics import read_metrics
 
     recs = [r for r in read_metrics(store, "learner") if "loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
@@ -243,7 +243,7 @@ def test_kl_learner_step(tmp_path):
     write_batches(store, range(1, 3))
     cfg = tiny_config(root, steps=2, loss=RLOOLossConfig(kl_coef=0.1, tis_cap=2.0, aggregation="sequence"))
     learn.main(cfg)
-    from pipeline.metrics import read_metrics
+    from pipeline.telemetry.metrics import read_metrics
 
     recs = [r for r in read_metrics(store, "learner") if "loss" in r]
     assert recs[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # first step: policy == reference

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from test_learner import BATCH, SEQ_LEN, VOCAB, make_rows, params, tiny_config, write_batch
 
-from pipeline import layout
 from pipeline.config import (
     ConfigError,
     LearnerStepConfig,
@@ -21,8 +20,9 @@ from pipeline.config import (
     StoreConfig,
     TrainParams,
 )
-from pipeline.metrics import read_metrics
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import read_metrics
 
 jax = pytest.importorskip("jax")
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 jax = pytest.importorskip("jax")
 
 from test_learner import VOCAB, make_rows, params, tiny_config, write_batch  # noqa: E402
 
-from pipeline.metrics import read_metrics  # noqa: E402
+from pipeline.telemetry.metrics import read_metrics  # noqa: E402
 from policy import model as M  # noqa: E402
 from steps import learn  # noqa: E402
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import layout
-from pipeline.lease import Lease, LeaseHeldError, LeaseLostError, lease_dir
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError, lease_dir
+from pipeline.store.storage import RunStore
 
 
 class Clock:

@@ -29,17 +29,17 @@ import numpy as np
 import pytest
 from test_learner import SEQ_LEN, VOCAB, tiny_config, write_batches
 
-from pipeline import layout
 from pipeline.config import ConfigError, LoraSpec, MeshConfig, ModelSpec, RLOOLossConfig, StoreConfig
-from pipeline.job import RLJobConfig, RunConfigMismatchError, check_run_config
-from pipeline.storage import RunStore
+from pipeline.jobs.job import RLJobConfig, RunConfigMismatchError, check_run_config
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
 
 from pipeline.config import DenseInferenceConfig, ServerInferenceConfig  # noqa: E402
-from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from pipeline.environments.tokenizer import load_tokenizer  # noqa: E402
 from policy import learner as L  # noqa: E402
 from policy import lora  # noqa: E402
 from policy import model as M  # noqa: E402

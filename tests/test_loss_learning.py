@@ -20,7 +20,7 @@ import draccus
 import pytest
 
 from pipeline.config import CISPOLossConfig, GSPOLossConfig, LossConfig
-from pipeline.job import RLJobConfig
+from pipeline.jobs.job import RLJobConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16

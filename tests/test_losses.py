@@ -126,7 +126,7 @@ def test_kl_term_and_reference_requirement():
 
 def test_rloo_advantages():
     """Advantages have one owner, the BatchMaker's estimator (the loss modules read them from the batch)."""
-    from pipeline.advantages import rloo_advantages
+    from pipeline.batch_maker.advantages import rloo_advantages
 
     a = rloo_advantages(np.array([1.0, 0.0, 0.0, 1.0]))
     np.testing.assert_allclose(a, [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 from log_entries import put_log_entry
 
-from pipeline import layout
-from pipeline.metrics import read_metrics
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import read_metrics
 from schemas import BATCH, ROLLOUT, RolloutRow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -292,9 +292,10 @@ def test_slot_taken_by_another_maker_is_discarded_and_recovered(
 ) -> None:
     """A maker that built slot 1 while a real step process committed it first loses the slot, keeps no trace of
     its own attempt in the log, and recovers to slot 2 from the winner's entry."""
-    from pipeline.batch_step import Maker, SlotLost, new_slot_log
+    from pipeline.batch_maker.loop import Maker
+    from pipeline.batch_maker.loop_state import SlotLost, new_slot_log
     from pipeline.config import BatchMakerStepConfig, StoreConfig, TrainParams
-    from pipeline.lease import Lease
+    from pipeline.store.lease import Lease
 
     root, store = run_root
     for seq in range(2):

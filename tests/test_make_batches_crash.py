@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas import BATCH, ROLLOUT, RolloutRow
 from schemas.records import ReadyMarker
 
@@ -40,7 +40,7 @@ TTL_S = 1.0
 BATCH_SIZE = 4
 MAX_USES = 2
 MAX_LAG = 1
-LATE_SCAN_STEPS = 4  # pipeline.batch_step.scan.LATE_SCAN_STEPS
+LATE_SCAN_STEPS = 4  # pipeline.batch_maker.scan.LATE_SCAN_STEPS
 
 
 def _rows(policy: int, tag: str, rng: np.random.Generator) -> list[RolloutRow]:

@@ -32,7 +32,7 @@ from pipeline.config import (  # noqa: E402
     OptimizerSpec,
     TrainParams,
 )
-from pipeline.tokenizer import load_tokenizer  # noqa: E402
+from pipeline.environments.tokenizer import load_tokenizer  # noqa: E402
 from policy import families  # noqa: E402
 from policy import learner as L  # noqa: E402
 from policy import mesh as mesh_lib  # noqa: E402

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import CurriculumConfig, LessonConfig, ModelSpec, OpenAIInferenceConfig, SamplingParams
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, PromptTooLongError
 from policy.inference.openai import (
     OpenAIBackend,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pipeline.prefetch import read_ahead
+from pipeline.store.prefetch import read_ahead
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 5])

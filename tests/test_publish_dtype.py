@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import layout
 from pipeline.config import (
     ConfigError,
     DenseInferenceConfig,
@@ -21,8 +20,9 @@ from pipeline.config import (
     StoreConfig,
 )
 from pipeline.environments.generation import GenerationRequest
-from pipeline.storage import RunStore
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402

@@ -12,12 +12,12 @@ import draccus
 import pytest
 from jobs import simulated_devices
 
-from pipeline import layout
 from pipeline.config import RayBackendConfig
-from pipeline.runners.base import StepSpec
-from pipeline.runners.ray import RayLauncher, RayProcessGroup
-from pipeline.step_logs import log_target
-from pipeline.storage import RunStore
+from pipeline.jobs.launchers.base import StepSpec
+from pipeline.jobs.launchers.ray import RayLauncher, RayProcessGroup
+from pipeline.jobs.step_logs import log_target
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker
 
 pytest.importorskip("jax")

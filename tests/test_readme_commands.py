@@ -23,8 +23,8 @@ import pytest
 from jobs import job_config
 from makefile import REPO, make_env, recipe_command, wait_all
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 pytestmark = pytest.mark.slow
 

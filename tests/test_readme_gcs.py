@@ -35,8 +35,8 @@ from makefile import REPO, make_env, recipe_command, wait_all
 from test_job_e2e import check_step_logs
 from test_readme_commands import _Page, readme_report_plots
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 pytestmark = pytest.mark.slow
 

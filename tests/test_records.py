@@ -12,8 +12,8 @@ import pytest
 from jobs import FinishedJob
 from log_entries import log_entry
 
-from pipeline import layout
-from pipeline.storage import CorruptFileError, RunStore
+from pipeline.store import layout
+from pipeline.store.storage import CorruptFileError, RunStore
 from schemas.records import (
     CHECKPOINT_FORMAT,
     BatchLogEntry,

@@ -16,11 +16,12 @@ import pyarrow as pa
 import pytest
 from log_entries import put_log_entry
 
-from pipeline import layout, report
-from pipeline.metrics import MetricsWriter
-from pipeline.samples import samples_record, to_samples
-from pipeline.storage import RunStore
-from pipeline.tokenizer import BOS_ID, BUILTIN_TINY, build_tiny_tokenizer_object
+from pipeline import report
+from pipeline.environments.tokenizer import BOS_ID, BUILTIN_TINY, build_tiny_tokenizer_object
+from pipeline.rollout.samples import samples_record, to_samples
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import MetricsWriter
 from schemas import BATCH, EVAL_SUMMARY, ROLLOUT, BatchRow, EvalSummaryRow, RolloutRow
 from schemas.dropped import DROPPED, DroppedRow
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from jobs import ROOT, job_config, run_job
 
-from pipeline import layout, run_state, staleness
 from pipeline.retention import read_index
-from pipeline.storage import RunStore
+from pipeline.store import layout, run_state, staleness
+from pipeline.store.storage import RunStore
 from schemas import BATCH
 from schemas.dropped import DROPPED
 

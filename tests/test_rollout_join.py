@@ -14,8 +14,8 @@ import psutil
 import pytest
 from jobs import ROOT, check_finished_run, job_config, step_module
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 STEPS = 12
 

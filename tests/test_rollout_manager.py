@@ -19,7 +19,7 @@ import pytest
 
 from pipeline.config import CurriculumConfig, DenseInferenceConfig, EnvConfig, LessonConfig, ModelSpec, SamplingParams
 from pipeline.environments import Completion, EnvironmentLoadError, ScriptedContext
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, InferenceBackend
 from policy.model import build_model, model_vocab_size
 from policy.rollout_manager import RolloutManager, batch_stats

@@ -23,7 +23,6 @@ import jax
 import pytest
 from log_entries import put_log_entry
 
-from pipeline import layout
 from pipeline.config import (
     CurriculumConfig,
     DenseInferenceConfig,
@@ -34,15 +33,22 @@ from pipeline.config import (
     StoreConfig,
     TrainParams,
 )
-from pipeline.metrics import read_metrics
-from pipeline.pacing import count_unconsumed_rows, estimate_unconsumed_rows, pacing_decision, signal_rows, usable_rows
-from pipeline.poll import WaitTimeout
-from pipeline.storage import RunStore
-from pipeline.tokenizer import load_tokenizer
-from pipeline.watchdog import WATCHDOG_EXIT_CODE, watchdog
+from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.process.watchdog import WATCHDOG_EXIT_CODE, watchdog
+from pipeline.rollout.pacing import (
+    count_unconsumed_rows,
+    estimate_unconsumed_rows,
+    pacing_decision,
+    signal_rows,
+    usable_rows,
+)
+from pipeline.rollout.worker import RolloutWorker
+from pipeline.store import layout
+from pipeline.store.poll import WaitTimeout
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import read_metrics
 from policy.model import build_model, load_policy, model_vocab_size, save_policy
-from policy.rollout_manager import RolloutManager
-from policy.rollout_worker import RolloutWorker
+from policy.rollout_manager import RolloutManager, policy_runtime
 from schemas import ROLLOUT, RolloutRow
 from schemas.records import Cursor, Reservoir
 
@@ -224,7 +230,8 @@ def test_watchdog_calls_back_on_overrun_and_not_otherwise() -> None:
 
 def test_watchdog_default_ends_the_process_loudly() -> None:
     code = (
-        "import time; from pipeline.watchdog import watchdog\nwith watchdog('generation', 0.2):\n    time.sleep(30)\n"
+        "import time; from pipeline.process.watchdog import watchdog\n"
+        "with watchdog('generation', 0.2):\n    time.sleep(30)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -237,8 +244,13 @@ def test_watchdog_default_ends_the_process_loudly() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _worker(config: Any, **kwargs: Any) -> RolloutWorker:
+    """A worker as the rollout program builds it (the JAX library's runtime), with the test's injections."""
+    return RolloutWorker(config, runtime=policy_runtime(config, kwargs.get("tokenizer")), **kwargs)
+
+
 def test_wait_for_policy_times_out_naming_the_path(tmp_path: Path, tokenizer: Any) -> None:
-    w = RolloutWorker(_config(tmp_path / "run", wait_for_policy_timeout_s=0.3), tokenizer=tokenizer)
+    w = _worker(_config(tmp_path / "run", wait_for_policy_timeout_s=0.3), tokenizer=tokenizer)
     with pytest.raises(WaitTimeout, match=r"policies/step-00000000/COMMITTED"):
         w.run()
 
@@ -254,9 +266,7 @@ def test_worker_picks_up_newer_policy_and_never_moves_back(
         load_calls.setdefault(step, len(_committed(store, 0)))
         return load_policy(store, step, SPEC, model.Vocab.size)
 
-    worker = RolloutWorker(
-        _config(tmp_path / "run"), store=store, tokenizer=tokenizer, manager=manager, load_model=load
-    )
+    worker = _worker(_config(tmp_path / "run"), store=store, tokenizer=tokenizer, manager=manager, load_model=load)
     run = _Running(worker)
     try:
         _wait(lambda: _committed(store, 0), what="a rollout file from policy 0")
@@ -295,7 +305,7 @@ def test_bounded_mode_stops_after_max_rollouts(tmp_path: Path, tokenizer: Any, m
     store = RunStore(str(tmp_path / "run"))
     save_policy(store, 0, model)
     cfg = _config(tmp_path / "run", follow=False, max_rollouts=8)
-    summary = RolloutWorker(cfg, store=store, tokenizer=tokenizer, manager=manager).run()
+    summary = _worker(cfg, store=store, tokenizer=tokenizer, manager=manager).run()
     assert summary.rows == 8 and len(summary.files) == 2
     assert "max_rollouts" in summary.stop_reason
     names = [Path(f).name for f in _committed(store, 0)]
@@ -305,7 +315,7 @@ def test_bounded_mode_stops_after_max_rollouts(tmp_path: Path, tokenizer: Any, m
 def test_stop_file_stops_a_following_worker(tmp_path: Path, tokenizer: Any, model: Any, manager: Any) -> None:
     store = RunStore(str(tmp_path / "run"))
     save_policy(store, 0, model)
-    worker = RolloutWorker(_config(tmp_path / "run"), store=store, tokenizer=tokenizer, manager=manager)
+    worker = _worker(_config(tmp_path / "run"), store=store, tokenizer=tokenizer, manager=manager)
     run = _Running(worker)
     _wait(lambda: _committed(store, 0), what="first file")
     store.put_unique(layout.STOP_FILE, b"stop")
@@ -327,7 +337,7 @@ def test_pacing_pauses_ahead_and_when_stale(tmp_path: Path, tokenizer: Any, mode
     save_policy(store, 0, model)
     train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1, filter_zero_variance=False)
     cfg = _config(tmp_path / "run", train=train, max_steps_ahead=1)
-    worker = RolloutWorker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=1000.0)
+    worker = _worker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=1000.0)
     run = _Running(worker)
     try:
         _wait(lambda: len(_committed(store, 0)) == 1, what="first write")
@@ -356,7 +366,7 @@ def test_stalled_batchmaker_gets_one_write_per_grace_period(
     save_policy(store, 0, model)
     train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1)
     cfg = _config(tmp_path / "run", train=train, max_steps_ahead=1)
-    worker = RolloutWorker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=0.5)
+    worker = _worker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=0.5)
     run = _Running(worker)
     try:
         _wait(lambda: len(_committed(store, 0)) >= 3, timeout=30, what="writes let through by the stall grace")
@@ -373,7 +383,7 @@ def test_no_stall_write_while_the_batchmaker_waits_for_the_learner(
     save_policy(store, 0, model)
     train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1, filter_zero_variance=False)
     cfg = _config(tmp_path / "run", train=train, max_steps_ahead=1)
-    worker = RolloutWorker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=0.3)
+    worker = _worker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=0.3)
     run = _Running(worker)
     try:
         _wait(lambda: len(_committed(store, 0)) >= 1, what="first write")
@@ -404,7 +414,7 @@ def test_crash_between_data_and_marker_leaves_nothing_visible_and_restart_uses_f
     root = tmp_path / "run"
     store = RunStore(str(root))
     save_policy(store, 0, model)
-    crashing = RolloutWorker(
+    crashing = _worker(
         _config(root, follow=False, max_rollouts=4),
         store=_CrashBeforeMarker(str(root)),
         tokenizer=tokenizer,
@@ -414,9 +424,7 @@ def test_crash_between_data_and_marker_leaves_nothing_visible_and_restart_uses_f
         crashing.run()
     orphans = [p for p in store.list(layout.rollout_step_dir(0)) if p.endswith(".parquet")]
     assert len(orphans) == 1 and not _committed(store, 0)
-    restarted = RolloutWorker(
-        _config(root, follow=False, max_rollouts=4), store=store, tokenizer=tokenizer, manager=manager
-    )
+    restarted = _worker(_config(root, follow=False, max_rollouts=4), store=store, tokenizer=tokenizer, manager=manager)
     summary = restarted.run()
     assert summary.files == _committed(store, 0) and summary.files[0] not in orphans
     assert restarted.name != crashing.name and restarted.name.startswith("w0.")

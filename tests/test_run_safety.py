@@ -27,9 +27,9 @@ import pytest
 from gcs_emulator import GcsEmulator, _free_port
 from jobs import FinishedJob
 
-from pipeline import layout
-from pipeline.job import RLJob, RLJobConfig, run_record
-from pipeline.storage import RunStore
+from pipeline.jobs.job import RLJob, RLJobConfig, run_record
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_CONFIG = ROOT / "configs/test_cats.yaml"
@@ -200,7 +200,7 @@ def test_replay_of_the_last_slots_is_bitwise_equal(finished_run: Path, tmp_path:
     assert (scratch / layout.policy_marker(6)).exists()
     assert snapshot(finished_run) == before  # nothing written into the run root
     # the comparison reports differing tensors by name (policy 5 is not policy 6)
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.environments.tokenizer import load_tokenizer
     from policy import model as M
     from steps.replay import compare, recorded_learner_config
 

@@ -19,12 +19,12 @@ from typing import ClassVar
 import draccus
 import pytest
 
-from pipeline import runner as runner_mod
 from pipeline.config import JobBackendConfig
-from pipeline.job import RLJob, RLJobConfig
-from pipeline.runner import JobRunner
-from pipeline.runners.base import StepSpec
-from pipeline.step_logs import LogTarget
+from pipeline.jobs import runner as runner_mod
+from pipeline.jobs.job import RLJob, RLJobConfig
+from pipeline.jobs.launchers.base import StepSpec
+from pipeline.jobs.runner import JobRunner
+from pipeline.jobs.step_logs import LogTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT: dict[str, list[int]] = {}
@@ -100,7 +100,7 @@ def test_an_outage_longer_than_the_bound_stops_the_job(tmp_path: Path, monkeypat
 def test_local_step_processes_share_the_accelerators(monkeypatch: pytest.MonkeyPatch) -> None:
     """JAX must not reserve most of a GPU in the first step process of a job (the others would run out of
     memory): local step processes get XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user set it."""
-    from pipeline.runners.local import child_env
+    from pipeline.jobs.launchers.local import child_env
 
     spec, log = StepSpec("learner", "learner", "cfg.yaml"), LogTarget("/tmp/run", None, "learner", "a1")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)

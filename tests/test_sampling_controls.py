@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.config import DenseInferenceConfig, ModelSpec, SamplingParams
 from pipeline.config.base import ConfigError
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, make_backend
 from policy.inference.base import SamplingControls
 from policy.inference.dense_sampler import truncate_logits

@@ -182,7 +182,7 @@ def test_check_metadata_and_conform() -> None:
 def test_version_1_rollout_files_stay_readable(tmp_path) -> None:
     """A committed rollout file of version 1 (no top_p/top_k/min_p columns) reads as version 2 with the controls off;
     the same for eval rows; a version the spec cannot upgrade is still refused."""
-    from pipeline.storage import RunStore
+    from pipeline.store.storage import RunStore
 
     store = RunStore(str(tmp_path))
     v1_cols = [n for n in ROLLOUT.schema.names if n not in ("top_p", "top_k", "min_p")]

@@ -10,7 +10,7 @@ import pytest
 from fake_servers import FakeServer
 
 from pipeline.config import ServerInferenceConfig
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, make_backend
 from policy.inference.adapters.base import step_from_path
 from policy.inference.base import SamplingControls

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from pipeline.config import ModelSpec, ServerInferenceConfig
-from pipeline.storage import RunStore
-from pipeline.tokenizer import load_tokenizer
+from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.store.storage import RunStore
 from policy.inference import GenerationRequest, make_backend
 from policy.inference.server import ServerBackend
 from policy.model import build_model, load_policy, model_vocab_size, save_policy, teacher_forced_logprobs

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from jobs import ROOT, job_config
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas import ROLLOUT
 
 pytestmark = pytest.mark.slow

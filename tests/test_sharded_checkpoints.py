@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline import layout
-from pipeline.storage import RunStore
+from pipeline.store import layout
+from pipeline.store.storage import RunStore
 from schemas.records import CHECKPOINT_FORMAT, SHARDED_CHECKPOINT_FORMAT, CommitMarker
 
 pytest.importorskip("jax")

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import layout
-from pipeline.poll import WaitTimeout, poll_until
-from pipeline.step_logs import StepLog, log_target
-from pipeline.storage import RunStore
+from pipeline.jobs.step_logs import StepLog, log_target
+from pipeline.store import layout
+from pipeline.store.poll import WaitTimeout, poll_until
+from pipeline.store.storage import RunStore
 
 
 def test_a_long_wait_says_what_it_waits_for(caplog: pytest.LogCaptureFixture) -> None:
     """poll_until logs the awaited thing about every log_every_s while it waits, and nothing once it is over."""
     start = time.monotonic()
-    with caplog.at_level(logging.INFO, logger="pipeline.poll"):
+    with caplog.at_level(logging.INFO, logger="pipeline.store.poll"):
         value, waited = poll_until(
             lambda: time.monotonic() - start > 0.55 or None,
             timeout_s=5,
@@ -30,13 +30,16 @@ def test_a_long_wait_says_what_it_waits_for(caplog: pytest.LogCaptureFixture) ->
             log_every_s=0.1,
         )
     assert value is True and waited >= 0.55
-    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.poll"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.store.poll"]
     assert 4 <= len(lines) <= 6, lines
     assert all("the thing X" in ln and "x_timeout_s=5" in ln for ln in lines), lines
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="pipeline.poll"), pytest.raises(WaitTimeout, match=r"x_timeout_s=0\.2"):
+    with (
+        caplog.at_level(logging.INFO, logger="pipeline.store.poll"),
+        pytest.raises(WaitTimeout, match=r"x_timeout_s=0\.2"),
+    ):
         poll_until(lambda: None, timeout_s=0.2, what="Y", interval_s=0.01, setting="x_timeout_s", log_every_s=None)
-    assert not [r for r in caplog.records if r.name == "pipeline.poll"]
+    assert not [r for r in caplog.records if r.name == "pipeline.store.poll"]
 
 
 def test_local_step_log_is_the_file_under_the_run_root(tmp_path: Path) -> None:
@@ -80,7 +83,7 @@ def test_remote_step_log_is_uploaded_while_it_grows_and_at_the_end() -> None:
 def test_a_child_server_logs_beside_its_step_and_reaches_a_remote_root(monkeypatch: pytest.MonkeyPatch) -> None:
     """`logs/<step>/<attempt>.server.log`: the step and attempt the job runner gave the worker, else
     `rollout-<worker id>` and a fresh attempt; on a remote root it is uploaded like a step log."""
-    from policy.inference.hf_publish import server_log
+    from pipeline.jobs.step_logs import server_log
 
     root = f"memory://server-logs-{uuid.uuid4().hex[:8]}/run"
     store = RunStore(root)

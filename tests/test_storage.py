@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import layout, storage
-from pipeline.storage import (
+from pipeline.store import layout, storage
+from pipeline.store.storage import (
     TMP_PREFIX,
     CorruptFileError,
     FileInfo,
@@ -217,7 +217,7 @@ def test_an_outage_of_a_real_endpoint_mid_run_ends_in_storage_unavailable(caplog
         emu.stop()
     t0 = time.monotonic()
     with (
-        caplog.at_level(logging.WARNING, logger="pipeline.storage"),
+        caplog.at_level(logging.WARNING, logger="pipeline.store.storage"),
         pytest.raises(storage.StorageUnavailableError, match=r"^storage unavailable: get outage/run/a\.txt: "),
     ):
         store.get("a.txt")
@@ -242,10 +242,10 @@ def test_a_name_resolution_failure_mid_run_is_retried_and_logged(
             raise failures.pop()
         return "ok"
 
-    with caplog.at_level(logging.WARNING, logger="pipeline.storage"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.store.storage"):
         assert storage._retry("get gs://b/r/x", resolves_later) == "ok"
     assert len(calls) == 3
-    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.storage"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.store.storage"]
     assert len(lines) == 2 and all("get gs://b/r/x" in ln and "name resolution" in ln for ln in lines), lines
 
 
@@ -339,7 +339,7 @@ def test_uncommitted_and_half_written_files_are_invisible(store: RunStore) -> No
 
 _CRASH_CHILD = r"""
 import json, sys, time
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
 from schemas import ROLLOUT
 sys.path.insert(0, "tests")
 from test_storage import rollout_table
@@ -446,7 +446,7 @@ def test_defective_files_are_quarantined_and_the_reader_goes_on(
     bad, reason = _commit_garbage(store, kind)
     assert bad in store.list_committed(STEP_DIR)
     bad_bytes = store.get(bad)
-    with caplog.at_level(logging.WARNING, logger="pipeline.storage"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.store.storage"):
         results = {p: store.read_committed(p, ROLLOUT) for p in store.list_committed(STEP_DIR)}
     assert results[bad] is None
     assert results[good] is not None and results[good].num_rows == 4
@@ -506,7 +506,7 @@ def test_put_if_absent_race_threads(store: RunStore) -> None:
 
 _RACE_CHILD = r"""
 import json, sys, uuid
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
 root, opts, n_keys = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 store = RunStore(root, opts)
 me = uuid.uuid4().hex

@@ -10,7 +10,7 @@ import pytest
 import transformers
 
 from pipeline.environments.cats import PROBE_PROMPTS, TRAIN_PROMPTS
-from pipeline.tokenizer import (
+from pipeline.environments.tokenizer import (
     TINY_VOCAB_SIZE,
     TokenizerLoadError,
     build_tiny_tokenizer,
@@ -103,7 +103,7 @@ def test_vocab_is_pinned() -> None:
     import hashlib
     import json
 
-    from pipeline.tokenizer import build_tiny_tokenizer_object
+    from pipeline.environments.tokenizer import build_tiny_tokenizer_object
 
     vocab = json.loads(build_tiny_tokenizer_object().to_str())["model"]["vocab"]
     digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.metrics import MetricsWriter
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import MetricsWriter
 from policy.trackers import RunTracker
 
 

@@ -19,8 +19,8 @@ from pipeline.config import (
     TrackerConfig,
     WandbTrackerConfig,
 )
-from pipeline.metrics import read_metrics
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import read_metrics
 
 pytest.importorskip("jax")
 

@@ -16,7 +16,7 @@ Ingestion (`add_rollouts(table, source_file, slot=T, latest_policy=S)`), in orde
 2. policy_step > S (the newest published policy) -> `future_policy`;
    policy_step < T-1-max_lag (too old for slot T and every later slot) -> `stale`;
 3. groups = rows of this file sharing (group_key, policy_step); advantages per group with the
-   configured estimator (`pipeline.advantages`); with `filter_zero_variance`, a group whose rewards
+   configured estimator (`pipeline.batch_maker.advantages`); with `filter_zero_variance`, a group whose rewards
    are all equal -> `zero_variance`, and a row whose own advantage is exactly 0 -> `zero_advantage`
    (unless the call says `admit_no_signal`: then they are admitted with advantage 0, counted in
    `IngestReport.admitted_no_signal`; the step does this when a slot cannot fill otherwise);

@@ -14,20 +14,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import staleness
-from pipeline.advantages import estimator_for
+from pipeline.batch_maker.advantages import estimator_for
 from pipeline.batch_maker.chunk import Chunk
 from pipeline.batch_maker.packing import BatchResult, build_batch, place
 from pipeline.batch_maker.staging import Staged, stage
 from pipeline.config import TrainParams
 from pipeline.config.validate import validate_train
+from pipeline.store import staleness
 from schemas.dropped import DROP_REASONS, DROPPED
 
 logger = logging.getLogger(__name__)
 
 
 def lag_allowed(slot: int, policy_step: int, max_lag: int) -> bool:
-    """A rollout of policy P may be in batch T iff 0 <= (T-1) - P <= max_lag (`pipeline.staleness`)."""
+    """A rollout of policy P may be in batch T iff 0 <= (T-1) - P <= max_lag (`pipeline.store.staleness`)."""
     return staleness.allowed(slot, policy_step, max_lag)
 
 

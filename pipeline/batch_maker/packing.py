@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline import staleness
 from pipeline.batch_maker.arrays import ranges
 from pipeline.batch_maker.chunk import Chunk
 from pipeline.config import TrainParams
+from pipeline.store import staleness
 from schemas.batch import BATCH
 
 TOP_UP_FACTOR = 2

@@ -2,7 +2,7 @@
 `backend: {type: ray, address: ..., resources: {...}}`; on the command line `--backend.type ray`).
 
 Adding a backend is one registered config class here, naming its launcher (`launcher`: "module:Class", imported
-only when a job runs with it), plus that launcher's module (see `pipeline.runners.base.Launcher`).
+only when a job runs with it), plus that launcher's module (see `pipeline.jobs.launchers.base.Launcher`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class LocalBackendConfig(JobBackendConfig):
     """Every step as a child process of the job runner on this machine; output in
     `<run root>/logs/<step>/<attempt>.log`."""
 
-    launcher: ClassVar[str] = "pipeline.runners.local:LocalLauncher"
+    launcher: ClassVar[str] = "pipeline.jobs.launchers.local:LocalLauncher"
 
     fork_server: bool = True
     """Start step processes by forking a server that has imported the step programs once (a start or restart
@@ -74,7 +74,7 @@ class StepResources:
 class RayBackendConfig(JobBackendConfig):
     """Every step in a Ray actor with its own resources; the same step programs and supervision as `local`."""
 
-    launcher: ClassVar[str] = "pipeline.runners.ray:RayLauncher"
+    launcher: ClassVar[str] = "pipeline.jobs.launchers.ray:RayLauncher"
     address: str | None = None
     """Ray cluster address (e.g. ray://head:10001); None: join RAY_ADDRESS or start a local cluster."""
     resources: StepResources = field(default_factory=StepResources)

@@ -108,7 +108,7 @@ class LessonConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.lesson_id), "lesson_id", self.lesson_id, "must be non-empty")
-        from pipeline.layout import check_component
+        from pipeline.store.layout import check_component
 
         try:
             check_component(self.lesson_id, "lesson_id")  # it names eval files

@@ -194,7 +194,7 @@ class RolloutStepConfig:
     """Seeds example choice (mixed with the start time, so restarted workers do not repeat their draws)."""
 
     def __post_init__(self) -> None:
-        from pipeline.layout import check_component
+        from pipeline.store.layout import check_component
 
         try:
             check_component(self.worker_id, "worker_id")

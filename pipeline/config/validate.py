@@ -22,7 +22,7 @@ from pipeline.config.train import TrainParams
 
 if TYPE_CHECKING:
     from pipeline.config.steps import BatchMakerStepConfig, LearnerStepConfig
-    from pipeline.job import RLJobConfig
+    from pipeline.jobs.job import RLJobConfig
 
 NEEDS_GROUPS = ("rloo", "grpo", "dr_grpo")
 """Advantage estimators whose groups of one have zero advantage."""

@@ -35,7 +35,7 @@ Semantics (Marin's curriculum, with its weak spots fixed; the constants are in `
 Every status change appends a `CurriculumEvent` with a human reason, e.g.
 "`addition_medium` unlocked at step 40: `addition_easy` reached 0.82 ≥ 0.8 and plateaued over 50 samples".
 
-Files (see `pipeline.layout`): the writer folds, for each batch slot T in order, the evaluation summaries of
+Files (see `pipeline.store.layout`): the writer folds, for each batch slot T in order, the evaluation summaries of
 policies S < T not yet folded (in (S, lesson) order) and then the rollout files the BatchMaker first read while
 building slot T (batch log order), and publishes `curriculum/state-T.json` (schema `schemas.curriculum`) with
 create-if-absent. The content is a function of those committed files only, so a writer restarted from its newest

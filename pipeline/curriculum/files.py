@@ -14,7 +14,6 @@ from typing import Any
 import pyarrow as pa
 
 import schemas
-from pipeline import layout
 from pipeline.config import CurriculumConfig
 from pipeline.curriculum.rules import (
     CurriculumState,
@@ -24,7 +23,8 @@ from pipeline.curriculum.rules import (
     fold_training,
     initial_state,
 )
-from pipeline.storage import CorruptFileError, RunStore
+from pipeline.store import layout
+from pipeline.store.storage import CorruptFileError, RunStore
 from schemas.base import SchemaMismatchError, ValidationError
 from schemas.curriculum import CURRICULUM_STATE
 from schemas.records import BatchLogEntry, RecordError

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pipeline import layout
 from pipeline.config import CurriculumConfig, LessonConfig
+from pipeline.store import layout
 from schemas.curriculum import (
     CurriculumEvent,
     CurriculumStateRecord,

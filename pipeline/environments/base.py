@@ -198,7 +198,7 @@ def encode_prompt(tokenizer: Any, text: str, *, add_bos: bool = True, chat: bool
     the tokenizer's chat template with the generation prompt, exactly as the template says (`add_bos` unused);
     ValueError when the tokenizer has no chat template."""
     if chat:
-        from pipeline.tokenizer import render_chat
+        from pipeline.environments.tokenizer import render_chat
 
         return render_chat(tokenizer, [{"role": "user", "content": text}])
     tokens = [int(t) for t in tokenizer.encode(text)]

@@ -7,7 +7,7 @@ asks for the next assistant turn of each with `chat_turns(ctx, ChatRequest(...))
   itself (`ctx.chat`): the server renders the conversation and parses tool calls, and returns the exact prompt
   ids it conditioned on, the sampled ids and their logprobs;
 - any other context (in-process backends, `ScriptedContext`) gets the same from `local_chat`: the conversation
-  is rendered with the tokenizer's chat template (`pipeline.tokenizer.render_chat`), sampled with
+  is rendered with the tokenizer's chat template (`pipeline.environments.tokenizer.render_chat`), sampled with
   `ctx.generate`, and tool calls are parsed from `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks of the sampled text (the built-in tokenizer's template format, also Hermes/Qwen's).
 
@@ -114,7 +114,7 @@ def local_chat(ctx: Any, request: ChatRequest) -> list[ChatTurn]:
     """The next assistant turn of each conversation through `ctx.generate`, the prompts rendered by the tokenizer's
     chat template and tool calls parsed from the sampled text (`parse_tool_calls`). ValueError when the tokenizer
     has no chat template; `ctx.generate`'s errors propagate."""
-    from pipeline.tokenizer import render_chat
+    from pipeline.environments.tokenizer import render_chat
 
     tok = ctx.tokenizer
     tools = [dict(t) for t in request.tools] if request.tools else None

@@ -2,8 +2,8 @@
 
 Reads (all relative to the run root, any fsspec URL: local path, file://, gs://, memory://):
     run.json                               the run config (a folded table) and its tokenizer
-    metrics/{learner,batchmaker,rollout}/*.jsonl   metrics records (pipeline.metrics), including the rollout
-                                           workers' `samples` records (pipeline.samples)
+    metrics/{learner,batchmaker,rollout}/*.jsonl   metrics records (pipeline.telemetry.metrics), including the rollout
+                                           workers' `samples` records (pipeline.rollout.samples)
     rollouts/step-P/*.parquet              the newest committed rollout file, decoded with the tokenizer that
                                            run.json's config.model.tokenizer names (sample completions)
     evals/*/<lesson>.summary.parquet       evaluation summaries (schemas.EVAL_SUMMARY): per checkpoint

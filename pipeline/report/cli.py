@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from pipeline.config import ConfigError
 from pipeline.report.page import build_report
-from pipeline.storage import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError, existing_run_root
+from pipeline.store.storage import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError, existing_run_root
 
 DESCRIPTION = "One self-contained HTML report of a run, built from the run root alone (no tracker needed)."
 

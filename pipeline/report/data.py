@@ -19,11 +19,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import layout
-from pipeline.metrics import read_metrics
 from pipeline.retention.lineage import used_through
-from pipeline.samples import SAMPLES_EVENT, Sample, newest_rollout_file, newest_samples, tokenizer_decoder
-from pipeline.storage import CorruptFileError, RunStore, SchemaMismatchError
+from pipeline.rollout.samples import SAMPLES_EVENT, Sample, newest_rollout_file, newest_samples, tokenizer_decoder
+from pipeline.store import layout
+from pipeline.store.storage import CorruptFileError, RunStore, SchemaMismatchError
+from pipeline.telemetry.metrics import read_metrics
 from schemas import BATCH, EVAL_SUMMARY
 from schemas.dropped import DROPPED
 from schemas.records import BatchLogEntry, RecordError

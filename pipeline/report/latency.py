@@ -1,6 +1,6 @@
 """The report's "Per-step latency" section: where each learner step's wall time went, hop by hop.
 
-Reads the `hops` dict and `step_s` of the learner's metrics records (`pipeline.hops` defines the hops and
+Reads the `hops` dict and `step_s` of the learner's metrics records (`pipeline.telemetry.hops` defines the hops and
 how they add up to the step's wall time). Shows a stacked bar per learner step and a table of the median
 seconds per hop over the steps after the first (whose time is mostly compilation).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from pipeline.hops import HOP_HELP, HOPS
 from pipeline.report.data import RunData, last_per, num
 from pipeline.report.plots import Plot, Section, add_legend, html_table, new_figure, to_png
+from pipeline.telemetry.hops import HOP_HELP, HOPS
 
 TITLE = "Per-step latency"
 

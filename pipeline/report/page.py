@@ -16,7 +16,7 @@ import fsspec
 from pipeline.report.data import RunData, load_run
 from pipeline.report.plots import Section
 from pipeline.report.sections import SECTION_TITLES, SECTIONS
-from pipeline.storage import RunStore
+from pipeline.store.storage import RunStore
 
 logger = logging.getLogger(__name__)
 

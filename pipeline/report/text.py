@@ -8,9 +8,9 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from pipeline import layout
 from pipeline.report.data import RunData, num
 from pipeline.report.plots import Section, fmt
+from pipeline.store import layout
 
 _RECENT_POLICIES = 5
 """How many of the newest policies' `samples` metrics records the page shows."""

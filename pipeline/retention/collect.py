@@ -15,11 +15,11 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from pipeline import layout, run_state, staleness
 from pipeline.config import RetentionConfig
-from pipeline.lease import Lease
 from pipeline.retention import keep, lineage
-from pipeline.storage import RunStore
+from pipeline.store import layout, run_state, staleness
+from pipeline.store.lease import Lease
+from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker, GcPlan, RecordError
 
 logger = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pipeline import staleness
 from pipeline.config import RetentionConfig
+from pipeline.store import staleness
 
 
 def kept_policies(

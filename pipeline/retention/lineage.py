@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from pipeline import layout
-from pipeline.storage import RunStore, new_attempt_id
+from pipeline.store import layout
+from pipeline.store.storage import RunStore, new_attempt_id
 from schemas import BATCH
 from schemas.dropped import DROPPED
 from schemas.lineage import LINEAGE, USED

@@ -7,9 +7,7 @@ child server's log goes.
 size and sha256): a reader (a server, another worker) uses the folder only once that marker exists, so a worker
 killed half-way leaves nothing a server would load; several workers may race, and they write identical bytes.
 
-`server_log(store, worker_id)` is the log of a worker's child server: `logs/<step>/<attempt>.server.log` under the
-run root, beside the worker's own `logs/<step>/<attempt>.log` (a `pipeline.step_logs.StepLog`, so on gs:// it is
-uploaded every few seconds and at exit like every step log).
+A worker's child server logs to `pipeline.jobs.step_logs.server_log(store, worker_id)`.
 """
 
 from __future__ import annotations
@@ -19,25 +17,12 @@ import os
 import tempfile
 from typing import Any
 
-from pipeline import layout
 from pipeline.config import ServerInferenceConfig
-from pipeline.step_logs import StepLog, child_log_target
+from pipeline.store import layout
 from schemas.records import CommitFile, HfFolderMarker
 
 HF_DIR = "hf"
 HF_MARKER = "COMMITTED"
-
-
-def run_root_of(store: Any) -> str:
-    """The run root as a server on this machine names it (absolute local path, or the gs:// URL)."""
-    return str(store.root if store.is_local else store.url).rstrip("/")
-
-
-def server_log(store: Any, worker_id: str) -> StepLog:
-    """The open log of this worker's child server, `logs/<step>/<attempt>.server.log`: the step and attempt of the
-    worker's own log when the job runner started it, else `rollout-<worker_id>` and a fresh attempt. The caller
-    closes it (the final upload on a remote run root)."""
-    return StepLog(child_log_target(store.url, store.storage_options, f"rollout-{worker_id}", "server"))
 
 
 def hf_marker_path(step: int) -> str:

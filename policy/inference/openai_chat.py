@@ -77,7 +77,7 @@ def chat_budget(tokenizer: Any, max_seq_len: int | None, k: int, conv: Any, requ
     fits."""
     if max_seq_len is None or not getattr(tokenizer, "chat_template", None):
         return request
-    from pipeline.tokenizer import render_chat
+    from pipeline.environments.tokenizer import render_chat
 
     tools = [dict(t) for t in request.tools] if request.tools else None
     n = len(render_chat(tokenizer, [dict(m) for m in conv], tools))
@@ -99,7 +99,7 @@ def chat_prompt_ids(
     counted = (payload.get("usage") or {}).get("prompt_tokens")
     if counted is None or not getattr(tokenizer, "chat_template", None):
         return "the server returned no prompt_token_ids (vLLM >= 0.10.2 with return_token_ids does)"
-    from pipeline.tokenizer import render_chat
+    from pipeline.environments.tokenizer import render_chat
 
     tools = [dict(t) for t in request.tools] if request.tools else None
     local = render_chat(tokenizer, [dict(m) for m in messages], tools)

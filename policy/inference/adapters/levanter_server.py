@@ -82,9 +82,9 @@ def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_
     from fastapi import HTTPException
     from levanter.inference.openai import InferenceServer, InferenceServerConfig
 
-    from pipeline.poll import poll_until
-    from pipeline.storage import RunStore
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.environments.tokenizer import load_tokenizer
+    from pipeline.store.poll import poll_until
+    from pipeline.store.storage import RunStore
     from policy.model import latest_policy_step, load_policy, policy_metadata
 
     store = RunStore(run_root)

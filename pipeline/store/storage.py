@@ -21,7 +21,7 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
   with zstd (see `parquet_write_options`), serialized once in memory and put with `put_unique`.
   Read back with page checksum verification and always through the declared `TableSpec`.
 - `commit_data` / `list_committed` / `read_committed` / `quarantine` (the committed-data layer, in
-  `pipeline.committed`): a data file is committed by its ready marker, read back verified against it,
+  `pipeline.store.committed`): a data file is committed by its ready marker, read back verified against it,
   and quarantined when permanently bad.
 - Transient errors (timeouts, connection resets and refusals, name-resolution failures, HTTP 408/429/5xx) are
   retried with exponential backoff capped at `RETRY_MAX_DELAY_S`, each retry logged, until `RETRY_WINDOW_S`
@@ -59,8 +59,9 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import layout
-from pipeline.committed import (
+from pipeline.config.base import ConfigError
+from pipeline.store import layout
+from pipeline.store.committed import (
     EXIT_STORAGE_UNAVAILABLE,
     TMP_PREFIX,
     CommittedData,
@@ -73,9 +74,8 @@ from pipeline.committed import (
     StorageUnavailableError,
     new_attempt_id,
 )
-from pipeline.committed import _sha256 as _sha256
-from pipeline.committed import check_rel as _check_rel
-from pipeline.config.base import ConfigError
+from pipeline.store.committed import _sha256 as _sha256
+from pipeline.store.committed import check_rel as _check_rel
 from schemas.base import SchemaMismatchError, TableSpec
 
 __all__ = [

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pipeline.config import JobBackendConfig
-from pipeline.step_logs import LogTarget
+from pipeline.jobs.step_logs import LogTarget
 
 MODULES = {
     "learner": "steps.learn",

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, RayBackendConfig
-from pipeline.runners.base import STOP_GRACE_S, StepProcess, StepSpec
-from pipeline.step_logs import LogTarget, StepLog, pump
+from pipeline.jobs.launchers.base import STOP_GRACE_S, StepProcess, StepSpec
+from pipeline.jobs.step_logs import LogTarget, StepLog, pump
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Rollout pacing: whether a rollout worker should produce now, computed from what the run root says.
 
 Pure functions, no I/O. A rollout from policy P is usable in batch slot T iff `0 <= (T-1) - P <= max_lag`
-(`pipeline.staleness.lag`). A worker pauses while its policy would be stale for the next slot T = B + 1 (B = the
+(`pipeline.store.staleness.lag`). A worker pauses while its policy would be stale for the next slot T = B + 1 (B = the
 newest committed batch slot), and while the unconsumed rows usable by slot T or later already cover
 `max_steps_ahead` batches (`count_unconsumed_rows`; with zero-variance filtering a file counts its rows with
 signal, recorded as `signal_rows` in its ready marker, see `usable_rows`, and files without signal count once they
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import layout, staleness
-from pipeline.committed import StorageError
 from pipeline.config import TrainParams
+from pipeline.store import layout, staleness
+from pipeline.store.committed import StorageError
 from schemas import RolloutRow
 
 logger = logging.getLogger(__name__)

@@ -14,45 +14,62 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from pipeline import layout, run_state
 from pipeline.config import RolloutStepConfig
 from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_weights
-from pipeline.metrics import MetricsWriter
-from pipeline.pacing import PacingDecision, PacingView, count_unconsumed_rows, pacing_decision, signal_rows
-from pipeline.poll import WaitTimeout, poll_until
-from pipeline.samples import samples_record, to_samples
-from pipeline.storage import RunStore
-from pipeline.tokenizer import check_chat_lessons, load_tokenizer
-from pipeline.watch import Backoff, waker_for
-from pipeline.watchdog import watchdog
-from policy.inference import backend_class
-from policy.inference.hf_publish import publish_hf_if_needed, run_root_of, server_log
-from policy.rollout_manager import RolloutBatch, RolloutManager, batch_stats
-from policy.worker_records import METRICS, WorkerSummary, incarnation_nonce, write_record  # noqa: F401
+from pipeline.environments.tokenizer import check_chat_lessons, load_tokenizer
+from pipeline.jobs.step_logs import run_root_of, server_log
+from pipeline.process.watchdog import watchdog
+from pipeline.rollout.pacing import PacingDecision, PacingView, count_unconsumed_rows, pacing_decision, signal_rows
+from pipeline.rollout.rollout_batch import RolloutBatch, batch_stats
+from pipeline.rollout.samples import samples_record, to_samples
+from pipeline.rollout.worker_records import METRICS, WorkerSummary, incarnation_nonce, write_record  # noqa: F401
+from pipeline.store import layout, run_state
+from pipeline.store.notify import Backoff, waker_for
+from pipeline.store.poll import WaitTimeout, poll_until
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import MetricsWriter
 from schemas import ROLLOUT
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PolicyRuntime:
+    """What the worker asks of the JAX library, handed in by the rollout program
+    (`policy.rollout_manager.policy_runtime(config, tokenizer)`), so this loop imports no JAX."""
+
+    manages_weights: bool
+    """The configured backend loads committed policies itself (a server): the worker never loads weights."""
+    build_manager: Callable[[Any], Any]
+    """model (None when the backend manages weights) -> the `RolloutManager` the worker samples with."""
+    load_model: Callable[[RunStore, int], Any]
+    """(store, committed policy step) -> its policy model."""
+    publish_hf: Callable[[RunStore, int], Any]
+    """(store, step) -> write `policies/step-S/hf/` when the backend's server needs it (a no-op otherwise)."""
+
+
 class RolloutWorker:
     """Polls for policies, asks the manager for rollouts, commits them, logs metrics, paces itself.
 
-    `store`, `tokenizer`, `manager` and `load_model` can be injected (tests, the evaluate step); by default
-    they are built from the config. `load_model(step)` returns the policy model of a committed step.
+    `runtime` gives what the JAX library builds (the manager, policy models, HF folders); `store`, `tokenizer`,
+    `manager` and `load_model` can be injected instead (tests). `load_model(step)` returns the policy model of a
+    committed step.
     """
 
     def __init__(
         self,
         config: RolloutStepConfig,
         *,
+        runtime: PolicyRuntime | None = None,
         store: RunStore | None = None,
         tokenizer: Any = None,
-        manager: RolloutManager | None = None,
+        manager: Any = None,
         load_model: Callable[[int], Any] | None = None,
         stall_grace_s: float | None = None,
     ) -> None:
@@ -65,7 +82,8 @@ class RolloutWorker:
         self.name = layout.check_component(f"{config.worker_id}.{incarnation_nonce()}", "worker name")
         self.metrics = MetricsWriter(self.store, "rollout", self.worker_id)
         self._manager = manager
-        self._server_log: Any = None  # a pipeline.step_logs.StepLog once a child server is attached
+        self._runtime = runtime
+        self._server_log: Any = None  # a pipeline.jobs.step_logs.StepLog once a child server is attached
         self._load_model_fn = load_model
         self._stop = threading.Event()
         self._stop_reason = ""
@@ -136,9 +154,12 @@ class RolloutWorker:
     def _load_model(self, step: int) -> Any:
         if self._load_model_fn is not None:
             return self._load_model_fn(step)
-        from policy.model import load_policy, policy_metadata
+        return self._require_runtime().load_model(self.store, step)
 
-        return load_policy(self.store, step, self.config.model, policy_metadata(self.store, step).vocab_size)
+    def _require_runtime(self) -> PolicyRuntime:
+        if self._runtime is None:
+            raise RuntimeError("RolloutWorker needs a PolicyRuntime (or an injected manager and load_model)")
+        return self._runtime
 
     def wait_for_policy(self) -> int:
         """Block until a committed policy exists; return the newest step.
@@ -174,7 +195,8 @@ class RolloutWorker:
     def _serve_step(self, step: int) -> None:
         """Tell a weight-managing server to load committed policy `step` (HF folder first when it needs one)."""
         with watchdog(f"server load (policy {step})", self.config.weight_load_timeout_s):
-            publish_hf_if_needed(self.store, self.config, step, self.tokenizer)
+            if self._runtime is not None:
+                self._runtime.publish_hf(self.store, step)
             self._weight_load_s += self.manager.load_policy(step)
 
     def sync_weights(self) -> bool:
@@ -206,7 +228,7 @@ class RolloutWorker:
         return True
 
     @property
-    def manager(self) -> RolloutManager:
+    def manager(self) -> Any:
         """The RolloutManager (built on first use from the config and the newest policy)."""
         if self._manager is None:
             raise RuntimeError("manager not started: call start() first")
@@ -217,17 +239,10 @@ class RolloutWorker:
         if self._manager is not None and self._manager.external_weights and not self._manager.manages_weights:
             return
         step = self.wait_for_policy()
-        managed = backend_class(self.config.inference).manages_weights if self._manager is None else None
+        managed = self._require_runtime().manages_weights if self._manager is None else None
         if self._manager is None:
             model = None if managed else self._load_step(step)
-            self._manager = RolloutManager(
-                self.config.inference,
-                self.config.model,
-                self.config.curriculum,
-                self.tokenizer,
-                model,
-                max_example_retries=self.config.max_example_retries,
-            )
+            self._manager = self._require_runtime().build_manager(model)
         if self._manager.manages_weights:
             if self._server_log is None:
                 self._server_log = server_log(self.store, self.config.worker_id)
@@ -421,7 +436,7 @@ class RolloutWorker:
         return True
 
     def _log_samples(self, batch: RolloutBatch, rel: str) -> None:
-        """A few completions as text, once per policy step this worker writes (`pipeline.samples`)."""
+        """A few completions as text, once per policy step this worker writes (`pipeline.rollout.samples`)."""
         step = batch.metadata.weight_step
         if self._samples_step == step:
             return

@@ -40,8 +40,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeline import layout
-from pipeline.storage import CorruptFileError, RunStore, new_attempt_id
+from pipeline.store import layout
+from pipeline.store.storage import CorruptFileError, RunStore, new_attempt_id
 
 __all__ = ["Lease", "LeaseError", "LeaseHeldError", "LeaseLostError", "lease_dir"]
 

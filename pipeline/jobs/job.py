@@ -7,8 +7,8 @@ the per-step configs, and `check_run_config()` writes `run.json` once or refuses
 contract differs, naming every differing field; `check_step_config()` does the same for one step's config (every
 step program, started by the runner, by `steps.run step NAME` or directly). `--allow_config_change true` accepts
 the change: run.json then holds the new values and its `history` lists what changed, when and by which step.
-The process runner lives in `pipeline.runner`; where the steps run is the `backend` choice
-(`pipeline.config.backend`, launchers in `pipeline.runners`).
+The process runner lives in `pipeline.jobs.runner`; where the steps run is the `backend` choice
+(`pipeline.config.backend`, launchers in `pipeline.jobs.launchers`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 
 import draccus
 
-from pipeline import layout
 from pipeline.config import (
     BatchMakerStepConfig,
     ConfigError,
@@ -47,6 +46,7 @@ from pipeline.config import (
     TrainParams,
     validate_job,
 )
+from pipeline.store import layout
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class RLJobConfig:
 
 
 class RLJob:
-    """A validated job; `to_worker_configs()` splits it, `run()` runs it (see pipeline.runner)."""
+    """A validated job; `to_worker_configs()` splits it, `run()` runs it (see pipeline.jobs.runner)."""
 
     def __init__(
         self, config: RLJobConfig, *, check_environments: bool = True, allow_config_change: bool = False
@@ -175,7 +175,7 @@ class RLJob:
 
     def run(self) -> int:
         """Run the job to completion with the configured backend; returns the process exit code."""
-        from pipeline.runner import JobRunner
+        from pipeline.jobs.runner import JobRunner
 
         return JobRunner(self).run()
 

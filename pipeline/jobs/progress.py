@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipeline import run_state
-from pipeline.metrics import MetricsTail
+from pipeline.store import run_state
+from pipeline.telemetry.metrics import MetricsTail
 
-logger = logging.getLogger("pipeline.runner")
+logger = logging.getLogger("pipeline.jobs.runner")
 
 REFRESH_S = 1.0
 """How often the run root is read for progress."""

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Sequence
 
 from pipeline.config import LocalBackendConfig
-from pipeline.runners.base import StepProcess, StepSpec
-from pipeline.runners.forkserver import ForkedProcess, ForkServer
-from pipeline.step_logs import LogTarget, StepLog
+from pipeline.jobs.launchers.base import StepProcess, StepSpec
+from pipeline.jobs.launchers.forkserver import ForkedProcess, ForkServer
+from pipeline.jobs.step_logs import LogTarget, StepLog
 
 
 class LocalProcess:
@@ -80,7 +80,7 @@ def child_env(spec: StepSpec, log: LogTarget) -> dict[str, str]:
 class LocalLauncher:
     """Starts steps as local child processes (no resources: the steps share this machine); with
     `fork_server` (the default), forked from a server that has imported the step programs once
-    (`pipeline.runners.forkserver`)."""
+    (`pipeline.jobs.launchers.forkserver`)."""
 
     def __init__(self, config: LocalBackendConfig) -> None:
         self.config = config

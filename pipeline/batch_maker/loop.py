@@ -18,19 +18,19 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import layout, run_state, staleness
 from pipeline.batch_maker import BatchMaker, BatchResult
-from pipeline.batch_step.metrics import batch_metrics
-from pipeline.batch_step.scan import ScanWindow, folder_of
-from pipeline.batch_step.state import CURSOR_VERSION, MakerState, SlotLost, StopRequested, config_hash
+from pipeline.batch_maker.loop_state import CURSOR_VERSION, MakerState, SlotLost, StopRequested, config_hash
+from pipeline.batch_maker.scan import ScanWindow, folder_of
+from pipeline.batch_maker.slot_metrics import batch_metrics
 from pipeline.config import BatchMakerStepConfig
 from pipeline.curriculum import CurriculumWriter
-from pipeline.lease import Lease
-from pipeline.metrics import MetricsWriter
-from pipeline.poll import poll_until
-from pipeline.prefetch import read_ahead
-from pipeline.storage import RunStore, new_attempt_id
-from pipeline.watch import waker_for
+from pipeline.store import layout, run_state, staleness
+from pipeline.store.lease import Lease
+from pipeline.store.notify import waker_for
+from pipeline.store.poll import poll_until
+from pipeline.store.prefetch import read_ahead
+from pipeline.store.storage import RunStore, new_attempt_id
+from pipeline.telemetry.metrics import MetricsWriter
 from schemas import BATCH, ROLLOUT
 from schemas.dropped import DROPPED
 from schemas.records import BatchLogEntry
@@ -97,7 +97,7 @@ class Maker:
     def wait(self, cond: Callable[[], bool], what: Callable[[], str], progress: Callable[[], Any]) -> float:
         """Poll `cond` until true; returns seconds waited.
 
-        Raises StopRequested when control/STOP appears, `pipeline.poll.WaitTimeout` naming `what()` after
+        Raises StopRequested when control/STOP appears, `pipeline.store.poll.WaitTimeout` naming `what()` after
         train.max_batch_latency_s; the deadline restarts whenever `progress()` changes.
         """
 
@@ -184,7 +184,7 @@ class Maker:
     def gather(self, st: MakerState, slot: int, log: dict[str, Any]) -> None:
         """Feed files until batch `slot` can be built (waiting for more files if needed).
 
-        Raises StopRequested when control/STOP appears, `pipeline.poll.WaitTimeout` after
+        Raises StopRequested when control/STOP appears, `pipeline.store.poll.WaitTimeout` after
         train.max_batch_latency_s without enough eligible rollouts.
         """
         bm = st.bm
@@ -441,7 +441,7 @@ class Maker:
             logger.debug("curriculum synced to slot %d in %.3fs", slot, time.monotonic() - t0)
 
     def record(self, batch: BatchResult, log: dict[str, Any]) -> None:
-        """One metrics record per committed batch (fields: `pipeline.batch_step.metrics.METRICS`)."""
+        """One metrics record per committed batch (fields: `pipeline.batch_maker.slot_metrics.METRICS`)."""
         self.metrics.log(batch_metrics(batch, log))
 
 

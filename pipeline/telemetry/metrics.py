@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from pipeline import layout
+from pipeline.store import layout
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Waking a waiting step as soon as something changes under the run root.
 
-A `Waker` is what a step sleeps on between two checks of a condition (`pipeline.poll.poll_until`):
+A `Waker` is what a step sleeps on between two checks of a condition (`pipeline.store.poll.poll_until`):
   - on a local run root it subscribes to filesystem notifications (the `watchdog` package: inotify on Linux,
     FSEvents/kqueue elsewhere) for the whole root, and a sleep ends at the first create / move / modify under it
     (files under `logs/` and `metrics/`, and temporary files not yet renamed into place, do not wake anyone);
@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Any
 
-from pipeline.storage import TMP_PREFIX
+from pipeline.store.storage import TMP_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import logging
 import threading
 from typing import Any
 
-from pipeline import layout
+from pipeline.store import layout
 
 logger = logging.getLogger(__name__)
 

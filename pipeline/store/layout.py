@@ -16,7 +16,7 @@ All paths are relative to the run root and use '/'. Step numbers are zero-padded
     evals/step-00000120/<lesson>.parquet       evaluation rollouts; <lesson>.summary.parquet commits
     metrics/<step-name>/<worker>-<seq>.jsonl   metrics records
     quarantine/<escaped path>.json             reason a file was set aside
-    leases/<name>/…                            lease claims per epoch + renewals (pipeline.lease)
+    leases/<name>/…                            lease claims per epoch + renewals (pipeline.store.lease)
     control/STOP                               stop file: every follow-mode step exits cleanly
     control/LEARNER_DONE                       written once the learner trained train.num_train_steps
     logs/<step>/<attempt>.log                  output of one process start of a step run by the job runner

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pipeline import layout
+from pipeline.store import layout
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class LogTarget:
     @property
     def location(self) -> str:
         """Where the user finds the log (an OS path or a URL)."""
-        from pipeline.storage import RunStore
+        from pipeline.store.storage import RunStore
 
         return location(RunStore(self.run_root, self.storage_options), self.rel)
 
@@ -95,7 +95,7 @@ class StepLog:
     """
 
     def __init__(self, target: LogTarget, *, upload_every_s: float = UPLOAD_EVERY_S) -> None:
-        from pipeline.storage import RunStore
+        from pipeline.store.storage import RunStore
 
         self.target = target
         self.store = RunStore(target.run_root, target.storage_options)
@@ -158,3 +158,15 @@ def pump(source: IO[bytes], sink: IO[bytes], *, echo_prefix: str | None = None) 
         if echo_prefix is not None:
             sys.stdout.write(echo_prefix + line.decode(errors="replace"))
             sys.stdout.flush()
+
+
+def run_root_of(store: Any) -> str:
+    """The run root as a server on this machine names it (absolute local path, or the gs:// URL)."""
+    return str(store.root if store.is_local else store.url).rstrip("/")
+
+
+def server_log(store: Any, worker_id: str) -> StepLog:
+    """The open log of this worker's child server, `logs/<step>/<attempt>.server.log`: the step and attempt of the
+    worker's own log when the job runner started it, else `rollout-<worker_id>` and a fresh attempt. The caller
+    closes it (the final upload on a remote run root)."""
+    return StepLog(child_log_target(store.url, store.storage_options, f"rollout-{worker_id}", "server"))

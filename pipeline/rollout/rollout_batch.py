@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import SamplingParams
-from policy.inference.base import SamplingControls
+from pipeline.environments.generation import SamplingControls
 from schemas import EvalRow, EvalSummaryRow, RolloutRow
 
 

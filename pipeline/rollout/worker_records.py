@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline import staleness
-from policy.rollout_batch import RolloutBatch, RolloutBatchStats
+from pipeline.rollout.rollout_batch import RolloutBatch, RolloutBatchStats
+from pipeline.store import staleness
 
 METRICS: dict[str, str] = {
     "rows": "rollout rows written in this write",

@@ -1,5 +1,5 @@
 """The job runner: starts the learner, the BatchMaker, N rollout workers and the evaluator on the job's backend
-(`backend: {type: local}`: child processes; `{type: ray}`: Ray tasks; see `pipeline.runners`), restarts a crashed
+(`backend: {type: local}`: child processes; `{type: ray}`: Ray tasks; see `pipeline.jobs.launchers`), restarts a crashed
 one with bounded exponential backoff (`restart_backoff_s` doubling up to `restart_backoff_max_s`), shows live
 progress, and stops everything cleanly when the learner reaches `num_train_steps` or on Ctrl-C.
 
@@ -29,12 +29,12 @@ from typing import Any
 
 import draccus
 
-from pipeline import layout, run_state
-from pipeline.committed import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError
-from pipeline.job import RLJob, check_run_config
-from pipeline.progress import JobProgress, RunProgress
-from pipeline.runners.base import STOP_GRACE_S, StepSpec, make_launcher
-from pipeline.step_logs import LogTarget, location, log_target
+from pipeline.jobs.job import RLJob, check_run_config
+from pipeline.jobs.launchers.base import STOP_GRACE_S, StepSpec, make_launcher
+from pipeline.jobs.progress import JobProgress, RunProgress
+from pipeline.jobs.step_logs import LogTarget, location, log_target
+from pipeline.store import layout, run_state
+from pipeline.store.committed import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError
 
 EXIT_CONFIG = 2
 """The exit code of a step that refused its configuration (steps/cli.py): never restarted."""
@@ -58,7 +58,7 @@ class JobRunner:
     or the user interrupts. Returns 0 on success."""
 
     def __init__(self, job: RLJob, *, on_progress: Callable[[dict[str, Any]], None] | None = None) -> None:
-        from pipeline.storage import RunStore
+        from pipeline.store.storage import RunStore
 
         self.job = job
         self.cfg = job.config
@@ -331,5 +331,5 @@ class _Collections:
 
 
 def snapshot(store: Any) -> dict[str, Any]:
-    """What a run root says about progress right now (see `pipeline.progress.RunProgress.snapshot`)."""
+    """What a run root says about progress right now (see `pipeline.jobs.progress.RunProgress.snapshot`)."""
     return RunProgress(store).snapshot()

@@ -1,6 +1,6 @@
 """The committed-data layer of a run root: ready markers, verified reads, quarantine, and the storage errors.
 
-`CommittedData` is mixed into `pipeline.storage.RunStore` (import everything from there); it relies only on the
+`CommittedData` is mixed into `pipeline.store.storage.RunStore` (import everything from there); it relies only on the
 store's primitives (`get`, `exists`, `list`, `put_if_absent`, `put_json_if_absent`, `write_parquet`,
 `parse_parquet`). Its promises:
 
@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from pipeline import layout
 from pipeline.config.base import ConfigError
+from pipeline.store import layout
 from schemas.base import SchemaMismatchError, TableSpec
 from schemas.records import BatchLogEntry, ReadyMarker, RecordError
 
-logger = logging.getLogger("pipeline.storage")
+logger = logging.getLogger("pipeline.store.storage")
 
 TMP_PREFIX = ".tmp-"
 """Names starting with this are in-flight temp files: never listed, never read."""

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pipeline.watch import Backoff, Waker
+from pipeline.store.notify import Backoff, Waker
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ def poll_until(
     While the wait lasts, one INFO line on `log` (default: this module's logger) every `log_every_s` seconds
     says what is awaited, for how long so far and the bound (None: silent).
 
-    Between checks it sleeps on `waker` (`pipeline.watch.waker_for(store)`): on a local root a change under the
+    Between checks it sleeps on `waker` (`pipeline.store.notify.waker_for(store)`): on a local root a change under the
     root ends the sleep at once; otherwise sleeps are adaptive, from a few ms doubling up to `interval_s`. No
     sleep exceeds `interval_s`.
     """

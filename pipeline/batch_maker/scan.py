@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from pipeline import layout, run_state, staleness
-from pipeline.storage import RunStore
+from pipeline.store import layout, run_state, staleness
+from pipeline.store.storage import RunStore
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline import layout
-from pipeline.storage import CorruptFileError, RunStore, SchemaMismatchError
+from pipeline.store import layout
+from pipeline.store.storage import CorruptFileError, RunStore, SchemaMismatchError
 from schemas.rollout import ROLLOUT
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def tokenizer_decoder(spec: str) -> Decode:
     transformers: only the `tokenizers` library. Raises ValueError naming the spec when it cannot be loaded."""
     from tokenizers import Tokenizer
 
-    from pipeline.tokenizer import BUILTIN_TINY, build_tiny_tokenizer_object
+    from pipeline.environments.tokenizer import BUILTIN_TINY, build_tiny_tokenizer_object
 
     if spec == BUILTIN_TINY:
         tok = build_tiny_tokenizer_object()

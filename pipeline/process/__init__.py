@@ -1,0 +1,1 @@
+"""Rules every step process follows: its kind and name, its exit codes, retry backoff, watchdogs."""

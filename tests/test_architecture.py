@@ -1,0 +1,131 @@
+"""The code's shape, checked so it stays true: imports point one way (`schemas` <- `pipeline` <- `policy` <-
+`steps`), `schemas` and `pipeline` never import JAX, and no import cycle exists among the modules of these
+packages, counting imports at any depth (inside functions too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("schemas", "pipeline", "policy", "steps")
+JAX_MODULES = ("jax", "jaxlib", "equinox", "haliax", "levanter", "optax")
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg in LAYERS:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _imported_names(module: str, path: Path) -> set[str]:
+    """Every dotted name `module` imports, at any depth of its source."""
+    names: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            names.add(target)
+            names.update(f"{target}.{a.name}" for a in node.names)
+    return names
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in mods.items():
+        targets = {resolve(n) for n in _imported_names(module, path)}
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles_at_any_depth() -> None:
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles (imports inside functions counted):\n" + "\n".join(map(str, cycles))
+
+
+def test_layers_import_one_way() -> None:
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = [
+        f"{m} -> {t}"
+        for m, targets in _graph().items()
+        for t in targets
+        if rank[t.split(".")[0]] > rank[m.split(".")[0]]
+    ]
+    assert not upward, "imports against the layering schemas <- pipeline <- policy <- steps:\n" + "\n".join(upward)
+
+
+def test_schemas_and_pipeline_never_import_jax() -> None:
+    mods = _modules()
+    offenders = [
+        f"{m} imports {n}"
+        for m, path in mods.items()
+        if m.split(".")[0] in ("schemas", "pipeline")
+        for n in _imported_names(m, path)
+        if n.split(".")[0] in JAX_MODULES
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
