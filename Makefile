@@ -20,7 +20,7 @@ export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup demo test test-fast test-slow lint format typecheck bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc clean
+.PHONY: help setup demo test test-fast test-slow lint format typecheck docs bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc clean
 
 help: ## List every target with a one-line description
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -76,6 +76,9 @@ format: setup ## Apply ruff format and autofixes
 
 typecheck: setup ## mypy on pipeline/, schemas/ and policy/
 	$(VENV)/bin/mypy pipeline schemas policy
+
+docs: setup ## Regenerate docs/reference/configuration.md from the config dataclasses (a test fails when it is stale)
+	$(PY) -m pipeline.config.reference
 
 # The bench dependency group (pyproject.toml): TRL for the side-by-side comparison, installed into .venv on first
 # use (CPU torch comes with setup). If it cannot be installed, the TRL part is skipped with a note.

@@ -345,6 +345,7 @@ def _rlpipe_learner_run(shape: str, args: argparse.Namespace, B: int, block: int
     from policy import learner as L
     from policy import mesh as mesh_lib
     from policy import model as M
+    from policy.losses import Batch
 
     S = args.seq_len
     lev, vocab = model_config(shape, seq_len=S)
@@ -369,7 +370,7 @@ def _rlpipe_learner_run(shape: str, args: argparse.Namespace, B: int, block: int
     optimizer = L.build_optimizer(config.optimizer, 1000)
     state = L.shard_state(L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None), lm)
     del model
-    batch = mesh_lib.global_batch(synthetic_learner_batch(B, S, vocab, -11.0), lm, B)
+    batch = Batch(**mesh_lib.global_batch(synthetic_learner_batch(B, S, vocab, -11.0), lm, B))
     step = L.mesh_train_step(config, lm)
     t0 = time.perf_counter()
     m, o, metrics = step(state.model, state.opt_state, None, batch)

@@ -24,7 +24,7 @@ from bench.common import machine_name
 from pipeline.config import ModelSpec, OptimizerSpec, RLOOLossConfig
 from policy import learner
 from policy import model as M
-from policy.losses import loss_module_from_config
+from policy.losses import Batch, loss_module_from_config
 
 VOCAB = 512  # builtin:tiny
 SIZES: dict[str, tuple[ModelSpec, int, int]] = {
@@ -38,21 +38,21 @@ SIZES: dict[str, tuple[ModelSpec, int, int]] = {
 }
 
 
-def synthetic_batch(B: int, S: int, seed: int = 0) -> dict[str, jax.Array]:
+def synthetic_batch(B: int, S: int, seed: int = 0) -> Batch:
     rng = np.random.default_rng(seed)
     mask = np.zeros((B, S), np.float32)
     mask[:, S // 4 :] = 1
-    return {
-        "tokens": jnp.asarray(rng.integers(4, VOCAB, (B, S)), jnp.int32),
-        "segment_ids": jnp.zeros((B, S), jnp.int32),
-        "position_ids": jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)),
-        "loss_mask": jnp.asarray(mask),
-        "advantages": jnp.asarray(rng.choice([-1.0, 1.0], (B, 1)) * mask, jnp.float32),
-        "generator_logprobs": jnp.asarray(-rng.uniform(4, 8, (B, S)), jnp.float32),
-        "temperature": jnp.ones((B, S), jnp.float32),
-        "truncated": jnp.zeros((B, S), bool),
-        "seq_index": jnp.asarray(np.arange(B)[:, None] * S + np.zeros((B, S), int), jnp.int32),
-    }
+    return Batch(
+        tokens=jnp.asarray(rng.integers(4, VOCAB, (B, S)), jnp.int32),
+        segment_ids=jnp.zeros((B, S), jnp.int32),
+        position_ids=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)),
+        loss_mask=jnp.asarray(mask),
+        advantages=jnp.asarray(rng.choice([-1.0, 1.0], (B, 1)) * mask, jnp.float32),
+        generator_logprobs=jnp.asarray(-rng.uniform(4, 8, (B, S)), jnp.float32),
+        temperature=jnp.ones((B, S), jnp.float32),
+        truncated=jnp.zeros((B, S), bool),
+        seq_index=jnp.asarray(np.arange(B)[:, None] * S + np.zeros((B, S), int), jnp.int32),
+    )
 
 
 def bench(name: str, steps: int) -> dict[str, object]:

@@ -30,6 +30,7 @@ def child(steps: int) -> dict[str, float]:
     from policy import learner as L
     from policy import mesh as mesh_lib
     from policy import model as M
+    from policy.losses import Batch
 
     config = LearnerStepConfig(
         model=ModelSpec(max_seq_len=S),
@@ -40,7 +41,7 @@ def child(steps: int) -> dict[str, float]:
     model = M.build_model(config.model, VOCAB)
     optimizer = L.build_optimizer(config.optimizer, 100)
     state = L.shard_state(L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None), lm)
-    batch = mesh_lib.global_batch(synthetic_learner_batch(B, S, VOCAB, -6.0), lm, B)
+    batch = Batch(**mesh_lib.global_batch(synthetic_learner_batch(B, S, VOCAB, -6.0), lm, B))
     step = L.mesh_train_step(config, lm)
     m, o, metrics = step(state.model, state.opt_state, None, batch)
     jax.block_until_ready(m)

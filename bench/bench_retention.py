@@ -34,7 +34,7 @@ def run(run_root: Path, steps: int, retention: bool, gc_every: int) -> dict[str,
     """One job on a fresh run root; its wall seconds and bytes."""
     cmd = [
         sys.executable, "-m", "steps.run", "--config_path", "configs/test_cats.yaml", "--run_root", str(run_root),
-        f"--train.num_train_steps={steps}", "--evaluator=false", "--checkpoint_interval=10",
+        f"--train.num_train_steps={steps}", "--evaluator=false", "--cadence.checkpoint_interval=10",
         f"--retention.enabled={str(retention).lower()}", f"--retention.gc_every_slots={gc_every}",
         "--retention.keep_policies=2", "--retention.keep_every=50", "--retention.data_window_slots=4",
     ]  # fmt: skip

@@ -59,10 +59,10 @@ def _server_backend(spec: ModelSpec, model: Any, tok: Any, *, max_seqs: int) -> 
 
     from pipeline.config import ServerInferenceConfig
     from pipeline.store.storage import RunStore
-    from policy.model import save_policy
+    from policy.policy_format import write_policy
 
     root = tempfile.mkdtemp(prefix="bench_server_")
-    save_policy(RunStore(root), 0, model)
+    write_policy(RunStore(root), 0, model)
     command = (
         f"{sys.executable} -m policy.inference.adapters.levanter_server --run_root {{run_root}} --host {{host}} "
         f"--port {{port}} --model_json {{model_json}} --step {{step}} --max_seqs {max_seqs}"

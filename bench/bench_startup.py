@@ -49,13 +49,14 @@ def child(step: str, config_path: str, run_root: str) -> None:
     importlib.import_module(f"steps.{step}")
     phases["import"] = time.perf_counter() - t0
     from pipeline.jobs.job import RLJob
+    from pipeline.process.step_kind import StepKind
     from pipeline.store import run_state
     from pipeline.store.storage import RunStore
     from steps.run import parse_job, step_config
 
     job = RLJob(parse_job(["--config_path", config_path, "--store.run_root", run_root]))
     if step in _STEP_KEY:
-        step_config(job, _STEP_KEY[step], [])
+        step_config(job, StepKind.from_cli(_STEP_KEY[step]), [])
     phases["config"] = time.perf_counter() - t0 - sum(phases.values())
     if step in ("learn", "rollout", "evaluate", "export"):
         from pipeline.environments.tokenizer import load_tokenizer

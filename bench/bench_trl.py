@@ -200,7 +200,7 @@ def rlpipe_overrides(size: str, steps: int, run_root: str) -> list[str]:
         "--curriculum.default_sampling.n_prompts", str(PROMPTS_PER_STEP),
         "--curriculum.default_sampling.n_generations_per_prompt", str(SAMPLES_PER_PROMPT),
         "--curriculum.default_sampling.max_tokens", str(MAX_TOKENS),
-        "--checkpoint_interval", str(max(steps, 1)), "--curriculum.eval_frequency", str(10 * steps),
+        "--cadence.checkpoint_interval", str(max(steps, 1)), "--curriculum.eval_frequency", str(10 * steps),
         "--train.seq_len", str(seq_len_for_task()), "--num_rollout_workers", str(ROLLOUT_WORKERS[size]),
         "--train.filter_zero_variance", "false",
     ]  # fmt: skip

@@ -32,8 +32,9 @@ def machine_name() -> str:
 
 
 def synthetic_learner_batch(batch: int, seq: int, vocab: int, sampler_logprob: float) -> dict[str, Any]:
-    """Host arrays of one learner batch slot: random tokens (seed 0), one full-length sequence per row, every
-    token a loss token with a random advantage, sampler logprobs all `sampler_logprob`, temperature 1."""
+    """Host arrays of one learner batch slot, named by the fields of `policy.losses.Batch`: random tokens (seed 0),
+    one full-length sequence per row, every token a loss token with a random advantage, sampler logprobs all
+    `sampler_logprob`, temperature 1."""
     import numpy as np
 
     rng = np.random.default_rng(0)

@@ -21,6 +21,8 @@ from levanter.models.llama import LlamaConfig
 from levanter.models.mistral import MistralConfig
 from levanter.models.qwen import Qwen3Config, QwenConfig
 
+from pipeline.store.urls import is_local, split_location
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,8 +56,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgp
 
 
 def is_remote(ref: str) -> bool:
-    """Whether `ref` is an fsspec URL other than `file://` (a gs:// folder, say)."""
-    return "://" in ref and not ref.startswith("file://")
+    """Whether `ref` is an fsspec URL of a remote file system (a gs:// folder, say; see `pipeline.store.urls`)."""
+    return not is_local(ref)
 
 
 def hf_metadata_folder(ref: str) -> str:
@@ -68,7 +70,7 @@ def hf_metadata_folder(ref: str) -> str:
     (`policy.model.build_model` streams them). Raises FileNotFoundError naming `ref` when it has no config.json.
     Credentials and endpoints are fsspec's defaults (for gs://, `STORAGE_EMULATOR_HOST` selects an emulator)."""
     if not is_remote(ref):
-        return ref.removeprefix("file://")
+        return split_location(ref)[1]
     cache = os.environ.get(HF_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "rlpipe-hf")
     dest = os.path.join(cache, hashlib.sha256(ref.rstrip("/").encode()).hexdigest()[:24])
     if os.path.exists(os.path.join(dest, "config.json")):

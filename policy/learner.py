@@ -5,8 +5,8 @@ The step program (`steps/learn.py`) strings these together. Contracts kept here:
     read through `schemas.BATCH`); a batch whose row count, seq_len, tokenizer or token ids do not fit the run
     is refused with `BatchMismatchError` naming the file and the field;
   - a checkpoint `checkpoints/step-S/` holds model + optimizer state (sharded safetensors, one file per learner
-    process: `policy.sharded_checkpoints`) and a COMMITTED marker written last by process 0, recording the
-    batch slot consumed, the checkpoint resumed from and the slots trained since;
+    process) and a COMMITTED marker written last by process 0, recording the batch slot consumed, the
+    checkpoint resumed from and the slots trained since (written and read by `policy.policy_format`);
   - the train step is a pure function of (model, optimizer state, reference, batch): no wall clock or host RNG
     reaches the math, so replaying batches S+1..S+k from checkpoint S gives bitwise-identical parameters on CPU.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
@@ -25,25 +24,22 @@ import numpy as np
 import optax
 
 import schemas
-from pipeline.config import LearnerStepConfig, LossConfig, ModelSpec, OptimizerSpec, TrainParams
+from pipeline.config import LearnerStepConfig, OptimizerSpec, TrainParams
 from pipeline.store import layout
 from pipeline.store.notify import waker_for
 from pipeline.store.poll import poll_until
 from pipeline.store.storage import RunStore
-from policy import checkpoints as ckpt
 from policy import lora
 from policy import mesh as mesh_lib
 from policy import model as M
-from policy import sharded_checkpoints as sharded
+from policy import policy_format as pf
 from policy.attention import fused_attention
 from policy.losses import Batch, RLLossModule, loss_module_from_config
+from policy.policy_format import LearnerState
 from policy.update_guard import guarded_update
 from schemas.records import BatchLogEntry, RecordError
 
 logger = logging.getLogger("policy.learner")
-
-MODEL_BLOB = "model"
-OPT_BLOB = "opt_state"
 
 
 class BatchMismatchError(ValueError):
@@ -120,24 +116,18 @@ def make_logprob_fn(compute_dtype: str, block_size: int | None = None, attention
         if block_size is not None:
             return M.blocked_logprobs_and_entropy(
                 M.cast_for_compute(model, compute_dtype),
-                batch["tokens"],
-                batch["segment_ids"],
-                batch["position_ids"],
-                batch["temperature"],
+                batch.tokens,
+                batch.segment_ids,
+                batch.position_ids,
+                batch.temperature,
                 block_size,
             )
         logits = M.forward_logits(
-            M.cast_for_compute(model, compute_dtype), batch["tokens"], batch["segment_ids"], batch["position_ids"]
+            M.cast_for_compute(model, compute_dtype), batch.tokens, batch.segment_ids, batch.position_ids
         )
-        return M.shifted_logprobs_and_entropy(logits, batch["tokens"], batch["segment_ids"], batch["temperature"])
+        return M.shifted_logprobs_and_entropy(logits, batch.tokens, batch.segment_ids, batch.temperature)
 
     return logprob_fn
-
-
-@functools.lru_cache(maxsize=8)
-def train_step_for(loss: LossConfig, optimizer: OptimizerSpec, num_train_steps: int, compute_dtype: str) -> Any:
-    """The jitted train step for these (hashable, frozen) configs; cached so one process compiles it once."""
-    return make_train_step(loss_module_from_config(loss), build_optimizer(optimizer, num_train_steps), compute_dtype)
 
 
 def mesh_train_step(config: LearnerStepConfig, lm: mesh_lib.LearnerMesh) -> Any:
@@ -194,8 +184,8 @@ def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransfor
 def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) -> tuple[BatchLogEntry | None, float]:
     """The commit object of batch `slot` and the seconds waited; (None, waited) if control/STOP appeared.
 
-    Raises `pipeline.store.poll.WaitTimeout` naming the log entry and `batch_wait_timeout_s` when nothing appears
-    within `timeout_s`, and BatchMismatchError naming the file and field when the entry is not a valid
+    Raises `pipeline.store.poll.WaitTimeout` naming the log entry and `cadence.batch_wait_timeout_s` when nothing
+    appears within `timeout_s`, and BatchMismatchError naming the file and field when the entry is not a valid
     `BatchLogEntry`.
     """
     entry = layout.batch_log_entry(slot)
@@ -215,7 +205,7 @@ def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) 
         timeout_s=timeout_s,
         interval_s=poll_s,
         what=lambda: store.full_path(entry),
-        setting="batch_wait_timeout_s",
+        setting="cadence.batch_wait_timeout_s",
         waker=waker_for(store),
     )
     return value, waited
@@ -223,7 +213,7 @@ def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) 
 
 def batch_arrays(rows: list[schemas.BatchRow], train: TrainParams, vocab_size: int, path: str) -> Batch:
     """Fixed-shape [batch_size, seq_len] learner arrays from batch rows; BatchMismatchError on any misfit."""
-    return jax.device_put(host_batch_arrays(rows, train, vocab_size, path), may_alias=False)
+    return Batch(**jax.device_put(host_batch_arrays(rows, train, vocab_size, path), may_alias=False))
 
 
 def host_batch_arrays(
@@ -234,8 +224,8 @@ def host_batch_arrays(
     start: int = 0,
     stop: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Rows [start, stop) of the slot's [batch_size, seq_len] learner arrays (numpy; `seq_index` numbered over the
-    whole slot); BatchMismatchError on any misfit."""
+    """Rows [start, stop) of the slot's [batch_size, seq_len] learner arrays on the host: numpy arrays named by the
+    fields of `Batch` (`seq_index` numbered over the whole slot); BatchMismatchError on any misfit."""
     if len(rows) != train.batch_size:
         raise BatchMismatchError(f"{path}: {len(rows)} rows, run expects train.batch_size={train.batch_size}")
     B, S = train.batch_size, train.seq_len
@@ -301,87 +291,12 @@ def read_batch(
         return batch_arrays(rows, train, vocab_size, data_file), data_file
     start, stop = mesh_lib.process_rows(train.batch_size)
     local = host_batch_arrays(rows, train, vocab_size, data_file, start, stop)
-    return mesh_lib.global_batch(local, lm, train.batch_size), data_file
+    return Batch(**mesh_lib.global_batch(local, lm, train.batch_size)), data_file
 
 
 # ---------------------------------------------------------------------------------------------
 # checkpoints, policies, the reference model
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LearnerState:
-    """What a full checkpoint holds: `step` batches consumed (slots 1..step), model, optimizer state."""
-
-    step: int
-    model: Any
-    opt_state: Any
-    parent: int | None
-    """The checkpoint this process resumed from (None: initialised)."""
-
-
-def committed_checkpoints(store: RunStore) -> list[int]:
-    """Committed, not garbage-collected checkpoint steps, ascending."""
-    return [
-        s
-        for s in ckpt.committed_steps(store, layout.CHECKPOINTS)
-        if not store.exists(layout.join(layout.checkpoint_dir(s), "COLLECTED"))
-    ]
-
-
-def save_checkpoint(store: RunStore, state: LearnerState, config: LearnerStepConfig, lineage_start: int) -> bool:
-    """Commit `checkpoints/step-S` sharded (`policy.sharded_checkpoints`): model + optimizer state, then COMMITTED
-    recording the slots consumed. Every learner process must call it; True on the process that committed."""
-    meta = {
-        "kind": "checkpoint",
-        "step": state.step,
-        "batch_slot": state.step,
-        "parent": state.parent,
-        "slots": [lineage_start, state.step],
-        "tokenizer": config.model.tokenizer,
-        "seq_len": config.train.seq_len,
-        "vocab_size": int(state.model.Vocab.size),
-        "loss": type(config.loss).__name__,
-    }
-    trees = {MODEL_BLOB: state.model, OPT_BLOB: state.opt_state}
-    return sharded.save_sharded(store, layout.checkpoint_dir(state.step), trees, meta)
-
-
-def collect_old_checkpoints(store: RunStore, keep: int) -> None:
-    """Garbage-collect all but the newest `keep` checkpoints: tombstone first, then delete their data files.
-
-    The COMMITTED markers stay (commit objects are never deleted), so the lineage remains auditable. Only the
-    writer process (process 0) collects.
-    """
-    if not mesh_lib.is_writer():
-        return
-    steps = committed_checkpoints(store)
-    for s in steps[: max(len(steps) - keep, 0)]:
-        folder = layout.checkpoint_dir(s)
-        store.put_json_if_absent(layout.join(folder, "COLLECTED"), {"step": s})
-        for rel in store.list(folder):
-            if rel.endswith(".safetensors"):
-                store.delete(rel)
-        logger.info("garbage-collected checkpoint %d", s)
-
-
-def load_checkpoint(
-    store: RunStore, step: int, spec: ModelSpec, vocab_size: int, optimizer: Any, lm: mesh_lib.LearnerMesh | None = None
-) -> LearnerState:
-    """Restore checkpoint `step` (each file verified against its marker) into templates built from the config:
-    a sharded one onto mesh `lm` whatever mesh wrote it; else (or the older whole-pytree format) on the host."""
-    folder = layout.checkpoint_dir(step)
-    record = ckpt.read_marker(store, folder)
-    template = M.model_template(spec, vocab_size)
-    if spec.lora is not None:
-        template = lora.loraize_template(template, spec.lora)
-    opt_template = eqx.filter_eval_shape(optimizer.init, lora.trainable_params(template))
-    if record.format == sharded.FORMAT:
-        trees = sharded.load_sharded(store, folder, record, {MODEL_BLOB: template, OPT_BLOB: opt_template}, lm)
-        return LearnerState(step=step, model=trees[MODEL_BLOB], opt_state=trees[OPT_BLOB], parent=step)
-    model = ckpt.tree_from_safetensors(template, ckpt.read_blob(store, folder, record, MODEL_BLOB), source=folder)
-    opt_state = ckpt.tree_from_safetensors(opt_template, ckpt.read_blob(store, folder, record, OPT_BLOB), source=folder)
-    return LearnerState(step=step, model=model, opt_state=opt_state, parent=step)
 
 
 def resume_or_init(
@@ -393,10 +308,10 @@ def resume_or_init(
     an error log; if checkpoints exist but none loads, this raises rather than silently restarting from scratch.
     """
     errors = []
-    for s in reversed(mesh_lib.writer_ints(committed_checkpoints(store))):
+    for s in reversed(mesh_lib.writer_ints(pf.committed_checkpoints(store))):
         try:
-            state: LearnerState | None = load_checkpoint(store, s, config.model, vocab_size, optimizer, lm)
-        except ckpt.CheckpointError as e:
+            state: LearnerState | None = pf.read_checkpoint(store, s, config.model, vocab_size, optimizer, lm)
+        except pf.CheckpointError as e:
             logger.error("checkpoint %d unusable, trying an older one: %s", s, e)
             errors.append(str(e))
             state = None
@@ -407,7 +322,7 @@ def resume_or_init(
         logger.info("resuming from checkpoint %d (next batch slot %d)", s, s + 1)
         return state
     if errors:
-        raise ckpt.CheckpointError("no committed checkpoint loads: " + "; ".join(errors))
+        raise pf.CheckpointError("no committed checkpoint loads: " + "; ".join(errors))
     logger.info("no checkpoint: initialising %s model (seed %d)", config.model.family, config.model.seed)
     model = M.build_model(config.model, vocab_size, jax.random.PRNGKey(config.model.seed), mesh=lm)
     if config.model.param_dtype not in ("float32", "fp32"):
@@ -431,7 +346,7 @@ def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, 
     if not module.needs_reference:
         return None
     # policy 0 may be published in a lower dtype (model.publish_dtype): the reference computes in param_dtype
-    return module.build(M.cast_params(M.load_policy(store, 0, config.model, vocab_size), config.model.param_dtype))
+    return module.build(M.cast_params(pf.read_policy(store, 0, config.model, vocab_size), config.model.param_dtype))
 
 
 def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConfig) -> None:
@@ -442,7 +357,7 @@ def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConf
     model = mesh_lib.to_host(state.model)
     if not mesh_lib.is_writer():
         return
-    M.save_policy(
+    pf.write_policy(
         store,
         state.step,
         model,

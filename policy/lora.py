@@ -7,34 +7,22 @@ Contracts:
   - `split(model)` -> (adapters, base) and `combine(adapters, base)` are inverse: the learner differentiates and
     optimizes only the adapters; the base weights pass through every step untouched (bitwise).
   - `merge(model)` folds every adapter into its layer: a plain model of the base's structure, `W + (alpha/r)·BA`.
-  - A policy published with `model.lora.publish: adapters` holds the blob `adapters` (the adapter tensors only) and
-    in its COMMITTED marker `lora` (r, alpha, target_modules) and `base_policy` (the policy step whose weights
-    are the base: 0); `load_adapter_policy` returns the merged model, so every reader sees a plain policy.
-  - `save_peft(model, spec, out, base)` writes a PEFT adapter folder (`adapter_config.json`,
-    `adapter_model.safetensors`, tensor names `base_model.model.<HF module>.lora_{A,B}.weight`).
+  - How adapters are stored in policies and exported as PEFT folders: `policy.policy_format.adapters`.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from typing import Any
 
 import equinox as eqx
-import fsspec
 import haliax as hax
 import jax
 from levanter import lora as llora
 
-from pipeline.config import LoraSpec, ModelSpec
-from pipeline.store import layout
-from policy import checkpoints as ckpt
+from pipeline.config import LoraSpec
 
-ADAPTERS_BLOB = "adapters"
-"""The blob of a policy or checkpoint that holds the adapter tensors."""
 KEY_SALT = 0x10A
 """Folded into `PRNGKey(model.seed)` for the adapters' A matrices (independent of the base weights' draw)."""
-PEFT_PREFIX = "base_model.model"
 
 
 def levanter_config(spec: LoraSpec) -> llora.LoraConfig:
@@ -112,86 +100,6 @@ def merge(model: Any) -> Any:
     """`model` with every adapter folded into its layer's weight, `W + (alpha/r)·BA` in W's axis order and dtype:
     a plain model of the base's structure (with B = 0, bitwise the base)."""
     return jax.tree_util.tree_map(_merge_layer, model, is_leaf=lambda n: isinstance(n, llora.LoraLinear))
-
-
-def adapter_metadata(spec: ModelSpec) -> dict[str, Any]:
-    """What a policy marker records of the adapters (`lora`) and where their base weights are (`base_policy`)."""
-    assert spec.lora is not None
-    lora = {"r": spec.lora.r, "alpha": float(spec.lora.alpha), "target_modules": list(spec.lora.target_modules)}
-    return {"lora": lora, "base_policy": 0, "base_hf_checkpoint": spec.hf_checkpoint}
-
-
-def policy_blobs(model: Any, spec: ModelSpec, step: int) -> tuple[dict[str, bytes], dict[str, Any]]:
-    """(blobs, marker metadata) of policy `step` of the loraized `model` as `spec.lora.publish` says.
-
-    `merged` (and policy 0 in either mode, the base of later ones): `weights` in the normal policy format, plus
-    `adapters` so a PEFT folder can be exported. `adapters`: only `adapters`, with `lora` and `base_policy`."""
-    from policy.model import POLICY_WEIGHTS
-
-    assert spec.lora is not None
-    adapters = ckpt.tree_to_safetensors(adapter_arrays(model))
-    if spec.lora.publish == "adapters" and step > 0:
-        return {ADAPTERS_BLOB: adapters}, adapter_metadata(spec)
-    lora = adapter_metadata(spec)["lora"]
-    return {POLICY_WEIGHTS: ckpt.tree_to_safetensors(merge(model)), ADAPTERS_BLOB: adapters}, {"lora": lora}
-
-
-def marker_lora(extra: dict[str, Any]) -> LoraSpec | None:
-    """The adapters' shape recorded in a marker's extra fields (None: the policy has no adapters blob)."""
-    lora = extra.get("lora")
-    if not isinstance(lora, dict):
-        return None
-    return LoraSpec(r=int(lora["r"]), alpha=float(lora["alpha"]), target_modules=tuple(lora["target_modules"]))
-
-
-def read_adapters(store: Any, folder: str, record: Any, base: Any) -> Any:
-    """The loraized `base` (a plain model) with the adapters of the committed `folder` (verified by the marker).
-
-    Raises CheckpointError when the marker has no adapters or their tensors do not fit."""
-    lora = marker_lora(record.extra)
-    if lora is None or ADAPTERS_BLOB not in record.files:
-        raise ckpt.CheckpointError(f"{folder}: no adapters recorded in its marker")
-    structure = eqx.filter_eval_shape(lambda m: llora.loraize(m, levanter_config(lora), key=adapter_key(0)), base)
-    adapter_shapes, base_shapes = split(structure)
-    shapes, statics = eqx.partition(adapter_shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    loaded = ckpt.tree_from_safetensors(shapes, ckpt.read_blob(store, folder, record, ADAPTERS_BLOB), source=folder)
-    return combine(eqx.combine(loaded, statics), fill(base_shapes, base))
-
-
-def fill(shapes: Any, model: Any) -> Any:
-    """`shapes` (the base part of a loraized structure, ShapeDtypeStruct leaves) with the arrays of the plain
-    `model` it was built from: wrapping a layer keeps its weights' order among the leaves."""
-    slots, treedef = jax.tree_util.tree_flatten(shapes)
-    arrays = jax.tree_util.tree_leaves(model)
-    if len(slots) != len(arrays) or any(
-        tuple(s.shape) != tuple(a.shape) or s.dtype != a.dtype for s, a in zip(slots, arrays, strict=True)
-    ):
-        raise ValueError("the model does not fit the loraized structure")
-    return jax.tree_util.tree_unflatten(treedef, arrays)
-
-
-def load_adapter_policy(store: Any, step: int, record: Any, spec: ModelSpec, vocab_size: int) -> Any:
-    """Policy `step` published as adapters: its base policy's weights with the adapters merged in."""
-    from policy.model import load_policy
-
-    base_step = record.extra.get("base_policy")
-    if not isinstance(base_step, int) or base_step >= step:
-        raise ckpt.CheckpointError(f"{layout.policy_dir(step)}: base_policy={base_step!r} is not an earlier policy")
-    base = load_policy(store, base_step, spec, vocab_size)
-    return merge(read_adapters(store, layout.policy_dir(step), record, base))
-
-
-def save_peft(model: Any, lora: LoraSpec, out: str, base_model_name_or_path: str | None) -> None:
-    """Write a PEFT adapter folder for the adapters of the loraized `model` to `out` (local or an fsspec URL)."""
-    if "://" not in out or out.startswith("file://"):
-        local = out.removeprefix("file://")
-        llora.save_peft_pretrained(model, levanter_config(lora), base_model_name_or_path, local, prefix=PEFT_PREFIX)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        llora.save_peft_pretrained(model, levanter_config(lora), base_model_name_or_path, tmp, prefix=PEFT_PREFIX)
-        fs, base = fsspec.core.url_to_fs(out)
-        for name in sorted(os.listdir(tmp)):
-            fs.put_file(os.path.join(tmp, name), f"{base.rstrip('/')}/{name}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,19 +2,14 @@
 Mistral, Gemma: `policy.families.FAMILIES`).
 
 Reads: an optional Hugging Face checkpoint folder (local or any fsspec URL such as gs://) named by
-`ModelSpec.hf_checkpoint` (a remote one streamed: `policy.hf_checkpoint`); committed policies
-`policies/step-S/` of a run root.
-Writes: policies `policies/step-S/weights-<attempt>.safetensors` + `policies/step-S/COMMITTED` (written
-last, create-if-absent) + the `policies/LATEST` hint; HF exports (`export_hf`).
+`ModelSpec.hf_checkpoint` (a remote one streamed: `policy.hf_checkpoint`). Policies, checkpoints and exports on
+disk are `policy.policy_format`'s.
 
 API (stable; other steps call these):
 
     build_model(spec, vocab_size, key=None, mesh=None) -> LmHeadModel  # from scratch (seeded) or from HF
-    save_policy(store, step, model, extra=None) -> bool            # commit policies/step-S
-    load_policy(store, step, spec, vocab_size) -> LmHeadModel      # verified against the marker, in its stored dtype
-    latest_policy_step(store) -> int | None                        # listing is the truth
+    model_template(spec, vocab_size) -> LmHeadModel                # the structure, ShapeDtypeStruct leaves
     teacher_forced_logprobs(model, tokens, *, segment_ids, position_ids, temperature) -> [B, S] float32
-    export_hf(model, out_dir, tokenizer)                           # transformers-loadable folder
 
 Logprob alignment (the same everywhere in rlpipe): `logprobs[b, t] = log softmax(logits[b, t-1] / T)[tokens[b, t]]`,
 i.e. the logprob of token t given the tokens before it in its segment; 0 at t = 0 and at the first
@@ -26,15 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
-import fsspec
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -43,13 +34,8 @@ from levanter.layers.attention import AttentionBackend, AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
 from pipeline.config import ConfigError, ModelSpec
-from pipeline.store import layout, run_state
-from policy import checkpoints as ckpt
 from policy.families import FAMILIES, hf_metadata_folder
-from policy.hf_checkpoint import hf_converter as _hf_converter
-from policy.hf_checkpoint import host_mesh as _host_mesh
 from policy.hf_checkpoint import load_hf_model
-from schemas.records import CommitMarker, LatestPointer, RecordError
 
 if TYPE_CHECKING:
     from policy.mesh import LearnerMesh
@@ -58,11 +44,6 @@ logger = logging.getLogger(__name__)
 
 BATCH_AXIS = "batch"
 POS_AXIS = "position"
-POLICY_WEIGHTS = "weights"
-
-
-class PolicyNotFoundError(FileNotFoundError):
-    """The requested policy step has no commit marker."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +151,7 @@ def count_params(model: Any) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# policies on the run root
+# parameter dtypes
 # ---------------------------------------------------------------------------------------------
 
 
@@ -186,92 +167,6 @@ def cast_params(model: Any, dtype: str) -> Any:
     """`model` with every floating array leaf cast to `dtype` (other leaves unchanged)."""
     dt = jnp.dtype("float32" if dtype == "fp32" else dtype)
     return jax.tree_util.tree_map(lambda x: x.astype(dt) if eqx.is_inexact_array(x) else x, model)
-
-
-def save_policy(
-    store: Any,
-    step: int,
-    model: LmHeadModel,
-    extra: dict[str, Any] | None = None,
-    dtype: str | None = None,
-    spec: ModelSpec | None = None,
-) -> bool:
-    """Commit `model` as policy `step`: weights file, then COMMITTED (last), then the LATEST hint.
-
-    `extra` goes into the marker (the learner records `batch_slot`, `tokenizer`, `seq_len`). With `dtype`,
-    floating weights are written in that dtype (the marker records it as `dtype`; `load_policy` reads it).
-    With `spec.lora`, `model` is the loraized model and the policy holds what `spec.lora.publish` says
-    (`policy.lora.policy_blobs`), always in float32: `dtype` does not apply to LoRA policies.
-    Returns False (and writes nothing new) if policy `step` was already committed: a committed policy
-    is never replaced. LATEST only moves forward.
-    """
-    folder = layout.policy_dir(step)
-    if store.exists(layout.policy_marker(step)):
-        logger.info("policy %d already committed", step)
-        return False
-    lora_spec = spec.lora if spec is not None else None
-    if dtype is not None and dtype not in ("float32", "fp32") and lora_spec is None:
-        model = cast_params(model, dtype)
-        extra = {**(extra or {}), "dtype": str(jnp.dtype(dtype))}
-    meta = {"step": step, "vocab_size": int(model.Vocab.size), "kind": "policy", **(extra or {})}
-    if spec is not None and lora_spec is not None:
-        from policy import lora
-
-        blobs, lora_meta = lora.policy_blobs(model, spec, step)
-        meta.update(lora_meta)
-    else:
-        blobs = {POLICY_WEIGHTS: ckpt.tree_to_safetensors(model)}
-    created = ckpt.write_committed(store, folder, blobs, meta)
-    _advance_latest(store, step)
-    return created
-
-
-def _advance_latest(store: Any, step: int) -> None:
-    try:
-        current = LatestPointer.from_json(store.get(layout.POLICY_LATEST), path=layout.POLICY_LATEST).step
-    except (FileNotFoundError, RecordError):
-        current = -1
-    if step > current:
-        store.put_unique(layout.POLICY_LATEST, LatestPointer(step=step).to_json())
-
-
-def load_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHeadModel:
-    """Load committed policy `step`, verifying size and sha256 against its marker.
-
-    A policy published as LoRA adapters comes back merged into its base policy's weights (`policy.lora`), so the
-    result is always a plain model of `spec`'s shape. Raises PolicyNotFoundError when the marker is missing,
-    CheckpointError when the files do not match it or the weights do not fit `spec`/`vocab_size` (the message
-    names the file and tensor).
-    """
-    folder = layout.policy_dir(step)
-    if not store.exists(layout.policy_marker(step)):
-        raise PolicyNotFoundError(f"{layout.policy_marker(step)}: policy {step} is not committed")
-    record = ckpt.read_marker(store, folder)
-    if record.vocab_size != vocab_size:
-        raise ckpt.CheckpointError(f"{folder}: committed with vocab_size={record.vocab_size}, expected {vocab_size}")
-    if POLICY_WEIGHTS not in record.files:
-        from policy import lora
-
-        return lora.load_adapter_policy(store, step, record, spec, vocab_size)
-    data = ckpt.read_blob(store, folder, record, POLICY_WEIGHTS)
-    template = model_template(spec, vocab_size)
-    stored = record.extra.get("dtype")
-    if isinstance(stored, str):  # published in the sampler's dtype (e.g. bfloat16): loaded as stored
-        dt = jnp.dtype(stored)
-        template = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, template
-        )
-    return ckpt.tree_from_safetensors(template, data, source=folder)
-
-
-def policy_metadata(store: Any, step: int) -> CommitMarker:
-    """The COMMITTED marker of policy `step` (batch slot, tokenizer, seq_len, files)."""
-    return ckpt.read_marker(store, layout.policy_dir(step))
-
-
-def latest_policy_step(store: Any) -> int | None:
-    """Newest policy step with a commit marker, by listing (LATEST is only a hint); None if none."""
-    return run_state.latest_policy_step(store)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,62 +333,6 @@ def teacher_forced_logprobs(
     pos = None if position_ids is None else jnp.asarray(position_ids, jnp.int32)
     temp = jnp.asarray(temperature, jnp.float32)
     return _tf_logprobs(cast_for_compute(model, compute_dtype), tokens, seg, pos, temp)
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face export
-# ---------------------------------------------------------------------------------------------
-
-
-def export_hf(model: LmHeadModel, out_dir: str, tokenizer: Any, family: str = "llama") -> None:
-    """Write a Hugging Face folder for `model` that transformers, vLLM and SGLang load as is.
-
-    The folder: `config.json` (with `architectures` and `torch_dtype`), `generation_config.json` (BOS, EOS and
-    pad ids), `model.safetensors`, and the tokenizer as `pipeline.environments.tokenizer.save_for_export` writes it (it
-    encodes a prompt to the ids the rollout workers use, BOS included, and returns no `token_type_ids`).
-    Nothing is fetched from a hub. `out_dir` may be local or an fsspec URL.
-    """
-    remote = "://" in out_dir and not out_dir.startswith("file://")
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, "out") if remote else out_dir.removeprefix("file://")
-        os.makedirs(local, exist_ok=True)
-        _write_hf_folder(model, local, tokenizer, family, ref_dir=os.path.join(tmp, "ref"))
-        if remote:
-            fs, base = fsspec.core.url_to_fs(out_dir)
-            for name in sorted(os.listdir(local)):
-                fs.put_file(os.path.join(local, name), f"{base.rstrip('/')}/{name}")
-    logger.info("exported HF checkpoint to %s", out_dir)
-
-
-def _write_hf_folder(model: LmHeadModel, out: str, tokenizer: Any, family: str, ref_dir: str) -> None:
-    import transformers
-
-    from pipeline.environments.tokenizer import save_for_export
-
-    hf_config = model.config.to_hf_config(model.Vocab.size)
-    hf_config.architectures = [FAMILIES[family].architecture]
-    hf_config.save_pretrained(ref_dir)
-    converter = _hf_converter(ModelSpec(family=family), ref_dir, tokenizer=tokenizer)
-    with _host_mesh():
-        converter.save_pretrained(model, out, save_reference_code=False, save_tokenizer=False)
-    save_for_export(tokenizer, out)
-    ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    config_file = os.path.join(out, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    # The generation defaults the converter copies into config.json (e.g. suppressing BOS/EOS/pad as the first
-    # token) are not how the policy samples: generation_config.json below holds the ones that apply.
-    for key in ("begin_suppress_tokens", "suppress_tokens", "decoder_start_token_id", "max_length"):
-        config.pop(key, None)
-    dtype = str(jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))[0].dtype)
-    config.update(ids, torch_dtype=dtype, dtype=dtype)
-    with open(config_file, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    transformers.GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(out)
 
 
 def numpy_params(model: Any) -> list[np.ndarray]:

@@ -12,7 +12,8 @@ import jax
 from pipeline.config import LearnerStepConfig
 from pipeline.store.storage import RunStore
 from policy import mesh as mesh_lib
-from policy.learner import LearnerState, publish_policy
+from policy.learner import publish_policy
+from policy.policy_format import LearnerState
 from schemas.records import BatchLogEntry
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,6 @@ class PolicyPublisher:
         while len(self._pending) >= self.MAX_PENDING:
             self._pending.pop(0).result()
         self._pending.append(self._pool.submit(self._publish, state))
-
-    def publish_now(self, state: LearnerState) -> None:
-        """Commit policy `state.step` before returning (after everything queued)."""
-        self.submit(state)
-        self.drain()
 
     def drain(self) -> None:
         """Block until every queued policy is committed; raise the first failure."""

@@ -373,8 +373,7 @@ def policy_runtime(config: Any, tokenizer: Any) -> Any:
     models of committed steps, and the Hugging Face folders a server backend loads."""
     from pipeline.rollout.worker import PolicyRuntime
     from policy.inference import backend_class
-    from policy.inference.hf_publish import publish_hf_if_needed
-    from policy.model import load_policy, policy_metadata
+    from policy.policy_format import policy_metadata, publish_hf_if_needed, read_policy
 
     def build_manager(model: Any) -> RolloutManager:
         return RolloutManager(
@@ -387,7 +386,7 @@ def policy_runtime(config: Any, tokenizer: Any) -> Any:
         )
 
     def load_model(store: Any, step: int) -> Any:
-        return load_policy(store, step, config.model, policy_metadata(store, step).vocab_size)
+        return read_policy(store, step, config.model, policy_metadata(store, step).vocab_size)
 
     return PolicyRuntime(
         manages_weights=backend_class(config.inference).manages_weights,

@@ -22,6 +22,7 @@ the updates skipped; `optimizer_updates` = E·k.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -43,11 +44,11 @@ SUMMED_METRICS = ("loss_tokens", "clamped_count")
 
 def aggregation_weight(module: RLLossModule, batch: Batch) -> jax.Array:
     """The denominator of `module`'s aggregation on `batch`: loss tokens, or sequences with loss tokens."""
-    mask = batch["loss_mask"].astype(jnp.float32)
+    mask = batch.loss_mask.astype(jnp.float32)
     if getattr(module, "overlong_filter", False):
-        mask = mask * (1.0 - batch["truncated"].astype(jnp.float32))
+        mask = mask * (1.0 - batch.truncated.astype(jnp.float32))
     if isinstance(module, GSPOLoss) or module.config.aggregation == "sequence":
-        seq = batch["seq_index"].reshape(-1)
+        seq = batch.seq_index.reshape(-1)
         counts = jax.ops.segment_sum(mask.reshape(-1), seq, num_segments=seq.size + 1)
         return jnp.sum((counts[:-1] > 0).astype(jnp.float32))
     return jnp.sum(mask)
@@ -55,13 +56,12 @@ def aggregation_weight(module: RLLossModule, batch: Batch) -> jax.Array:
 
 def microbatch(batch: Batch, i: jax.Array | int, n: int) -> Batch:
     """Rows i, i+n, i+2n, … of `batch`, with `seq_index` renumbered for the smaller shape (padding = mb·S)."""
-    B, S = batch["tokens"].shape
+    B, S = batch.tokens.shape
     mb = B // n
-    out = {k: v.reshape(mb, n, *v.shape[1:])[:, i] for k, v in batch.items()}
-    seg = out["segment_ids"]
+    out: Batch = jax.tree.map(lambda v: v.reshape(mb, n, *v.shape[1:])[:, i], batch)
     rows = jnp.arange(mb, dtype=jnp.int32)[:, None]
-    out["seq_index"] = jnp.where(seg >= 0, rows * S + seg, mb * S).astype(jnp.int32)
-    return out
+    seq_index = jnp.where(out.segment_ids >= 0, rows * S + out.segment_ids, mb * S).astype(jnp.int32)
+    return dataclasses.replace(out, seq_index=seq_index)
 
 
 def accumulate(
@@ -91,7 +91,7 @@ def pre_update_logprobs(logprob_fn: Any, model: Any, batch: Batch, n: int) -> ja
     """[B, S] logprobs of `batch` under `model`, no gradient, computed in `n` strided pieces (as microbatches)."""
     if n == 1:
         return jax.lax.stop_gradient(logprob_fn(model, batch)[0])
-    B, S = batch["tokens"].shape
+    B, S = batch.tokens.shape
     pieces = [jax.lax.stop_gradient(logprob_fn(model, microbatch(batch, i, n))[0]) for i in range(n)]
     return jnp.stack(pieces, axis=1).reshape(B, S)  # row r of piece i is slot row r·n + i
 
@@ -167,7 +167,7 @@ def make_mesh_train_step(
     def step_on_mesh(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
         with lm.active():
             if needs_old:
-                batch = {**batch, "old_logprobs": jitted_old(model, batch)}
+                batch = dataclasses.replace(batch, old_logprobs=jitted_old(model, batch))
             per_update = []
             for _ in range(epochs):
                 for j in range(k):

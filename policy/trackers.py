@@ -27,7 +27,9 @@ from pipeline.config import (
     TrackerConfig,
     WandbTrackerConfig,
 )
-from pipeline.store.run_state import is_local
+from pipeline.process.step_kind import StepKind
+from pipeline.store.poll import WaitTimeout, poll_until
+from pipeline.store.urls import is_local, split_location
 
 Tracker = Any
 """A `levanter.tracker.Tracker`: `log(metrics, step=)`, `finish()`."""
@@ -61,7 +63,7 @@ def register_tracker(config_class: type[T]) -> Callable[[Callable[[T, TrackerRun
 
 def tracker_run(config: TrackerConfig, run_root: str) -> TrackerRun:
     """The run's tracker name and default folder (see TrackerRun)."""
-    local = run_root.split("://", 1)[-1] if is_local(run_root) else None
+    local = split_location(run_root)[1] if is_local(run_root) else None
     logdir = os.path.join(local, "trackers") if local else os.path.abspath("trackers")
     return TrackerRun(name=config.name or run_root.rstrip("/").rsplit("/", 1)[-1] or "rlpipe", default_logdir=logdir)
 
@@ -144,7 +146,7 @@ class _WandbRun:
 
 FORWARD_EVERY_S = 2.0
 """How often the other steps' metrics records are read from the run root for the tracker."""
-FORWARDED_KINDS = ("batchmaker", "rollout", "evaluate")
+FORWARDED_KINDS = (StepKind.BATCHMAKER, StepKind.ROLLOUT, StepKind.EVALUATE)
 
 
 class RunTracker:
@@ -190,18 +192,25 @@ class RunTracker:
         self, policy_step: int, lessons: Iterable[str], timeout_s: float, poll_s: float = 1.0
     ) -> bool:
         """Keep forwarding records until the evaluations of every lesson in `lessons` of policy `policy_step` have
-        been logged, or `timeout_s` passed; True when they all were."""
+        been logged, or `timeout_s` passed (`pipeline.store.poll.poll_until`; the timeout is logged naming the
+        evaluations still missing); True when they all were."""
         wanted = {(policy_step, lesson) for lesson in lessons}
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def all_logged() -> bool:
             self._collect()
             self._forward()
-            if wanted <= self._evaluated:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(poll_s, left))
+            return wanted <= self._evaluated
+
+        def what() -> str:
+            missing = sorted(lesson for step, lesson in wanted - self._evaluated)
+            return f"the evaluations of policy {policy_step} (lessons {', '.join(missing)}) in metrics/evaluate/"
+
+        try:
+            poll_until(all_logged, timeout_s=timeout_s, what=what, interval_s=poll_s, log=logger)
+        except WaitTimeout as e:  # the caller says what it means (the tracker closes without them)
+            logger.info("%s", e)
+            return False
+        return True
 
     def finish(self) -> None:
         """Forward the records committed by now, then finish the tracker run."""
@@ -228,12 +237,12 @@ class RunTracker:
     def _forward(self) -> None:
         with self._pending_lock:
             records, self._pending = self._pending, []
-        rollouts = [r for r in records if r.get("kind") == "rollout" and "rows" in r]
+        rollouts = [r for r in records if r.get("kind") == StepKind.ROLLOUT and "rows" in r]
         for rec in records:
             kind = rec.get("kind")
-            if kind == "batchmaker":
+            if kind == StepKind.BATCHMAKER:
                 self._log_at(_prefixed("batches", rec, skip=("slot",)), int(rec.get("slot", 0)))
-            elif kind == "evaluate" and not rec.get("external"):
+            elif kind == StepKind.EVALUATE and not rec.get("external"):
                 lesson = str(rec.get("lesson_id", "eval"))
                 self._log_at(_prefixed(f"eval/{lesson}", rec, skip=("lesson_id", "external")), self._step)
                 if isinstance(rec.get("policy_step"), int):

@@ -1,6 +1,6 @@
 """Typed, versioned JSON commit records: what one step commits to the run root and another reads.
 
-Four records, each a frozen dataclass with a `VERSION`:
+Six records, each a frozen dataclass with a `VERSION`:
 
 - `BatchLogEntry`  `batches/log/step-T.json`, the commit object of batch slot T (BatchMaker): the data file
   and its digest, lineage, which rollout files were ingested / quarantined / late, the sealed scan folders,
@@ -10,7 +10,11 @@ Four records, each a frozen dataclass with a `VERSION`:
   plus producer fields such as the rollout worker's `signal_rows`).
 - `CommitMarker`   `policies/step-S/COMMITTED` and `checkpoints/step-S/COMMITTED`: the files of the folder
   with sizes and sha256, the step, and what the learner records (batch slot, tokenizer, slots consumed, ...).
+- `HfFolderMarker` `policies/step-S/hf/COMMITTED`: commits the Hugging Face folder of policy S (its files with
+  sizes and sha256), written last, create-if-absent.
 - `LatestPointer`  `policies/LATEST`, a hint naming the newest published policy step.
+- `GcPlan`         `gc/plan-N.json`: what garbage-collection run N deletes (lineage file, data files, folders),
+  written create-if-absent before its first deletion.
 
 Contract of every record:
 

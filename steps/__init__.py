@@ -1,4 +1,9 @@
-"""rlpipe's steps: the JAX code (learner, rollout, evaluate) and the step entry points (`python -m steps.<name>`)."""
+"""rlpipe's step programs, one per `python -m steps.<name>`: each parses its config and runs `main(config)`.
+
+The steps (learn, make_batches, rollout, evaluate), the job (`run`) and the tools (demo, export, gc, replay,
+forkserver) are thin programs: the JAX code they run lives in `policy/`, the rest of the machinery in `pipeline/`,
+and `cli` is the one command-line shape they share.
+"""
 
 import os
 import sys

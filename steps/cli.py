@@ -32,15 +32,13 @@ from typing import TypeVar
 
 import draccus
 
-from pipeline.config import ConfigError
-from pipeline.jobs.job import ALLOW_CHANGE_FLAG
-from pipeline.store.committed import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError
+from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError
+from pipeline.process.exits import Exit
+from pipeline.store.committed import StorageUnavailableError
 
 C = TypeVar("C")
 A = TypeVar("A")
 
-EXIT_CONFIG = 2
-"""Exit code of a program refused for its configuration (argparse's own code for a usage error)."""
 READ_ONLY_CONFIGS = frozenset({"EvaluateStepConfig", "ReplayConfig"})
 """Configs of programs that only read a run: refused on a run root without run.json (nothing is created)."""
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -105,7 +103,7 @@ def program_name(main: Callable[..., object]) -> str:
 def check_against_run(config: object, program: str, allow_change: bool) -> None:
     """Refuse (RunConfigMismatchError, a ConfigError) a step config whose contract fields differ from its run
     root's run.json, unless `allow_change` (then recorded in run.json's history)."""
-    from pipeline.jobs.job import check_step_config
+    from pipeline.config import check_step_config
     from pipeline.store.storage import RunStore, require_run
 
     store_config = getattr(config, "store", None)
@@ -163,9 +161,9 @@ def run_command(
 ) -> int:
     """Configure logging, `parse(argv)` (default: sys.argv[1:]), run `main(parsed)`, return the exit code.
 
-    A `UsageError` or `ConfigError` (from `parse` or from `main`) gives one stderr line and EXIT_CONFIG; an
+    A `UsageError` or `ConfigError` (from `parse` or from `main`) gives one stderr line and Exit.CONFIG; an
     exception of a type in `exit_codes` (type -> (code, what it means)) gives one log line and its code; a
-    `StorageUnavailableError` (or an error it caused) gives one stderr line and EXIT_STORAGE_UNAVAILABLE (75).
+    `StorageUnavailableError` (or an error it caused) gives one stderr line and Exit.STORAGE_UNAVAILABLE (75).
     """
     level, args = pop_log_level(sys.argv[1:] if argv is None else argv)
     configure_logging(level)
@@ -177,7 +175,7 @@ def run_command(
         return int(main(parse(args)))
     except (UsageError, ConfigError) as e:
         print(f"error: invalid config: {one_line(e)}", file=sys.stderr)
-        return EXIT_CONFIG
+        return Exit.CONFIG
     except tuple(exit_codes or ()) as e:
         code, meaning = next(v for t, v in (exit_codes or {}).items() if isinstance(e, t))
         logging.getLogger(getattr(main, "__module__", None) or "rlpipe").error("%s: %s", meaning, e)
@@ -188,7 +186,7 @@ def run_command(
             raise
         logger.debug("storage unavailable", exc_info=e)
         print(f"error: {' '.join(str(unavailable).split())}", file=sys.stderr)
-        return EXIT_STORAGE_UNAVAILABLE
+        return Exit.STORAGE_UNAVAILABLE
 
 
 def storage_unavailable(error: BaseException) -> StorageUnavailableError | None:

@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ConfigError
-from pipeline.jobs.job import RLJob, RLJobConfig
+from pipeline.config import ConfigError, RLJobConfig
+from pipeline.jobs.job import RLJob
+from pipeline.jobs.runner import JobRunner
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from schemas import ROLLOUT
@@ -59,11 +60,12 @@ def probe_answers(store: RunStore, cfg: Any, step: int) -> list[tuple[str, str]]
     """Greedy answers of policy `step` to the cats probe prompts: [(prompt, answer)]."""
     from pipeline.environments.cats import PROBE_PROMPTS
     from pipeline.environments.tokenizer import load_tokenizer
-    from policy.model import load_policy, model_vocab_size
+    from policy.model import model_vocab_size
+    from policy.policy_format import read_policy
     from policy.rollout_manager import RolloutManager
 
     tok = load_tokenizer(cfg.model.tokenizer)
-    model = load_policy(store, step, cfg.model, model_vocab_size(tok))
+    model = read_policy(store, step, cfg.model, model_vocab_size(tok))
     manager = RolloutManager(cfg.inference, cfg.model, cfg.curriculum, tok, model)
     try:
         lesson = next(iter(sorted(cfg.curriculum.lessons)))
@@ -105,7 +107,7 @@ def main(args: DemoArgs) -> int:
     """Run the demo; 0 when both learning checks pass."""
     cfg = args.job
     prepare_run_root(cfg.store.run_root, keep=args.keep, fresh=args.fresh)
-    rc = RLJob(cfg).run()  # 1. the job
+    rc = JobRunner(RLJob(cfg)).run()  # 1. the job
     if rc != 0:
         logger.error("the job failed (exit %d); logs under %s", rc, Path(cfg.store.run_root) / "logs")
         return rc
@@ -154,7 +156,7 @@ def show_rewards(store: RunStore) -> tuple[float, float]:
 def show_probes(store: RunStore, cfg: RLJobConfig) -> int:
     """Print the first and the final policy's probe answers; returns how many of the final's say 'cat'."""
     from pipeline.environments.cats import says_cat
-    from policy.model import latest_policy_step
+    from pipeline.store.run_state import latest_policy_step
 
     final = latest_policy_step(store) or 0
     hits = 0

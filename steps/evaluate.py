@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import sys
 import time
@@ -39,8 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ConfigError, EvaluateStepConfig
+from pipeline.config import ConfigError, EvaluateStepConfig, validate_evaluate
+from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
+from pipeline.store.notify import waker_for
+from pipeline.store.poll import poll_until
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.metrics import MetricsWriter
 from schemas import EVAL_ROW, EVAL_SUMMARY
@@ -69,7 +73,7 @@ class Evaluator:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         check_chat_lessons(cfg.curriculum.lessons, self.tokenizer, cfg.model.tokenizer)
         self.vocab_size = model_vocab_size(self.tokenizer)
-        self.metrics = MetricsWriter(self.store, "evaluate", WORKER_ID, flush_every=1)
+        self.metrics = MetricsWriter(self.store, StepKind.EVALUATE, WORKER_ID, flush_every=1)
         self._manager: Any = None
         self._loaded_step: int | None = None
 
@@ -86,10 +90,10 @@ class Evaluator:
         return self._manager
 
     def _load(self, step: int) -> Any:
-        from policy.model import load_policy
+        from policy.policy_format import read_policy
 
         if self._loaded_step != step:
-            self._manager_for(load_policy(self.store, step, self.cfg.model, self.vocab_size))
+            self._manager_for(read_policy(self.store, step, self.cfg.model, self.vocab_size))
             self._loaded_step = step
         return self._manager
 
@@ -182,6 +186,7 @@ class Evaluator:
 
 def main(cfg: EvaluateStepConfig) -> int:
     """Evaluate what the config names (phases: external baseline, then follow or the explicit targets); 0."""
+    validate_evaluate(cfg)
     evaluator = Evaluator(cfg)
     try:
         if cfg.hf_checkpoint:
@@ -198,21 +203,39 @@ def main(cfg: EvaluateStepConfig) -> int:
 
 def follow(evaluator: Evaluator) -> None:
     """Evaluate every eval_frequency-th policy and the final one as they appear, until the final
-    one (`stop_after_step`) is evaluated or control/STOP exists."""
+    one (`stop_after_step`) is evaluated or control/STOP exists. Waits (without a bound) through `poll_until`."""
     final = evaluator.cfg.stop_after_step
-    while True:
+    freq = max(1, evaluator.cfg.curriculum.eval_frequency)
+    what = f"a policy to evaluate (a multiple of eval_frequency={freq}, or the final one {final}) or {layout.STOP_FILE}"
+
+    def next_event() -> tuple[str, int | None] | None:
         steps = evaluator.committed_steps()
         step = next_to_follow(evaluator, steps)
         if step is not None:
-            evaluator.evaluate_step(step)  # then re-list: a newer policy may have appeared meanwhile
-            continue
+            return "evaluate", step
         if final is not None and final in steps:
+            return "final", final
+        if evaluator.store.exists(layout.STOP_FILE):
+            return "stop", None
+        return None
+
+    while True:
+        (event, step), _ = poll_until(
+            next_event,
+            timeout_s=math.inf,
+            what=what,
+            interval_s=evaluator.cfg.polling.interval_s,
+            log=logger,
+            waker=waker_for(evaluator.store),
+        )
+        if event == "evaluate" and step is not None:
+            evaluator.evaluate_step(step)  # then re-list: a newer policy may have appeared meanwhile
+        elif event == "final":
             logger.info("final policy %d evaluated; done", final)
             return
-        if evaluator.store.exists(layout.STOP_FILE):
+        else:
             logger.info("stop file found; done")
             return
-        time.sleep(evaluator.cfg.poll_interval_s)
 
 
 def next_to_follow(evaluator: Evaluator, steps: list[int]) -> int | None:

@@ -28,7 +28,7 @@ from typing import Any
 import draccus
 
 from pipeline.config import ConfigError, ModelSpec, StoreConfig
-from pipeline.store import layout
+from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore
 
 logger = logging.getLogger("steps.export")
@@ -76,16 +76,17 @@ def export(store: RunStore, spec: ModelSpec, step: int | None, out: str, *, peft
     `peft`: also the PEFT adapter folder `<out>/peft/` (ConfigError naming `peft` when the policy has no adapters)."""
     from pipeline.environments.tokenizer import load_tokenizer
     from policy import model as M
+    from policy import policy_format as pf
 
     if step is None:
-        step = M.latest_policy_step(store)
+        step = run_state.latest_policy_step(store)
     if step is None:
-        raise M.PolicyNotFoundError(f"{store.full_path(layout.POLICIES)}: no committed policy to export")
+        raise pf.PolicyNotFoundError(f"{store.full_path(layout.POLICIES)}: no committed policy to export")
     tokenizer = load_tokenizer(spec.tokenizer)
-    model = M.load_policy(store, step, spec, M.model_vocab_size(tokenizer))
+    model = pf.read_policy(store, step, spec, M.model_vocab_size(tokenizer))
     if peft:  # refused before anything is written
         lora_spec = _policy_lora(store, step)
-    M.export_hf(model, out, tokenizer, family=spec.family)
+    pf.export_hf(model, out, tokenizer, family=spec.family)
     if peft:
         export_peft(store, spec, step, lora_spec, f"{out.rstrip('/')}/peft", tokenizer)
     logger.info("exported policy %d to %s", step, out)
@@ -93,10 +94,9 @@ def export(store: RunStore, spec: ModelSpec, step: int | None, out: str, *, peft
 
 
 def _policy_lora(store: RunStore, step: int) -> Any:
-    from policy import lora
-    from policy import model as M
+    from policy import policy_format as pf
 
-    spec = lora.marker_lora(M.policy_metadata(store, step).extra)
+    spec = pf.marker_lora(pf.policy_metadata(store, step).extra)
     if spec is None:
         raise ConfigError(
             "peft", True, f"policy {step} of {store.url} has no LoRA adapters (trained without model.lora)"
@@ -107,17 +107,17 @@ def _policy_lora(store: RunStore, step: int) -> Any:
 def export_peft(store: RunStore, spec: ModelSpec, step: int, lora_spec: Any, out: str, tokenizer: Any) -> None:
     """The adapters of policy `step` as a PEFT folder `out`; its base is `spec.hf_checkpoint` or, without one,
     policy 0 exported to `<out>/base/`."""
-    from policy import lora
     from policy import model as M
+    from policy import policy_format as pf
 
     vocab = M.model_vocab_size(tokenizer)
-    base = M.load_policy(store, 0, spec, vocab)  # policy 0 is the base: its adapters' B is zero
-    loraized = lora.read_adapters(store, layout.policy_dir(step), M.policy_metadata(store, step), base)
+    base = pf.read_policy(store, 0, spec, vocab)  # policy 0 is the base: its adapters' B is zero
+    loraized = pf.read_policy_adapters(store, step, base)
     base_ref = spec.hf_checkpoint
     if base_ref is None:
         base_ref = f"{out}/base"
-        M.export_hf(base, base_ref, tokenizer, family=spec.family)
-    lora.save_peft(loraized, lora_spec, out, base_ref)
+        pf.export_hf(base, base_ref, tokenizer, family=spec.family)
+    pf.export_peft(loraized, lora_spec, out, base_ref)
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -3,17 +3,17 @@
 Reads:  `batches/log/step-T.json` (commit object; `data_file` names the batch parquet, read through
         `schemas.BATCH`), the newest committed `checkpoints/step-S/` on restart, `policies/step-0` (the
         frozen reference model when `loss.kl_coef > 0`), `control/STOP`.
-Writes: `policies/step-S/` (+ COMMITTED, then the LATEST hint) every `policy_interval` steps, at step 0 and
+Writes: `policies/step-S/` (+ COMMITTED, then the LATEST hint) every `cadence.policy_interval` steps, at step 0 and
         at the end; `checkpoints/step-S/` (model + optimizer state as sharded safetensors, one file per learner
         process, COMMITTED last, recording
-        the batch slot consumed and its lineage) every `checkpoint_interval` steps and at exit;
+        the batch slot consumed and its lineage) every `cadence.checkpoint_interval` steps and at exit;
         `metrics/learner/…`; `control/LEARNER_DONE` once `train.num_train_steps` are trained.
 
 Phases of `main`:
   1. resume from the newest committed checkpoint S (weights, optimizer state, step), else initialise from
      the ModelSpec (seeded, or an HF folder); publish policy 0 (or policy S, if a crash fell between
      checkpoint S and policy S);
-  2. loop T = S+1, S+2, …: wait for batch slot T (fail loudly naming the file after `batch_wait_timeout_s`),
+  2. loop T = S+1, S+2, …: wait for batch slot T (fail loudly naming the file after `cadence.batch_wait_timeout_s`),
      read it (refusing a batch whose schema version, row count, seq_len or tokenizer do not match), run the
      slot's optimizer updates of the configured loss module (one; or train.ppo_epochs ×
      train.minibatches_per_slot), log metrics, publish policy T / checkpoint T on
@@ -40,8 +40,9 @@ from typing import Any
 
 import jax
 
-from pipeline.config import LearnerStepConfig
+from pipeline.config import LearnerStepConfig, validate_learner
 from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.process.step_kind import StepKind
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.hops import step_hops
@@ -49,6 +50,7 @@ from pipeline.telemetry.metrics import MetricsWriter
 from policy import learner as L
 from policy import mesh as mesh_lib
 from policy import model as M
+from policy import policy_format as pf
 from policy import publisher as P
 from policy.losses import Batch, RLLossModule, loss_module_from_config
 from policy.trackers import make_run_tracker
@@ -85,6 +87,7 @@ class Learner:
 
 def main(config: LearnerStepConfig) -> int:
     """Run the learner (see the module docstring): resume or init, then train batch slots in order; returns 0."""
+    validate_learner(config)
     learner = open_learner(config)
     state = resume(learner)
     if state.step >= learner.total:
@@ -118,7 +121,7 @@ def open_learner(config: LearnerStepConfig) -> Learner:
     )
 
 
-def resume(learner: Learner) -> L.LearnerState:
+def resume(learner: Learner) -> pf.LearnerState:
     """Phase 1: the newest checkpoint or a fresh model; policy 0 (or the resumed policy) committed."""
     store, config = learner.store, learner.config
     state = L.resume_or_init(store, config, learner.vocab_size, learner.optimizer, learner.mesh)
@@ -141,12 +144,14 @@ def resume(learner: Learner) -> L.LearnerState:
     return state
 
 
-def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]:
+def train(learner: Learner, state: pf.LearnerState) -> tuple[pf.LearnerState, str]:
     """Phase 2: train slot after slot until num_train_steps, max_steps or control/STOP; returns (state, why)."""
     config = learner.config
     learner.train_step = L.mesh_train_step(config, learner.mesh)
     writer = mesh_lib.is_writer()  # one process writes metrics and tracker records
-    learner.metrics = MetricsWriter(learner.store, "learner", "learner") if writer else _NoMetrics()
+    learner.metrics = (
+        MetricsWriter(learner.store, StepKind.LEARNER, StepKind.LEARNER.job_name) if writer else _NoMetrics()
+    )
     learner.tracker = make_run_tracker(config.tracker, config.store.run_root, learner.store) if writer else None
     learner.publisher = P.PolicyPublisher(learner.store, config)
     progress = _progress(learner.total, state.step)
@@ -156,7 +161,9 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
             if config.max_steps is not None and learner.trained_here >= config.max_steps:
                 return state, "max_steps"
             slot = state.step + 1
-            entry, waited = L.wait_for_batch(learner.store, slot, config.batch_wait_timeout_s, config.poll_interval_s)
+            entry, waited = L.wait_for_batch(
+                learner.store, slot, config.cadence.batch_wait_timeout_s, config.polling.interval_s
+            )
             # several processes: all follow process 0's decision (a committed batch never disappears, so a
             # process that saw control/STOP first can still read the batch process 0 found)
             if mesh_lib.agree_with_writer(entry is None):
@@ -182,8 +189,8 @@ def train(learner: Learner, state: L.LearnerState) -> tuple[L.LearnerState, str]
 
 
 def train_one(
-    learner: Learner, state: L.LearnerState, batch: Batch, data_file: str, waited: float
-) -> tuple[L.LearnerState, dict[str, Any]]:
+    learner: Learner, state: pf.LearnerState, batch: Batch, data_file: str, waited: float
+) -> tuple[pf.LearnerState, dict[str, Any]]:
     """The optimizer updates of slot `state.step + 1` on its batch; returns the new state and its metrics record."""
     slot = state.step + 1
     t0 = time.monotonic()
@@ -209,7 +216,7 @@ def train_one(
         "learning_rate": L.learning_rate_at(learner.config.optimizer, learner.total, slot - 1),
         **step_metrics,
     }
-    return L.LearnerState(slot, model, opt_state, state.parent), record
+    return pf.LearnerState(slot, model, opt_state, state.parent), record
 
 
 def step_timing(started_at: float, ended_at: float, events: dict[str, float | None]) -> dict[str, Any]:
@@ -243,24 +250,25 @@ def log_step(learner: Learner, record: dict[str, Any]) -> None:
     )
 
 
-def publish_on_interval(learner: Learner, state: L.LearnerState) -> None:
-    """Policy every `policy_interval` steps, checkpoint every `checkpoint_interval` steps (both at the end)."""
+def publish_on_interval(learner: Learner, state: pf.LearnerState) -> None:
+    """A policy every `cadence.policy_interval` steps, a checkpoint every `cadence.checkpoint_interval` (both at
+    the end)."""
     config, slot = learner.config, state.step
-    if slot % config.policy_interval == 0 or slot == learner.total:
+    if slot % config.cadence.policy_interval == 0 or slot == learner.total:
         learner.publisher.submit(state)  # committed in order on the publisher's thread
-    if slot % config.checkpoint_interval == 0 or slot == learner.total:
+    if slot % config.cadence.checkpoint_interval == 0 or slot == learner.total:
         checkpoint(learner, state)
         learner.metrics.flush()
 
 
-def checkpoint(learner: Learner, state: L.LearnerState) -> None:
+def checkpoint(learner: Learner, state: pf.LearnerState) -> None:
     """Commit checkpoint `state.step` and garbage-collect the old ones."""
-    L.save_checkpoint(learner.store, state, learner.config, learner.lineage_start)
+    pf.write_checkpoint(learner.store, state, learner.config, learner.lineage_start)
     learner.last_checkpoint = state.step
-    L.collect_old_checkpoints(learner.store, learner.config.keep_checkpoints)
+    pf.collect_old_checkpoints(learner.store, learner.config.keep_checkpoints)
 
 
-def finish(learner: Learner, state: L.LearnerState, stop_reason: str) -> None:
+def finish(learner: Learner, state: pf.LearnerState, stop_reason: str) -> None:
     """Phase 3: checkpoint what is not yet; at num_train_steps, the final policy and LEARNER_DONE."""
     if state.step > learner.last_checkpoint:
         checkpoint(learner, state)
@@ -275,7 +283,7 @@ def finish(learner: Learner, state: L.LearnerState, stop_reason: str) -> None:
     logger.info("learner stopped at step %d (%s)", state.step, stop_reason)
 
 
-def await_final_evaluation(learner: Learner, state: L.LearnerState) -> None:
+def await_final_evaluation(learner: Learner, state: pf.LearnerState) -> None:
     """Phase 4: with a tracker and `final_eval_wait_s` > 0, after the final step, forward the final policy's
     evaluations (every lesson of run.json's curriculum) to the tracker before it closes, waiting at most that
     long for them."""

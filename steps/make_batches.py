@@ -18,7 +18,7 @@ Writes:
   metrics/batchmaker/…                      one metrics record per batch (`pipeline.batch_maker.slot_metrics.METRICS`)
 
 Algorithm (the phases of `main`; the machinery they call is `pipeline.batch_maker.loop`):
-  1. acquire the `batchmaker` lease (held elsewhere: exit code 3, message names the holder);
+  1. acquire the `batchmaker` lease (held elsewhere: exit code 6, `Exit.LEASE_HELD`, message names the holder);
   2. recover: list batches/log, read the newest entry K, rebuild the BatchMaker's reservoir from its
      `cursor` (re-reading only the few files that still have live rows) -> next slot T = K + 1;
   3. for each slot T (up to train.num_train_steps):
@@ -49,7 +49,7 @@ Algorithm (the phases of `main`; the machinery they call is `pipeline.batch_make
      f. metrics + progress.
   4. stop when: slot num_train_steps is committed (bounded / plain mode), the learner has consumed it
      (follow mode), `max_batches` were written (bounded mode), or control/STOP exists. Every wait fails
-     loudly after train.max_batch_latency_s (exit code 4) naming what it waited for.
+     loudly after train.max_batch_latency_s (exit code 4, `Exit.TIMEOUT`) naming what it waited for.
 
 Durable memory (why a restart is fast and exact): each log entry carries a `cursor`: the reservoir's live
 rows (per source file: arrival seq, policy step, live row indices and their use counts) and the rollout
@@ -82,21 +82,19 @@ from pipeline.batch_maker import BatchResult
 from pipeline.batch_maker.loop import Maker
 from pipeline.batch_maker.loop_state import MakerState, SlotLost, StopRequested, new_slot_log
 from pipeline.config import BatchMakerStepConfig, validate_batch_maker
+from pipeline.process.exits import Exit
+from pipeline.process.step_kind import StepKind
 from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError
 from pipeline.store.poll import WaitTimeout
 from pipeline.store.storage import RunStore
 
 logger = logging.getLogger("steps.make_batches")
 
-LEASE_NAME = "batchmaker"
-
-EXIT_CONFIG = 2
-EXIT_LEASE_HELD = 3
-EXIT_TIMEOUT = 4
-EXIT_LEASE_LOST = 5
+LEASE_NAME = StepKind.BATCHMAKER
+"""`leases/batchmaker/`: the one BatchMaker lease of a run root."""
 
 BatchWaitTimeout = WaitTimeout
-"""A wait exceeded train.max_batch_latency_s (exit code 4); the message names what was awaited."""
+"""A wait exceeded train.max_batch_latency_s (exit code 4, `Exit.TIMEOUT`); the message names what was awaited."""
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -254,9 +252,9 @@ def cli(argv: list[str] | None = None) -> int:
         lambda config: main(config) or 0,
         argv,
         exit_codes={
-            LeaseHeldError: (EXIT_LEASE_HELD, "another BatchMaker holds the run's lease; exiting"),
-            LeaseLostError: (EXIT_LEASE_LOST, "lost the BatchMaker lease"),
-            BatchWaitTimeout: (EXIT_TIMEOUT, "timed out"),
+            LeaseHeldError: (Exit.LEASE_HELD, "another BatchMaker holds the run's lease; exiting"),
+            LeaseLostError: (Exit.LEASE_LOST, "lost the BatchMaker lease"),
+            BatchWaitTimeout: (Exit.TIMEOUT, "timed out"),
         },
     )
 

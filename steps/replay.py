@@ -7,7 +7,7 @@ new temporary folder), never into the run.
 
 Phases: (1) restore checkpoint S exactly as the learner resumes; (2) train slots S+1..T with the learner's own
 batch reading and jitted train step (`policy.learner`); (3) publish the result as policy T in the scratch root
-and load it back with `policy.model.load_policy`, the way samplers load the run's policy T; (4) compare tensor
+and load it back with `policy.policy_format.read_policy`, the way samplers load the run's policy T; (4) compare tensor
 by tensor with the run's committed policy T. Prints "bitwise equal" and exits 0, or prints the maximum absolute
 difference of every differing tensor and exits 1. A from/to step that is not committed is one line naming the
 field and the value, exit code 2.
@@ -28,9 +28,10 @@ from typing import Any
 
 import draccus
 
-from pipeline.config import ConfigError, LearnerStepConfig, StoreConfig
-from pipeline.jobs.job import RLJob, RLJobConfig
-from pipeline.store import layout
+from pipeline.config import ConfigError, LearnerStepConfig, RLJobConfig, StoreConfig
+from pipeline.jobs.job import RLJob
+from pipeline.process.step_kind import StepKind
+from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore, require_run
 
 logger = logging.getLogger("steps.replay")
@@ -52,7 +53,7 @@ class ReplayConfig:
 def main(config: ReplayConfig) -> int:
     """Replay and compare (see the module docstring); 0 when bitwise equal, 1 when not."""
     from policy import learner as L
-    from policy import model as M
+    from policy import policy_format as pf
 
     store = RunStore(config.store.run_root, config.store.storage_options or None)
     require_run(store)
@@ -63,8 +64,8 @@ def main(config: ReplayConfig) -> int:
     copy_lora_base(store, scratch, learner_config)
     L.publish_policy(scratch, replayed, learner_config)  # 3
     vocab = int(replayed.model.Vocab.size)
-    ours = M.load_policy(scratch, to_step, learner_config.model, vocab)
-    theirs = M.load_policy(store, to_step, learner_config.model, vocab)
+    ours = pf.read_policy(scratch, to_step, learner_config.model, vocab)
+    theirs = pf.read_policy(store, to_step, learner_config.model, vocab)
     diffs = compare(theirs, ours)  # 4
     print(f"replayed slots {config.from_step + 1}..{to_step} from checkpoint {config.from_step} into {scratch.url}")
     if not diffs:
@@ -95,20 +96,19 @@ def recorded_learner_config(store: RunStore) -> LearnerStepConfig:
         job = draccus.decode(RLJobConfig, record["config"])
     except (KeyError, TypeError, draccus.utils.ParsingError) as e:
         raise ConfigError("store.run_root", store.url, f"{layout.RUN_CONFIG} has no readable job config ({e})") from e
-    learner: LearnerStepConfig = RLJob(job, check_environments=False).to_worker_configs()["learner"]
+    learner: LearnerStepConfig = RLJob(job, check_environments=False).to_worker_configs()[StepKind.LEARNER.job_name]
     return learner
 
 
 def check_steps(store: RunStore, from_step: int, to_step: int | None) -> int:
     """The step to compare with; ConfigError naming `from_step` / `to_step` when either is not committed."""
-    from policy import learner as L
-    from policy import model as M
+    from policy import policy_format as pf
 
-    checkpoints = L.committed_checkpoints(store)
+    checkpoints = pf.committed_checkpoints(store)
     if from_step not in checkpoints:
         raise ConfigError("from_step", from_step, f"not a committed checkpoint of {store.url} (have {checkpoints})")
     if to_step is None:
-        to_step = M.latest_policy_step(store)
+        to_step = run_state.latest_policy_step(store)
     if to_step is None or to_step <= from_step or not store.exists(layout.policy_marker(to_step)):
         raise ConfigError("to_step", to_step, f"must be a committed policy of {store.url} after from_step={from_step}")
     for slot in range(from_step + 1, to_step + 1):
@@ -123,13 +123,14 @@ def replay(store: RunStore, config: LearnerStepConfig, from_step: int, to_step: 
     from policy import learner as L
     from policy import mesh as mesh_lib
     from policy import model as M
+    from policy import policy_format as pf
     from policy.losses import loss_module_from_config
 
     vocab = M.model_vocab_size(load_tokenizer(config.model.tokenizer))
     optimizer = L.build_optimizer(config.optimizer, config.train.num_train_steps)
     lm = mesh_lib.build_mesh(config.mesh)
     # the learner's own slot step (epochs, minibatches, microbatches) on the same mesh: bitwise the same updates
-    state = L.shard_state(L.load_checkpoint(store, from_step, config.model, vocab, optimizer), lm)
+    state = L.shard_state(pf.read_checkpoint(store, from_step, config.model, vocab, optimizer), lm)
     reference = L.load_reference(store, config, vocab, loss_module_from_config(config.loss))
     if reference is not None:
         reference = mesh_lib.shard_params(reference, lm)
@@ -137,7 +138,7 @@ def replay(store: RunStore, config: LearnerStepConfig, from_step: int, to_step: 
     for slot in range(from_step + 1, to_step + 1):
         batch, data_file = L.read_batch(store, slot, store.read_log_entry(slot), config.train, vocab, lm)
         model, opt_state, _ = train_step(state.model, state.opt_state, reference, batch)
-        state = L.LearnerState(slot, model, opt_state, state.parent)
+        state = pf.LearnerState(slot, model, opt_state, state.parent)
         logger.info("replayed batch slot %d (%s)", slot, data_file)
     return state
 

@@ -29,7 +29,7 @@ Algorithm (RolloutWorker.run, named phases):
        b. pace           next batch slot T = B + 1 (B = newest committed batch slot). A rollout from policy P
                          is usable in slot T iff 0 <= (T-1) - P <= max_lag. Pause while (T-1) - P > max_lag
                          (it would arrive stale; wait for a newer policy), and while the unconsumed rows
-                         usable by slot T or later are >= max_steps_ahead × train.batch_size (counted exactly
+                         usable by slot T or later are >= pacing.max_steps_ahead × train.batch_size (counted exactly
                          from the BatchMaker's cursor in log entry B; see `pipeline.rollout.pacing`; with
                          zero-variance filtering a file counts the rows of its groups with signal, recorded as
                          `signal_rows` in its ready marker, see `usable_rows`). A pause
@@ -51,7 +51,7 @@ unique; `group_key` = `<lesson>/<env group key>/<file stem>`: unique per (lesson
 
 Watchdogs: weight load, generation and write each run under a `pipeline.process.watchdog.watchdog` thread timer
 (`weight_load_timeout_s`, `generation_timeout_s`, `write_timeout_s`). A phase that overruns logs a CRITICAL
-line naming the phase and limit and ends the process with `os._exit(WATCHDOG_EXIT_CODE)` (3): a hung JAX or
+line naming the phase and limit and ends the process with `os._exit(Exit.WATCHDOG)` (3): a hung JAX or
 network call cannot be interrupted from Python, and the job runner restarts the step.
 
 Task semantics: generation is atomic per `sample_batch` call: `update_model` waits for a running
@@ -64,7 +64,7 @@ batch, the ready marker (`failures`) and the metrics (`failures`). Nothing is dr
 
 from __future__ import annotations
 
-from pipeline.config import RolloutStepConfig
+from pipeline.config import RolloutStepConfig, validate_rollout
 from pipeline.environments.tokenizer import load_tokenizer
 from pipeline.rollout.worker import RolloutWorker
 from policy.rollout_manager import policy_runtime
@@ -72,6 +72,7 @@ from policy.rollout_manager import policy_runtime
 
 def main(config: RolloutStepConfig) -> int:
     """Run one rollout worker until stopped; returns the exit status (0: clean stop)."""
+    validate_rollout(config)
     tokenizer = load_tokenizer(config.model.tokenizer)
     worker = RolloutWorker(config, runtime=policy_runtime(config, tokenizer), tokenizer=tokenizer)
     worker.install_signal_handlers()

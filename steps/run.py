@@ -32,17 +32,11 @@ from typing import Any
 
 import draccus
 
-from pipeline.jobs.job import ALLOW_CHANGE_FLAG, RLJob, RLJobConfig, check_run_config, check_step_config
+from pipeline.config import ALLOW_CHANGE_FLAG, RLJobConfig, check_run_config, check_step_config
+from pipeline.jobs.job import RLJob
+from pipeline.process.step_kind import StepKind, cli_names
 from pipeline.store.storage import RunStore, require_run
 from steps.cli import parse_bool, parse_config, run_command
-
-STEP_MODULES = {
-    "learn": ("learner", "steps.learn"),
-    "batches": ("batches", "steps.make_batches"),
-    "rollout": ("rollout", "steps.rollout"),
-    "evaluate": ("evaluate", "steps.evaluate"),
-}
-"""`step NAME` -> (its key in RLJob.to_worker_configs(), the step program's module)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +44,7 @@ class Invocation:
     """A parsed command line: the job's draccus arguments and, for `step NAME`, the step and its overrides."""
 
     job_args: list[str]
-    step: str | None = None
+    step: StepKind | None = None
     step_args: tuple[str, ...] = ()
     allow_config_change: bool = False
     """Accept contract fields that differ from run.json (recorded in its history) instead of refusing them."""
@@ -83,7 +77,7 @@ def job_parser() -> argparse.ArgumentParser:
 def step_parser() -> argparse.ArgumentParser:
     """`python -m steps.run step NAME [job options] [--field value …]` (unknown flags: step overrides)."""
     parser = argparse.ArgumentParser(prog="python -m steps.run step", allow_abbrev=False)
-    parser.add_argument("step", choices=sorted(STEP_MODULES), help="the step to run")
+    parser.add_argument("step", choices=cli_names(), help="the step to run")
     _add_job_options(parser)
     return parser
 
@@ -94,7 +88,8 @@ def parse_args(argv: Sequence[str]) -> Invocation:
     if args[:1] == ["step"]:
         ns, rest = step_parser().parse_known_args(args[1:])
         allow = parse_bool(ALLOW_CHANGE_FLAG, ns.allow_config_change)
-        return Invocation(job_args=_job_args(ns), step=ns.step, step_args=tuple(rest), allow_config_change=allow)
+        step = StepKind.from_cli(ns.step)
+        return Invocation(job_args=_job_args(ns), step=step, step_args=tuple(rest), allow_config_change=allow)
     ns, rest = job_parser().parse_known_args(args)
     return Invocation(
         job_args=_job_args(ns) + rest, allow_config_change=parse_bool(ALLOW_CHANGE_FLAG, ns.allow_config_change)
@@ -118,10 +113,9 @@ def parse_job(args: Sequence[str]) -> RLJobConfig:
     return parse_config(RLJobConfig, args)
 
 
-def step_config(job: RLJob, step: str, overrides: Sequence[str]) -> Any:
+def step_config(job: RLJob, step: StepKind, overrides: Sequence[str]) -> Any:
     """The config of `step` the job gives, with the command line's step-level overrides applied."""
-    key, _ = STEP_MODULES[step]
-    base: Any = job.to_worker_configs()[key]
+    base: Any = job.to_worker_configs()[step.job_name]
     if isinstance(base, list):
         base = base[0]
     with tempfile.TemporaryDirectory() as d:
@@ -130,11 +124,11 @@ def step_config(job: RLJob, step: str, overrides: Sequence[str]) -> Any:
         return parse_config(type(base), ["--config_path", str(path), *overrides])
 
 
-READ_ONLY_STEPS = frozenset({"evaluate"})
+READ_ONLY_STEPS = frozenset({StepKind.EVALUATE})
 """Steps that only read a run: refused on a run root without run.json (nothing is created)."""
 
 
-def run_step(job: RLJob, step: str, overrides: Sequence[str]) -> int:
+def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
     """Run one step of the job; returns the step program's exit code.
 
     First, with nothing started: a read-only step refuses a run root without run.json (MissingRunError); any
@@ -142,7 +136,7 @@ def run_step(job: RLJob, step: str, overrides: Sequence[str]) -> int:
     when a contract field differs from run.json, unless the job allows config changes."""
     config = step_config(job, step, overrides)
     store = RunStore(job.config.store.run_root, job.config.store.storage_options or None)
-    module_name = STEP_MODULES[step][1]
+    module_name = step.module
     if step in READ_ONLY_STEPS:
         require_run(store)
     else:
@@ -157,7 +151,9 @@ def main(invocation: Invocation) -> int:
     job = RLJob(parse_job(invocation.job_args), allow_config_change=invocation.allow_config_change)
     if invocation.step is not None:
         return run_step(job, invocation.step, invocation.step_args)
-    return job.run()
+    from pipeline.jobs.runner import JobRunner
+
+    return JobRunner(job).run()
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

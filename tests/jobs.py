@@ -10,7 +10,7 @@ from pathlib import Path
 import draccus
 from invariants import audit_run
 
-from pipeline.jobs.job import RLJobConfig
+from pipeline.config import RLJobConfig
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 
@@ -101,8 +101,9 @@ def check_finished_run(store: RunStore, num_steps: int, max_lag: int, evaluated:
 def policy_arrays(store: RunStore, step: int) -> list:
     """Every parameter of committed policy `step` of a run of the test job config, as numpy arrays."""
     from pipeline.environments.tokenizer import load_tokenizer
-    from policy.model import load_policy, model_vocab_size, numpy_params
+    from policy.model import model_vocab_size, numpy_params
+    from policy.policy_format import read_policy
 
     cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[])
     tok = load_tokenizer(cfg.model.tokenizer)
-    return numpy_params(load_policy(store, step, cfg.model, model_vocab_size(tok)))
+    return numpy_params(read_policy(store, step, cfg.model, model_vocab_size(tok)))

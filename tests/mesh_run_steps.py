@@ -60,6 +60,8 @@ def run_case(out: str, data: int, fsdp: int, model_ways: int, micro: int, mode: 
     from policy import learner as L
     from policy import mesh as mesh_lib
     from policy import model as M
+    from policy import policy_format as pf
+    from policy.losses import Batch
 
     config = LearnerStepConfig(
         model=ModelSpec(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=S),
@@ -78,7 +80,7 @@ def run_case(out: str, data: int, fsdp: int, model_ways: int, micro: int, mode: 
         store = RunStore(ckpt_root)
         if mode == "resume":  # restored straight onto this run's mesh, whatever mesh saved it
             _wait_for_checkpoint(store, 2)
-            state = L.load_checkpoint(store, 2, config.model, VOCAB, optimizer, lm)
+            state = pf.read_checkpoint(store, 2, config.model, VOCAB, optimizer, lm)
     state = L.shard_state(state, lm)
     if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:  # FSDP or tensor parallel: parameters really split
         leaves = [x for x in jax.tree_util.tree_leaves(state.model) if isinstance(x, jax.Array)]
@@ -87,12 +89,12 @@ def run_case(out: str, data: int, fsdp: int, model_ways: int, micro: int, mode: 
     start, stop = mesh_lib.process_rows(B)
     for slot in range(state.step + 1, STEPS + 1):
         local = {k: v[start:stop] for k, v in synthetic_rows(slot).items()}
-        batch = mesh_lib.global_batch(local, lm, B)
+        batch = Batch(**mesh_lib.global_batch(local, lm, B))
         m, o, metrics = step(state.model, state.opt_state, None, batch)
         state = L.LearnerState(slot, m, o, None)
         print(out, "slot", slot, "loss", float(metrics["loss"]), flush=True)
         if store is not None and mode == "save" and slot == 2:
-            L.save_checkpoint(store, state, config, 1)
+            pf.write_checkpoint(store, state, config, 1)
     if lm.mesh.shape["data"] * lm.mesh.shape["model"] > 1:
         leaves = [x for x in jax.tree_util.tree_leaves(state.model) if isinstance(x, jax.Array)]
         assert any(not x.sharding.is_fully_replicated for x in leaves), "trained parameters are not sharded"
@@ -103,10 +105,10 @@ def run_case(out: str, data: int, fsdp: int, model_ways: int, micro: int, mode: 
 
 def _wait_for_checkpoint(store: Any, step: int, timeout_s: float = 600.0) -> None:
     """Until checkpoint `step` is committed under `store` (by another process of the test)."""
-    from policy import learner as L
+    from policy import policy_format as pf
 
     deadline = time.monotonic() + timeout_s
-    while step not in L.committed_checkpoints(store):
+    while step not in pf.committed_checkpoints(store):
         assert time.monotonic() < deadline, f"checkpoint {step} was never committed"
         time.sleep(0.2)
 

@@ -4,6 +4,8 @@ runs it on CPU; cuDNN's kernel on a GPU is measured by `make bench-gpu`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,11 +17,12 @@ pytest.importorskip("jax")
 
 from policy import learner as L
 from policy import model as M
+from policy.losses import Batch
 
 VOCAB, B, S = 64, 3, 16
 
 
-def packed_batch(seed: int = 0) -> dict[str, jax.Array]:
+def packed_batch(seed: int = 0) -> Batch:
     """Rows holding two sequences (segments 0 and 1) and trailing padding (segment -1)."""
     rng = np.random.default_rng(seed)
     seg = np.full((B, S), -1, np.int32)
@@ -27,12 +30,19 @@ def packed_batch(seed: int = 0) -> dict[str, jax.Array]:
     for r, (a, b) in enumerate([(5, 7), (9, 4), (16, 0)]):
         seg[r, :a], pos[r, :a] = 0, np.arange(a)
         seg[r, a : a + b], pos[r, a : a + b] = 1, np.arange(b)
-    return {
-        "tokens": jnp.asarray(rng.integers(0, VOCAB, (B, S)).astype(np.int32)),
-        "segment_ids": jnp.asarray(seg),
-        "position_ids": jnp.asarray(pos),
-        "temperature": jnp.ones((B, S), jnp.float32),
-    }
+    zeros = jnp.zeros((B, S), jnp.float32)
+    rows = np.arange(B, dtype=np.int32)[:, None]
+    return Batch(
+        tokens=jnp.asarray(rng.integers(0, VOCAB, (B, S)).astype(np.int32)),
+        segment_ids=jnp.asarray(seg),
+        position_ids=jnp.asarray(pos),
+        loss_mask=zeros,
+        advantages=zeros,
+        generator_logprobs=zeros,
+        temperature=jnp.ones((B, S), jnp.float32),
+        truncated=jnp.zeros((B, S), bool),
+        seq_index=jnp.asarray(np.where(seg >= 0, rows * S + seg, B * S).astype(np.int32)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +53,7 @@ def model():
 def test_fused_route_matches_levanter_attention_in_values_and_gradients(model) -> None:
     batch = packed_batch()
     plain, fused = L.make_logprob_fn("float32"), L.make_logprob_fn("float32", attention="cudnn")
-    valid = np.asarray(batch["segment_ids"]) >= 0
+    valid = np.asarray(batch.segment_ids) >= 0
     lp0, ent0 = plain(model, batch)
     lp1, ent1 = fused(model, batch)
     np.testing.assert_allclose(np.asarray(lp1)[valid], np.asarray(lp0)[valid], rtol=1e-5, atol=1e-5)
@@ -79,7 +89,7 @@ def test_fused_route_is_taken_and_keeps_segments_apart(model, monkeypatch: pytes
     jax.make_jaxpr(lambda m: fused(m, batch))(model)
     assert seen == [("xla", (B, 1, S, S))]  # one scanned attention, XLA's implementation on CPU, segment bias
     # a different first sequence in row 0 leaves the second sequence's logprobs unchanged
-    other = dict(batch, tokens=batch["tokens"].at[0, :5].set((batch["tokens"][0, :5] + 1) % VOCAB))
+    other = dataclasses.replace(batch, tokens=batch.tokens.at[0, :5].set((batch.tokens[0, :5] + 1) % VOCAB))
     second = slice(5, 12)
     np.testing.assert_allclose(
         np.asarray(fused(model, other)[0])[0, second], np.asarray(fused(model, batch)[0])[0, second], atol=1e-6

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.batch_maker import BatchMaker, BatchResult, lag_allowed
-from pipeline.config import ConfigError, TrainParams
+from pipeline.batch_maker import BatchMaker, BatchResult
+from pipeline.config import ConfigError, TrainParams, validate_train
+from pipeline.store import staleness
 from schemas import BATCH, ROLLOUT, RolloutRow
 from schemas.dropped import DROP_REASONS, DROPPED
 
@@ -87,7 +88,7 @@ def uses_of(results: list[BatchResult]) -> Counter[str]:
 @given(max_lag=st.integers(0, 6), policy=st.integers(0, 50), slot=st.integers(1, 60))
 def test_lag_rule(max_lag: int, policy: int, slot: int) -> None:
     lag = (slot - 1) - policy
-    assert lag_allowed(slot, policy, max_lag) == (0 <= lag <= max_lag)
+    assert staleness.allowed(slot, policy, max_lag) == (0 <= lag <= max_lag)
 
 
 @pytest.mark.parametrize("max_lag", [0, 1, 3])
@@ -220,7 +221,7 @@ def test_capacity_evicts_oldest() -> None:
 
 def test_pad_multiple_must_divide_seq_len() -> None:
     with pytest.raises(ConfigError, match=r"train\.pad_multiple"):
-        BatchMaker(params(seq_len=30, pad_multiple=8))
+        validate_train(params(seq_len=30, pad_multiple=8))  # at program start and job build, not in BatchMaker
 
 
 def test_config_refuses_bad_values() -> None:

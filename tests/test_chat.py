@@ -30,6 +30,7 @@ from pipeline.environments.cats import CatsEnv
 from pipeline.environments.chat import ChatRequest, ChatTranscript, ChatTurn, TranscriptMismatch, parse_tool_calls
 from pipeline.environments.chat_calculator import CALCULATOR_TOOL, ChatCalculatorEnv
 from pipeline.environments.tokenizer import BOS_ID, EOS_ID, check_chat_lessons, load_tokenizer, render_chat
+from pipeline.process.exits import Exit
 from policy.inference import BackendContext
 from policy.inference.openai import OpenAIBackend, OpenAIResponseError
 from policy.rollout_manager import RolloutManager
@@ -328,7 +329,7 @@ def test_rollout_and_evaluate_steps_refuse_a_chat_lesson_without_a_template(tmp_
     path.write_text(draccus.dump(RolloutStepConfig(**common)))  # type: ignore[arg-type]
     proc = subprocess.run([sys.executable, "-m", "steps.rollout", "--config_path", str(path)], capture_output=True,
                           text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.returncode == Exit.CONFIG, proc.stderr[-2000:]
     why = f"lessons.calc.chat=True: the tokenizer ({folder}) has no chat template"
     assert why in proc.stderr and not (tmp_path / "run" / "rollouts").exists()
     from steps.evaluate import Evaluator

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.process.exits import Exit
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/test_cats.yaml")
 
@@ -23,7 +25,7 @@ def assert_refused(proc: subprocess.CompletedProcess[str], *needles: str, alone:
     """Exit code 2, no traceback, one error line naming `needles`; with `alone`, nothing else on stderr (the config
     never parsed); else the error is the last line (the program logged its config, then refused it)."""
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.returncode == Exit.CONFIG, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert [ln for ln in lines if "error" in ln.lower()] == lines[-1:], proc.stderr[-3000:]
     assert len(lines) == 1 or not alone, proc.stderr[-3000:]
@@ -65,9 +67,6 @@ def test_job_runner_refuses_in_one_line_before_writing_anything(tmp_path: Path) 
     root = tmp_path / "run"
     assert_refused(run("steps.run", "--config_path", CONFIG, "--run_root", str(root), "--train.max_lag", "-1"),
                    "train.max_lag", "-1")  # fmt: skip
-    assert_refused(
-        run("steps.run", "step", "learn", "--config_path", CONFIG, "--run_root", str(root), "--policy_interval", "0"),
-        "policy_interval",
-        "0",
-    )
+    step_args = ["step", "learn", "--config_path", CONFIG, "--run_root", str(root), "--cadence.policy_interval", "0"]
+    assert_refused(run("steps.run", *step_args), "cadence.policy_interval", "0")
     assert not root.exists()

@@ -27,6 +27,7 @@ import draccus
 import pytest
 from jobs import ROOT, run_job
 
+from pipeline.config import RLJobConfig
 from pipeline.curriculum import (
     CurriculumEvent,
     CurriculumState,
@@ -35,7 +36,6 @@ from pipeline.curriculum import (
     load_curriculum_state,
     load_latest_curriculum,
 )
-from pipeline.jobs.job import RLJobConfig
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from schemas import ROLLOUT

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from pipeline.config import ModelSpec  # noqa: E402
 from pipeline.store.storage import RunStore  # noqa: E402
 from policy import model as M  # noqa: E402
+from policy import policy_format as pf  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -47,7 +48,7 @@ def test_export_with_model_flags_loads_in_transformers(tmp_path: Path) -> None:
     spec = ModelSpec(max_seq_len=32)
     store = RunStore(str(tmp_path / "run"))
     model = M.build_model(spec, VOCAB)
-    M.save_policy(store, 0, model, {"batch_slot": 0})
+    pf.write_policy(store, 0, model, {"batch_slot": 0})
     out = tmp_path / "hf"
     subprocess.run(
         [sys.executable, "-m", "steps.export", "--store.run_root", str(tmp_path / "run"),
@@ -81,7 +82,7 @@ def test_exported_folder_generates_like_our_sampler(tmp_path: Path) -> None:
     train_tok = load_tokenizer("builtin:tiny")
     model = M.build_model(spec, VOCAB)
     out = tmp_path / "hf"
-    M.export_hf(model, str(out), train_tok)
+    pf.export_hf(model, str(out), train_tok)
 
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json"):  # fmt: skip
@@ -116,11 +117,11 @@ def test_published_hf_folder_is_committed_by_a_typed_marker(tmp_path: Path) -> N
 
     from pipeline.config import ServerInferenceConfig
     from pipeline.environments.tokenizer import load_tokenizer
-    from policy.inference.hf_publish import publish_hf_if_needed, read_hf_marker
+    from policy.policy_format import publish_hf_if_needed, read_hf_marker
 
     spec = ModelSpec(max_seq_len=32)
     store = RunStore(str(tmp_path / "run"))
-    M.save_policy(store, 0, M.build_model(spec, VOCAB), {"batch_slot": 0})
+    pf.write_policy(store, 0, M.build_model(spec, VOCAB), {"batch_slot": 0})
     server = ServerInferenceConfig(export_hf=True, adapter="sglang", openai_base_url="http://127.0.0.1:1/v1")
     config = SimpleNamespace(inference=server, model=spec)
     assert read_hf_marker(store, 0) is None

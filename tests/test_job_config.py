@@ -17,10 +17,16 @@ from pipeline.config import (
     EnvConfig,
     LessonConfig,
     LessonDependency,
+    RLJobConfig,
+    RunConfigMismatchError,
     SamplingParams,
     TrainParams,
+    check_run_config,
+    contract_diff,
+    encode_config,
 )
-from pipeline.jobs.job import RLJob, RLJobConfig, RunConfigMismatchError, check_run_config, contract_diff, encode_config
+from pipeline.jobs.job import RLJob
+from pipeline.process.exits import Exit
 from pipeline.store.storage import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,11 +173,28 @@ def test_backend_is_a_registered_choice_with_its_own_fields() -> None:
 
 
 def test_step_level_cross_field_checks_name_the_field() -> None:
-    from pipeline.config import BatchMakerStepConfig, LearnerStepConfig, ModelSpec, validate_batch_maker
+    from pipeline.config import (
+        BatchMakerStepConfig,
+        DenseInferenceConfig,
+        EvaluateStepConfig,
+        LearnerStepConfig,
+        ModelSpec,
+        RolloutStepConfig,
+        validate_batch_maker,
+        validate_evaluate,
+        validate_learner,
+        validate_rollout,
+    )
 
+    short = LearnerStepConfig(model=ModelSpec(max_seq_len=16), train=TrainParams(seq_len=32))  # built: checked later
     with pytest.raises(ConfigError) as e:
-        LearnerStepConfig(model=ModelSpec(max_seq_len=16), train=TrainParams(seq_len=32))
+        validate_learner(short)
     assert e.value.field == "train.seq_len"
+    long_sampler = DenseInferenceConfig(max_seq_len=512)  # model.max_seq_len is 256
+    for validate, step in ((validate_rollout, RolloutStepConfig), (validate_evaluate, EvaluateStepConfig)):
+        with pytest.raises(ConfigError) as e:
+            validate(step(inference=long_sampler))  # type: ignore[operator]
+        assert e.value.field == "inference.max_seq_len" and e.value.value == 512
     with pytest.raises(ConfigError) as e:
         validate_batch_maker(BatchMakerStepConfig(max_batches=0))
     assert e.value.field == "max_batches"
@@ -186,9 +209,9 @@ def test_step_level_cross_field_checks_name_the_field() -> None:
 
 def test_restart_backoff_longer_than_its_cap_is_refused() -> None:
     cfg = _demo()
-    assert dataclasses.replace(cfg, restart_backoff_s=0.05, restart_backoff_max_s=0.2).restart_backoff_max_s == 0.2
+    RLJob(dataclasses.replace(cfg, restart_backoff_s=0.05, restart_backoff_max_s=0.2))
     with pytest.raises(ConfigError) as e:
-        dataclasses.replace(cfg, restart_backoff_s=2.0, restart_backoff_max_s=1.0)
+        RLJob(dataclasses.replace(cfg, restart_backoff_s=2.0, restart_backoff_max_s=1.0))
     assert e.value.field == "restart_backoff_s" and "restart_backoff_max_s=1.0" in str(e.value)
 
 
@@ -204,7 +227,7 @@ def test_out_of_range_value_is_one_line_naming_field_and_value(tmp_path: Path) -
         ["-m", "steps.learn", "--store.run_root", str(run_root)],
     ):
         proc = _cli(*args, "--train.max_lag", "-1")
-        assert proc.returncode == 2, proc.stderr
+        assert proc.returncode == Exit.CONFIG, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "train.max_lag=-1" in lines[0], proc.stderr
         assert "Traceback" not in proc.stderr
@@ -232,7 +255,7 @@ def test_allowed_config_change_is_recorded_in_run_json_history(tmp_path: Path) -
 
 
 def test_step_config_is_checked_field_by_field_against_run_json(tmp_path: Path) -> None:
-    from pipeline.jobs.job import check_step_config
+    from pipeline.config import check_step_config
 
     cfg = dataclasses.replace(_demo(), store=dataclasses.replace(_demo().store, run_root=str(tmp_path)))
     store = RunStore(str(tmp_path))
@@ -246,6 +269,20 @@ def test_step_config_is_checked_field_by_field_against_run_json(tmp_path: Path) 
     with pytest.raises(RunConfigMismatchError) as e:
         check_step_config(store, drifted, by="steps.make_batches")
     assert e.value.field == "train.max_lag" and e.value.value == 3
+
+
+def test_shared_parameter_objects_are_handed_to_the_steps_as_they_are() -> None:
+    args = ["--cadence.policy_interval", "2", "--polling.interval_s", "0.5", "--pacing.max_steps_ahead", "3"]
+    cfg = draccus.parse(RLJobConfig, config_path=str(ROOT / "configs/test_cats.yaml"), args=args)
+    assert (cfg.cadence.policy_interval, cfg.cadence.checkpoint_interval) == (2, 2)  # flag, then the YAML's
+    steps = RLJob(cfg).to_worker_configs()
+    assert steps["learner"].cadence is cfg.cadence and steps["learner"].polling is cfg.polling
+    assert steps["batches"].polling is cfg.polling
+    assert all(r.pacing is cfg.pacing and r.polling is cfg.polling for r in steps["rollout"])
+    assert steps["evaluate"].polling.interval_s == 1.0  # the evaluator keeps its own pace
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(cfg.cadence, policy_interval=0)
+    assert e.value.field == "cadence.policy_interval" and e.value.value == 0
 
 
 def test_model_shape_flags_with_an_hf_checkpoint_are_refused_by_name() -> None:

@@ -35,7 +35,7 @@ def test_crash_suite_sigkill_random_steps(tmp_path: Path) -> None:
             "train.num_train_steps": str(STEPS),
             "max_restarts": "40",
             "restart_backoff_s": "0.2",
-            "checkpoint_interval": "1",
+            "cadence.checkpoint_interval": "1",
         },
     )
     runner = subprocess.Popen(

@@ -34,11 +34,12 @@ import pytest
 from invariants import check_checkpoint_lineage, half_written_checkpoints
 from jobs import ROOT, check_finished_run, job_config, policy_arrays, simulated_devices, step_module
 
-from pipeline.config import LocalBackendConfig, StoreConfig
-from pipeline.jobs.job import RLJob, RLJobConfig
+from pipeline.config import LocalBackendConfig, RLJobConfig, StoreConfig
+from pipeline.jobs.job import RLJob
 from pipeline.jobs.launchers.base import StepSpec
 from pipeline.jobs.launchers.local import LocalLauncher
 from pipeline.jobs.step_logs import log_target
+from pipeline.process.step_kind import StepKind
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker
@@ -67,7 +68,7 @@ def _config(tmp_path: Path, run_root: Path) -> Path:
             "learner.num_processes": "2",
             "evaluator": "false",
             "num_rollout_workers": "1",
-            "checkpoint_interval": "1",
+            "cadence.checkpoint_interval": "1",
             "max_restarts": "40",
             "restart_backoff_s": "0.05",
             "restart_backoff_max_s": "0.2",
@@ -102,7 +103,7 @@ def _learner_group(runner: subprocess.Popen[str], seen: set[int]) -> tuple[list[
 
 
 def _newest_checkpoint(store: RunStore) -> int | None:
-    from policy.checkpoints import committed_steps
+    from pipeline.store.run_state import committed_steps
 
     return (committed_steps(store, layout.CHECKPOINTS) or [None])[-1]
 
@@ -158,7 +159,7 @@ def _reference_group(tmp_path: Path, config_path: Path, run_root: Path) -> RunSt
     learner = dataclasses.replace(learner, store=StoreConfig(run_root=str(ref_root)))
     learner_path = tmp_path / "ref-learner.yaml"
     learner_path.write_text(draccus.dump(learner))
-    spec = StepSpec("learner", "learner", str(learner_path), processes=learner.distributed.num_processes)
+    spec = StepSpec("learner", StepKind.LEARNER, str(learner_path), processes=learner.distributed.num_processes)
     group = LocalLauncher(LocalBackendConfig()).start(spec, log_target(str(ref_root), None, "learner"))
     deadline = time.monotonic() + 600
     while (rc := group.poll()) is None:

@@ -9,6 +9,7 @@ import pytest
 from jobs import check_finished_run, job_config, run_job
 from test_job_e2e import check_step_logs
 
+from pipeline.process.exits import Exit
 from pipeline.store.storage import RunStore
 
 
@@ -42,6 +43,6 @@ def test_ray_backend_refuses_resources_the_cluster_cannot_hold(tmp_path: Path) -
     """A step asking for a GPU on a CPU-only local cluster would wait forever: refused, naming `resources`."""
     cfg = job_config(tmp_path, str(tmp_path / "run"), **{"backend.type": "ray", "backend.resources.learner_gpus": "1"})
     proc = run_job(cfg, timeout=300)
-    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == Exit.CONFIG, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resources=" in proc.stderr and "GPUs" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "rollouts").exists()

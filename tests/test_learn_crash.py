@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from pipeline.jobs.launchers.forkserver import ForkedProcess, ForkServer
-from pipeline.store import layout
+from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker
 
@@ -31,8 +31,8 @@ pytest.importorskip("jax")
 from invariants import check_checkpoint_lineage
 from test_learner import VOCAB, tiny_config, write_batches
 
-from policy import learner
 from policy import model as M
+from policy import policy_format as pf
 from steps import learn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def test_sigkill_resume_replays_exactly(tmp_path: Path, request: pytest.FixtureR
     while not store.exists(layout.LEARNER_DONE):
         assert runs < 40, "learner never finished"
         log_path = tmp_path / f"learn-{runs}.log"
-        newest_before = (learner.committed_checkpoints(store) or [None])[-1]
+        newest_before = (pf.committed_checkpoints(store) or [None])[-1]
         proc = _start(server, config_path, log_path, cache)
         runs += 1
         if kills < MIN_KILLS:
@@ -130,13 +130,11 @@ def test_sigkill_resume_replays_exactly(tmp_path: Path, request: pytest.FixtureR
     ref_store = RunStore(str(ref_root))
     write_batches(ref_store, range(1, N_STEPS + 1))
     learn.main(tiny_config(str(ref_root), steps=N_STEPS, keep_checkpoints=1000))
-    a = M.numpy_params(M.load_policy(store, N_STEPS, cfg.model, VOCAB))
-    b = M.numpy_params(M.load_policy(ref_store, N_STEPS, cfg.model, VOCAB))
+    a = M.numpy_params(pf.read_policy(store, N_STEPS, cfg.model, VOCAB))
+    b = M.numpy_params(pf.read_policy(ref_store, N_STEPS, cfg.model, VOCAB))
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     print(f"crash test: {runs} runs, {kills} kills")
 
 
 def ckpt_steps(store: RunStore) -> list[int]:
-    from policy import checkpoints
-
-    return checkpoints.committed_steps(store, layout.CHECKPOINTS)
+    return run_state.committed_steps(store, layout.CHECKPOINTS)

@@ -11,8 +11,17 @@ import pytest
 from log_entries import put_log_entry
 
 import schemas
-from pipeline.config import LearnerStepConfig, ModelSpec, OptimizerSpec, RLOOLossConfig, StoreConfig, TrainParams
-from pipeline.store import layout
+from pipeline.config import (
+    LearnerCadence,
+    LearnerStepConfig,
+    ModelSpec,
+    OptimizerSpec,
+    PollingConfig,
+    RLOOLossConfig,
+    StoreConfig,
+    TrainParams,
+)
+from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker
 
@@ -21,6 +30,7 @@ jax = pytest.importorskip("jax")
 from pipeline.store.poll import WaitTimeout  # noqa: E402
 from policy import learner  # noqa: E402
 from policy import model as M  # noqa: E402
+from policy import policy_format as pf  # noqa: E402
 from steps import learn  # noqa: E402
 
 SEQ_LEN = 16
@@ -29,7 +39,7 @@ VOCAB = 512  # builtin:tiny
 TOKEN = 77
 
 
-def tiny_config(root: str, *, steps: int = 3, **kw: object) -> LearnerStepConfig:
+def tiny_config(root: str, *, steps: int = 3, batch_wait_timeout_s: float = 5.0, **kw: object) -> LearnerStepConfig:
     """A tiny learner config (2-layer 64-wide llama, batch 4 × 16 tokens) on run root `root`."""
     base = dict(
         store=StoreConfig(run_root=root),
@@ -37,10 +47,8 @@ def tiny_config(root: str, *, steps: int = 3, **kw: object) -> LearnerStepConfig
         train=TrainParams(num_train_steps=steps, batch_size=BATCH, seq_len=SEQ_LEN, replay_buffer_capacity=BATCH),
         optimizer=OptimizerSpec(learning_rate=1e-2),
         loss=RLOOLossConfig(),
-        checkpoint_interval=1,
-        policy_interval=1,
-        batch_wait_timeout_s=5.0,
-        poll_interval_s=0.05,
+        cadence=LearnerCadence(checkpoint_interval=1, policy_interval=1, batch_wait_timeout_s=batch_wait_timeout_s),
+        polling=PollingConfig(interval_s=0.05),
     )
     base.update(kw)
     return LearnerStepConfig(**base)  # type: ignore[arg-type]
@@ -114,14 +122,14 @@ def test_learner_trains_publishes_and_replays(tmp_path):
     cfg = tiny_config(root, steps=3)
     learn.main(cfg)
 
-    assert M.latest_policy_step(store) == 3
+    assert run_state.latest_policy_step(store) == 3
     assert store.exists(layout.LEARNER_DONE)
-    assert learner.committed_checkpoints(store) == [2, 3]  # keep_checkpoints=2; step 1 collected
-    p0 = M.load_policy(store, 0, cfg.model, VOCAB)
-    p1 = M.load_policy(store, 1, cfg.model, VOCAB)
-    p3 = M.load_policy(store, 3, cfg.model, VOCAB)
+    assert pf.committed_checkpoints(store) == [2, 3]  # keep_checkpoints=2; step 1 collected
+    p0 = pf.read_policy(store, 0, cfg.model, VOCAB)
+    p1 = pf.read_policy(store, 1, cfg.model, VOCAB)
+    p3 = pf.read_policy(store, 3, cfg.model, VOCAB)
     assert any(not np.array_equal(a, b) for a, b in zip(params(p0), params(p1), strict=True))
-    marker = M.policy_metadata(store, 3)
+    marker = pf.policy_metadata(store, 3)
     assert marker.batch_slot == 3 and marker.seq_len == SEQ_LEN and marker.tokenizer == "builtin:tiny"
 
     from pipeline.telemetry.metrics import read_metrics
@@ -143,7 +151,7 @@ def test_learner_trains_publishes_and_replays(tmp_path):
     for rel in store.list(layout.policy_dir(0)):
         store2.put_unique(rel, store.get(rel))
     learn.main(cfg.__class__(**{**cfg.__dict__, "store": StoreConfig(run_root=root2)}))
-    q3 = M.load_policy(store2, 3, cfg.model, VOCAB)
+    q3 = pf.read_policy(store2, 3, cfg.model, VOCAB)
     assert all(np.array_equal(a, b) for a, b in zip(params(p3), params(q3), strict=True))
     # the replay's checkpoint 3 records that it came from checkpoint 2 and consumed only slot 3
     rec = CommitMarker.from_json(store2.get(layout.checkpoint_marker(3)), path=layout.checkpoint_marker(3))
@@ -159,20 +167,20 @@ def test_rewarded_token_logprob_rises(tmp_path):
     arrays = learner.batch_arrays(rows, cfg.train, VOCAB, "x")
     lp0 = np.asarray(
         M.teacher_forced_logprobs(
-            model0, arrays["tokens"], segment_ids=arrays["segment_ids"], position_ids=arrays["position_ids"]
+            model0, arrays.tokens, segment_ids=arrays.segment_ids, position_ids=arrays.position_ids
         )
     )
     for r, row in enumerate(rows):  # on-policy behaviour logprobs: ratio 1
         row.generator_logprobs = lp0[r].tolist()
     write_batch(store, 1, rows)
     learn.main(cfg)
-    model1 = M.load_policy(store, 1, cfg.model, VOCAB)
+    model1 = pf.read_policy(store, 1, cfg.model, VOCAB)
     lp1 = np.asarray(
         M.teacher_forced_logprobs(
-            model1, arrays["tokens"], segment_ids=arrays["segment_ids"], position_ids=arrays["position_ids"]
+            model1, arrays.tokens, segment_ids=arrays.segment_ids, position_ids=arrays.position_ids
         )
     )
-    mask = np.asarray(arrays["loss_mask"]) > 0
+    mask = np.asarray(arrays.loss_mask) > 0
     assert np.isfinite(lp1).all()
     assert (lp1[mask] - lp0[mask]).mean() > 0.5, (lp0[mask].mean(), lp1[mask].mean())
 
@@ -184,10 +192,8 @@ def test_packing_isolates_segments():
     a = learner.batch_arrays(
         rows, TrainParams(batch_size=BATCH, seq_len=SEQ_LEN, replay_buffer_capacity=BATCH), VOCAB, "x"
     )
-    lp = np.asarray(
-        M.teacher_forced_logprobs(model, a["tokens"], segment_ids=a["segment_ids"], position_ids=a["position_ids"])
-    )
-    alone = np.asarray(M.teacher_forced_logprobs(model, np.asarray(a["tokens"])[:, 8:16]))
+    lp = np.asarray(M.teacher_forced_logprobs(model, a.tokens, segment_ids=a.segment_ids, position_ids=a.position_ids))
+    alone = np.asarray(M.teacher_forced_logprobs(model, np.asarray(a.tokens)[:, 8:16]))
     np.testing.assert_allclose(lp[:, 9:16], alone[:, 1:], atol=1e-5)
     assert (lp[:, 8] == 0).all() and (lp[:, 0] == 0).all()
 
@@ -221,7 +227,7 @@ def test_wait_timeout_names_the_file(tmp_path):
     with pytest.raises(WaitTimeout, match=r"batch_wait_timeout_s=0\.3\).*step-00000001\.json"):
         learn.main(cfg)
     # policy 0 was published before waiting
-    assert M.latest_policy_step(RunStore(root)) == 0
+    assert run_state.latest_policy_step(RunStore(root)) == 0
 
 
 def test_reference_model_absent_when_kl_off(tmp_path):
@@ -233,7 +239,7 @@ def test_reference_model_absent_when_kl_off(tmp_path):
     # no policy 0 exists: building a reference would fail, so None proves it is never built
     assert learner.load_reference(store, cfg, VOCAB, module) is None
     module_kl = loss_module_from_config(RLOOLossConfig(kl_coef=0.1))
-    with pytest.raises(M.PolicyNotFoundError):
+    with pytest.raises(pf.PolicyNotFoundError):
         learner.load_reference(store, cfg, VOCAB, module_kl)
 
 

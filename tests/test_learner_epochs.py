@@ -19,8 +19,9 @@ from pipeline.config import (
     RLOOLossConfig,
     StoreConfig,
     TrainParams,
+    validate_learner,
 )
-from pipeline.store import layout
+from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.metrics import read_metrics
 
@@ -28,6 +29,7 @@ jax = pytest.importorskip("jax")
 
 from policy import learner  # noqa: E402
 from policy import model as M  # noqa: E402
+from policy import policy_format as pf  # noqa: E402
 from steps import learn  # noqa: E402
 from steps import replay as replay_step  # noqa: E402
 
@@ -40,7 +42,7 @@ def on_policy_rows(cfg: LearnerStepConfig, slot: int) -> list:
     rows = make_rows(slot)
     a = learner.batch_arrays(rows, cfg.train, VOCAB, "x")
     lp0 = np.asarray(
-        M.teacher_forced_logprobs(model0, a["tokens"], segment_ids=a["segment_ids"], position_ids=a["position_ids"])
+        M.teacher_forced_logprobs(model0, a.tokens, segment_ids=a.segment_ids, position_ids=a.position_ids)
     )
     for r, row in enumerate(rows):
         row.generator_logprobs = lp0[r].tolist()
@@ -79,7 +81,7 @@ def test_clipping_acts_only_with_several_updates_per_slot(tmp_path: Path, tis_ca
     assert r2["optimizer_updates"] == 4.0
     assert r2["loss_tokens"] == r1["loss_tokens"]  # counts are per pass over the slot
     # the learner step is the slot: one policy after slot 1's four updates
-    assert M.latest_policy_step(RunStore(two.store.run_root)) == 1
+    assert run_state.latest_policy_step(RunStore(two.store.run_root)) == 1
 
 
 def test_epochs_replay_bitwise(tmp_path: Path) -> None:
@@ -93,7 +95,7 @@ def test_epochs_replay_bitwise(tmp_path: Path) -> None:
     learn.main(cfg)
     recs = [r for r in read_metrics(store, "learner") if "loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3] and all(r["optimizer_updates"] == 4.0 for r in recs)
-    p3 = params(M.load_policy(store, 3, cfg.model, VOCAB))
+    p3 = params(pf.read_policy(store, 3, cfg.model, VOCAB))
 
     root2 = str(tmp_path / "again")
     store2 = RunStore(root2)
@@ -103,7 +105,7 @@ def test_epochs_replay_bitwise(tmp_path: Path) -> None:
         for rel in store.list(folder):
             store2.put_unique(rel, store.get(rel))
     learn.main(cfg.__class__(**{**cfg.__dict__, "store": StoreConfig(run_root=root2)}))
-    q3 = params(M.load_policy(store2, 3, cfg.model, VOCAB))
+    q3 = params(pf.read_policy(store2, 3, cfg.model, VOCAB))
     assert all(np.array_equal(a, b) for a, b in zip(p3, q3, strict=True))
 
     replayed = replay_step.replay(store, cfg, 2, 3)
@@ -123,8 +125,12 @@ def test_bad_epoch_and_minibatch_sizes_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"train\.ppo_epochs"):
         TrainParams(ppo_epochs=0)
     with pytest.raises(ConfigError, match=r"train.minibatches_per_slot=3.*divide train.batch_size=32"):
-        TrainParams(batch_size=32, minibatches_per_slot=3)
+        validate_learner(LearnerStepConfig(train=TrainParams(batch_size=32, minibatches_per_slot=3)))
     with pytest.raises(ConfigError, match=r"train.microbatch_size=16.*minibatch of 8 rows"):
-        LearnerStepConfig(train=TrainParams(batch_size=32, minibatches_per_slot=4, microbatch_size=16))
+        validate_learner(
+            LearnerStepConfig(train=TrainParams(batch_size=32, minibatches_per_slot=4, microbatch_size=16))
+        )
     with pytest.raises(ConfigError, match=r"train.minibatches_per_slot=8.*minibatches of 4 rows.*= 8"):
-        LearnerStepConfig(train=TrainParams(batch_size=32, minibatches_per_slot=8), mesh=MeshConfig(data=8, fsdp=1))
+        validate_learner(
+            LearnerStepConfig(train=TrainParams(batch_size=32, minibatches_per_slot=8), mesh=MeshConfig(data=8, fsdp=1))
+        )

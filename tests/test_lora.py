@@ -29,8 +29,18 @@ import numpy as np
 import pytest
 from test_learner import SEQ_LEN, VOCAB, tiny_config, write_batches
 
-from pipeline.config import ConfigError, LoraSpec, MeshConfig, ModelSpec, RLOOLossConfig, StoreConfig
-from pipeline.jobs.job import RLJobConfig, RunConfigMismatchError, check_run_config
+from pipeline.config import (
+    ConfigError,
+    LoraSpec,
+    MeshConfig,
+    ModelSpec,
+    RLJobConfig,
+    RLOOLossConfig,
+    RunConfigMismatchError,
+    StoreConfig,
+    check_run_config,
+    validate_learner,
+)
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 
@@ -43,8 +53,8 @@ from pipeline.environments.tokenizer import load_tokenizer  # noqa: E402
 from policy import learner as L  # noqa: E402
 from policy import lora  # noqa: E402
 from policy import model as M  # noqa: E402
+from policy import policy_format as pf  # noqa: E402
 from policy.inference import GenerationRequest, make_backend  # noqa: E402
-from policy.inference.hf_publish import publish_hf_if_needed  # noqa: E402
 from steps import export as export_step  # noqa: E402
 from steps import learn  # noqa: E402
 from steps import replay as replay_step  # noqa: E402
@@ -71,14 +81,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
     cfg = tiny_config(root, steps=STEPS, model=SPEC, loss=RLOOLossConfig(kl_coef=0.05))
     learn.main(cfg)
     optimizer = L.build_optimizer(cfg.optimizer, STEPS)
-    final = L.load_checkpoint(store, STEPS, cfg.model, VOCAB, optimizer)
+    final = pf.read_checkpoint(store, STEPS, cfg.model, VOCAB, optimizer)
     return Trained(store, cfg, final)
 
 
 def test_only_adapters_change_and_the_optimizer_holds_only_adapters(trained: Trained) -> None:
     store, cfg = trained.store, trained.cfg
     base = M.build_model(dataclasses.replace(SPEC, lora=None), VOCAB)
-    p0 = M.load_policy(store, 0, cfg.model, VOCAB)
+    p0 = pf.read_policy(store, 0, cfg.model, VOCAB)
     # policy 0 (also the KL reference) is exactly the base model: B starts at zero
     assert all(np.array_equal(a, b) for a, b in zip(M.numpy_params(base), M.numpy_params(p0), strict=True))
     model = trained.final.model
@@ -103,10 +113,10 @@ def test_only_adapters_change_and_the_optimizer_holds_only_adapters(trained: Tra
 
 def test_published_adapters_reference_the_base_and_replay_is_bitwise(trained: Trained) -> None:
     store, cfg = trained.store, trained.cfg
-    marker = M.policy_metadata(store, STEPS)
-    assert set(marker.files) == {lora.ADAPTERS_BLOB}
+    marker = pf.policy_metadata(store, STEPS)
+    assert set(marker.files) == {pf.ADAPTERS_BLOB}
     assert marker.extra["base_policy"] == 0 and marker.extra["lora"]["r"] == LORA.r
-    assert M.POLICY_WEIGHTS in M.policy_metadata(store, 0).files  # the base, in full
+    assert pf.POLICY_WEIGHTS in pf.policy_metadata(store, 0).files  # the base, in full
     # replaying slot STEPS from checkpoint STEPS-1 gives the learner's model bit for bit
     replayed = replay_step.replay(store, cfg, STEPS - 1, STEPS)
     ours, theirs = M.numpy_params(replayed.model), M.numpy_params(trained.final.model)
@@ -139,9 +149,9 @@ def test_published_policy_samples_the_learners_logprobs(trained: Trained, tmp_pa
     store = trained.store
     if publish == "merged":  # the same trained model published merged, in a second run root
         store = RunStore(str(tmp_path / "merged"))
-        M.save_policy(store, STEPS, trained.final.model, spec=spec)
-        assert M.POLICY_WEIGHTS in M.policy_metadata(store, STEPS).files
-    policy = M.load_policy(store, STEPS, spec, VOCAB)
+        pf.write_policy(store, STEPS, trained.final.model, spec=spec)
+        assert pf.POLICY_WEIGHTS in pf.policy_metadata(store, STEPS).files
+    policy = pf.read_policy(store, STEPS, spec, VOCAB)
     assert not lora.is_loraized(policy)
     assert _sampled_vs_teacher_forced(policy, trained.final.model) <= 1e-4
 
@@ -157,7 +167,7 @@ def test_export_merged_loads_in_transformers_and_writes_a_peft_folder(trained: T
     ours = np.asarray(M.teacher_forced_logprobs(trained.final.model, jnp.asarray([ids], jnp.int32)))[0]
     # the folder a `server` backend is given for this adapter policy (`inference.export_hf`) holds the same weights
     server = ServerInferenceConfig(openai_base_url="http://127.0.0.1:9/v1", export_hf=True)
-    publish_hf_if_needed(
+    pf.publish_hf_if_needed(
         trained.store, SimpleNamespace(inference=server, model=SPEC), STEPS, load_tokenizer("builtin:tiny")
     )
     served = Path(trained.store.root) / layout.policy_dir(STEPS) / "hf"
@@ -204,7 +214,7 @@ def test_export_merged_loads_in_transformers_and_writes_a_peft_folder(trained: T
 def test_export_peft_refuses_a_policy_without_adapters(tmp_path: Path) -> None:
     store = RunStore(str(tmp_path / "plain"))
     spec = dataclasses.replace(SPEC, lora=None)
-    M.save_policy(store, 0, M.build_model(spec, VOCAB))
+    pf.write_policy(store, 0, M.build_model(spec, VOCAB))
     with pytest.raises(ConfigError, match="peft"):
         export_step.export(store, spec, 0, str(tmp_path / "out"), peft=True)
     assert not (tmp_path / "out").exists()
@@ -229,7 +239,7 @@ def test_bad_lora_config_is_refused(kwargs: dict[str, Any], field: str) -> None:
 
 def test_lora_with_tensor_parallel_mesh_is_refused() -> None:
     with pytest.raises(ConfigError) as e:
-        tiny_config("/tmp/unused", model=SPEC, mesh=MeshConfig(fsdp=1, model=2))
+        validate_learner(tiny_config("/tmp/unused", model=SPEC, mesh=MeshConfig(fsdp=1, model=2)))
     assert e.value.field == "model.lora"
 
 
@@ -283,7 +293,7 @@ def test_lora_learns_cats(tmp_path: Path) -> None:
     print(f"lora: start {start:.3f} end {end:.3f}")
     assert max(int(x) for x in m.group(2).split(",")) >= DEMO_STEPS - 2
     store = RunStore(str(tmp_path / "run"))
-    assert set(M.policy_metadata(store, DEMO_STEPS).files) == {lora.ADAPTERS_BLOB}  # sampled from adapters
+    assert set(pf.policy_metadata(store, DEMO_STEPS).files) == {pf.ADAPTERS_BLOB}  # sampled from adapters
     # `make replay` of the last checkpoint interval gives the run's adapter policy bit for bit
     config = replay_step.ReplayConfig(store=StoreConfig(run_root=str(tmp_path / "run")), from_step=10)
     assert replay_step.main(config) == 0

@@ -19,8 +19,7 @@ from pathlib import Path
 import draccus
 import pytest
 
-from pipeline.config import CISPOLossConfig, GSPOLossConfig, LossConfig
-from pipeline.jobs.job import RLJobConfig
+from pipeline.config import CISPOLossConfig, GSPOLossConfig, LossConfig, RLJobConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16

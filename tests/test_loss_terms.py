@@ -4,6 +4,7 @@ log-ratios (±100) and fully masked rows, and the guarded optimizer update."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -47,19 +48,23 @@ def batch_of(delta: list[list[float]], adv: list[list[float]], mask: list[list[f
         n = len(delta[b])
         d[b, :n], a[b, :n] = delta[b], adv[b]
         m[b, :n] = 1.0 if mask is None else mask[b]
-    return {
-        "loss_mask": jnp.asarray(m),
-        "advantages": jnp.asarray(a),
-        "generator_logprobs": jnp.asarray(-1.0 - d),
-        "truncated": jnp.zeros((B, S), bool),
-        "seq_index": jnp.asarray(np.repeat(np.arange(B)[:, None] * S, S, axis=1).astype(np.int32)),
-    }
+    return L.Batch(
+        tokens=jnp.zeros((B, S), jnp.int32),
+        segment_ids=jnp.zeros((B, S), jnp.int32),
+        position_ids=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)),
+        loss_mask=jnp.asarray(m),
+        advantages=jnp.asarray(a),
+        generator_logprobs=jnp.asarray(-1.0 - d),
+        temperature=jnp.ones((B, S), jnp.float32),
+        truncated=jnp.zeros((B, S), bool),
+        seq_index=jnp.asarray(np.repeat(np.arange(B)[:, None] * S, S, axis=1).astype(np.int32)),
+    )
 
 
 def loss_and_grad(cfg: LossConfig, batch: L.Batch, logp: jax.Array | None = None) -> tuple[float, np.ndarray, dict]:
     """(loss, ∂loss/∂logp [B, S], metrics) of the module for `cfg` at logp (default −1 everywhere)."""
     module = L.loss_module_from_config(cfg)
-    logp = jnp.full(batch["loss_mask"].shape, -1.0, jnp.float32) if logp is None else logp
+    logp = jnp.full(batch.loss_mask.shape, -1.0, jnp.float32) if logp is None else logp
     (loss, metrics), grad = jax.value_and_grad(lambda lp: module.objective(lp, batch, None), has_aux=True)(logp)
     return float(loss), np.asarray(grad), {k: float(v) for k, v in metrics.items()}
 
@@ -236,7 +241,9 @@ def test_cispo_clips_the_weight_per_token_and_keeps_every_gradient() -> None:
     logp_vals = np.array([-1.0, -2.0, -0.5, -1.0], np.float32)
     delta = [0.5, -0.5, 0.0, 0.1]
     batch = batch_of([delta], [[1.0, 1.0, -1.0, 0.5]])
-    batch["generator_logprobs"] = batch["generator_logprobs"].at[0, :4].set(jnp.asarray(logp_vals - delta))
+    batch = dataclasses.replace(
+        batch, generator_logprobs=batch.generator_logprobs.at[0, :4].set(jnp.asarray(logp_vals - delta))
+    )
     logp = jnp.zeros((1, S), jnp.float32).at[0, :4].set(jnp.asarray(logp_vals))
     loss, grad, metrics = loss_and_grad(CISPOLossConfig(clip_low=0.2, clip_high=0.28), batch, logp)
     w = np.array([1.28, 0.8, 1.0, math.exp(0.1)])

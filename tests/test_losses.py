@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -23,13 +25,17 @@ def make_batch(lengths: list[int], S: int = 8, adv: float = 1.0, gen: float = -1
     for b, n in enumerate(lengths):
         mask[b, 1 : 1 + n] = 1
     seq_index = np.where(np.arange(S)[None] >= 0, np.arange(B)[:, None] * S, B * S).astype(np.int32)
-    return {
-        "loss_mask": jnp.asarray(mask),
-        "advantages": jnp.full((B, S), adv, jnp.float32),
-        "generator_logprobs": jnp.full((B, S), gen, jnp.float32),
-        "truncated": jnp.zeros((B, S), bool),
-        "seq_index": jnp.asarray(seq_index),
-    }
+    return L.Batch(
+        tokens=jnp.zeros((B, S), jnp.int32),
+        segment_ids=jnp.zeros((B, S), jnp.int32),
+        position_ids=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)),
+        loss_mask=jnp.asarray(mask),
+        advantages=jnp.full((B, S), adv, jnp.float32),
+        generator_logprobs=jnp.full((B, S), gen, jnp.float32),
+        temperature=jnp.ones((B, S), jnp.float32),
+        truncated=jnp.zeros((B, S), bool),
+        seq_index=jnp.asarray(seq_index),
+    )
 
 
 def test_ratio_one_zero_advantage_zero_loss():
@@ -43,7 +49,7 @@ def test_ratio_one_zero_advantage_zero_loss():
     ):
         module = L.loss_module_from_config(cfg)
         batch = make_batch([3, 5], adv=0.0)
-        loss, metrics = module.objective(batch["generator_logprobs"], batch, None)
+        loss, metrics = module.objective(batch.generator_logprobs, batch, None)
         assert float(loss) == 0.0
         assert float(metrics["ratio_mean"]) == pytest.approx(1.0)
         assert float(metrics["clip_fraction"]) == 0.0
@@ -87,12 +93,12 @@ def test_k3_nonnegative_and_zero_at_equality(lp: float, lr: float):
 def test_token_vs_sequence_aggregation():
     x = jnp.asarray(np.arange(16, dtype=np.float32).reshape(2, 8))
     equal = make_batch([4, 4])
-    t = L.token_mean(x, equal["loss_mask"])
-    s = L.sequence_mean(x, equal["loss_mask"], equal["seq_index"], 17)
+    t = L.token_mean(x, equal.loss_mask)
+    s = L.sequence_mean(x, equal.loss_mask, equal.seq_index, 17)
     assert float(t) == pytest.approx(float(s))
     unequal = make_batch([1, 6])
-    t = float(L.token_mean(x, unequal["loss_mask"]))
-    s = float(L.sequence_mean(x, unequal["loss_mask"], unequal["seq_index"], 17))
+    t = float(L.token_mean(x, unequal.loss_mask))
+    s = float(L.sequence_mean(x, unequal.loss_mask, unequal.seq_index, 17))
     # token: (1 + 9+10+...+14)/7 ; sequence: (1 + mean(9..14))/2 -- the short sequence weighs more
     assert t == pytest.approx((1 + sum(range(9, 15))) / 7)
     assert s == pytest.approx((1 + np.mean(range(9, 15))) / 2)
@@ -102,8 +108,8 @@ def test_token_vs_sequence_aggregation():
 def test_overlong_filter_zeroes_truncated():
     module = L.loss_module_from_config(RLOOLossConfig(overlong_filter=True))
     batch = make_batch([3, 3])
-    batch["truncated"] = jnp.ones_like(batch["truncated"])
-    loss, metrics = module.objective(batch["generator_logprobs"] + 0.5, batch, None)
+    batch = dataclasses.replace(batch, truncated=jnp.ones_like(batch.truncated))
+    loss, metrics = module.objective(batch.generator_logprobs + 0.5, batch, None)
     assert float(loss) == 0.0 and float(metrics["loss_tokens"]) == 0.0
 
 
@@ -117,7 +123,7 @@ def test_kl_term_and_reference_requirement():
     module = L.loss_module_from_config(RLOOLossConfig(kl_coef=0.5, kl_estimator="k1"))
     assert module.needs_reference
     batch = make_batch([2, 2], adv=0.0)
-    logp = batch["generator_logprobs"]
+    logp = batch.generator_logprobs
     loss, metrics = module.objective(logp, batch, logp - 1.0)
     assert float(metrics["kl"]) == pytest.approx(1.0) and float(loss) == pytest.approx(0.5)
     off = L.loss_module_from_config(RLOOLossConfig(kl_coef=0.0))

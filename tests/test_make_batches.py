@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from log_entries import put_log_entry
 
+from pipeline.process.exits import Exit
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.metrics import read_metrics
@@ -73,7 +74,7 @@ def step_args(root: Path, **kw: Any) -> list[str]:
         "train.max_lag": 1,
         "train.max_batches_ahead": 1,
         "train.max_batch_latency_s": 3,
-        "poll_interval_s": 0.05,
+        "polling.interval_s": 0.05,
     }
     base.update(kw)
     args = [sys.executable, "-m", "steps.make_batches", "--store.run_root", str(root)]
@@ -154,7 +155,7 @@ def test_no_signal_slot_fills_after_the_stated_number_of_files(run_root: tuple[P
     root, store = run_root
     paths = [commit_rollouts(store, 0, i, rows_for(0, f"s{i}", [[1.0, 1.0]], seed=i)) for i in range(5)]
     r = run_step(root, max_batches=1, **{"train.no_signal_fill_after": 0, "train.max_batch_latency_s": 1})
-    assert r.returncode == 4 and "have 0 eligible of 4" in r.stderr  # 0: never fill, fail loudly
+    assert r.returncode == Exit.TIMEOUT and "have 0 eligible of 4" in r.stderr  # 0: never fill, fail loudly
     assert log_entries(store) == []
     r = run_step(root, max_batches=1, **{"train.no_signal_fill_after": 3})
     assert r.returncode == 0, r.stderr
@@ -173,7 +174,7 @@ def test_pacing_and_wait_timeout_names_what_it_waited_for(run_root: tuple[Path, 
     for i in range(4):
         commit_rollouts(store, 0, i, rows_for(0, f"a{i}", [[0.0, 1.0], [0.0, 1.0]], seed=i))
     r = run_step(root, max_batches=3, **{"train.max_batch_latency_s": 1})
-    assert r.returncode == 4
+    assert r.returncode == Exit.TIMEOUT
     assert "policies/step-00000001/COMMITTED" in r.stderr and "batch slot 2" in r.stderr
     assert [e["slot"] for e in log_entries(store)] == [1]  # T <= learner_step + max_batches_ahead
 
@@ -194,7 +195,7 @@ def test_two_processes_one_exits_naming_the_holder(run_root: tuple[Path, RunStor
         while not store.list("leases/batchmaker") and time.time() < deadline:
             time.sleep(0.05)
         second = run_step(root, follow=True, holder_id="maker-B")
-        assert second.returncode == 3, second.stderr
+        assert second.returncode == Exit.LEASE_HELD, second.stderr
         assert "maker-A" in second.stderr
         store.put_unique(layout.STOP_FILE, b"stop")
         assert first.wait(timeout=30) == 0
@@ -251,7 +252,7 @@ def test_stale_and_future_files_dropped_with_reason(run_root: tuple[Path, RunSto
 @pytest.mark.parametrize(("flag", "value"), [("train.max_lag", -1), ("train.batch_size", 0)])
 def test_bad_config_refused_naming_the_field(tmp_path: Path, flag: str, value: int) -> None:
     r = run_step(tmp_path / "run", max_batches=1, **{flag: value})
-    assert r.returncode == 2
+    assert r.returncode == Exit.CONFIG
     assert flag in r.stderr
     assert not (tmp_path / "run" / "batches").exists()
 

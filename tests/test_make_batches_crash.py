@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.process.exits import Exit
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from schemas import BATCH, ROLLOUT, RolloutRow
@@ -134,7 +135,7 @@ class World:
 def _start(root: Path) -> subprocess.Popen[bytes]:
     args = [
         sys.executable, "-m", "steps.make_batches", "--store.run_root", str(root), "--follow", "true",
-        "--holder_id", "crash-maker", "--lease_ttl_s", str(TTL_S), "--poll_interval_s", "0.02",
+        "--holder_id", "crash-maker", "--lease_ttl_s", str(TTL_S), "--polling.interval_s", "0.02",
         "--train.batch_size", str(BATCH_SIZE), "--train.seq_len", "24", "--train.max_lag", str(MAX_LAG),
         "--train.max_samples_per_rollout", str(MAX_USES), "--train.max_batches_ahead", "2",
         "--train.num_train_steps", "100000", "--train.max_batch_latency_s", "30", "--train.pack", "true",
@@ -244,9 +245,9 @@ def test_sigkill_at_random_points_keeps_invariants(tmp_path: Path) -> None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 kills += 1
-                continue  # the restart's start-up (imports) outlasts TTL_S; if not, it exits 3 and is retried
+                continue  # the restart's start-up (imports) outlasts TTL_S; if not, it exits LEASE_HELD and is retried
             err = proc.stderr.read().decode() if proc.stderr else ""
-            assert rc == 3 and "crash-maker" in err, f"maker exited {rc}: {err[-2000:]}"
+            assert rc == Exit.LEASE_HELD and "crash-maker" in err, f"maker exited {rc}: {err[-2000:]}"
             time.sleep(0.2)
         # settle: no new files; a last maker runs uninterrupted until it has nothing left to do, then STOP
         world.produce.clear()

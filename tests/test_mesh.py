@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from jobs import simulated_devices
 
-from pipeline.config import ConfigError, LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
+from pipeline.config import ConfigError, LearnerStepConfig, MeshConfig, ModelSpec, TrainParams, validate_learner
 
 SCRIPT = Path(__file__).with_name("mesh_run_steps.py")
 ROOT = SCRIPT.parent.parent
@@ -120,22 +120,24 @@ def test_replay_on_the_same_mesh_is_bitwise(runs: dict[str, Path]) -> None:
 
 def test_batch_not_divisible_by_data_axis_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"train.batch_size=30"):
-        LearnerStepConfig(train=TrainParams(batch_size=30), mesh=MeshConfig(data=2, fsdp=2))
+        validate_learner(LearnerStepConfig(train=TrainParams(batch_size=30), mesh=MeshConfig(data=2, fsdp=2)))
 
 
 def test_microbatch_not_dividing_batch_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"train.microbatch_size=12"):
-        LearnerStepConfig(train=TrainParams(batch_size=32, microbatch_size=12))
+        validate_learner(LearnerStepConfig(train=TrainParams(batch_size=32, microbatch_size=12)))
 
 
 def test_microbatch_not_divisible_by_data_axis_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"train.microbatch_size=2.*mesh.data × mesh.fsdp = 4"):
-        LearnerStepConfig(train=TrainParams(batch_size=32, microbatch_size=2), mesh=MeshConfig(data=4, fsdp=1))
+        cfg = LearnerStepConfig(train=TrainParams(batch_size=32, microbatch_size=2), mesh=MeshConfig(data=4, fsdp=1))
+        validate_learner(cfg)
 
 
 def test_heads_not_divisible_by_model_axis_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"model.num_heads=6.*mesh.model=4"):
-        LearnerStepConfig(model=ModelSpec(hidden_dim=48, num_heads=6, num_kv_heads=6), mesh=MeshConfig(fsdp=1, model=4))
+        model = ModelSpec(hidden_dim=48, num_heads=6, num_kv_heads=6)
+        validate_learner(LearnerStepConfig(model=model, mesh=MeshConfig(fsdp=1, model=4)))
 
 
 def test_bad_mesh_sizes_are_refused() -> None:

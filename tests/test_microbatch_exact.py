@@ -27,7 +27,7 @@ from pipeline.config import (  # noqa: E402
 from policy import learner as L  # noqa: E402
 from policy import model as M  # noqa: E402
 from policy import sharding  # noqa: E402
-from policy.losses import loss_module_from_config  # noqa: E402
+from policy.losses import Batch, loss_module_from_config  # noqa: E402
 
 RTOL = 1e-5
 KL = 0.1
@@ -41,7 +41,7 @@ CONFIGS: dict[str, LossConfig] = {
 
 
 @pytest.fixture(scope="module")
-def models() -> tuple[object, object, dict[str, jax.Array]]:
+def models() -> tuple[object, object, Batch]:
     """(policy, reference, batch): two different tiny models, so the KL term is not zero, and a 32-row slot."""
     spec = ModelSpec(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=S)
     policy = M.build_model(spec, VOCAB, jax.random.PRNGKey(0))
@@ -49,7 +49,7 @@ def models() -> tuple[object, object, dict[str, jax.Array]]:
     rows = synthetic_rows(1)
     rng = np.random.default_rng(7)
     rows["truncated"] = (rng.random((B, S)) < 0.3) & (rows["segment_ids"] >= 0)
-    return policy, reference, {k: jnp.asarray(v) for k, v in rows.items()}
+    return policy, reference, Batch(**{k: jnp.asarray(v) for k, v in rows.items()})
 
 
 def _loss_and_grads(cfg: LossConfig, models: tuple, n: int) -> tuple[float, list[np.ndarray], dict]:

@@ -37,6 +37,7 @@ from policy import families  # noqa: E402
 from policy import learner as L  # noqa: E402
 from policy import mesh as mesh_lib  # noqa: E402
 from policy import model as M  # noqa: E402
+from policy import policy_format as pf  # noqa: E402
 
 VOCAB, SEQ = 512, 16
 ATOL = 1e-4
@@ -106,7 +107,7 @@ def test_family_round_trip(family: str, tmp_path: Path) -> None:
 
     # export back and reload in transformers: the trained model's logits
     out = tmp_path / "export"
-    M.export_hf(trained, str(out), load_tokenizer(spec.tokenizer), family=family)
+    pf.export_hf(trained, str(out), load_tokenizer(spec.tokenizer), family=family)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
     assert type(reloaded).__name__ == HF_CLASSES[family][1]
     ours = np.asarray(M.forward_logits(trained, TOKENS))

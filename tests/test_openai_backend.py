@@ -21,12 +21,8 @@ import pytest
 from pipeline.config import CurriculumConfig, LessonConfig, ModelSpec, OpenAIInferenceConfig, SamplingParams
 from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, PromptTooLongError
-from policy.inference.openai import (
-    OpenAIBackend,
-    OpenAIResponseError,
-    policy_step_from_model_name,
-    truncate_at_stop,
-)
+from policy.inference.base import truncate_at_stop
+from policy.inference.openai import OpenAIBackend, OpenAIResponseError, policy_step_from_model_name
 from policy.model import build_model, model_vocab_size
 from policy.rollout_manager import RolloutManager
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from policy import learner as L  # noqa: E402
 from policy import model as M  # noqa: E402
+from policy import policy_format as pf  # noqa: E402
 from policy.inference import make_backend  # noqa: E402
 from policy.losses import loss_module_from_config  # noqa: E402
 
@@ -38,7 +39,7 @@ PROMPTS = [[1, 40, 41, 42, 43], [1, 7]]
 
 
 def _weights_size(store: RunStore, step: int) -> int:
-    return sum(f.size for f in M.policy_metadata(store, step).files.values())
+    return sum(f.size for f in pf.policy_metadata(store, step).files.values())
 
 
 def test_bf16_policy_is_published_loaded_and_sampled(tmp_path: Path) -> None:
@@ -49,11 +50,11 @@ def test_bf16_policy_is_published_loaded_and_sampled(tmp_path: Path) -> None:
         cfg = LearnerStepConfig(store=StoreConfig(run_root=root), model=dataclasses.replace(SPEC, publish_dtype=dtype))
         stores[dtype] = RunStore(root)
         L.publish_policy(stores[dtype], L.LearnerState(0, model, None, None), cfg)
-    assert M.policy_metadata(stores["bfloat16"], 0).extra["dtype"] == "bfloat16"
-    assert "dtype" not in M.policy_metadata(stores["float32"], 0).extra
+    assert pf.policy_metadata(stores["bfloat16"], 0).extra["dtype"] == "bfloat16"
+    assert "dtype" not in pf.policy_metadata(stores["float32"], 0).extra
     assert _weights_size(stores["bfloat16"], 0) < 0.55 * _weights_size(stores["float32"], 0)
 
-    loaded = M.load_policy(stores["bfloat16"], 0, SPEC, VOCAB)
+    loaded = pf.read_policy(stores["bfloat16"], 0, SPEC, VOCAB)
     floats = [
         x
         for x in jax.tree_util.tree_leaves(loaded)
@@ -100,7 +101,7 @@ def test_safetensors_reader_reads_every_dtype_without_copying_and_refuses_malfor
     import ml_dtypes
     from safetensors.numpy import save
 
-    from policy.checkpoints import CheckpointError, st_load
+    from policy.policy_format import CheckpointError, st_load
 
     tensors = {
         "w": np.arange(12, dtype=np.float32).reshape(3, 4),

@@ -16,6 +16,7 @@ from pipeline.config import RayBackendConfig
 from pipeline.jobs.launchers.base import StepSpec
 from pipeline.jobs.launchers.ray import RayLauncher, RayProcessGroup
 from pipeline.jobs.step_logs import log_target
+from pipeline.process.step_kind import StepKind
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker
@@ -58,7 +59,7 @@ def _prepare(tmp_path: Path, steps: int) -> tuple[RunStore, str]:
 def test_ray_backend_starts_one_actor_per_learner_process(tmp_path: Path, learner_env: None) -> None:
     store, config_path = _prepare(tmp_path, steps=2)
     launcher = RayLauncher(RayBackendConfig())
-    spec = StepSpec("learner", "learner", config_path, processes=2)
+    spec = StepSpec("learner", StepKind.LEARNER, config_path, processes=2)
     try:
         launcher.prepare([spec])
         group = launcher.start(spec, log_target(store.root, None, "learner"))

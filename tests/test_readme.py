@@ -1,61 +1,38 @@
-"""The README step-flag tables match the step configs: every flag with its default and docstring, as in the code."""
+"""The step-flag tables (now in the generated docs/reference/configuration.md, not the README) match the step
+configs: every flag with its default and docstring, as in the code."""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-from pathlib import Path
 
 from pipeline import config as C
+from pipeline.config import reference
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = [
-    ("BatchMakerStepConfig", "batches"),
-    ("LearnerStepConfig", "learn"),
-    ("RolloutStepConfig", "rollout"),
-    ("EvaluateStepConfig", "evaluate"),
-]
-SHARED = {"store", "model", "train", "optimizer", "loss", "curriculum", "inference", "tracker"}
-
-
-def field_docs() -> dict[str, dict[str, str]]:
-    """Attribute docstrings (the string right after a field) per class of the pipeline/config package."""
-    docs: dict[str, dict[str, str]] = {}
-    nodes = [n for f in sorted((ROOT / "pipeline/config").glob("*.py")) for n in ast.parse(f.read_text()).body]
-    for node in nodes:
-        if isinstance(node, ast.ClassDef):
-            d = {}
-            for st, nxt in zip(node.body, node.body[1:], strict=False):
-                if (
-                    isinstance(st, ast.AnnAssign)
-                    and isinstance(st.target, ast.Name)
-                    and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)
-                ):
-                    d[st.target.id] = " ".join(nxt.value.value.split())
-            docs[node.name] = d
-    return docs
+STEPS = ["BatchMakerStepConfig", "LearnerStepConfig", "RolloutStepConfig", "EvaluateStepConfig"]
 
 
 def flag_rows() -> list[str]:
-    """One README table row per step flag: `| --name | default | docstring |`."""
-    docs = field_docs()
+    """The start of one reference row per step flag: `| `--name` | `type` | default | docstring |`."""
     rows = []
-    for name, _ in STEPS:
-        for f in dataclasses.fields(getattr(C, name)):
-            if f.name in SHARED:
+    for name in STEPS:
+        cls = getattr(C, name)
+        for f in dataclasses.fields(cls):
+            if f.name in reference.SHARED_SECTIONS:
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            rows.append(f"| `--{f.name}` | `{default!r}` | {docs[name].get(f.name, '')} |")
+            value = reference.default_value(f)
+            typ = reference.type_text(cls, f.name).replace("|", "\\|")
+            doc = reference.meaning(cls, f.name).replace("|", "\\|")
+            rows.append(f"| `--{f.name}` | `{typ}` | {reference.default_text(value)} | {doc} |")
     return rows
 
 
-def test_every_step_flag_is_in_the_readme_as_the_code_has_it() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_every_step_flag_is_in_the_reference_as_the_code_has_it() -> None:
+    text = reference.OUTPUT.read_text()
     rows = flag_rows()
     assert len(rows) > 20
-    missing = [r for r in rows if r not in readme]
-    assert not missing, "README step flags out of date:\n" + "\n".join(missing)
+    missing = [r for r in rows if r not in text]
+    assert not missing, "docs/reference/configuration.md step flags out of date (run `make docs`):\n" + "\n".join(
+        missing
+    )
     undocumented = [r for r in rows if r.endswith("|  |")]
     assert not undocumented, "step flags without a docstring:\n" + "\n".join(undocumented)

@@ -1,5 +1,8 @@
 """The README's commands run as a user runs them, against one short job, each checked by its effect.
 
+The report's plot names are read from the report paragraph of the docs (`docs/reference/metrics.md`; `docs_text`
+reads README.md and every page under docs/).
+
 One module-scoped run root is built by the README's bounded step commands (`make rollout`, `make batches`,
 `make learn` with the flags the README shows, run side by side as a user would in three terminals); then
 `make evaluate`, `make report` and `make export` run on it. Commands are the Makefile's own recipe lines
@@ -102,11 +105,16 @@ class _Page(html.parser.HTMLParser):
             self.images[data], self.tags[data] = [], []
 
 
+def docs_text() -> str:
+    """The user documentation: README.md and every page under docs/, one string."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return "\n".join(p.read_text() for p in pages)
+
+
 def readme_report_plots() -> list[str]:
-    """The plot names the README's report paragraph promises."""
-    readme = (REPO / "README.md").read_text()
-    m = re.search(r"Its\s+plots,\s+in\s+page\s+order[^:]*:(.*?)\.\n", readme, re.S)
-    assert m, "the README's report paragraph lists no plots"
+    """The plot names the report paragraph of the docs (docs/reference/metrics.md) promises."""
+    m = re.search(r"Its\s+plots,\s+in\s+page\s+order[^:]*:(.*?)\.\n", docs_text(), re.S)
+    assert m, "the docs' report paragraph lists no plots"
     names = re.findall(r"`([a-z_]+)`", m.group(1))
     assert len(names) >= 10
     return names
@@ -153,14 +161,14 @@ def test_make_export_needs_only_run_step_out_and_generates(run_root: Path, tmp_p
     from test_hf_export import VOCAB, check_export
 
     from pipeline.config import ModelSpec
-    from policy import model as M
+    from policy import policy_format as pf
 
     store = RunStore(str(run_root))
     spec = draccus.decode(ModelSpec, json.loads(store.get(layout.RUN_CONFIG))["config"]["model"])
     assert spec != ModelSpec(), "the test needs a model whose shape differs from the default"
     out = tmp_path / "hf"
     _run("export", RUN=str(run_root), STEP="1", OUT=str(out))
-    check_export(out, M.load_policy(store, 1, spec, VOCAB))
+    check_export(out, pf.read_policy(store, 1, spec, VOCAB))
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     enc = tok("Do you like cats?", return_tensors="pt")
@@ -170,7 +178,7 @@ def test_make_export_needs_only_run_step_out_and_generates(run_root: Path, tmp_p
 
     newest = tmp_path / "hf-newest"  # no STEP: policy NUM_STEPS, the newest
     _run("export", RUN=str(run_root), OUT=str(newest))
-    check_export(newest, M.load_policy(store, NUM_STEPS, spec, VOCAB))
+    check_export(newest, pf.read_policy(store, NUM_STEPS, spec, VOCAB))
     assert (newest / "model.safetensors").read_bytes() != (out / "model.safetensors").read_bytes()
 
 

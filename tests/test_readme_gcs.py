@@ -1,13 +1,14 @@
-"""The README's "Running on GCS" and trackers commands, run as written against the GCS emulator, each checked by
-its effect. The commands are parsed from the README itself, so the documentation and this test cannot drift:
+"""The docs' "Running on GCS" guide (docs/guides/gcs-and-ray.md) and trackers commands (the trackers paragraph of
+docs/reference/metrics.md), run as written against the GCS emulator, each checked by its effect. The commands are
+parsed from the docs themselves, so the documentation and this test cannot drift:
 
-- `make gcs-emulator` (its Makefile recipe) starts the emulator; the `export` lines it prints are the README's;
-- the README's emulator block (`export …` lines, then `make run RUN=gs://rlpipe/run1 && make report …`) with the
+- `make gcs-emulator` (its Makefile recipe) starts the emulator; the `export` lines it prints are the guide's;
+- the guide's emulator block (`export …` lines, then `make run RUN=gs://rlpipe/run1 && make report …`) with the
   trackers section's `ARGS="--tracker.type tensorboard"`, on a short job: every step's log is under the gs:// run
-  root (read back with the README's `python -c "import fsspec…" URL` line), the report has every plot the README
-  names, and the tracker's event file holds the learner's loss, the batches' reward and staleness, the rollout
+  root (read back with the guide's `python -c "import fsspec…" URL` line), the report has every plot the docs
+  name, and the tracker's event file holds the learner's loss, the batches' reward and staleness, the rollout
   throughput and the final policy's evaluation;
-- the README's scheduled-jobs block (`python -m steps.run step learn|batches|rollout|evaluate …`) on a second
+- the guide's scheduled-jobs block (`python -m steps.run step learn|batches|rollout|evaluate …`) on a second
   gs:// run root: the bounded steps, run side by side, make a complete short run and stop on their own.
 
 One job per run root (module-scoped fixtures). The Makefile recipes run as `tests/makefile.py` gives them (make
@@ -33,7 +34,7 @@ from gcs_emulator import _free_port
 from jobs import check_finished_run, job_config
 from makefile import REPO, make_env, recipe_command, wait_all
 from test_job_e2e import check_step_logs
-from test_readme_commands import _Page, readme_report_plots
+from test_readme_commands import _Page, docs_text, readme_report_plots
 
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
@@ -42,14 +43,15 @@ pytestmark = pytest.mark.slow
 
 NUM_STEPS = 2
 STEP_TIMEOUT_S = 600
-README = (REPO / "README.md").read_text()
+README = docs_text()  # README.md and every page under docs/
+GCS_GUIDE = REPO / "docs" / "guides" / "gcs-and-ray.md"
 
 
 def readme_section(title: str) -> str:
-    """The README from the `## title` heading to the next `## ` heading (its `###` subsections included)."""
-    start = README.index(f"## {title}")
-    end = README.find("\n## ", start + 3)
-    return README[start : end if end > 0 else None]
+    """The GCS guide, which opens with the `# title` heading (its `##` subsections included)."""
+    guide = GCS_GUIDE.read_text()
+    assert guide.startswith(f"# {title}\n"), f"{GCS_GUIDE} does not open with '# {title}'"
+    return guide
 
 
 GCS = readme_section("Running on GCS, as scheduled jobs, and on a Ray cluster")
@@ -94,9 +96,9 @@ def scheduled_block() -> list[list[str]]:
 
 
 def readme_command(pattern: str) -> list[str]:
-    """The README's inline command (in backticks) that matches `pattern`, as words."""
+    """The docs' inline command (in backticks) that matches `pattern`, as words."""
     m = re.search(rf"`({pattern})`", README)
-    assert m, f"the README shows no command matching {pattern!r}"
+    assert m, f"the docs show no command matching {pattern!r}"
     return shlex.split(m.group(1))
 
 

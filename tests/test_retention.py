@@ -56,7 +56,7 @@ def fates(store: RunStore) -> dict[str, collections.Counter[tuple[str, int]]]:
 def finished_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     tmp = tmp_path_factory.mktemp("retention")
     root = tmp / "run"
-    cfg = job_config(tmp, str(root), **{"train.num_train_steps": str(N_STEPS), "checkpoint_interval": "2"})
+    cfg = job_config(tmp, str(root), **{"train.num_train_steps": str(N_STEPS), "cadence.checkpoint_interval": "2"})
     proc = run_job(cfg)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root, fates(RunStore(str(root)))
@@ -231,7 +231,7 @@ def test_job_with_retention_on_gcs_emulator(tmp_path: Path, gcs_endpoint) -> Non
     run_root = f"gs://{gcs_endpoint.bucket}/retention-{os.getpid()}"
     overrides = {
         "train.num_train_steps": str(N_STEPS),
-        "checkpoint_interval": "2",
+        "cadence.checkpoint_interval": "2",
         "retention.enabled": "true",
         "retention.gc_every_slots": "3",
         "retention.keep_policies": "2",

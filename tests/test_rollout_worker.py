@@ -28,13 +28,16 @@ from pipeline.config import (
     DenseInferenceConfig,
     LessonConfig,
     ModelSpec,
+    PollingConfig,
+    RolloutPacing,
     RolloutStepConfig,
     SamplingParams,
     StoreConfig,
     TrainParams,
 )
 from pipeline.environments.tokenizer import load_tokenizer
-from pipeline.process.watchdog import WATCHDOG_EXIT_CODE, watchdog
+from pipeline.process.exits import Exit
+from pipeline.process.watchdog import watchdog
 from pipeline.rollout.pacing import (
     count_unconsumed_rows,
     estimate_unconsumed_rows,
@@ -47,7 +50,8 @@ from pipeline.store import layout
 from pipeline.store.poll import WaitTimeout
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.metrics import read_metrics
-from policy.model import build_model, load_policy, model_vocab_size, save_policy
+from policy.model import build_model, model_vocab_size
+from policy.policy_format import read_policy, write_policy
 from policy.rollout_manager import RolloutManager, policy_runtime
 from schemas import ROLLOUT, RolloutRow
 from schemas.records import Cursor, Reservoir
@@ -68,7 +72,7 @@ def _config(root: Path, **kw: Any) -> RolloutStepConfig:
         curriculum=CURRICULUM,
         train=train,
         worker_id="w0",
-        poll_interval_s=POLL,
+        polling=PollingConfig(interval_s=POLL),
         wait_for_policy_timeout_s=30.0,
     )
     base.update(kw)
@@ -235,7 +239,7 @@ def test_watchdog_default_ends_the_process_loudly() -> None:
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == WATCHDOG_EXIT_CODE
+    assert p.returncode == Exit.WATCHDOG
     assert "generation" in p.stderr and "exceeded" in p.stderr
 
 
@@ -259,22 +263,22 @@ def test_worker_picks_up_newer_policy_and_never_moves_back(
     tmp_path: Path, tokenizer: Any, model: Any, manager: RolloutManager
 ) -> None:
     store = RunStore(str(tmp_path / "run"))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     load_calls: dict[int, int] = {}  # step -> files of policy 0 committed when its load started
 
     def load(step: int) -> Any:
         load_calls.setdefault(step, len(_committed(store, 0)))
-        return load_policy(store, step, SPEC, model.Vocab.size)
+        return read_policy(store, step, SPEC, model.Vocab.size)
 
     worker = _worker(_config(tmp_path / "run"), store=store, tokenizer=tokenizer, manager=manager, load_model=load)
     run = _Running(worker)
     try:
         _wait(lambda: _committed(store, 0), what="a rollout file from policy 0")
-        save_policy(store, 2, _scaled(model, 1.5))
+        write_policy(store, 2, _scaled(model, 1.5))
         n0_at_publish = len(_committed(store, 0))
         _wait(lambda: worker._current_step == 2, what="pickup of policy 2")
         _wait(lambda: _committed(store, 2), what="a rollout file from policy 2")
-        save_policy(store, 1, _scaled(model, 0.5))  # an older step published later (restarted learner)
+        write_policy(store, 1, _scaled(model, 0.5))  # an older step published later (restarted learner)
         n2 = len(_committed(store, 2))
         _wait(lambda: len(_committed(store, 2)) >= n2 + 2, what="two more files from policy 2")
         assert worker._current_step == 2
@@ -303,7 +307,7 @@ def test_worker_picks_up_newer_policy_and_never_moves_back(
 
 def test_bounded_mode_stops_after_max_rollouts(tmp_path: Path, tokenizer: Any, model: Any, manager: Any) -> None:
     store = RunStore(str(tmp_path / "run"))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     cfg = _config(tmp_path / "run", follow=False, max_rollouts=8)
     summary = _worker(cfg, store=store, tokenizer=tokenizer, manager=manager).run()
     assert summary.rows == 8 and len(summary.files) == 2
@@ -314,7 +318,7 @@ def test_bounded_mode_stops_after_max_rollouts(tmp_path: Path, tokenizer: Any, m
 
 def test_stop_file_stops_a_following_worker(tmp_path: Path, tokenizer: Any, model: Any, manager: Any) -> None:
     store = RunStore(str(tmp_path / "run"))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     worker = _worker(_config(tmp_path / "run"), store=store, tokenizer=tokenizer, manager=manager)
     run = _Running(worker)
     _wait(lambda: _committed(store, 0), what="first file")
@@ -334,9 +338,9 @@ def _log_slot(store: RunStore, slot: int) -> None:
 def test_pacing_pauses_ahead_and_when_stale(tmp_path: Path, tokenizer: Any, model: Any, manager: Any) -> None:
     """batch_size 4 = one write; max_steps_ahead 1; max_lag 1; no zero-variance filtering: every row counts."""
     store = RunStore(str(tmp_path / "run"))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1, filter_zero_variance=False)
-    cfg = _config(tmp_path / "run", train=train, max_steps_ahead=1)
+    cfg = _config(tmp_path / "run", train=train, pacing=RolloutPacing(max_steps_ahead=1))
     worker = _worker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=1000.0)
     run = _Running(worker)
     try:
@@ -350,7 +354,7 @@ def test_pacing_pauses_ahead_and_when_stale(tmp_path: Path, tokenizer: Any, mode
         _log_slot(store, 2)  # slot 3 needs policy >= 1: policy 0 would be stale
         time.sleep(1.0)
         assert len(_committed(store, 0)) == 2, "should pause: policy 0 is stale for slot 3"
-        save_policy(store, 1, _scaled(model, 1.5))
+        write_policy(store, 1, _scaled(model, 1.5))
         _wait(lambda: len(_committed(store, 1)) == 1, what="a write from policy 1")
     finally:
         run.stop()
@@ -363,9 +367,9 @@ def test_stalled_batchmaker_gets_one_write_per_grace_period(
     tmp_path: Path, tokenizer: Any, model: Any, manager: Any
 ) -> None:
     store = RunStore(str(tmp_path / "run"))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1)
-    cfg = _config(tmp_path / "run", train=train, max_steps_ahead=1)
+    cfg = _config(tmp_path / "run", train=train, pacing=RolloutPacing(max_steps_ahead=1))
     worker = _worker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=0.5)
     run = _Running(worker)
     try:
@@ -380,9 +384,9 @@ def test_no_stall_write_while_the_batchmaker_waits_for_the_learner(
     """Slot 1 committed, newest policy 0, max_batches_ahead 1: slot 2 waits for policy 1, so a paused worker
     lets no write through however long the learner takes (such rows could only go stale)."""
     store = RunStore(str(tmp_path / "run"))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1, filter_zero_variance=False)
-    cfg = _config(tmp_path / "run", train=train, max_steps_ahead=1)
+    cfg = _config(tmp_path / "run", train=train, pacing=RolloutPacing(max_steps_ahead=1))
     worker = _worker(cfg, store=store, tokenizer=tokenizer, manager=manager, stall_grace_s=0.3)
     run = _Running(worker)
     try:
@@ -392,7 +396,7 @@ def test_no_stall_write_while_the_batchmaker_waits_for_the_learner(
         n = len(_committed(store, 0))
         time.sleep(2.0)  # > 6 grace periods
         assert len(_committed(store, 0)) == n, "no write may be let through while slot 2 waits for policy 1"
-        save_policy(store, 1, _scaled(model, 1.5))
+        write_policy(store, 1, _scaled(model, 1.5))
         _log_slot(store, 2)
         _wait(lambda: len(_committed(store, 1)) >= 1, what="a write from policy 1 once the learner moved on")
     finally:
@@ -413,7 +417,7 @@ def test_crash_between_data_and_marker_leaves_nothing_visible_and_restart_uses_f
 ) -> None:
     root = tmp_path / "run"
     store = RunStore(str(root))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     crashing = _worker(
         _config(root, follow=False, max_rollouts=4),
         store=_CrashBeforeMarker(str(root)),
@@ -452,7 +456,7 @@ def _spawn(root: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
 def test_sigkill_mid_run_leaves_no_visible_partial_file_and_restart_goes_on(tmp_path: Path, model: Any) -> None:
     root = tmp_path / "run"
     store = RunStore(str(root))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     p = _spawn(root, tmp_path / "w1.log")
     try:
         _wait(lambda: len(_committed(store, 0)) >= 2 or p.poll() is not None, timeout=300, what="first files")
@@ -484,7 +488,7 @@ def test_sigkill_mid_run_leaves_no_visible_partial_file_and_restart_goes_on(tmp_
 def test_sigterm_stops_gracefully(tmp_path: Path, model: Any) -> None:
     root = tmp_path / "run"
     store = RunStore(str(root))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     p = _spawn(root, tmp_path / "w.log")
     try:
         _wait(lambda: _committed(store, 0) or p.poll() is not None, timeout=300, what="first file")

@@ -27,7 +27,9 @@ import pytest
 from gcs_emulator import GcsEmulator, _free_port
 from jobs import FinishedJob
 
-from pipeline.jobs.job import RLJob, RLJobConfig, run_record
+from pipeline.config import RLJobConfig, run_record
+from pipeline.jobs.job import RLJob
+from pipeline.process.exits import Exit
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 
@@ -75,7 +77,7 @@ def test_read_only_command_refuses_a_typod_run_root(tmp_path: Path, command: str
     if not missing:
         run_root.mkdir()
     proc = cli(*READ_ONLY_COMMANDS[command](str(run_root)))
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == Exit.CONFIG, proc.stderr
     (line,) = error_lines(proc)
     assert str(run_root) in line and "run.json" in line
     assert "Traceback" not in proc.stderr
@@ -99,7 +101,7 @@ def test_report_takes_storage_options_from_flag_and_env(tmp_path: Path, gcs_endp
     # a typo'd gs:// run root is refused like a local one, and nothing is created there
     missing = f"gs://{emu.bucket}/no-such-run"
     proc = cli("-m", "pipeline.report", missing, "--store.storage_options", flag)
-    assert proc.returncode == 2 and missing in error_lines(proc)[0]
+    assert proc.returncode == Exit.CONFIG and missing in error_lines(proc)[0]
     assert RunStore(missing, emu.storage_options).list("") == []
 
 
@@ -107,11 +109,31 @@ def test_report_takes_storage_options_from_flag_and_env(tmp_path: Path, gcs_endp
     ("command", "settings", "named", "code"),
     [
         # a host name that does not exist: a configuration error (2, never restarted by the job runner)
-        ("pipeline.report", {"flag": {"endpoint_url": "http://nonexistent.invalid:1"}}, "'nonexistent.invalid'", 2),
-        ("steps.make_batches", {"flag": {"endpoint_url": "http://nonexistent.invalid:1"}}, "nonexistent.invalid", 2),
+        (
+            "pipeline.report",
+            {"flag": {"endpoint_url": "http://nonexistent.invalid:1"}},
+            "'nonexistent.invalid'",
+            Exit.CONFIG,
+        ),
+        (
+            "steps.make_batches",
+            {"flag": {"endpoint_url": "http://nonexistent.invalid:1"}},
+            "nonexistent.invalid",
+            Exit.CONFIG,
+        ),
         # nothing listening: storage unavailable (75, restarted with backoff by the job runner)
-        ("steps.make_batches", {"env": {"STORAGE_EMULATOR_HOST": "127.0.0.1:1"}}, "STORAGE_EMULATOR_HOST", 75),
-        ("pipeline.report", {"env": {"STORAGE_EMULATOR_HOST": "127.0.0.1:1"}}, "STORAGE_EMULATOR_HOST", 75),
+        (
+            "steps.make_batches",
+            {"env": {"STORAGE_EMULATOR_HOST": "127.0.0.1:1"}},
+            "STORAGE_EMULATOR_HOST",
+            Exit.STORAGE_UNAVAILABLE,
+        ),
+        (
+            "pipeline.report",
+            {"env": {"STORAGE_EMULATOR_HOST": "127.0.0.1:1"}},
+            "STORAGE_EMULATOR_HOST",
+            Exit.STORAGE_UNAVAILABLE,
+        ),
     ],
 )
 def test_unreachable_endpoint_fails_fast_naming_it(command: str, settings: dict, named: str, code: int) -> None:
@@ -123,7 +145,7 @@ def test_unreachable_endpoint_fails_fast_naming_it(command: str, settings: dict,
     waited = time.monotonic() - t0
     assert proc.returncode == code, proc.stderr
     (line,) = error_lines(proc)
-    assert named in line and ("does not resolve" if code == 2 else "connection refused") in line, line
+    assert named in line and ("does not resolve" if code == Exit.CONFIG else "connection refused") in line, line
     # gcsfs's retries of a transient error would take minutes; this bound only shows none happened
     assert waited < 60, f"took {waited:.0f}s"
 
@@ -158,7 +180,7 @@ def test_demo_refuses_an_existing_run_root_unless_fresh(tmp_path: Path) -> None:
     run_root.mkdir()
     (run_root / "run.json").write_text("{}")
     proc = cli("-m", "steps.demo", "--config_path", str(TEST_CONFIG), "--run_root", str(run_root))
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == Exit.CONFIG, proc.stderr
     (line,) = error_lines(proc)
     assert str(run_root) in line and "FRESH=1" in line
     assert (run_root / "run.json").exists()
@@ -202,12 +224,13 @@ def test_replay_of_the_last_slots_is_bitwise_equal(finished_run: Path, tmp_path:
     # the comparison reports differing tensors by name (policy 5 is not policy 6)
     from pipeline.environments.tokenizer import load_tokenizer
     from policy import model as M
+    from policy import policy_format as pf
     from steps.replay import compare, recorded_learner_config
 
     store = RunStore(str(finished_run))
     spec = recorded_learner_config(store).model
-    p5 = M.load_policy(store, 5, spec, M.model_vocab_size(load_tokenizer(spec.tokenizer)))
-    p6 = M.load_policy(store, 6, spec, int(p5.Vocab.size))
+    p5 = pf.read_policy(store, 5, spec, M.model_vocab_size(load_tokenizer(spec.tokenizer)))
+    p6 = pf.read_policy(store, 6, spec, int(p5.Vocab.size))
     diffs = compare(p6, p5)
     assert diffs and all(v > 0 for v in diffs.values())
     assert compare(p6, p6) == {}
@@ -226,7 +249,7 @@ def test_drifted_job_field_is_refused_unless_allowed(finished_run: Path, tmp_pat
     direct_yaml = learner_yaml(copy, tmp_path / "learner.yaml")
     direct = cli("-m", "steps.learn", "--config_path", str(direct_yaml), "--optimizer.learning_rate", "0.5")
     for proc in (via_run, direct):
-        assert proc.returncode == 2, proc.stderr[-4000:]
+        assert proc.returncode == Exit.CONFIG, proc.stderr[-4000:]
         (line,) = error_lines(proc)
         assert "optimizer.learning_rate=0.5" in line and "0.003" in line and "--allow_config_change" in line
     assert (copy / "run.json").read_bytes() == run_json

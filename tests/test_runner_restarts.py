@@ -19,12 +19,14 @@ from typing import ClassVar
 import draccus
 import pytest
 
-from pipeline.config import JobBackendConfig
+from pipeline.config import JobBackendConfig, RLJobConfig
 from pipeline.jobs import runner as runner_mod
-from pipeline.jobs.job import RLJob, RLJobConfig
+from pipeline.jobs.job import RLJob
 from pipeline.jobs.launchers.base import StepSpec
 from pipeline.jobs.runner import JobRunner
 from pipeline.jobs.step_logs import LogTarget
+from pipeline.process.exits import Exit
+from pipeline.process.step_kind import StepKind
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT: dict[str, list[int]] = {}
@@ -52,7 +54,7 @@ class ScriptedLauncher:
 
 def run_scripted(tmp_path: Path, script: dict[str, list[int]]) -> JobRunner:
     SCRIPT.clear()
-    SCRIPT.update({"batches": [0], "rollout": [0], "evaluate": [0], **script})
+    SCRIPT.update({StepKind.BATCHMAKER: [0], StepKind.ROLLOUT: [0], StepKind.EVALUATE: [0], **script})
     cfg = draccus.parse(RLJobConfig, config_path=str(ROOT / "configs/test_cats.yaml"), args=[])
     cfg = dataclasses.replace(
         cfg,
@@ -67,34 +69,35 @@ def run_scripted(tmp_path: Path, script: dict[str, list[int]]) -> JobRunner:
 
 
 def learner(runner: JobRunner) -> StepSpec:
-    return next(s for s in runner.steps if s.kind == "learner")
+    return next(s for s in runner.steps if s.kind == StepKind.LEARNER)
 
 
 def test_storage_unavailable_steps_are_restarted_outside_max_restarts(tmp_path: Path) -> None:
-    runner = run_scripted(tmp_path, {"learner": [75, 75, 75, 0]})
-    assert runner.returncode == 0  # type: ignore[attr-defined]
-    assert learner(runner).exit_codes == [75, 75, 75, 0]
+    unavailable = Exit.STORAGE_UNAVAILABLE
+    runner = run_scripted(tmp_path, {"learner": [unavailable, unavailable, unavailable, Exit.OK]})
+    assert runner.returncode == Exit.OK  # type: ignore[attr-defined]
+    assert learner(runner).exit_codes == [unavailable, unavailable, unavailable, Exit.OK]
     assert learner(runner).restarts == 0  # max_restarts 0 and still restarted
 
 
 def test_a_refused_config_is_never_restarted(tmp_path: Path) -> None:
-    runner = run_scripted(tmp_path, {"learner": [2, 0]})
-    assert runner.returncode == 1  # type: ignore[attr-defined]
-    assert learner(runner).exit_codes == [2]
+    runner = run_scripted(tmp_path, {"learner": [Exit.CONFIG, Exit.OK]})
+    assert runner.returncode == Exit.FAILED  # type: ignore[attr-defined]
+    assert learner(runner).exit_codes == [Exit.CONFIG]
 
 
 def test_a_crash_counts_against_max_restarts(tmp_path: Path) -> None:
-    runner = run_scripted(tmp_path, {"learner": [1, 0]})
-    assert runner.returncode == 1  # type: ignore[attr-defined]
-    assert learner(runner).exit_codes == [1]
+    runner = run_scripted(tmp_path, {"learner": [Exit.FAILED, Exit.OK]})
+    assert runner.returncode == Exit.FAILED  # type: ignore[attr-defined]
+    assert learner(runner).exit_codes == [Exit.FAILED]
 
 
 def test_an_outage_longer_than_the_bound_stops_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner_mod, "STORAGE_OUTAGE_S", 1.0)
-    runner = run_scripted(tmp_path, {"learner": [75]})
-    assert runner.returncode == 1  # type: ignore[attr-defined]
+    runner = run_scripted(tmp_path, {"learner": [Exit.STORAGE_UNAVAILABLE]})
+    assert runner.returncode == Exit.FAILED  # type: ignore[attr-defined]
     codes = learner(runner).exit_codes
-    assert len(codes) >= 3 and set(codes) == {75}
+    assert len(codes) >= 3 and set(codes) == {Exit.STORAGE_UNAVAILABLE}
 
 
 def test_local_step_processes_share_the_accelerators(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,7 +105,7 @@ def test_local_step_processes_share_the_accelerators(monkeypatch: pytest.MonkeyP
     memory): local step processes get XLA_PYTHON_CLIENT_PREALLOCATE=false unless the user set it."""
     from pipeline.jobs.launchers.local import child_env
 
-    spec, log = StepSpec("learner", "learner", "cfg.yaml"), LogTarget("/tmp/run", None, "learner", "a1")
+    spec, log = StepSpec("learner", StepKind.LEARNER, "cfg.yaml"), LogTarget("/tmp/run", None, "learner", "a1")
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     env = child_env(spec, log)
     assert (env["XLA_PYTHON_CLIENT_PREALLOCATE"], env["RLPIPE_STEP"], env["RLPIPE_ATTEMPT"]) == (

@@ -23,7 +23,8 @@ from pipeline.environments.tokenizer import load_tokenizer
 from pipeline.store.storage import RunStore
 from policy.inference import GenerationRequest, make_backend
 from policy.inference.server import ServerBackend
-from policy.model import build_model, load_policy, model_vocab_size, save_policy, teacher_forced_logprobs
+from policy.model import build_model, model_vocab_size, teacher_forced_logprobs
+from policy.policy_format import read_policy, write_policy
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerBack
     store = RunStore(str(root))
     tokenizer = load_tokenizer("builtin:tiny")
     model = build_model(SPEC, model_vocab_size(tokenizer))
-    save_policy(store, 0, model)
+    write_policy(store, 0, model)
     config = ServerInferenceConfig(command=COMMAND, port=0, max_seqs=8, startup_timeout_s=240, load_timeout_s=120)
     backend = make_backend(config, None, tokenizer, SPEC.max_seq_len)
     assert isinstance(backend, ServerBackend)
@@ -64,7 +65,7 @@ def _check_against_teacher_forcing(backend: ServerBackend, store: RunStore, toke
     prompt = _prompt(tokenizer)
     out = backend.generate(GenerationRequest([prompt], n=2, temperature=1.0, max_tokens=6, stop_tokens=[], seed=3))
     assert backend.last_served_steps == {step}
-    policy = load_policy(store, step, SPEC, model_vocab_size(tokenizer))
+    policy = read_policy(store, step, SPEC, model_vocab_size(tokenizer))
     for c in out[0]:
         assert len(c.tokens) == 6 and len(c.logprobs) == 6
         seq = prompt + c.tokens
@@ -78,9 +79,9 @@ def test_server_loads_each_published_policy_and_matches_teacher_forcing(setup: A
     backend, store, tokenizer = setup
     assert backend.load_policy(0) >= 0 and backend.served_policy_step() == 0
     fixed0 = _check_against_teacher_forcing(backend, store, tokenizer, 0)
-    model = load_policy(store, 0, SPEC, model_vocab_size(tokenizer))
+    model = read_policy(store, 0, SPEC, model_vocab_size(tokenizer))
     for step, factor in ((1, 1.5), (2, 0.7)):
-        save_policy(store, step, _scaled(model, factor))
+        write_policy(store, step, _scaled(model, factor))
         backend.load_policy(step)
         assert backend.served_policy_step() == step and backend.loaded_step == step
         fixed = _check_against_teacher_forcing(backend, store, tokenizer, step)

@@ -21,10 +21,10 @@ pytest.importorskip("jax")
 
 from test_learner import VOCAB, tiny_config
 
-from policy import checkpoints as ckpt
 from policy import learner as L
 from policy import mesh as mesh_lib
 from policy import model as M
+from policy import policy_format as pf
 
 
 def _state(cfg):  # a model and optimizer state whose every leaf differs from a fresh init
@@ -51,18 +51,18 @@ def test_sharded_checkpoint_round_trips_bitwise(store_factory, backend):
     optimizer, state = _state(cfg)
     lm = mesh_lib.build_mesh(cfg.mesh)
     state = L.shard_state(state, lm)
-    assert L.save_checkpoint(store, state, cfg, 1)
-    assert not L.save_checkpoint(store, state, cfg, 1)  # already committed: not rewritten
+    assert pf.write_checkpoint(store, state, cfg, 1)
+    assert not pf.write_checkpoint(store, state, cfg, 1)  # already committed: not rewritten
 
     rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(5)), path="m")
     assert rec.format == SHARDED_CHECKPOINT_FORMAT and rec.kind == "checkpoint" and list(rec.files) == ["p0"]
     assert rec.tensors is not None and any(k.startswith("model/") for k in rec.tensors)
     assert any(k.startswith("opt_state/") for k in rec.tensors)
     data = store.get(layout.join(layout.checkpoint_dir(5), rec.files["p0"].path))
-    assert len(data) == rec.files["p0"].size and ckpt.sha256_hex(data) == rec.files["p0"].sha256
+    assert len(data) == rec.files["p0"].size and pf.sha256_hex(data) == rec.files["p0"].sha256
 
     for mesh in (None, lm):
-        got = L.load_checkpoint(store, 5, cfg.model, VOCAB, optimizer, mesh)
+        got = pf.read_checkpoint(store, 5, cfg.model, VOCAB, optimizer, mesh)
         assert got.step == 5 and _same(got.model, state.model) and _same(got.opt_state, state.opt_state)
 
 
@@ -70,26 +70,26 @@ def test_half_written_and_damaged_checkpoints_are_never_loaded(tmp_path):
     store = RunStore(str(tmp_path / "run"))
     cfg = tiny_config(store.root)
     optimizer, state = _state(cfg)
-    assert L.save_checkpoint(store, state, cfg, 1)
+    assert pf.write_checkpoint(store, state, cfg, 1)
     # a half-written checkpoint 6: its shard file is there, its marker is not
     folder5, folder6 = layout.checkpoint_dir(5), layout.checkpoint_dir(6)
     rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(5)), path="m")
     shard = store.get(layout.join(folder5, rec.files["p0"].path))
     store.put_unique(layout.join(folder6, rec.files["p0"].path), shard)
-    assert L.committed_checkpoints(store) == [5]
+    assert pf.committed_checkpoints(store) == [5]
     assert L.resume_or_init(store, cfg, VOCAB, optimizer).step == 5
 
     # a damaged shard file of committed checkpoint 7 (one flipped byte, same size): refused naming the file;
     # resuming falls back to checkpoint 5
     state7 = L.LearnerState(7, state.model, state.opt_state, 5)
-    assert L.save_checkpoint(store, state7, cfg, 6)
+    assert pf.write_checkpoint(store, state7, cfg, 6)
     rec7 = CommitMarker.from_json(store.get(layout.checkpoint_marker(7)), path="m")
     rel = layout.join(layout.checkpoint_dir(7), rec7.files["p0"].path)
     raw = bytearray(store.get(rel))
     raw[-1] ^= 0xFF
     (tmp_path / "run" / rel).write_bytes(bytes(raw))
-    with pytest.raises(ckpt.CheckpointError, match=r"shard-.*size/sha256 differ"):
-        L.load_checkpoint(store, 7, cfg.model, VOCAB, optimizer)
+    with pytest.raises(pf.CheckpointError, match=r"shard-.*size/sha256 differ"):
+        pf.read_checkpoint(store, 7, cfg.model, VOCAB, optimizer)
     assert L.resume_or_init(store, cfg, VOCAB, optimizer).step == 5
 
 
@@ -97,9 +97,9 @@ def test_whole_pytree_checkpoint_of_the_older_format_still_loads(tmp_path):
     store = RunStore(str(tmp_path / "run"))
     cfg = tiny_config(store.root)
     optimizer, state = _state(cfg)
-    blobs = {L.MODEL_BLOB: ckpt.tree_to_safetensors(state.model), L.OPT_BLOB: ckpt.tree_to_safetensors(state.opt_state)}
+    blobs = {pf.MODEL_BLOB: pf.tree_to_safetensors(state.model), pf.OPT_BLOB: pf.tree_to_safetensors(state.opt_state)}
     meta = {"kind": "checkpoint", "step": 5, "batch_slot": 5, "vocab_size": VOCAB}
-    assert ckpt.write_committed(store, layout.checkpoint_dir(5), blobs, meta)
-    assert ckpt.read_marker(store, layout.checkpoint_dir(5)).format == CHECKPOINT_FORMAT
+    assert pf.write_committed(store, layout.checkpoint_dir(5), blobs, meta)
+    assert pf.read_marker(store, layout.checkpoint_dir(5)).format == CHECKPOINT_FORMAT
     got = L.resume_or_init(store, cfg, VOCAB, optimizer, mesh_lib.build_mesh(cfg.mesh))
     assert got.step == 5 and _same(got.model, state.model) and _same(got.opt_state, state.opt_state)

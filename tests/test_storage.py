@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.process.exits import Exit
 from pipeline.store import layout, storage
 from pipeline.store.storage import (
     TMP_PREFIX,
@@ -627,13 +628,13 @@ def test_quarantined_is_cached_but_fresh(local_store: RunStore) -> None:
 @pytest.mark.parametrize(
     ("error", "expected", "code"),
     [
-        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), storage.StorageEndpointError, 2),
+        (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), storage.StorageEndpointError, Exit.CONFIG),
         (
             socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
             storage.StorageUnavailableError,
-            75,
+            Exit.STORAGE_UNAVAILABLE,
         ),
-        (ConnectionRefusedError(111, "Connection refused"), storage.StorageUnavailableError, 75),
+        (ConnectionRefusedError(111, "Connection refused"), storage.StorageUnavailableError, Exit.STORAGE_UNAVAILABLE),
     ],
     ids=["no-such-host", "dns-down", "refused"],
 )
@@ -643,7 +644,7 @@ def test_endpoint_errors_at_start_are_config_errors_or_unavailability(
     """What the resolver or the socket says at the first connection decides: a name that does not exist is a
     configuration error (exit 2, never restarted), a resolver that cannot answer now or a refused connection is
     an outage (exit 75, restarted by the job runner). Both name the endpoint and the setting it came from."""
-    from steps.cli import EXIT_CONFIG, run_command
+    from steps.cli import run_command
 
     def connect(*args: object, **kwargs: object) -> None:
         raise error
@@ -659,4 +660,36 @@ def test_endpoint_errors_at_start_are_config_errors_or_unavailability(
         return 0
 
     assert run_command(lambda args: args, main, []) == code
-    assert code in (EXIT_CONFIG, storage.EXIT_STORAGE_UNAVAILABLE)
+    assert code in (Exit.CONFIG, Exit.STORAGE_UNAVAILABLE)
+
+
+@pytest.mark.parametrize(
+    ("location", "local"),
+    [
+        ("runs/demo", True),
+        ("/abs/run", True),
+        ("~/run", True),
+        ("file:///abs/run", True),
+        ("local:///abs/run", True),
+        ("C://data/run", True),  # a Windows drive letter is no scheme
+        ("gs://bucket/run", False),
+        ("gcs://bucket/run", False),
+        ("memory://run", False),
+    ],
+)
+def test_one_local_rule_for_every_location(location: str, local: bool, tmp_path: Path) -> None:
+    """`pipeline.store.urls.is_local` is the one rule: plain paths, file:// and local:// are local, and a RunStore
+    agrees with it (local:// and file:// name the same folder as the plain path)."""
+    from pipeline.store.urls import is_local, local_path, split_location
+
+    assert is_local(location) is local
+    assert (split_location(location)[0] == "file") is local
+    if local:
+        assert os.path.isabs(local_path(location))
+    else:
+        with pytest.raises(ValueError, match=re.escape(location)):
+            local_path(location)
+    for url in (str(tmp_path), f"file://{tmp_path}", f"local://{tmp_path}"):
+        store = RunStore(url)
+        assert store.is_local and store.protocol == "file" and store.root == str(tmp_path)
+    assert not RunStore("memory://rule-check").is_local

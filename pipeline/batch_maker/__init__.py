@@ -1,7 +1,8 @@
-"""The BatchMaker: rollout rows in, fixed-shape training batches out. Pure in-memory logic.
+"""The BatchMaker: rollout rows in, fixed-shape training batches out; and the BatchMaker process's loop.
 
-No I/O and no JAX: the step `steps/make_batches.py` reads committed rollout files, feeds their Arrow
-tables here, asks for batch T, and writes what comes back. Everything works on Arrow/numpy columns
+The BatchMaker itself (`maker`, `staging`, `chunk`, `packing`, `advantages`) is pure in-memory logic, with no I/O
+and no JAX: the process loop reads committed rollout files, feeds their Arrow tables here, asks for batch T, and
+writes what comes back. Everything works on Arrow/numpy columns
 (list offsets + flat value buffers), never on per-token Python lists.
 
 Fate of every rollout row fed in: it is *admitted* to the reservoir, or *dropped* with a reason
@@ -57,9 +58,15 @@ Batch row layout (schemas.BatchRow): segment k of a row holds `prompt ++ respons
 Modules: `staging` (per-file validation, grouping, advantages, overlong rule), `chunk` (the reservoir's per-file
 buffers), `packing` (placement into rows and the batch table), `maker` (the `BatchMaker`: reservoir, drops,
 staleness, batch selection).
+
+The process loop around it lives here too and does the run root's I/O (no JAX); `steps/make_batches.py` runs its
+phases: `loop` (`Maker`: one BatchMaker process's lease, pacing, gathering of committed rollout files, commit of
+batch slots, curriculum and metrics), `loop_state` (its state between slots: `MakerState`, the slot log entry,
+`SlotLost`, `StopRequested`, the cursor a restart recovers from), `scan` (`ScanWindow`: which policy folders are
+listed for each slot, their seals and the late sweep), `slot_metrics` (the metrics record of each committed slot).
 """
 
-from pipeline.batch_maker.maker import BatchMaker, IngestReport, lag_allowed
+from pipeline.batch_maker.maker import BatchMaker, IngestReport
 from pipeline.batch_maker.packing import BatchResult
 
-__all__ = ["BatchMaker", "BatchResult", "IngestReport", "lag_allowed"]
+__all__ = ["BatchMaker", "BatchResult", "IngestReport"]

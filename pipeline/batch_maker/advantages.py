@@ -93,6 +93,12 @@ def rloo_advantages(rewards: npt.ArrayLike, group_ids: npt.ArrayLike | None = No
         A_i = 0                                                                 for n = 1
 
     Example: r = [0, 1, 0] gives A = [-0.5, 1, -0.5]. Sums to zero within each group.
+
+    References:
+        Kool, van Hoof, Welling 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!" (ICLR 2019 DeepRLStructPred
+        workshop): the leave-one-out baseline.
+        Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+        Feedback in LLMs", arXiv:2402.14740: RLOO for LLM RL.
     """
     r, n, mean, _, codes = group_stats(rewards, group_ids)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -106,6 +112,10 @@ def grpo_advantages(rewards: npt.ArrayLike, group_ids: npt.ArrayLike | None = No
         A_i = (r_i - mean(r)) / (std(r) + ε),   std with ddof = 0, ε = GRPO_EPS (1e-6)
 
     A group of one (or with equal rewards) gets 0. Sums to zero within each group.
+
+    References:
+        Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+        arXiv:2402.03300 (outcome supervision with normalised group rewards).
     """
     r, n, mean, std, codes = group_stats(rewards, group_ids)
     adv = np.where(n > 1, (r - mean) / (std + GRPO_EPS), 0.0)
@@ -118,6 +128,10 @@ def dr_grpo_advantages(rewards: npt.ArrayLike, group_ids: npt.ArrayLike | None =
         A_i = r_i - mean(r)
 
     A group of one gets 0. Sums to zero within each group.
+
+    References:
+        Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective", arXiv:2503.20783
+        (Dr.GRPO: no std normalisation of advantages, no per-response length normalisation of the loss).
     """
     r, n, mean, _, codes = group_stats(rewards, group_ids)
     adv = np.where(n > 1, r - mean, 0.0)

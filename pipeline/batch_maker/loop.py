@@ -20,10 +20,11 @@ import pyarrow as pa
 
 from pipeline.batch_maker import BatchMaker, BatchResult
 from pipeline.batch_maker.loop_state import CURSOR_VERSION, MakerState, SlotLost, StopRequested, config_hash
-from pipeline.batch_maker.scan import ScanWindow, folder_of
+from pipeline.batch_maker.scan import ScanWindow
 from pipeline.batch_maker.slot_metrics import batch_metrics
 from pipeline.config import BatchMakerStepConfig
 from pipeline.curriculum import CurriculumWriter
+from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state, staleness
 from pipeline.store.lease import Lease
 from pipeline.store.notify import waker_for
@@ -62,7 +63,9 @@ class Maker:
         self.holder = lease.holder
         self.hash = config_hash(config)
         # One file per slot: the slot's record reaches the tracker and the progress line before the learner trains it.
-        self.metrics = MetricsWriter(store, "batchmaker", re.sub(r"[^A-Za-z0-9_.=+-]", "_", self.holder), flush_every=1)
+        self.metrics = MetricsWriter(
+            store, StepKind.BATCHMAKER, re.sub(r"[^A-Za-z0-9_.=+-]", "_", self.holder), flush_every=1
+        )
         # the one writer of curriculum state: folds each committed slot's rollouts and named evals
         self.curriculum = CurriculumWriter(store, config.curriculum) if config.curriculum is not None else None
         self.scan = ScanWindow(store, config.train.max_lag)
@@ -111,7 +114,7 @@ class Maker:
             done,
             timeout_s=self.train.max_batch_latency_s,
             what=what,
-            interval_s=self.config.poll_interval_s,
+            interval_s=self.config.polling.interval_s,
             setting=LATENCY_SETTING,
             on_wait=self._before_sleep,
             progress=progress,
@@ -229,7 +232,7 @@ class Maker:
             one_round,
             timeout_s=self.train.max_batch_latency_s,
             what=what,
-            interval_s=self.config.poll_interval_s,
+            interval_s=self.config.polling.interval_s,
             setting=LATENCY_SETTING,
             on_wait=self._before_sleep,
             waker=self.waker,
@@ -316,7 +319,7 @@ class Maker:
         dropped = st.bm.take_dropped(slot)
         low = self.scan.scan_low(slot + 1)
         sealed = self.scan.sealed_folders(slot, st.seen)
-        seen = sorted(s for s in st.seen if folder_of(s) >= low)
+        seen = sorted(s for s in st.seen if layout.parse_step(s) >= low)
         entry = self.slot_entry(st, batch, log, learner, attempt, sealed, seen)
         self.keep_lease()
         st.seen = set(seen)  # if the slot is lost, recover() replaces the whole state anyway

@@ -19,16 +19,10 @@ from pipeline.batch_maker.chunk import Chunk
 from pipeline.batch_maker.packing import BatchResult, build_batch, place
 from pipeline.batch_maker.staging import Staged, stage
 from pipeline.config import TrainParams
-from pipeline.config.validate import validate_train
 from pipeline.store import staleness
 from schemas.dropped import DROP_REASONS, DROPPED
 
 logger = logging.getLogger(__name__)
-
-
-def lag_allowed(slot: int, policy_step: int, max_lag: int) -> bool:
-    """A rollout of policy P may be in batch T iff 0 <= (T-1) - P <= max_lag (`pipeline.store.staleness`)."""
-    return staleness.allowed(slot, policy_step, max_lag)
 
 
 @dataclasses.dataclass
@@ -51,11 +45,10 @@ class BatchMaker:
     """The in-memory BatchMaker (see the package docstring for every rule it applies).
 
     Deterministic: the same sequence of calls gives the same batches and drops. Not thread-safe.
-    Raises ConfigError (naming the field) when `params` cannot give fixed-shape rows.
+    `params` are taken as validated (`pipeline.config.validate.validate_train`, run at program start and job build).
     """
 
     def __init__(self, params: TrainParams) -> None:
-        validate_train(params)
         self.params = params
         self._estimator = estimator_for(params.advantage_estimator)
         self._chunks: list[Chunk] = []
@@ -82,7 +75,7 @@ class BatchMaker:
         n = 0
         tokens = 0
         for c in self._chunks:
-            if not lag_allowed(slot, c.policy_step, self.params.max_lag):
+            if not staleness.allowed(slot, c.policy_step, self.params.max_lag):
                 continue
             ok = c.alive & (c.uses < self.params.max_samples_per_rollout)
             n += int(ok.sum())
@@ -157,11 +150,6 @@ class BatchMaker:
         self._drops = []
         self._drop_counts = {}
         return DROPPED.conform(t, "<dropped>")
-
-    @property
-    def pending_drop_counts(self) -> dict[str, int]:
-        """Drops per reason since the last `take_dropped`."""
-        return dict(self._drop_counts)
 
     # ------------------------------------------------------------------ ingestion
     def add_rollouts(
@@ -334,7 +322,7 @@ class BatchMaker:
         except that stale rows are dropped). Marks one use on every row it puts in the batch."""
         params = self.params
         self.drop_stale(slot)
-        cands = [(ci, c) for ci, c in enumerate(self._chunks) if lag_allowed(slot, c.policy_step, params.max_lag)]
+        cands = [(ci, c) for ci, c in enumerate(self._chunks) if staleness.allowed(slot, c.policy_step, params.max_lag)]
         if not cands:
             return None
         c_idx = np.concatenate([np.full(len(c.alive), ci, dtype=np.int64) for ci, c in cands])

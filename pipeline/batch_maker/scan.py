@@ -19,11 +19,6 @@ LATE_SCAN_STEPS = 4
 """Policy folders scanned below the staleness window, so late files are recorded as dropped `stale`."""
 
 
-def folder_of(path: str) -> int:
-    """The policy step P of a `rollouts/step-P/...` path."""
-    return layout.parse_step(path)
-
-
 class ScanWindow:
     """The scanned policy folders of each slot, and the seals of the folders that left them."""
 
@@ -59,7 +54,7 @@ class ScanWindow:
         leaving = range(self.scan_low(slot), self.scan_low(slot + 1))
         out: dict[str, list[str]] = {str(p): [] for p in leaving}
         for path in seen:
-            p = folder_of(path)
+            p = layout.parse_step(path)  # the policy step P of rollouts/step-P/…
             if p in leaving:
                 out[str(p)].append(path)
         return {p: sorted(v) for p, v in out.items()}

@@ -2,9 +2,13 @@
 
 Every error names the offending field (dotted path) and its value. Configs are composed,
 not subclassed; a choice between real variants (loss modules, job backends) is a registered subclass.
-Cross-field checks live in `pipeline.config.validate`.
+Cross-field checks live in `pipeline.config.validate` (one `validate_<step>` per step config, `validate_job`).
+The job config is `pipeline.config.job.RLJobConfig`; the parameter objects it shares with the step configs are in
+`pipeline.config.pacing`; the run.json contract is `pipeline.config.run_contract`; `python -m
+pipeline.config.reference` writes docs/reference/configuration.md from these dataclasses.
 Importable without JAX: the JAX side (`policy/`) turns these into levanter objects. One module per
-area; every name is re-exported here, so `from pipeline.config import X` is the way to import.
+area; every name is re-exported here, so `from pipeline.config import X` is the way to import from outside the
+package (its own modules import their siblings directly, never this package).
 """
 
 from pipeline.config.backend import JobBackendConfig, LocalBackendConfig, RayBackendConfig, StepResources
@@ -17,6 +21,7 @@ from pipeline.config.curriculum import (
     SamplingParams,
     find_cycle,
 )
+from pipeline.config.job import RLJobConfig
 from pipeline.config.mesh import DistributedConfig, LearnerPlacement, MeshConfig
 from pipeline.config.model import (
     INFERENCE_BACKENDS,
@@ -29,7 +34,19 @@ from pipeline.config.model import (
     OpenAIInferenceConfig,
     ServerInferenceConfig,
 )
+from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing
 from pipeline.config.retention import GcStepConfig, RetentionConfig
+from pipeline.config.run_contract import (
+    ALLOW_CHANGE_FLAG,
+    CONTRACT_FIELDS,
+    RunConfigMismatchError,
+    check_run_config,
+    check_step_config,
+    contract_diff,
+    encode_config,
+    flatten,
+    run_record,
+)
 from pipeline.config.steps import (
     WANDB_MODES,
     BatchMakerStepConfig,
@@ -60,14 +77,18 @@ from pipeline.config.validate import (
     check_importable,
     check_learner_layout,
     validate_batch_maker,
+    validate_evaluate,
     validate_job,
     validate_learner,
+    validate_rollout,
     validate_train,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
+    "ALLOW_CHANGE_FLAG",
+    "CONTRACT_FIELDS",
     "INFERENCE_BACKENDS",
     "KL_ESTIMATORS",
     "MODEL_FAMILIES",
@@ -86,6 +107,7 @@ __all__ = [
     "InferenceConfig",
     "JobBackendConfig",
     "JsonTrackerConfig",
+    "LearnerCadence",
     "LearnerPlacement",
     "LearnerStepConfig",
     "LessonConfig",
@@ -100,10 +122,14 @@ __all__ = [
     "OpenAIInferenceConfig",
     "OptimizerSpec",
     "PPOClipLossConfig",
+    "PollingConfig",
+    "RLJobConfig",
     "RLOOLossConfig",
     "RayBackendConfig",
     "RetentionConfig",
+    "RolloutPacing",
     "RolloutStepConfig",
+    "RunConfigMismatchError",
     "SamplingParams",
     "ServerInferenceConfig",
     "StepResources",
@@ -114,10 +140,18 @@ __all__ = [
     "WandbTrackerConfig",
     "check_importable",
     "check_learner_layout",
+    "check_run_config",
+    "check_step_config",
+    "contract_diff",
+    "encode_config",
     "find_cycle",
+    "flatten",
     "require",
+    "run_record",
     "validate_batch_maker",
+    "validate_evaluate",
     "validate_job",
     "validate_learner",
+    "validate_rollout",
     "validate_train",
 ]

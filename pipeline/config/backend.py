@@ -44,12 +44,19 @@ class StepResources:
     """Resources per step on the Ray backend."""
 
     learner_cpus: float = 1.0
+    """CPUs of each learner process."""
     learner_gpus: float = 0.0
+    """GPUs of each learner process."""
     rollout_cpus: float = 1.0
+    """CPUs of each rollout worker."""
     rollout_gpus: float = 0.0
+    """GPUs of each rollout worker."""
     batches_cpus: float = 0.5
+    """CPUs of the BatchMaker (it needs no GPU)."""
     evaluate_cpus: float = 0.5
+    """CPUs of the evaluator."""
     evaluate_gpus: float = 0.0
+    """GPUs of the evaluator."""
     rollout_node_resource: str | None = None
     """A Ray custom resource that only inference nodes offer (`ray start --resources '{"inference": 1000}'`):
     rollout workers (and the servers they start) then run only there; None: wherever CPUs/GPUs fit."""
@@ -57,16 +64,15 @@ class StepResources:
     """A Ray custom resource that only the learner's node offers: the learner then runs only there."""
 
     def node_resources(self, kind: str) -> dict[str, float]:
-        """Ray custom resources a step of `kind` asks for (a sliver of the node label, so steps can share)."""
-        label = {"rollout": self.rollout_node_resource, "learner": self.learner_node_resource}.get(kind)
+        """Ray custom resources a step of `kind` (a `StepKind.job_name`) asks for (a sliver of the node label, so
+        steps can share)."""
+        label = getattr(self, f"{kind}_node_resource", None)
         return {label: 0.001} if label else {}
 
     def for_kind(self, kind: str) -> tuple[float, float]:
-        """(CPUs, GPUs) for a step of `kind` (learner, batches, rollout, evaluate)."""
-        cpus = {"learner": self.learner_cpus, "batches": self.batches_cpus, "rollout": self.rollout_cpus,
-                "evaluate": self.evaluate_cpus}  # fmt: skip
-        gpus = {"learner": self.learner_gpus, "rollout": self.rollout_gpus, "evaluate": self.evaluate_gpus}
-        return cpus[kind], gpus.get(kind, 0.0)
+        """(CPUs, GPUs) for a step of `kind` (a `StepKind.job_name`: the prefix of its `<kind>_cpus` and
+        `<kind>_gpus` fields; a step without a GPU field asks for none)."""
+        return getattr(self, f"{kind}_cpus"), getattr(self, f"{kind}_gpus", 0.0)
 
 
 @JobBackendConfig.register_subclass("ray")

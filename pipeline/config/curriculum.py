@@ -71,7 +71,9 @@ class LessonDependency:
     """A lesson unlocks only when `dependency_id` reached `reward_threshold` and plateaued."""
 
     dependency_id: str
+    """The lesson this one waits for (a key of `curriculum.lessons`)."""
     reward_threshold: float = 0.8
+    """Eval success the dependency must reach (and plateau at) before this lesson unlocks."""
 
     def __post_init__(self) -> None:
         require(bool(self.dependency_id), "dependencies.dependency_id", self.dependency_id, "must be non-empty")
@@ -88,8 +90,11 @@ class LessonConfig:
     """One lesson of the curriculum."""
 
     lesson_id: str
+    """The lesson's name; equals its key in `curriculum.lessons` and names its eval files (one path component)."""
     env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment that gives this lesson's prompts and rewards."""
     dependencies: list[LessonDependency] = field(default_factory=list)
+    """Lessons that must reach their reward threshold first (none: unlocked from the start)."""
     start_threshold: float = 0.0
     """Eval success needed before an unlocked lesson becomes active (is sampled for training)."""
     stop_threshold: float = 1.0
@@ -136,19 +141,26 @@ class CurriculumConfig:
     """Lessons, their dependency DAG, and how often they are evaluated."""
 
     lessons: dict[str, LessonConfig] = field(default_factory=dict)
+    """The lessons by id (at least one; some lesson without dependencies must have start_threshold 0)."""
     eval_frequency: int = 10
     """Full evaluation of every lesson every this many policy steps (0: never)."""
     eval_n_examples: int = 16
+    """Examples per lesson in a full evaluation."""
     micro_eval_frequency: int = 0
     """Micro-evaluation of the sampled lesson every this many rollout writes (0: never). Logged only."""
     micro_eval_n_examples: int = 4
+    """Examples in one micro-evaluation."""
     minimum_sample_probability: float = 0.02
     """Floor of every active or graduated lesson's sampling probability (graduated lessons get exactly this)."""
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Training sampling of every lesson without its own `sampling_params`."""
     eval_sampling: SamplingParams = field(
         default_factory=lambda: SamplingParams(temperature=0.0, n_prompts=16, n_generations_per_prompt=1)
     )
+    """Evaluation sampling of every lesson without its own `eval_sampling_params` (greedy by default)."""
     seed: int = 0
+    """Recorded with the run's curriculum (part of its contract); no step draws from it today (lesson draws use each
+    rollout worker's `seed`)."""
 
     def __post_init__(self) -> None:
         require(len(self.lessons) > 0, "curriculum.lessons", self.lessons, "must hold at least one lesson")

@@ -70,17 +70,25 @@ class ModelSpec:
     """The decoder architecture: llama, qwen2 (Qwen2 and Qwen2.5), qwen3, mistral or gemma; with
     `hf_checkpoint` it must match the checkpoint's config.json."""
     hidden_dim: int = 64
+    """Width of the residual stream (from scratch only: an `hf_checkpoint` sets the shape)."""
     intermediate_dim: int = 128
+    """Width of each MLP's hidden layer (from scratch only)."""
     num_layers: int = 2
+    """Decoder blocks (from scratch only)."""
     num_heads: int = 4
+    """Attention (query) heads; must divide hidden_dim (from scratch only)."""
     num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide num_heads (from scratch only)."""
     max_seq_len: int = 256
+    """Positions the model has: the longest sequence the learner and the samplers handle (train.seq_len and
+    inference.max_seq_len must fit in it)."""
     hf_checkpoint: str | None = None
     """Local path or gs:// (any fsspec URL) folder of a Hugging Face checkpoint, streamed onto the learner's mesh
     (only its config and tokenizer files are copied to local disk); None: initialise from `seed`."""
     tokenizer: str = "builtin:tiny"
     """A local tokenizer folder, or `builtin:tiny` (built deterministically in code)."""
     seed: int = 0
+    """Seeds the from-scratch initial weights (and LoRA's A matrices)."""
     compute_dtype: str = "float32"
     """Activation dtype: float32 on CPU, bfloat16 on GPU and TPU (parameters are cast for the forward pass)."""
     param_dtype: str = "float32"

@@ -53,6 +53,7 @@ class GcStepConfig:
     """`python -m steps.gc`: one bounded garbage-collection run over a run root."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
+    """The run root to collect."""
     retention: RetentionConfig | None = None
     """What to keep; None: the `retention` section of the run's run.json (defaults if it has none)."""
     holder_id: str = "gc"

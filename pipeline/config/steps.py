@@ -11,8 +11,8 @@ from pipeline.config.base import ConfigError, require
 from pipeline.config.curriculum import CurriculumConfig, LessonConfig
 from pipeline.config.mesh import DistributedConfig, MeshConfig
 from pipeline.config.model import DenseInferenceConfig, InferenceConfig, ModelSpec
+from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing
 from pipeline.config.train import LossConfig, OptimizerSpec, RLOOLossConfig, TrainParams
-from pipeline.config.validate import validate_learner
 
 # ---------------------------------------------------------------------------------------
 # per-step configs (what RLJob.to_worker_configs() produces; each step's main() takes one)
@@ -37,15 +37,17 @@ class BatchMakerStepConfig:
     """`python -m steps.make_batches`."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
+    """The run root."""
     train: TrainParams = field(default_factory=TrainParams)
+    """Batch shape, staleness window and reuse (must match the learner's: part of run.json's contract)."""
     curriculum: CurriculumConfig | None = None
     """When set, the BatchMaker also folds and publishes curriculum state (the one writer)."""
     follow: bool = False
     """Run until the learner reaches num_train_steps or control/STOP appears."""
     max_batches: int | None = None
     """Bounded mode: write at most this many batches, then exit (a rerun continues)."""
-    poll_interval_s: float = 0.2
-    """Seconds between listings while waiting for rollout files or for the learner."""
+    polling: PollingConfig = field(default_factory=PollingConfig)
+    """How often the BatchMaker lists the run root again while waiting for rollout files or for the learner."""
     read_ahead: int = 2
     """Rollout files read and verified in background threads ahead of the one being ingested (0: none)."""
     write_behind: bool = True
@@ -61,7 +63,6 @@ class BatchMakerStepConfig:
 
     def __post_init__(self) -> None:
         require(self.read_ahead >= 0, "read_ahead", self.read_ahead, "must be >= 0")
-        require(self.poll_interval_s > 0, "poll_interval_s", self.poll_interval_s, "must be > 0")
         require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0")
         require(self.late_sweep_folders >= 0, "late_sweep_folders", self.late_sweep_folders, "must be >= 0")
 
@@ -125,23 +126,25 @@ class LearnerStepConfig:
     """`python -m steps.learn`."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
+    """The run root."""
     model: ModelSpec = field(default_factory=ModelSpec)
+    """The model trained (and the tokenizer)."""
     train: TrainParams = field(default_factory=TrainParams)
+    """Number of steps, batch shape and the updates per batch slot."""
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """The optimizer and learning-rate schedule."""
     loss: LossConfig = field(default_factory=RLOOLossConfig)
+    """The RL loss module (a registered choice, `--loss.type`)."""
     tracker: TrackerConfig = field(default_factory=NoTrackerConfig)
-    policy_interval: int = 1
-    """Publish a policy every this many steps (and at step 0 and the last step)."""
-    checkpoint_interval: int = 10
-    """Write a full training checkpoint every this many steps (and at the last step)."""
+    """Optional experiment tracker (levanter's json / tensorboard / wandb) for the learner's metrics."""
+    cadence: LearnerCadence = field(default_factory=LearnerCadence)
+    """How often policies and checkpoints are written, and how long the next batch is waited for."""
+    polling: PollingConfig = field(default_factory=PollingConfig)
+    """How often the learner looks for the next batch while waiting."""
     keep_checkpoints: int = 2
     """Full checkpoints kept (older ones are garbage collected); policies are deleted only by retention."""
     max_steps: int | None = None
     """Bounded mode: train at most this many steps in this process, then exit."""
-    batch_wait_timeout_s: float = 600.0
-    """Fail loudly, naming the file, when the next batch has not appeared in this long."""
-    poll_interval_s: float = 0.2
-    """Seconds between checks for the next batch."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh of the learner (data × fsdp × model), see `pipeline.config.mesh`."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -151,10 +154,7 @@ class LearnerStepConfig:
     them before the tracker run closes (the job runner sets it when it runs an evaluator; 0: close at once)."""
 
     def __post_init__(self) -> None:
-        require(self.policy_interval >= 1, "policy_interval", self.policy_interval, "must be >= 1")
         require(self.final_eval_wait_s >= 0, "final_eval_wait_s", self.final_eval_wait_s, "must be >= 0")
-        require(self.checkpoint_interval >= 1, "checkpoint_interval", self.checkpoint_interval, "must be >= 1")
-        validate_learner(self)  # cross-field: pipeline.config.validate
 
 
 @dataclass(frozen=True)
@@ -162,12 +162,17 @@ class RolloutStepConfig:
     """`python -m steps.rollout`."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
+    """The run root."""
     model: ModelSpec = field(default_factory=ModelSpec)
+    """The policy model the worker samples from (weights: the newest committed policy)."""
     inference: InferenceConfig = field(default_factory=DenseInferenceConfig)
+    """The inference backend that generates completions (a registered choice, `--inference.type`)."""
     curriculum: CurriculumConfig = field(
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )
+    """The lessons the worker samples from and their sampling parameters."""
     train: TrainParams = field(default_factory=TrainParams)
+    """The batch shape and staleness window: what pacing counts rollouts against."""
     worker_id: str = "worker0"
     """Names this worker's rollout files (`<worker_id>.<instance>-<seq>`) and metrics; one path component."""
     follow: bool = True
@@ -176,10 +181,10 @@ class RolloutStepConfig:
     """Bounded mode: stop after writing this many rollout rows."""
     max_seconds: float | None = None
     """Bounded mode: stop after this long."""
-    max_steps_ahead: int = 1
-    """Pause while rollouts from the current policy already cover this many unconsumed batches."""
-    poll_interval_s: float = 0.2
-    """Seconds between checks for a newer policy while paused."""
+    pacing: RolloutPacing = field(default_factory=RolloutPacing)
+    """How far this worker may run ahead of the learner."""
+    polling: PollingConfig = field(default_factory=PollingConfig)
+    """How often the worker looks for a newer policy while paused."""
     weight_load_timeout_s: float = 300.0
     """Watchdog: a policy load or model update taking longer ends the process loudly (the runner restarts it)."""
     generation_timeout_s: float = 600.0
@@ -207,11 +212,15 @@ class EvaluateStepConfig:
     """`python -m steps.evaluate`."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
+    """The run root whose policies are evaluated."""
     model: ModelSpec = field(default_factory=ModelSpec)
+    """The policy model (weights: each evaluated policy)."""
     inference: InferenceConfig = field(default_factory=DenseInferenceConfig)
+    """The inference backend that generates the evaluated completions."""
     curriculum: CurriculumConfig = field(
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )
+    """The lessons evaluated, their evaluation sampling and example counts."""
     steps: list[int] = field(default_factory=list)
     """Policy steps to evaluate."""
     all: bool = False
@@ -226,7 +235,7 @@ class EvaluateStepConfig:
     """Examples per lesson; None: curriculum.eval_n_examples."""
     stop_after_step: int | None = None
     """Follow mode: exit once this policy step (the last of training) is evaluated."""
-    poll_interval_s: float = 1.0
-    """Follow mode: seconds between checks for new policies."""
+    polling: PollingConfig = field(default_factory=lambda: PollingConfig(interval_s=1.0))
+    """Follow mode: how often the evaluator looks for new policies."""
     seed: int = 0
     """Seeds example choice per lesson: every policy is scored on the same examples."""

@@ -1,13 +1,13 @@
-"""Every cross-field config check, in one place: one function per config that a program starts from.
+"""Every cross-field config check, in one place: one `validate_<step>` per step config, and `validate_job`.
 
 Single-field checks stay in each dataclass's `__post_init__` (a value out of range is refused as the config is
 built). What needs two fields or two sections (the sequence length against the model, the batch against the
-sampling plan, an environment class that must import) is checked here, before any process starts; every
-refusal is a `ConfigError` naming the field and the value.
+sampling plan, an environment class that must import) is checked here, before any work starts; every refusal is
+a `ConfigError` naming the field (dotted path) and the value.
 
-Who calls what: `validate_job` (the job runner, and `steps.run` for every step it starts), `validate_learner`
-(`LearnerStepConfig` as it is built), `validate_batch_maker` (the BatchMaker step), `validate_train` (the
-in-memory `BatchMaker`).
+Who calls what, and nothing else does: `validate_job` when a job is built (`pipeline.jobs.job.RLJob`), and each
+step program at its start (its `main`): `validate_learner` (`steps.learn`), `validate_batch_maker`
+(`steps.make_batches`), `validate_rollout` (`steps.rollout`), `validate_evaluate` (`steps.evaluate`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from pipeline.config.model import ModelSpec
 from pipeline.config.train import TrainParams
 
 if TYPE_CHECKING:
-    from pipeline.config.steps import BatchMakerStepConfig, LearnerStepConfig
-    from pipeline.jobs.job import RLJobConfig
+    from pipeline.config.curriculum import CurriculumConfig
+    from pipeline.config.job import RLJobConfig
+    from pipeline.config.steps import BatchMakerStepConfig, EvaluateStepConfig, LearnerStepConfig, RolloutStepConfig
 
 NEEDS_GROUPS = ("rloo", "grpo", "dr_grpo")
 """Advantage estimators whose groups of one have zero advantage."""
@@ -35,7 +36,22 @@ def check_seq_len_fits_model(train: TrainParams, model: ModelSpec) -> None:
 
 
 def validate_train(train: TrainParams) -> None:
-    """Refuse training parameters that cannot give fixed-shape batch rows (`pad_multiple` must divide `seq_len`)."""
+    """Refuse training parameters whose fields do not fit together: batch rows of a fixed shape (`pad_multiple`
+    divides `seq_len`), minibatches that split the batch, a replay buffer that holds a batch."""
+    if train.batch_size % train.minibatches_per_slot:
+        raise ConfigError(
+            "train.minibatches_per_slot",
+            train.minibatches_per_slot,
+            f"must be >= 1 and divide train.batch_size={train.batch_size}",
+        )
+    if train.replay_buffer_capacity < train.batch_size:
+        raise ConfigError(
+            "train.replay_buffer_capacity",
+            train.replay_buffer_capacity,
+            f"must be >= train.batch_size={train.batch_size}",
+        )
+    if train.pad_multiple > train.seq_len:
+        raise ConfigError("train.pad_multiple", train.pad_multiple, f"must be in [1, train.seq_len={train.seq_len}]")
     if train.seq_len % train.pad_multiple:
         raise ConfigError(
             "train.pad_multiple",
@@ -45,7 +61,8 @@ def validate_train(train: TrainParams) -> None:
 
 
 def validate_learner(c: LearnerStepConfig) -> None:
-    """Cross-field checks of the learner step's config."""
+    """Cross-field checks of the learner step's config (`steps.learn` at its start)."""
+    validate_train(c.train)
     check_seq_len_fits_model(c.train, c.model)
     check_learner_layout(c.train, c.model, c.mesh, "mesh")
 
@@ -92,10 +109,24 @@ def check_learner_layout(train: TrainParams, model: ModelSpec, mesh: MeshConfig,
 
 
 def validate_batch_maker(c: BatchMakerStepConfig) -> None:
-    """Checks of the BatchMaker step's config that its dataclass does not make (bounded mode, row shape)."""
+    """Checks of the BatchMaker step's config (`steps.make_batches` at its start): bounded mode, row shape."""
     if c.max_batches is not None and c.max_batches < 1:
         raise ConfigError("max_batches", c.max_batches, "must be >= 1 or null")
     validate_train(c.train)
+
+
+def validate_rollout(c: RolloutStepConfig) -> None:
+    """Cross-field checks of a rollout worker's config (`steps.rollout` at its start): the sampler's sequences
+    fit the model, and every lesson's completions leave room for a prompt in a batch row."""
+    check_inference_fits_model(c.inference, c.model)
+    validate_train(c.train)
+    _check_lessons_fit_rows(c.curriculum, c.train)
+
+
+def validate_evaluate(c: EvaluateStepConfig) -> None:
+    """Cross-field checks of the evaluator's config (`steps.evaluate` at its start): the sampler's sequences fit
+    the model."""
+    check_inference_fits_model(c.inference, c.model)
 
 
 def check_inference_fits_model(inference: Any, model: ModelSpec) -> None:
@@ -112,10 +143,17 @@ def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
 
     With `check_environments`, every lesson's environment class must import.
     """
+    if c.restart_backoff_s > c.restart_backoff_max_s:
+        raise ConfigError(
+            "restart_backoff_s",
+            c.restart_backoff_s,
+            f"must be in [0, restart_backoff_max_s={c.restart_backoff_max_s}]",
+        )
+    validate_train(c.train)
     check_seq_len_fits_model(c.train, c.model)
     check_inference_fits_model(c.inference, c.model)
-    validate_train(c.train)
     check_learner_layout(c.train, c.model, c.learner.mesh, "learner.mesh")
+    _check_lessons_fit_rows(c.curriculum, c.train)
     for lesson_id in c.curriculum.lessons:
         _check_lesson_fits(c, lesson_id)
     if check_environments:
@@ -134,14 +172,8 @@ def _check_lesson_fits(c: RLJobConfig, lesson_id: str) -> None:
             "groups of one have zero advantage and are all filtered: batches could never fill "
             f"(train.batch_size={t.batch_size}); use >= 2",
         )
-    if sp.max_tokens >= t.seq_len:
-        raise ConfigError(
-            f"curriculum.lessons.{lesson_id}.sampling_params.max_tokens",
-            sp.max_tokens,
-            f"leaves no room for a prompt in train.seq_len={t.seq_len}",
-        )
     produced = sp.n_prompts * sp.n_generations_per_prompt * t.max_samples_per_rollout
-    window = (t.max_lag + 1) * c.num_rollout_workers * max(1, c.max_steps_ahead)
+    window = (t.max_lag + 1) * c.num_rollout_workers * max(1, c.pacing.max_steps_ahead)
     if not t.pack and produced * window < t.batch_size:
         raise ConfigError(
             "train.batch_size",
@@ -150,6 +182,18 @@ def _check_lesson_fits(c: RLJobConfig, lesson_id: str) -> None:
             f"and the staleness window (max_lag+1={t.max_lag + 1}) × workers × steps ahead allows {window} writes "
             "per batch: the batch cannot be filled",
         )
+
+
+def _check_lessons_fit_rows(curriculum: CurriculumConfig, train: TrainParams) -> None:
+    """Every lesson's completions (`max_tokens`) must leave room for a prompt in a batch row of `train.seq_len`."""
+    for lesson_id in curriculum.lessons:
+        sp = curriculum.sampling_for(lesson_id)
+        if sp.max_tokens >= train.seq_len:
+            raise ConfigError(
+                f"curriculum.lessons.{lesson_id}.sampling_params.max_tokens",
+                sp.max_tokens,
+                f"leaves no room for a prompt in train.seq_len={train.seq_len}",
+            )
 
 
 def check_importable(field_name: str, dotted: str) -> None:

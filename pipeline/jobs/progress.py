@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.process.step_kind import StepKind
 from pipeline.store import run_state
 from pipeline.telemetry.metrics import MetricsTail
 
@@ -30,7 +31,7 @@ class RunProgress:
 
     def __init__(self, store: Any, t0: float | None = None) -> None:
         self._store = store
-        self._tail = MetricsTail(store, ("learner", "batchmaker", "rollout"))
+        self._tail = MetricsTail(store, (StepKind.LEARNER, StepKind.BATCHMAKER, StepKind.ROLLOUT))
         self._t0 = time.time() if t0 is None else t0
         self._rows = 0
         self._learner_step = 0
@@ -40,11 +41,11 @@ class RunProgress:
         """{learner_step, batch_slot, reward?, staleness?, rollout_rows_per_s, elapsed_s} right now."""
         for rec in self._tail.new_records():
             kind = rec.get("kind")
-            if kind == "learner":
+            if kind == StepKind.LEARNER:
                 self._learner_step = max(self._learner_step, int(rec.get("step", 0)))
-            elif kind == "batchmaker":
+            elif kind == StepKind.BATCHMAKER:
                 self._last_batch = rec
-            elif kind == "rollout" and float(rec.get("time", 0.0)) >= self._t0:
+            elif kind == StepKind.ROLLOUT and float(rec.get("time", 0.0)) >= self._t0:
                 self._rows += int(rec.get("rows", 0))
         step = max(self._learner_step, run_state.latest_policy_step(self._store) or 0)
         elapsed = max(time.time() - self._t0, 1e-9)

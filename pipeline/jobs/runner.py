@@ -3,8 +3,9 @@
 one with bounded exponential backoff (`restart_backoff_s` doubling up to `restart_backoff_max_s`), shows live
 progress, and stops everything cleanly when the learner reaches `num_train_steps` or on Ctrl-C.
 
-Restart rules, by the step's exit code: 2 (a refused configuration) is never restarted and stops the job; 75
-(`EXIT_STORAGE_UNAVAILABLE`: the run root's storage could not be reached) is restarted with backoff outside
+Restart rules, by the step's exit code (`pipeline.process.exits.Exit`): `CONFIG` (2, a refused configuration) is
+never restarted and stops the job; `STORAGE_UNAVAILABLE` (75: the run root's storage could not be reached) is
+restarted with backoff outside
 `max_restarts` until the outage has lasted `STORAGE_OUTAGE_S`; any other failure is restarted with backoff up
 to `max_restarts` times.
 
@@ -29,17 +30,19 @@ from typing import Any
 
 import draccus
 
-from pipeline.jobs.job import RLJob, check_run_config
+from pipeline.config import check_run_config
+from pipeline.jobs.job import RLJob
 from pipeline.jobs.launchers.base import STOP_GRACE_S, StepSpec, make_launcher
 from pipeline.jobs.progress import JobProgress, RunProgress
 from pipeline.jobs.step_logs import LogTarget, location, log_target
+from pipeline.process.backoff import backoff_delay
+from pipeline.process.exits import Exit
+from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
-from pipeline.store.committed import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError
+from pipeline.store.committed import StorageUnavailableError
 
-EXIT_CONFIG = 2
-"""The exit code of a step that refused its configuration (steps/cli.py): never restarted."""
 STORAGE_OUTAGE_S = 600.0
-"""How long a step that exits with EXIT_STORAGE_UNAVAILABLE (its run root's storage cannot be reached) is
+"""How long a step that exits with Exit.STORAGE_UNAVAILABLE (its run root's storage cannot be reached) is
 restarted with backoff before the job gives up; these restarts do not count against `max_restarts`."""
 HEALTHY_AFTER_S = 60.0
 """A step that has run this long since its start after a storage outage has seen the outage end."""
@@ -71,7 +74,7 @@ class JobRunner:
         """The log of each step's newest start (`logs/<step>/<attempt>.log` under the run root)."""
         self._started_at: dict[str, float] = {}
         self._outage: dict[str, tuple[float, int]] = {}
-        """Per step in a storage outage: (monotonic time of its first EXIT_STORAGE_UNAVAILABLE, restarts since)."""
+        """Per step in a storage outage: (monotonic time of its first Exit.STORAGE_UNAVAILABLE, restarts since)."""
         self.launcher = make_launcher(self.cfg.backend)
         self.steps = self._build_specs()
 
@@ -100,24 +103,27 @@ class JobRunner:
         # The BatchMaker's lease is held under a name of this runner's: when the runner restarts its crashed
         # maker (it has seen it exit), the new one takes the lease over instead of waiting out lease_ttl_s. A
         # second runner on the same run root has another name and is refused as before.
-        configs["batches"] = dataclasses.replace(
-            configs["batches"], holder_id=f"batches@{socket.gethostname()}-{os.getpid()}", lease_take_over_own=True
+        learner, maker = StepKind.LEARNER.job_name, StepKind.BATCHMAKER.job_name
+        configs[maker] = dataclasses.replace(
+            configs[maker], holder_id=f"{maker}@{socket.gethostname()}-{os.getpid()}", lease_take_over_own=True
         )
         if self.cfg.evaluator:  # it scores the final policy after the learner's last step: the tracker waits for it
-            configs["learner"] = dataclasses.replace(configs["learner"], final_eval_wait_s=FINAL_EVAL_WAIT_S)
+            configs[learner] = dataclasses.replace(configs[learner], final_eval_wait_s=FINAL_EVAL_WAIT_S)
         specs = [
             StepSpec(
-                "learner",
-                "learner",
-                self._write_config("learner", configs["learner"]),
-                processes=configs["learner"].distributed.num_processes,
+                learner,
+                StepKind.LEARNER,
+                self._write_config(learner, configs[learner]),
+                processes=configs[learner].distributed.num_processes,
             ),
-            StepSpec("batches", "batches", self._write_config("batches", configs["batches"])),
+            StepSpec(maker, StepKind.BATCHMAKER, self._write_config(maker, configs[maker])),
         ]
-        for rc in configs["rollout"]:
-            specs.append(StepSpec(f"rollout-{rc.worker_id}", "rollout", self._write_config(rc.worker_id, rc)))
+        for rc in configs[StepKind.ROLLOUT.job_name]:
+            name = f"{StepKind.ROLLOUT.job_name}-{rc.worker_id}"
+            specs.append(StepSpec(name, StepKind.ROLLOUT, self._write_config(rc.worker_id, rc)))
         if self.cfg.evaluator:
-            specs.append(StepSpec("evaluate", "evaluate", self._write_config("evaluate", configs["evaluate"])))
+            evaluate = StepKind.EVALUATE.job_name
+            specs.append(StepSpec(evaluate, StepKind.EVALUATE, self._write_config(evaluate, configs[evaluate])))
         return specs
 
     def _write_config(self, name: str, cfg: Any) -> str:
@@ -140,7 +146,8 @@ class JobRunner:
         logger.info("started %s (%s)%s; log: %s", spec.name, spec.module, pid, target.location)
 
     def _supervise(self) -> int:
-        """Poll every step until the job ends; returns the job's exit code (0, 1: a step failed too often, 130)."""
+        """Poll every step until the job ends; returns the job's exit code (Exit.OK; Exit.FAILED: a step failed too
+        often; Exit.INTERRUPTED)."""
         for spec in self.steps:
             self._start(spec)
         progress = JobProgress(self.store, self.cfg.train.num_train_steps, self._on_progress)
@@ -152,12 +159,12 @@ class JobRunner:
                 now = time.monotonic()
                 for spec in self.steps:
                     if not self._tend(spec, now):
-                        return 1
+                        return Exit.FAILED
                 self._unless_storage_unavailable(progress.update)
                 self._unless_storage_unavailable(gc.tick)
                 if self._stopping:
                     logger.info("interrupted: stopping every step")
-                    return 130
+                    return Exit.INTERRUPTED
                 if learner.finished and drain_deadline is None:
                     drain_deadline = now + EVALUATOR_DRAIN_S
                     self._stop_producers()
@@ -165,7 +172,7 @@ class JobRunner:
                     all(s.finished or s.process is None for s in self.steps) or now > drain_deadline
                 ):
                     gc.final()
-                    return 0
+                    return Exit.OK
                 time.sleep(0.25)
         finally:
             progress.close()
@@ -186,18 +193,18 @@ class JobRunner:
                 del self._outage[spec.name]
             return True
         spec.exit_codes.append(rc)
-        if rc == 0 or self._stopping or spec.terminated:
+        if rc == Exit.OK or self._stopping or spec.terminated:
             spec.finished = True
-            if rc == 0:
+            if rc == Exit.OK:
                 logger.info("%s finished", spec.name)
             elif self._stopping or spec.terminated:
                 logger.info("%s stopped (exit %d)", spec.name, rc)
             else:
                 logger.info("%s exited with %d", spec.name, rc)
             return True
-        if rc == EXIT_STORAGE_UNAVAILABLE:
+        if rc == Exit.STORAGE_UNAVAILABLE:
             return self._restart_after_outage(spec, now)
-        if rc == EXIT_CONFIG:  # a refused config (drift, bad value) fails the same way on every restart
+        if rc == Exit.CONFIG:  # a refused config (drift, bad value) fails the same way on every restart
             logger.error("%s refused its configuration (exit %d); stopping the job; see %s", spec.name, rc,
                          self.log_location(spec.name))  # fmt: skip
             return False
@@ -211,7 +218,7 @@ class JobRunner:
                 self.log_location(spec.name),
             )
             return False
-        delay = min(self.cfg.restart_backoff_max_s, self.cfg.restart_backoff_s * 2 ** (spec.restarts - 1))
+        delay = backoff_delay(self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s, spec.restarts - 1)
         logger.warning(
             "%s exited with %d (log: %s); restart %d/%d in %.1f s",
             spec.name,
@@ -234,9 +241,9 @@ class JobRunner:
                          "job; see %s", spec.name, now - since, self.log_location(spec.name))  # fmt: skip
             return False
         self._outage[spec.name] = (since, restarts + 1)
-        delay = min(self.cfg.restart_backoff_max_s, self.cfg.restart_backoff_s * 2**restarts)
+        delay = backoff_delay(self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s, restarts)
         logger.warning("%s exited with %d: storage unavailable (log: %s); restart in %.1f s (outage for %.0f s, "
-                       "given up after %.0f s)", spec.name, EXIT_STORAGE_UNAVAILABLE, self.log_location(spec.name),
+                       "given up after %.0f s)", spec.name, Exit.STORAGE_UNAVAILABLE, self.log_location(spec.name),
                        delay, now - since, STORAGE_OUTAGE_S)  # fmt: skip
         spec.process = None
         spec.next_start = now + delay
@@ -253,7 +260,7 @@ class JobRunner:
     def _stop_producers(self) -> None:
         """Training is over: let the evaluator finish the last policies, stop the rollout workers and the maker."""
         for spec in self.steps:
-            if spec.kind in ("rollout", "batches"):
+            if spec.kind in (StepKind.ROLLOUT, StepKind.BATCHMAKER):
                 spec.terminated = True
                 if spec.process is not None:
                     spec.process.terminate()
@@ -275,14 +282,6 @@ class JobRunner:
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         self._stopping = True
-
-    def child_pids(self) -> dict[str, int]:
-        """Live local child pids by step name (for tests and operators)."""
-        return {
-            s.name: s.process.pid
-            for s in self.steps
-            if s.process is not None and s.process.pid is not None and s.process.poll() is None
-        }
 
 
 class _Collections:

@@ -7,8 +7,9 @@ import logging
 from collections.abc import Sequence
 
 from pipeline.config import ConfigError
+from pipeline.process.exits import Exit
 from pipeline.report.page import build_report
-from pipeline.store.storage import EXIT_STORAGE_UNAVAILABLE, StorageUnavailableError, existing_run_root
+from pipeline.store.storage import StorageUnavailableError, existing_run_root
 
 DESCRIPTION = "One self-contained HTML report of a run, built from the run root alone (no tracker needed)."
 
@@ -26,10 +27,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:  # a typo'd run root: one line, exit code 2, nothing created
         options = existing_run_root(args.run_root, args.storage_options)
     except ConfigError as e:
-        parser.exit(2, f"error: {e}\n")
+        parser.exit(Exit.CONFIG, f"error: {e}\n")
     except StorageUnavailableError as e:  # the endpoint refuses connections, or its name cannot be resolved now
-        parser.exit(EXIT_STORAGE_UNAVAILABLE, f"error: {e}\n")
+        parser.exit(Exit.STORAGE_UNAVAILABLE, f"error: {e}\n")
     try:
         print(build_report(args.run_root, args.out, options))
     except StorageUnavailableError as e:
-        parser.exit(EXIT_STORAGE_UNAVAILABLE, f"error: {e}\n")
+        parser.exit(Exit.STORAGE_UNAVAILABLE, f"error: {e}\n")

@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.process.step_kind import StepKind
 from pipeline.retention.lineage import used_through
 from pipeline.rollout.samples import SAMPLES_EVENT, Sample, newest_rollout_file, newest_samples, tokenizer_decoder
 from pipeline.store import layout
@@ -30,7 +31,7 @@ from schemas.records import BatchLogEntry, RecordError
 
 logger = logging.getLogger(__name__)
 
-METRIC_KINDS = ("learner", "batchmaker", "rollout")
+METRIC_KINDS = (StepKind.LEARNER, StepKind.BATCHMAKER, StepKind.ROLLOUT)
 """The metrics step kinds the report reads (evaluations come from their summary files, the authority)."""
 
 _READ_THREADS = 16
@@ -282,14 +283,14 @@ def _normalise_metrics(metrics: dict[str, list[dict[str, Any]]]) -> None:
     BatchMaker stats may name staleness `lag_min/lag_mean/lag_max` and the batch reward `reward_mean`;
     rollout workers also log non-write events (weights, empty, micro_eval, stop) that are no training data.
     """
-    for rec in metrics.get("batchmaker", []):
+    for rec in metrics.get(StepKind.BATCHMAKER, []):
         for canonical, alias in _BATCHMAKER_ALIASES:
             if canonical not in rec and alias in rec:
                 rec[canonical] = rec[alias]
-    if "rollout" in metrics:
-        samples = [r for r in metrics["rollout"] if r.get("event") == SAMPLES_EVENT]
+    if StepKind.ROLLOUT in metrics:
+        samples = [r for r in metrics[StepKind.ROLLOUT] if r.get("event") == SAMPLES_EVENT]
         metrics[SAMPLES_EVENT] = samples
-        metrics["rollout"] = [r for r in metrics["rollout"] if r.get("event", "write") == "write"]
+        metrics[StepKind.ROLLOUT] = [r for r in metrics[StepKind.ROLLOUT] if r.get("event", "write") == "write"]
 
 
 def load_run(run_root: str, storage_options: dict[str, Any] | None = None) -> RunData:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from pipeline.process.step_kind import StepKind
 from pipeline.report.data import RunData, last_per, num
 from pipeline.report.plots import Plot, Section, add_legend, html_table, new_figure, to_png
 from pipeline.telemetry.hops import HOP_HELP, HOPS
@@ -20,7 +21,7 @@ TITLE = "Per-step latency"
 def step_hops(data: RunData) -> dict[int, dict[str, float]]:
     """Learner step -> its hops (seconds), for the records that carry them."""
     out: dict[int, dict[str, float]] = {}
-    for step, rec in sorted(last_per(data.metrics.get("learner", []), "step").items()):
+    for step, rec in sorted(last_per(data.metrics.get(StepKind.LEARNER, []), "step").items()):
         hops = rec.get("hops")
         if isinstance(hops, dict):
             out[step] = {h: float(v) for h in HOPS if isinstance(v := hops.get(h, 0.0), int | float)}
@@ -29,7 +30,7 @@ def step_hops(data: RunData) -> dict[int, dict[str, float]]:
 
 def latency_summary(data: RunData) -> dict[str, Any]:
     """Median seconds per hop and of `step_s` over the learner steps after the first one carrying hops."""
-    learner = last_per(data.metrics.get("learner", []), "step")
+    learner = last_per(data.metrics.get(StepKind.LEARNER, []), "step")
     hops = step_hops(data)
     steady = sorted(hops)[1:] or sorted(hops)
     med = {h: statistics.median(hops[s][h] for s in steady) for h in HOPS} if steady else {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 
+from pipeline.process.step_kind import StepKind
 from pipeline.report.data import RunData, last_per, series
 from pipeline.report.plots import Plot, Section, new_figure, to_png
 
@@ -29,7 +30,7 @@ LEARNER_TERMS: tuple[tuple[str, str, str], ...] = (
 def learner_section(data: RunData) -> Section:
     """One plot per learner term vs learner step; missing terms named in a note."""
     sec = Section("Learner")
-    learner = last_per(data.metrics.get("learner", []), "step")
+    learner = last_per(data.metrics.get(StepKind.LEARNER, []), "step")
     if not learner:
         return sec.no_data("metrics/learner/*.jsonl records with a step")
     missing = []

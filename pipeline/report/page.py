@@ -11,12 +11,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import fsspec
-
 from pipeline.report.data import RunData, load_run
 from pipeline.report.plots import Section
 from pipeline.report.sections import SECTION_TITLES, SECTIONS
 from pipeline.store.storage import RunStore
+from pipeline.store.urls import is_local, local_path
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +81,8 @@ def render_html(data: RunData, sections: Sequence[Section]) -> str:
 
 def default_out_dir(run_root: str) -> str:
     """`<run_root>/report` for a local run root; `./report-<run name>` for a remote one."""
-    protocol, path = fsspec.core.split_protocol(run_root)
-    if protocol in (None, "file", "local"):
-        return os.path.join(os.path.abspath(os.path.expanduser(path)), "report")
+    if is_local(run_root):
+        return os.path.join(local_path(run_root), "report")
     name = run_root.rstrip("/").rsplit("/", 1)[-1] or "run"
     return os.path.join(os.getcwd(), f"report-{name}")
 

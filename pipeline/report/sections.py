@@ -13,6 +13,7 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.ticker import AutoLocator
 
+from pipeline.process.step_kind import StepKind
 from pipeline.report.data import RunData, last_per, num, series, start_time
 from pipeline.report.latency import latency_section
 from pipeline.report.learner import learner_section
@@ -43,15 +44,15 @@ _LESSON_REWARD_PREFIX = "reward/"
 def summary_section(data: RunData) -> Section:
     """Headline numbers: steps, first/last reward, drops, idle fraction, latest evals."""
     sec = Section("Summary")
-    learner = last_per(data.metrics.get("learner", []), "step")
-    bm = last_per(data.metrics.get("batchmaker", []), "slot")
+    learner = last_per(data.metrics.get(StepKind.LEARNER, []), "step")
+    bm = last_per(data.metrics.get(StepKind.BATCHMAKER, []), "slot")
     rows: list[tuple[str, Any]] = [("run root", data.run_root)]
     rows.append(("learner steps", f"{len(learner)} (last step {max(learner)})" if learner else None))
     rows.append(("committed batch slots", f"{len(data.batch_slots)}" if data.batch_slots else None))
     _, rewards = series(bm, "mean_reward")
     source = "BatchMaker"
     if not rewards:
-        rewards = [r for rec in data.metrics.get("rollout", []) if (r := num(rec, "mean_reward")) is not None]
+        rewards = [r for rec in data.metrics.get(StepKind.ROLLOUT, []) if (r := num(rec, "mean_reward")) is not None]
         source = "rollout workers"
     rows.append((f"first mean reward ({source})", rewards[0] if rewards else None))
     rows.append((f"last mean reward ({source})", rewards[-1] if rewards else None))
@@ -90,11 +91,11 @@ def summary_section(data: RunData) -> Section:
 def reward_section(data: RunData) -> Section:
     """Reward per lesson vs batch slot (BatchMaker) and vs policy step (rollout workers)."""
     sec = Section("Reward per lesson")
-    bm = last_per(data.metrics.get("batchmaker", []), "slot")
+    bm = last_per(data.metrics.get(StepKind.BATCHMAKER, []), "slot")
     lessons = sorted({k for rec in bm.values() for k in rec if k.startswith(_LESSON_REWARD_PREFIX)})
     has_bm = bool(series(bm, "mean_reward")[0]) or bool(lessons)
     by_lesson: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for rec in data.metrics.get("rollout", []):
+    for rec in data.metrics.get(StepKind.ROLLOUT, []):
         step, reward = num(rec, "policy_step"), num(rec, "mean_reward")
         if step is not None and reward is not None:
             by_lesson[str(rec.get("lesson_id", "all"))][int(step)].append(reward)
@@ -177,7 +178,7 @@ def eval_section(data: RunData) -> Section:
 def staleness_section(data: RunData) -> Section:
     """Staleness (lag in policy steps) of the rollouts in each batch: min, mean, max."""
     sec = Section("Staleness")
-    bm = last_per(data.metrics.get("batchmaker", []), "slot")
+    bm = last_per(data.metrics.get(StepKind.BATCHMAKER, []), "slot")
     xs, mean = series(bm, "staleness_mean")
     xlo, lo = series(bm, "staleness_min")
     xhi, hi = series(bm, "staleness_max")
@@ -204,12 +205,12 @@ def throughput_section(data: RunData) -> Section:
     """Rollouts/s and tokens/s per rollout worker over time; learner tokens/s per step."""
     sec = Section("Throughput")
     t0 = start_time(data) or 0.0
-    t_end = max((t for r in data.metrics.get("rollout", []) if (t := num(r, "time")) is not None), default=t0)
+    t_end = max((t for r in data.metrics.get(StepKind.ROLLOUT, []) if (t := num(r, "time")) is not None), default=t0)
     unit, scale = ("minutes", 60.0) if t_end - t0 >= 120.0 else ("seconds", 1.0)
     per_worker: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for rec in data.metrics.get("rollout", []):
+    for rec in data.metrics.get(StepKind.ROLLOUT, []):
         per_worker[str(rec.get("worker", "?"))].append(rec)
-    learner = last_per(data.metrics.get("learner", []), "step")
+    learner = last_per(data.metrics.get(StepKind.LEARNER, []), "step")
     panels: list[tuple[str, str, Callable[[Axes], bool]]] = []
 
     def worker_panel(field: str) -> Callable[[Axes], bool]:
@@ -255,7 +256,7 @@ def throughput_section(data: RunData) -> Section:
 def idle_section(data: RunData) -> Section:
     """Learner time per step split into waiting for a batch and training, and the idle fraction."""
     sec = Section("Learner idle time")
-    learner = last_per(data.metrics.get("learner", []), "step")
+    learner = last_per(data.metrics.get(StepKind.LEARNER, []), "step")
     steps = [s for s, r in learner.items() if num(r, "wait_s") is not None or num(r, "train_s") is not None]
     if not steps:
         return sec.no_data("wait_s / train_s in learner metrics")
@@ -293,7 +294,7 @@ def fates_section(data: RunData) -> Section:
     for reason, n in data.dropped_by_reason.items():
         bars.append((f"dropped: {reason}", n, "tab:red"))
     filtered: dict[str, float] = defaultdict(float)
-    for rec in last_per(data.metrics.get("batchmaker", []), "slot").values():
+    for rec in last_per(data.metrics.get(StepKind.BATCHMAKER, []), "slot").values():
         for k in rec:
             if k.startswith(_GROUPS_FILTERED_PREFIX) and (v := num(rec, k)) is not None:
                 filtered[k[len(_GROUPS_FILTERED_PREFIX) :]] += v

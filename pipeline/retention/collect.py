@@ -15,8 +15,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
+import pipeline.retention.keep as keep
+import pipeline.retention.lineage as lineage
 from pipeline.config import RetentionConfig
-from pipeline.retention import keep, lineage
 from pipeline.store import layout, run_state, staleness
 from pipeline.store.lease import Lease
 from pipeline.store.storage import RunStore

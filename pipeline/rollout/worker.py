@@ -24,13 +24,16 @@ from pipeline.config import RolloutStepConfig
 from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_weights
 from pipeline.environments.tokenizer import check_chat_lessons, load_tokenizer
 from pipeline.jobs.step_logs import run_root_of, server_log
+from pipeline.process.backoff import Backoff
+from pipeline.process.exits import Exit
+from pipeline.process.step_kind import StepKind
 from pipeline.process.watchdog import watchdog
 from pipeline.rollout.pacing import PacingDecision, PacingView, count_unconsumed_rows, pacing_decision, signal_rows
 from pipeline.rollout.rollout_batch import RolloutBatch, batch_stats
 from pipeline.rollout.samples import samples_record, to_samples
 from pipeline.rollout.worker_records import METRICS, WorkerSummary, incarnation_nonce, write_record  # noqa: F401
 from pipeline.store import layout, run_state
-from pipeline.store.notify import Backoff, waker_for
+from pipeline.store.notify import waker_for
 from pipeline.store.poll import WaitTimeout, poll_until
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.metrics import MetricsWriter
@@ -80,7 +83,7 @@ class RolloutWorker:
         self._samples_step: int | None = None  # policy step of the last samples record
         self.worker_id = config.worker_id
         self.name = layout.check_component(f"{config.worker_id}.{incarnation_nonce()}", "worker name")
-        self.metrics = MetricsWriter(self.store, "rollout", self.worker_id)
+        self.metrics = MetricsWriter(self.store, StepKind.ROLLOUT, self.worker_id)
         self._manager = manager
         self._runtime = runtime
         self._server_log: Any = None  # a pipeline.jobs.step_logs.StepLog once a child server is attached
@@ -91,7 +94,7 @@ class RolloutWorker:
         self._rng = np.random.default_rng([config.seed, int(time.time_ns() % (1 << 62))])
         self._current_step: int | None = None
         self._view = PacingView(self.store, self.config.train)
-        self._stall_grace_s = stall_grace_s if stall_grace_s is not None else max(2.0, 25 * config.poll_interval_s)
+        self._stall_grace_s = stall_grace_s if stall_grace_s is not None else max(2.0, 25 * config.polling.interval_s)
         self._weight_load_s = 0.0
         self._pause_s = 0.0
         self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
@@ -99,7 +102,7 @@ class RolloutWorker:
         """policy step -> unix time this worker first saw it committed (recorded in its ready markers)."""
         self._waker = waker_for(self.store)
         self._mark = 0
-        self._backoff = Backoff(config.poll_interval_s)
+        self._backoff = Backoff(config.polling.interval_s)
         self.summary = WorkerSummary()
 
     # -- control ------------------------------------------------------------------------------------
@@ -112,12 +115,13 @@ class RolloutWorker:
             self._waker.poke()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT: finish the current phase, then exit cleanly. A second signal exits at once (130)."""
+        """SIGTERM/SIGINT: finish the current phase, then exit cleanly. A second signal exits at once
+        (Exit.INTERRUPTED, 130)."""
 
         def handler(signum: int, _frame: Any) -> None:
             if self._stop.is_set():
                 logger.error("second signal %d: exiting now", signum)
-                os._exit(130)
+                os._exit(Exit.INTERRUPTED)
             logger.info("signal %d: stopping after the current phase", signum)
             self.stop(f"signal {signum}")
 
@@ -176,7 +180,7 @@ class RolloutWorker:
             self._latest_policy,
             timeout_s=self.config.wait_for_policy_timeout_s,
             what=f"{self.store.full_path(layout.policy_marker(0))} (or any policies/step-*/COMMITTED)",
-            interval_s=self.config.poll_interval_s,
+            interval_s=self.config.polling.interval_s,
             setting="wait_for_policy_timeout_s",
             on_wait=check_stop,
             waker=self._waker,
@@ -286,7 +290,7 @@ class RolloutWorker:
             unconsumed_rows=unconsumed,
             max_lag=c.train.max_lag,
             batch_size=c.train.batch_size,
-            max_steps_ahead=c.max_steps_ahead,
+            max_steps_ahead=c.pacing.max_steps_ahead,
         )
 
     def _choose_lesson(self) -> str:

@@ -50,12 +50,6 @@ class StorageEndpointError(StorageError, ConfigError):
         ConfigError.__init__(self, source, endpoint, why)
 
 
-EXIT_STORAGE_UNAVAILABLE = 75
-"""Exit code of a step that could not reach its run root's storage (sysexits' EX_TEMPFAIL: try again later); the
-job runner restarts such a step with backoff for a bounded time. A refused configuration exits 2 and is never
-restarted."""
-
-
 class StorageUnavailableError(Exception):
     """The run root's storage cannot be reached now: its endpoint refused the connection or its host name could
     not be resolved for the moment, or transient errors went on for the whole retry window. Unlike

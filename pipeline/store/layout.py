@@ -14,12 +14,12 @@ All paths are relative to the run root and use '/'. Step numbers are zero-padded
     batches/dropped/<…>.parquet                 rollouts dropped by the BatchMaker, with reasons
     curriculum/state-00000121.json             curriculum state after batch slot 121 (one writer)
     evals/step-00000120/<lesson>.parquet       evaluation rollouts; <lesson>.summary.parquet commits
-    metrics/<step-name>/<worker>-<seq>.jsonl   metrics records
+    metrics/<step kind>/<worker>-<seq>.jsonl   metrics records (a `StepKind`'s value: learner, batchmaker, …)
     quarantine/<escaped path>.json             reason a file was set aside
     leases/<name>/…                            lease claims per epoch + renewals (pipeline.store.lease)
     control/STOP                               stop file: every follow-mode step exits cleanly
     control/LEARNER_DONE                       written once the learner trained train.num_train_steps
-    logs/<step>/<attempt>.log                  output of one process start of a step run by the job runner
+    logs/<step>/<attempt>.log                  output of one start of a step run by the job runner (its job name)
     lineage/slots-<first>-<last>-<attempt>.parquet  fates of the rollouts of slots first..last (retention)
     gc/plan-<NNNNNNNN>.json                    what garbage-collection run N deletes (create-if-absent)
     gc/plan-<NNNNNNNN>.done.json               run N finished deleting
@@ -28,6 +28,8 @@ All paths are relative to the run root and use '/'. Step numbers are zero-padded
 from __future__ import annotations
 
 import re
+
+from pipeline.process.step_kind import StepKind
 
 STEP_WIDTH = 8
 RUN_CONFIG = "run.json"
@@ -191,11 +193,15 @@ QUARANTINE = "quarantine"
 LEASES = "leases"
 
 
-def metrics_file(step_kind: str, worker_id: str, seq: int) -> str:
+def metrics_dir(step_kind: StepKind | str) -> str:
+    """`metrics/<step kind>/`: the metrics records of every process of one kind of step."""
+    return join(METRICS, check_component(StepKind(step_kind), "step kind"))
+
+
+def metrics_file(step_kind: StepKind | str, worker_id: str, seq: int) -> str:
     """One metrics record file of a step process."""
-    check_component(step_kind, "step kind")
     check_component(worker_id, "worker_id")
-    return join(METRICS, step_kind, f"{worker_id}-{seq:08d}.jsonl")
+    return join(metrics_dir(step_kind), f"{worker_id}-{seq:08d}.jsonl")
 
 
 def quarantine_record(path: str) -> str:
@@ -204,7 +210,7 @@ def quarantine_record(path: str) -> str:
 
 
 def lease_dir(name: str) -> str:
-    """Folder of the lease named `name` (e.g. `batchmaker`): claims per epoch and renewals."""
+    """Folder of the lease named `name` (the BatchMaker's: `StepKind.BATCHMAKER`): claims per epoch and renewals."""
     check_component(name, "lease name")
     return join(LEASES, name)
 
@@ -213,7 +219,8 @@ LOGS = "logs"
 
 
 def step_log(step: str, attempt: str) -> str:
-    """`logs/<step>/<attempt>.log`: the output of one start (`attempt`, unique per start) of step `step`."""
+    """`logs/<step>/<attempt>.log`: the output of one start (`attempt`, unique per start) of step `step` (its name
+    in the job: `StepKind.job_name`, `rollout-<worker_id>` for a rollout worker)."""
     return f"{LOGS}/{check_component(step, 'step name')}/{check_component(attempt, 'attempt id')}.log"
 
 

@@ -5,7 +5,8 @@ A `Waker` is what a step sleeps on between two checks of a condition (`pipeline.
     FSEvents/kqueue elsewhere) for the whole root, and a sleep ends at the first create / move / modify under it
     (files under `logs/` and `metrics/`, and temporary files not yet renamed into place, do not wake anyone);
   - on an object store (gs://, or when notifications cannot be had) sleeps are adaptive: the first sleep after
-    activity is short (`MIN_INTERVAL_S`) and each further one doubles, up to the configured poll interval.
+    activity is short (`pipeline.process.backoff.MIN_INTERVAL_S`) and each further one doubles, up to the
+    configured poll interval (`pipeline.process.backoff.Backoff`).
 Either way a sleep never exceeds the poll interval, so a missed notification (a folder created and written to
 before its watch was added) costs at most one poll interval, never correctness: the caller always re-checks
 the run root itself.
@@ -20,9 +21,6 @@ from typing import Any
 from pipeline.store.storage import TMP_PREFIX
 
 logger = logging.getLogger(__name__)
-
-MIN_INTERVAL_S = 0.01
-"""First sleep after activity on a root without notifications (doubles up to the poll interval)."""
 
 QUIET_DIRS = ("logs", "metrics")
 """Top-level folders whose changes wake nobody: no step waits on them, and they change all the time."""
@@ -69,26 +67,6 @@ class Waker:
         if obs is not None:
             obs.stop()
             self.poke()
-
-
-class Backoff:
-    """Adaptive sleep lengths: short right after activity, doubling up to the poll interval."""
-
-    def __init__(self, max_s: float, min_s: float = MIN_INTERVAL_S) -> None:
-        self.max_s = max_s
-        self.min_s = min(min_s, max_s)
-        self._next = self.min_s
-
-    def reset(self) -> None:
-        """Activity: the next sleep is short again."""
-        self._next = self.min_s
-
-    def next(self, event_driven: bool) -> float:
-        """The next sleep: the poll interval itself when notifications end sleeps, else the adaptive one."""
-        if event_driven:
-            return self.max_s
-        s, self._next = self._next, min(self._next * 2, self.max_s)
-        return s
 
 
 def _start_observer(root: str, notify: Any) -> Any:

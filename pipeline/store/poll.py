@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from pipeline.store.notify import Backoff, Waker
+from pipeline.process.backoff import Backoff
+from pipeline.store.notify import Waker
 
 T = TypeVar("T")
 
@@ -38,7 +40,8 @@ def poll_until(
 
     `on_wait` runs before each sleep (renew a lease, check a stop file: it may raise to abort the wait).
     With `progress`, the timeout restarts whenever `progress()` changes. Raises `WaitTimeout` naming `what`
-    (and `setting`, the config field that bounds the wait) after `timeout_s` without success or progress.
+    (and `setting`, the config field that bounds the wait) after `timeout_s` without success or progress
+    (`math.inf`: a wait without a bound, such as a follow-mode step's wait for new work).
     While the wait lasts, one INFO line on `log` (default: this module's logger) every `log_every_s` seconds
     says what is awaited, for how long so far and the bound (None: silent).
 
@@ -66,7 +69,8 @@ def poll_until(
         if now > deadline:
             raise WaitTimeout(f"waited {now - t0:.1f}s (> {bound}) for {_describe(what)}")
         if now >= next_log:
-            (log or logger).info("waiting %.0fs for %s (gives up after %s)", now - t0, _describe(what), bound)
+            limit = "no time limit" if math.isinf(timeout_s) else f"gives up after {bound}"
+            (log or logger).info("waiting %.0fs for %s (%s)", now - t0, _describe(what), limit)
             next_log = now + (log_every_s or float("inf"))
         if on_wait is not None:
             on_wait()

@@ -1,5 +1,6 @@
 """What a run root says about the run's progress, in one place: the newest committed policy, the newest
-committed batch slot, the policy folders that hold rollouts, and whether the root is on local disk.
+committed batch slot, and the policy folders that hold rollouts (whether a root is on local disk:
+`pipeline.store.urls.is_local`).
 
 Listing plus marker existence is the truth; pointers such as `policies/LATEST` are only hints.
 """
@@ -13,12 +14,6 @@ from typing import Any
 from pipeline.store import layout
 
 logger = logging.getLogger(__name__)
-
-
-def is_local(root: str) -> bool:
-    """Whether a run root (path or URL) is on local disk (no scheme, `file://` or `local://`)."""
-    scheme = root.split("://", 1)[0] if "://" in root else None
-    return scheme in (None, "file", "local")
 
 
 def step_folders(store: Any, root: str) -> list[int]:

@@ -27,7 +27,8 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
   retried with exponential backoff capped at `RETRY_MAX_DELAY_S`, each retry logged, until `RETRY_WINDOW_S`
   (30 s) of wall time have passed since the first try, gcsfs's own retries inside a call included (a refused
   connection or a DNS failure spends ~30 s in gcsfs alone); then they raise `StorageUnavailableError` (a step
-  exits with `EXIT_STORAGE_UNAVAILABLE`, 75, and the job runner restarts it). Other errors propagate unchanged.
+  exits with `Exit.STORAGE_UNAVAILABLE`, 75 (`pipeline.process.exits`), and the job runner restarts it). Other
+  errors propagate unchanged.
 - Storage options: `storage_options_from(given)` is the one way every command builds them: the JSON object in
   `$RLPIPE_STORAGE_OPTIONS`, overridden key by key by the command's own (`--store.storage_options '{…}'`).
   A gs:// RunStore also takes the environment's options itself. gcsfs reads `STORAGE_EMULATOR_HOST`
@@ -60,9 +61,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config.base import ConfigError
+from pipeline.process.backoff import backoff_delay
 from pipeline.store import layout
 from pipeline.store.committed import (
-    EXIT_STORAGE_UNAVAILABLE,
     TMP_PREFIX,
     CommittedData,
     CorruptFileError,
@@ -76,10 +77,10 @@ from pipeline.store.committed import (
 )
 from pipeline.store.committed import _sha256 as _sha256
 from pipeline.store.committed import check_rel as _check_rel
+from pipeline.store.urls import local_path, split_location
 from schemas.base import SchemaMismatchError, TableSpec
 
 __all__ = [
-    "EXIT_STORAGE_UNAVAILABLE",
     "TMP_PREFIX",
     "CorruptFileError",
     "FileInfo",
@@ -251,7 +252,7 @@ def retry_delays() -> list[float]:
     delays: list[float] = []
     total = 0.0
     while total < RETRY_WINDOW_S:
-        delay = min(RETRY_BASE_DELAY_S * 2 ** len(delays), RETRY_MAX_DELAY_S, RETRY_WINDOW_S - total)
+        delay = min(backoff_delay(RETRY_BASE_DELAY_S, RETRY_MAX_DELAY_S, len(delays)), RETRY_WINDOW_S - total)
         if delay <= 0:
             break
         delays.append(delay)
@@ -299,16 +300,14 @@ class RunStore(CommittedData):
 
     def __init__(self, root: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.storage_options: dict[str, Any] = dict(storage_options or {})
-        protocol, path = fsspec.core.split_protocol(root)
-        protocol = protocol or "file"
-        if protocol == "local":
-            protocol = "file"
+        protocol, path = split_location(root)
         self.protocol: str = protocol
         self.is_local: bool = protocol == "file"
+        """On local disk (`pipeline.store.urls.is_local`: a plain path, `file://…` or `local://…`)."""
         self._quarantine_cache: dict[str, str] = {}
         self._cache_lock = threading.Lock()
         if self.is_local:
-            self.root = os.path.abspath(os.path.expanduser(path))
+            self.root = local_path(root)
             self.fs: fsspec.AbstractFileSystem = fsspec.filesystem("file")
         else:
             opts = dict(self.storage_options)
@@ -479,10 +478,6 @@ class RunStore(CommittedData):
             obj = {**obj, "attempt_id": new_attempt_id()}
         data = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
         return self.put_if_absent(rel, data)
-
-    def put_json(self, rel: str, obj: Any) -> None:
-        """Write `obj` as JSON at `rel` atomically (overwrites; for hints such as pointers, never commits)."""
-        self.put_unique(rel, json.dumps(obj, sort_keys=True, allow_nan=False).encode())
 
     def get_json(self, rel: str) -> Any:
         """Parse `rel` as JSON. Raises FileNotFoundError if absent, CorruptFileError if unparseable."""

@@ -1,8 +1,8 @@
 """Metrics records under the run root, readable without a tracker.
 
 Each step process appends dict records; they are flushed as immutable JSON-lines files
-`metrics/<step_kind>/<worker>-<seq>.jsonl` (unique names, atomic writes), so a crash loses
-at most the unflushed tail and readers never see partial files.
+`metrics/<step_kind>/<worker>-<seq>.jsonl` (a `pipeline.process.step_kind.StepKind`; unique names, atomic writes),
+so a crash loses at most the unflushed tail and readers never see partial files.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any, Protocol
 
+from pipeline.process.step_kind import StepKind
 from pipeline.store import layout
 
 logger = logging.getLogger(__name__)
@@ -40,14 +41,14 @@ class MetricsWriter:
     def __init__(
         self,
         store: _PutStore,
-        step_kind: str,
+        step_kind: StepKind | str,
         worker_id: str,
         *,
         flush_every: int = 50,
         flush_interval_s: float = FLUSH_INTERVAL_S,
     ) -> None:
         self._store = store
-        self._kind = step_kind
+        self._kind = StepKind(step_kind)
         self._worker = worker_id
         self._buffer: list[dict[str, Any]] = []
         self._flush_every = flush_every
@@ -77,10 +78,10 @@ class MetricsWriter:
         self._last_flush = time.monotonic()
 
 
-def read_metrics(store: _PutStore, step_kind: str) -> list[dict[str, Any]]:
+def read_metrics(store: _PutStore, step_kind: StepKind | str) -> list[dict[str, Any]]:
     """All committed records of one step kind, sorted by time."""
     out: list[dict[str, Any]] = []
-    for rel in store.list(layout.join(layout.METRICS, step_kind)):
+    for rel in store.list(layout.metrics_dir(StepKind(step_kind))):
         if rel.endswith(".jsonl"):
             out.extend(_records(store, rel))
     out.sort(key=lambda r: r.get("time", 0.0))
@@ -103,7 +104,7 @@ class MetricsTail:
     committed since the previous call (every file is read once; files are immutable, so nothing is missed or
     read twice), sorted by time. With `since` (unix seconds), older records are skipped."""
 
-    def __init__(self, store: _PutStore, kinds: tuple[str, ...], *, since: float | None = None) -> None:
+    def __init__(self, store: _PutStore, kinds: tuple[StepKind, ...], *, since: float | None = None) -> None:
         self._store = store
         self._kinds = kinds
         self._since = since
@@ -113,7 +114,7 @@ class MetricsTail:
         """Records of the newly committed files, oldest first (each has `kind`, `worker` and `time`)."""
         out: list[dict[str, Any]] = []
         for kind in self._kinds:
-            for rel in self._store.list(layout.join(layout.METRICS, kind)):
+            for rel in self._store.list(layout.metrics_dir(kind)):
                 if rel.endswith(".jsonl") and rel not in self._seen:
                     self._seen.add(rel)
                     out.extend(_records(self._store, rel))

@@ -77,10 +77,6 @@ class GenerationStats:
     generated_tokens: int = 0
     seconds: float = 0.0
 
-    def tokens_per_second(self) -> float:
-        """Generated tokens per second of wall time spent in `generate`."""
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
-
 
 @dataclasses.dataclass(frozen=True)
 class BackendBuild:
@@ -129,3 +125,15 @@ class InferenceBackend(abc.ABC):
     def served_policy_step(self) -> int | None:
         """The policy step an external server says it serves now (None: in-process, or the server does not say)."""
         return None
+
+
+def truncate_at_stop(
+    tokens: list[int], logprobs: list[float], stop_tokens: Sequence[int] | None
+) -> tuple[list[int], list[float], bool]:
+    """Cut `tokens`/`logprobs` after the first stop token (kept). Returns (tokens, logprobs, stopped)."""
+    if stop_tokens:
+        stops = set(stop_tokens)
+        for i, t in enumerate(tokens):
+            if t in stops:
+                return tokens[: i + 1], logprobs[: i + 1], True
+    return tokens, logprobs, False

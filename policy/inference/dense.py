@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pipeline.config import ConfigError, DenseInferenceConfig
+from pipeline.config import DenseInferenceConfig
 from pipeline.environments.base import Completion
 from policy.inference.base import BackendBuild, GenerationRequest
 from policy.inference.dense_sampler import DenseSampler, bucket
@@ -55,17 +55,12 @@ class DenseBackend(LocalBackend):
     @classmethod
     def from_config(cls, config: Any, build: BackendBuild) -> DenseBackend:
         """A dense backend of `config.max_seqs` rows per batch, sequences of at most `config.max_seq_len` tokens
-        (None: `build.max_seq_len`; ConfigError when larger) in `config.compute_dtype` (see the module docstring)."""
+        (None: `build.max_seq_len`) in `config.compute_dtype` (see the module docstring)."""
         dtype = getattr(config, "compute_dtype", None) or build.compute_dtype or "auto"
         if dtype == "auto":
             dtype = default_compute_dtype()
+        # a longer inference.max_seq_len is refused at program start (pipeline.config.validate)
         max_len = getattr(config, "max_seq_len", None) or build.max_seq_len
-        if max_len > build.max_seq_len:
-            raise ConfigError(
-                "inference.max_seq_len",
-                max_len,
-                f"exceeds model.max_seq_len={build.max_seq_len} (the model's positions)",
-            )
         logger.info("dense sampler: sequences of at most %d tokens in %s", max_len, dtype)
         return cls(
             build.model,

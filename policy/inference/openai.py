@@ -45,7 +45,6 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -60,6 +59,7 @@ from policy.inference.base import (
     InferenceBackend,
     PromptTooLongError,
     SamplingControls,
+    truncate_at_stop,
 )
 from policy.inference.registry import register_backend
 
@@ -89,18 +89,6 @@ def policy_step_from_model_name(name: str | None) -> int | None:
         return None
     m = _STEP_IN_NAME.search(name)
     return int(m.group(1)) if m else None
-
-
-def truncate_at_stop(
-    tokens: list[int], logprobs: list[float], stop_tokens: Sequence[int] | None
-) -> tuple[list[int], list[float], bool]:
-    """Cut `tokens`/`logprobs` after the first stop token (kept). Returns (tokens, logprobs, stopped)."""
-    if stop_tokens:
-        stops = set(stop_tokens)
-        for i, t in enumerate(tokens):
-            if t in stops:
-                return tokens[: i + 1], logprobs[: i + 1], True
-    return tokens, logprobs, False
 
 
 @register_backend(OpenAIInferenceConfig)

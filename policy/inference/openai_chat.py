@@ -36,7 +36,7 @@ from typing import Any
 
 from pipeline.environments.base import Completion
 from pipeline.environments.chat import ChatRequest, ChatTurn, assistant_message
-from policy.inference.base import NO_CONTROLS, PromptTooLongError, SamplingControls
+from policy.inference.base import NO_CONTROLS, PromptTooLongError, SamplingControls, truncate_at_stop
 
 
 def chat_body(
@@ -115,8 +115,6 @@ def chat_completion(
     choice: dict[str, Any], token_ids: list[int], max_tokens: int, stops: list[int]
 ) -> Completion | str:
     """The `Completion` of one chat choice whose sampled ids are `token_ids`, or a string saying what is wrong."""
-    from policy.inference.openai import truncate_at_stop
-
     content = (choice.get("logprobs") or {}).get("content")
     if content is None or len(content) < len(token_ids) or any(c.get("logprob") is None for c in content):
         return f"{len(token_ids)} tokens but {None if content is None else len(content)} logprobs"

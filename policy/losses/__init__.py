@@ -1,9 +1,10 @@
 """RL losses for the learner: pure terms (`terms.py`, one function per formula) and one registered module per
-`LossConfig` subclass (`modules.py`: rloo, ppo, gspo, cispo). See `modules.py` for the objectives."""
+`LossConfig` subclass (`modules.py`: rloo, ppo, gspo, cispo), on the typed learner batch (`batch.py`). See
+`modules.py` for the objectives."""
 
+from policy.losses.batch import Batch
 from policy.losses.modules import (
     LOSS_MODULES,
-    Batch,
     CISPOLoss,
     GSPOLoss,
     LogprobFn,

@@ -26,6 +26,26 @@ GSPOLoss (`type: gspo`): sequence-level ratio s_i = (π_θ(y_i|x)/π_sampler(y_i
 CISPOLoss (`type: cispo`): L = −agg( sg(clip(r_t, 1−ε_low, 1+ε_high)) · A_t · log π_θ(y_t) ), r_t = π_θ/π_sampler
   (token aggregation by default, as in MiniMax-M1). Every token keeps a gradient; only its weight is clipped.
   No TIS: the clipped weight is itself a truncated IS weight.
+
+References:
+    PPO clip: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
+    RLOO: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+        Feedback in LLMs", arXiv:2402.14740; Kool, van Hoof, Welling 2019, "Buy 4 REINFORCE Samples, Get a Baseline
+        for Free!" (ICLR 2019 workshop).
+    GRPO (sequence aggregation, k3 KL to a reference): Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300.
+    Dr.GRPO (token aggregation without per-response normalisation): Liu et al. 2025, "Understanding R1-Zero-Like
+        Training: A Critical Perspective", arXiv:2503.20783.
+    clip-higher (ε_high > ε_low), token-level aggregation, overlong filtering: Yu et al. 2025, "DAPO: An Open-Source
+        LLM Reinforcement Learning System at Scale", arXiv:2503.14476.
+    GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+    CISPO: MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+        arXiv:2506.13585.
+    KL estimators k1/k2/k3: Schulman 2020, "Approximating KL Divergence", blog post
+        (http://joschu.net/blog/kl-approx.html).
+    truncated importance sampling: Espeholt et al. 2018, "IMPALA: Scalable Distributed Deep-RL with Importance
+        Weighted Actor-Learner Architectures", arXiv:1802.01561; for the sampler/learner mismatch of LLM RL, Yao et
+        al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog post,
+        fengyao.notion.site).
 """
 
 from __future__ import annotations
@@ -37,14 +57,11 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+import policy.losses.terms as T
 from pipeline.config import CISPOLossConfig, GSPOLossConfig, LossConfig, PPOClipLossConfig, RLOOLossConfig
-from policy.losses import terms as T
+from policy.losses.batch import Batch
 
 Array = jax.Array
-Batch = dict[str, Array]
-"""Learner batch arrays, all [B, S]: tokens, segment_ids, position_ids, loss_mask (f32), advantages,
-generator_logprobs, temperature (per token), truncated (bool per token), seq_index (int: b·S + segment,
-B·S for padding); optionally old_logprobs (the learner's logprobs before the slot's first update)."""
 
 LogprobFn = Callable[[Any, Batch], tuple[Array, Array]]
 """(model, batch) -> (logprobs [B, S], entropy [B, S]) at the batch temperatures."""
@@ -122,25 +139,25 @@ class _LossModuleBase:
         entropy: Array | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         """Loss and metrics from per-token policy logprobs (pure; used by the tests directly)."""
-        mask = batch["loss_mask"].astype(jnp.float32)
+        mask = batch.loss_mask.astype(jnp.float32)
         if self.overlong_filter:
-            mask = mask * (1.0 - batch["truncated"].astype(jnp.float32))
+            mask = mask * (1.0 - batch.truncated.astype(jnp.float32))
         pg_loss, metrics = self.policy_term(logp, batch, mask)
         # sampler mismatch of the current (pre-update) policy, per token, clamped like every ratio
         logp_old = jax.lax.stop_gradient(logp)
-        mismatch, _ = T.clamp_log_ratio(logp_old - batch["generator_logprobs"], self.max_log_ratio)
+        mismatch, _ = T.clamp_log_ratio(logp_old - batch.generator_logprobs, self.max_log_ratio)
         metrics.update(
             pg_loss=pg_loss,
             mismatch_abs_logp=T.token_mean(jnp.abs(mismatch), mask),
             # k3 estimate of KL(π_sampler‖π_θ), i.e. kl_k3(logp_gen, logp_old), on the clamped log-ratio
             mismatch_kl=T.token_mean(T.k3(mismatch), mask),
-            advantage_mean=T.token_mean(batch["advantages"], mask),
+            advantage_mean=T.token_mean(batch.advantages, mask),
             loss_tokens=jnp.sum(mask),
         )
         loss = pg_loss
         if logp_ref is not None and self.needs_reference:
             kl = T.KL_ESTIMATORS[self.config.kl_estimator](logp, logp_ref)
-            kl_term = self.aggregate(kl, mask, batch["seq_index"])
+            kl_term = self.aggregate(kl, mask, batch.seq_index)
             loss = loss + self.config.kl_coef * kl_term
             metrics["kl"] = kl_term
         if entropy is not None:
@@ -174,9 +191,9 @@ class _ClipLossBase(_LossModuleBase):
     """Token-level PPO clip with an optional TIS weight (RLOO and PPO)."""
 
     def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
-        adv, logp_gen = batch["advantages"], batch["generator_logprobs"]
+        adv, logp_gen = batch.advantages, batch.generator_logprobs
         # the slot's pre-update learner logprobs when the learner makes several updates per slot, else π_θ itself
-        logp_old = jax.lax.stop_gradient(batch.get("old_logprobs", logp))
+        logp_old = jax.lax.stop_gradient(logp if batch.old_logprobs is None else batch.old_logprobs)
         sampler_ratio, clamped = T.importance_ratio(logp, logp_gen, self.max_log_ratio)
         if self.tis_cap is None:
             ratio = sampler_ratio
@@ -185,7 +202,7 @@ class _ClipLossBase(_LossModuleBase):
             ratio, _ = T.importance_ratio(logp, logp_old, self.max_log_ratio)  # see the module docstring
             weight = T.truncated_is_weight(logp_old, logp_gen, self.tis_cap, self.max_log_ratio)
         surrogate = weight * T.clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
-        pg_loss = -self.aggregate(surrogate, mask, batch["seq_index"])
+        pg_loss = -self.aggregate(surrogate, mask, batch.seq_index)
         metrics = {
             "ratio_mean": T.token_mean(jax.lax.stop_gradient(ratio), mask),
             "clip_fraction": T.token_mean(T.clip_indicator(ratio, adv, self.eps_low, self.eps_high), mask),
@@ -197,7 +214,18 @@ class _ClipLossBase(_LossModuleBase):
 
 @dataclasses.dataclass(frozen=True)
 class RLOOLoss(_ClipLossBase):
-    """Clip-higher PPO ratio to the sampler, optional TIS cap and overlong filter (advantages from the batch)."""
+    """Clip-higher PPO ratio to the sampler, optional TIS cap and overlong filter (advantages from the batch).
+
+    References:
+        Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+            Feedback in LLMs", arXiv:2402.14740.
+        Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
+        clip-higher, overlong filter: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
+            Scale", arXiv:2503.14476.
+        TIS: Espeholt et al. 2018, "IMPALA: Scalable Distributed Deep-RL with Importance Weighted Actor-Learner
+            Architectures", arXiv:1802.01561; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+            Off-Policy RL Training" (blog post, fengyao.notion.site).
+    """
 
     @classmethod
     def from_config(cls, config: RLOOLossConfig) -> RLOOLoss:
@@ -206,7 +234,11 @@ class RLOOLoss(_ClipLossBase):
 
 @dataclasses.dataclass(frozen=True)
 class PPOClipLoss(_ClipLossBase):
-    """Plain PPO-clip: symmetric ε, ratio to the sampler, no TIS, no overlong filter."""
+    """Plain PPO-clip: symmetric ε, ratio to the sampler, no TIS, no overlong filter.
+
+    References:
+        Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
+    """
 
     @classmethod
     def from_config(cls, config: PPOClipLossConfig) -> PPOClipLoss:
@@ -217,19 +249,23 @@ class PPOClipLoss(_ClipLossBase):
 class GSPOLoss(_LossModuleBase):
     """GSPO: sequence-level ratio to the sampler, clipped per sequence, mean over sequences.
 
-    Metrics `ratio_mean`, `clip_fraction`, `clamped_*` are per sequence (over sequences with loss tokens)."""
+    Metrics `ratio_mean`, `clip_fraction`, `clamped_*` are per sequence (over sequences with loss tokens).
+
+    References:
+        Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+    """
 
     @classmethod
     def from_config(cls, config: GSPOLossConfig) -> GSPOLoss:
         return cls(config, config.clip_low, config.clip_high, None, config.overlong_filter)
 
     def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
-        seq_index = batch["seq_index"]
+        seq_index = batch.seq_index
         n = seq_index.size + 1
-        log_s, counts = T.sequence_log_ratio(logp, batch["generator_logprobs"], mask, seq_index, n)
+        log_s, counts = T.sequence_log_ratio(logp, batch.generator_logprobs, mask, seq_index, n)
         log_s, clamped = T.clamp_log_ratio(log_s, self.max_log_ratio)
         s = jnp.exp(log_s)
-        adv = T.sequence_advantage(batch["advantages"], mask, seq_index, n)
+        adv = T.sequence_advantage(batch.advantages, mask, seq_index, n)
         pg_loss = -T.mean_over_sequences(T.clipped_surrogate(s, adv, self.eps_low, self.eps_high), counts)
         has = (counts > 0).astype(jnp.float32)
         metrics = {
@@ -244,19 +280,22 @@ class GSPOLoss(_LossModuleBase):
 class CISPOLoss(_LossModuleBase):
     """CISPO: REINFORCE on every token weighted by the stop-gradient clipped IS ratio to the sampler.
 
-    `clip_fraction` counts tokens whose weight was clipped (they still contribute a gradient)."""
+    `clip_fraction` counts tokens whose weight was clipped (they still contribute a gradient).
+
+    References:
+        MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585
+           .
+    """
 
     @classmethod
     def from_config(cls, config: CISPOLossConfig) -> CISPOLoss:
         return cls(config, config.clip_low, config.clip_high, None, config.overlong_filter)
 
     def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
-        ratio, clamped = T.importance_ratio(
-            jax.lax.stop_gradient(logp), batch["generator_logprobs"], self.max_log_ratio
-        )
+        ratio, clamped = T.importance_ratio(jax.lax.stop_gradient(logp), batch.generator_logprobs, self.max_log_ratio)
         weight = T.cispo_weight(ratio, self.eps_low, self.eps_high)
-        surrogate = T.cispo_surrogate(weight, batch["advantages"], logp)
-        pg_loss = -self.aggregate(surrogate, mask, batch["seq_index"])
+        surrogate = T.cispo_surrogate(weight, batch.advantages, logp)
+        pg_loss = -self.aggregate(surrogate, mask, batch.seq_index)
         metrics = {
             "ratio_mean": T.token_mean(ratio, mask),
             "clip_fraction": T.token_mean(T.weight_clip_indicator(ratio, self.eps_low, self.eps_high), mask),

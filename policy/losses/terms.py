@@ -40,7 +40,14 @@ def importance_ratio(logp: Array, logp_behaviour: Array, max_log_ratio: float) -
 
 
 def truncated_is_weight(logp_old: Array, logp_gen: Array, cap: float, max_log_ratio: float = 20.0) -> Array:
-    """w = min(π_old / π_sampler, C) = min(exp(clip(logp_old − logp_gen, −M, M)), C), no gradient (TIS)."""
+    """w = min(π_old / π_sampler, C) = min(exp(clip(logp_old − logp_gen, −M, M)), C), no gradient (TIS).
+
+    References:
+        Espeholt et al. 2018, "IMPALA: Scalable Distributed Deep-RL with Importance Weighted Actor-Learner
+            Architectures", arXiv:1802.01561 (truncated importance weights).
+        Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog post,
+            fengyao.notion.site) (TIS for the sampler/learner mismatch).
+    """
     ratio, _ = importance_ratio(logp_old, logp_gen, max_log_ratio)
     return jax.lax.stop_gradient(jnp.minimum(ratio, cap))
 
@@ -61,7 +68,13 @@ def clipped_surrogate(ratio: Array, advantages: Array, eps_low: float, eps_high:
 
     The active branch is selected explicitly: r·A wherever r·A ≤ clip(r)·A (ties included), else the
     constant clip(r)·A. So ∂/∂r = A exactly when `clip_indicator` is 0 and 0 when it is 1, the published
-    PPO gradient, also when r sits exactly on a bound (ε = 0); `jnp.minimum` would split a tie's gradient."""
+    PPO gradient, also when r sits exactly on a bound (ε = 0); `jnp.minimum` would split a tie's gradient.
+
+    References:
+        Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
+        clip-higher: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+            arXiv:2503.14476.
+    """
     clipped = clip_indicator(ratio, advantages, eps_low, eps_high)
     bounded = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
     return jnp.where(clipped, bounded * advantages, ratio * advantages)
@@ -73,7 +86,11 @@ def clipped_surrogate(ratio: Array, advantages: Array, eps_low: float, eps_high:
 
 
 def cispo_weight(ratio: Array, eps_low: float, eps_high: float) -> Array:
-    """w_t = sg(clip(r_t, 1 − ε_low, 1 + ε_high)): the clipped IS weight, no gradient through it."""
+    """w_t = sg(clip(r_t, 1 − ε_low, 1 + ε_high)): the clipped IS weight, no gradient through it.
+
+    References:
+        MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585.
+    """
     return jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
 
 
@@ -83,7 +100,11 @@ def weight_clip_indicator(ratio: Array, eps_low: float, eps_high: float) -> Arra
 
 
 def cispo_surrogate(weight: Array, advantages: Array, logp: Array) -> Array:
-    """w_t · A_t · log π_θ(y_t): ∂/∂ log π_θ(y_t) = w_t·A_t (REINFORCE weighted by the clipped IS weight)."""
+    """w_t · A_t · log π_θ(y_t): ∂/∂ log π_θ(y_t) = w_t·A_t (REINFORCE weighted by the clipped IS weight).
+
+    References:
+        MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv:2506.13585.
+    """
     return jax.lax.stop_gradient(weight) * advantages * logp
 
 
@@ -98,12 +119,20 @@ def k3(log_ratio: Array) -> Array:
 
 
 def kl_k1(logp: Array, logp_ref: Array) -> Array:
-    """k1 = log(π_θ/π_ref) = logp − logp_ref (unbiased for KL(π_θ‖π_ref) under π_θ; can be negative)."""
+    """k1 = log(π_θ/π_ref) = logp − logp_ref (unbiased for KL(π_θ‖π_ref) under π_θ; can be negative).
+
+    References:
+        Schulman 2020, "Approximating KL Divergence", blog post (http://joschu.net/blog/kl-approx.html).
+    """
     return logp - logp_ref
 
 
 def kl_k2(logp: Array, logp_ref: Array) -> Array:
-    """k2 = ½ (logp − logp_ref)² (low variance, biased, ≥ 0)."""
+    """k2 = ½ (logp − logp_ref)² (low variance, biased, ≥ 0).
+
+    References:
+        Schulman 2020, "Approximating KL Divergence", blog post (http://joschu.net/blog/kl-approx.html).
+    """
     return 0.5 * jnp.square(logp - logp_ref)
 
 
@@ -111,7 +140,12 @@ def kl_k3(logp: Array, logp_ref: Array) -> Array:
     """k3 = π_ref/π_θ − 1 − log(π_ref/π_θ) = exp(δ) − 1 − δ with δ = logp_ref − logp (unbiased, ≥ 0).
 
     With logp = log π_sampler and logp_ref = log π_learner it estimates KL(π_sampler‖π_learner) from sampler
-    draws (the learner's `mismatch_kl` metric)."""
+    draws (the learner's `mismatch_kl` metric).
+
+    References:
+        Schulman 2020, "Approximating KL Divergence", blog post (http://joschu.net/blog/kl-approx.html); used as the
+            KL penalty of GRPO, Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300.
+    """
     return k3(logp_ref - logp)
 
 
@@ -159,7 +193,11 @@ def sequence_log_ratio(
     logp: Array, logp_gen: Array, mask: Array, seq_index: Array, num_segments: int
 ) -> tuple[Array, Array]:
     """(log s_i [N], |y_i| [N]): log s_i = (1/|y_i|) Σ_{t∈y_i} (logp_t − logp_gen_t) over the loss tokens of
-    sequence i, i.e. log of (π_θ(y_i|x)/π_sampler(y_i|x))^{1/|y_i|}; 0 for a sequence without loss tokens."""
+    sequence i, i.e. log of (π_θ(y_i|x)/π_sampler(y_i|x))^{1/|y_i|}; 0 for a sequence without loss tokens.
+
+    References:
+        Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+    """
     return segment_means(logp - logp_gen, mask, seq_index, num_segments)
 
 

@@ -14,14 +14,7 @@ from typing import Protocol
 
 from pipeline.config import JobBackendConfig
 from pipeline.jobs.step_logs import LogTarget
-
-MODULES = {
-    "learner": "steps.learn",
-    "batches": "steps.make_batches",
-    "rollout": "steps.rollout",
-    "evaluate": "steps.evaluate",
-}
-"""The program of each kind of step."""
+from pipeline.process.step_kind import StepKind
 
 STOP_GRACE_S = 20.0
 """How long a step may take to exit after SIGTERM before it is killed."""
@@ -53,7 +46,8 @@ class StepSpec:
     """One supervised step of the job."""
 
     name: str
-    kind: str
+    """Its name in the job (`logs/<name>/`): its kind's `job_name`, `rollout-<worker_id>` for a rollout worker."""
+    kind: StepKind
     config_path: str
     restarts: int = 0
     process: StepProcess | None = None
@@ -67,7 +61,7 @@ class StepSpec:
     @property
     def module(self) -> str:
         """The step program (`python -m <module>`)."""
-        return MODULES[self.kind]
+        return self.kind.module
 
 
 class Launcher(Protocol):

@@ -255,15 +255,19 @@ class RayLauncher:
 
     def prepare(self, steps: Sequence[StepSpec]) -> None:
         """Connect to the cluster and refuse resources it cannot hold for every step at once."""
-        res = [(c * s.processes, g * s.processes) for s in steps for c, g in [self.config.resources.for_kind(s.kind)]]
+        res = [
+            (c * s.processes, g * s.processes)
+            for s in steps
+            for c, g in [self.config.resources.for_kind(s.kind.job_name)]
+        ]
         init_ray(self.config.address, sum(c for c, _ in res), sum(g for _, g in res))
 
     def start(self, spec: StepSpec, log: LogTarget) -> StepProcess:
         """Start the step's program in a Ray actor (a learner of `processes` > 1: one actor per process, see
         `RayProcessGroup`); its output goes to `log` and to the driver."""
-        cpus, gpus = self.config.resources.for_kind(spec.kind)
+        cpus, gpus = self.config.resources.for_kind(spec.kind.job_name)
         config_yaml = Path(spec.config_path).read_text()
-        node = self.config.resources.node_resources(spec.kind)
+        node = self.config.resources.node_resources(spec.kind.job_name)
         env = {"RLPIPE_STEP": spec.name, "RLPIPE_ATTEMPT": log.attempt}
         if spec.processes > 1:
             return start_ray_group(spec, log, config_yaml, cpus, gpus, node, env)

@@ -4,7 +4,7 @@ its adapter.
 levanter's `InferenceServer` (levanter.inference.openai) serves `/v1/completions`, `/v1/chat/completions` and
 `/health`, and swaps weights in process through `InferenceServer.reload(weight_source)` (it waits for the model
 lock, so requests in flight finish on the old weights). It has no HTTP route for that, so this launcher adds
-three, all reading `policies/step-S` of the run root through `policy.model.load_policy` (sizes and sha256
+three, all reading `policies/step-S` of the run root through `policy.policy_format.read_policy` (sizes and sha256
 checked against the commit marker):
 
     POST /rlpipe/load_policy {"step": S}   reload(weight source = committed policy S); answers {"step": S}
@@ -84,8 +84,9 @@ def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_
 
     from pipeline.environments.tokenizer import load_tokenizer
     from pipeline.store.poll import poll_until
+    from pipeline.store.run_state import latest_policy_step
     from pipeline.store.storage import RunStore
-    from policy.model import latest_policy_step, load_policy, policy_metadata
+    from policy.policy_format import policy_metadata, read_policy
 
     store = RunStore(run_root)
     tokenizer = load_tokenizer(spec.tokenizer)
@@ -96,7 +97,7 @@ def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_
     state = {"step": int(step)}
     lock = threading.Lock()
     config = InferenceServerConfig(service=_engine_config(spec, max_seqs, page_size), host=host, port=port)
-    srv = InferenceServer.create(config, load_policy(store, step, spec, vocab), tokenizer)
+    srv = InferenceServer.create(config, read_policy(store, step, spec, vocab), tokenizer)
 
     @srv.app.middleware("http")
     async def policy_step_header(request: Any, call_next: Any) -> Any:
@@ -110,7 +111,7 @@ def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_
         with lock:
             if new != state["step"]:
                 try:
-                    model = load_policy(store, new, spec, policy_metadata(store, new).vocab_size)
+                    model = read_policy(store, new, spec, policy_metadata(store, new).vocab_size)
                 except Exception as e:  # a missing or corrupt policy: refuse, keep serving the old one
                     raise HTTPException(status_code=409, detail=f"policy {new}: {e}") from e
                 srv.reload(lambda _old: model)

@@ -13,7 +13,7 @@ same code works on local disk, `memory://`, gs:// and the GCS emulator (storage_
 the marker can list sizes and sha256 checksums of every byte it commits (a reader verifies them);
 and the files are plain safetensors readable by any tool. The price: one file per pytree, written
 from host memory, which is fine up to a few billion parameters on one host. Policies use this format;
-learner checkpoints are sharded over the learner's processes (`policy.sharded_checkpoints`, the same marker
+learner checkpoints are sharded over the learner's processes (`policy.policy_format.sharded`, the same marker
 with a tensor index); checkpoints of this older format still load.
 
 A pytree is stored by flattening its array leaves with `jax.tree_util.keystr` paths as tensor names;
@@ -32,13 +32,22 @@ import jax
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from pipeline.store import layout, run_state
+from pipeline.store import layout
 from schemas.records import CHECKPOINT_FORMAT, CommitFile, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)
 
 FORMAT = CHECKPOINT_FORMAT
 T = TypeVar("T")
+
+POLICY_WEIGHTS = "weights"
+"""The blob of a policy that holds the full weights."""
+ADAPTERS_BLOB = "adapters"
+"""The blob of a policy that holds the LoRA adapter tensors."""
+MODEL_BLOB = "model"
+"""The pytree of a learner checkpoint that holds the model."""
+OPT_BLOB = "opt_state"
+"""The pytree of a learner checkpoint that holds the optimizer state."""
 
 
 class CheckpointError(RuntimeError):
@@ -216,8 +225,3 @@ def read_blob(store: _Store, folder: str, record: CommitMarker, name: str) -> by
     if len(data) != entry.size or sha256_hex(data) != entry.sha256:
         raise CheckpointError(f"{rel}: size/sha256 differ from the commit marker ({len(data)} vs {entry.size} B)")
     return data
-
-
-def committed_steps(store: _Store, root: str) -> list[int]:
-    """Steps under `root` (`policies` or `checkpoints`) whose COMMITTED marker exists, ascending."""
-    return run_state.committed_steps(store, root)

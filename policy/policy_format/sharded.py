@@ -52,7 +52,7 @@ from safetensors.numpy import save as st_save
 
 from pipeline.store import layout
 from policy import mesh as mesh_lib
-from policy.checkpoints import CheckpointError, _Store, sha256_hex
+from policy.policy_format.committed import CheckpointError, _Store, sha256_hex
 from schemas.records import SHARDED_CHECKPOINT_FORMAT, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)
