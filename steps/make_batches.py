@@ -79,8 +79,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeline.batch_maker import BatchResult
-from pipeline.batch_maker.loop import Maker
-from pipeline.batch_maker.loop_state import MakerState, SlotLost, StopRequested, new_slot_log
+from pipeline.batch_maker.loop import BatchMakerLoop
+from pipeline.batch_maker.loop_state import LoopState, SlotLost, StopRequested, new_slot_log
 from pipeline.config import BatchMakerStepConfig, validate_batch_maker
 from pipeline.process.exits import Exit
 from pipeline.process.step_kind import StepKind
@@ -111,7 +111,7 @@ def main(config: BatchMakerStepConfig) -> int:
     holder = config.holder_id or f"{socket.gethostname()}-{os.getpid()}"
     lease = Lease(store, LEASE_NAME, holder, config.lease_ttl_s)
     lease.acquire(take_over_own=config.lease_take_over_own)
-    maker = Maker(config, store, lease)
+    maker = BatchMakerLoop(config, store, lease)
     written = 0  # slots committed (or being written) by this process
     try:
         # phase 2: recover consumed state from the committed batch log
@@ -159,14 +159,14 @@ def main(config: BatchMakerStepConfig) -> int:
     return 0
 
 
-def _recover(maker: Maker) -> MakerState:
+def _recover(maker: BatchMakerLoop) -> LoopState:
     """Phase 2: the state after the newest committed slot, with the curriculum published up to it."""
     st = maker.recover()
     maker.sync_curriculum(st.next_slot - 1)
     return st
 
 
-def _make_slot(maker: Maker, st: MakerState, slot: int) -> None:
+def _make_slot(maker: BatchMakerLoop, st: LoopState, slot: int) -> None:
     """Phases 3a-3d for one slot; raises SlotLost if another maker committed it (or the previous one) first."""
     log = new_slot_log()
 
@@ -186,7 +186,7 @@ def _make_slot(maker: Maker, st: MakerState, slot: int) -> None:
         raise SlotLost(slot)
 
 
-def _should_stop(maker: Maker, config: BatchMakerStepConfig, slot: int, written: int) -> bool:
+def _should_stop(maker: BatchMakerLoop, config: BatchMakerStepConfig, slot: int, written: int) -> bool:
     """Phase 4, checked before slot `slot`: whether to stop (the slot being written is settled first)."""
     if maker.stop_requested():
         maker.settle()

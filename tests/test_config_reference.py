@@ -48,7 +48,8 @@ def test_reference_covers_every_registered_choice_and_job_field() -> None:
     text, _ = reference.render()
     for _, registry, _ in reference.CHOICES:
         for name, cls in registry.get_known_choices().items():
-            assert f"{{type: {name}}}` ({cls.__name__})" in text
+            if cls.__module__.split(".")[0] in ("pipeline", "policy"):  # tests register choices of their own
+                assert f"{{type: {name}}}` ({cls.__name__})" in text
     for f in dataclasses.fields(C.RLJobConfig):
         assert f"| `{f.name}" in text, f.name
     assert "| `cadence.policy_interval` | `int` | `1` |" in text

@@ -293,7 +293,7 @@ def test_slot_taken_by_another_maker_is_discarded_and_recovered(
 ) -> None:
     """A maker that built slot 1 while a real step process committed it first loses the slot, keeps no trace of
     its own attempt in the log, and recovers to slot 2 from the winner's entry."""
-    from pipeline.batch_maker.loop import Maker
+    from pipeline.batch_maker.loop import BatchMakerLoop
     from pipeline.batch_maker.loop_state import SlotLost, new_slot_log
     from pipeline.config import BatchMakerStepConfig, StoreConfig, TrainParams
     from pipeline.store.lease import Lease
@@ -306,7 +306,7 @@ def test_slot_taken_by_another_maker_is_discarded_and_recovered(
     # its own lease name, so the real step below can take the batchmaker lease: only the commit decides
     lease = Lease(store, "other-maker", "loser", 30.0)
     lease.acquire()
-    maker = Maker(cfg, store, lease)
+    maker = BatchMakerLoop(cfg, store, lease)
     committed: list[int] = []
     maker.after_commit = lambda slot, batch, log: committed.append(slot)
     st = maker.recover()

@@ -60,8 +60,8 @@ buffers), `packing` (placement into rows and the batch table), `maker` (the `Bat
 staleness, batch selection).
 
 The process loop around it lives here too and does the run root's I/O (no JAX); `steps/make_batches.py` runs its
-phases: `loop` (`Maker`: one BatchMaker process's lease, pacing, gathering of committed rollout files, commit of
-batch slots, curriculum and metrics), `loop_state` (its state between slots: `MakerState`, the slot log entry,
+phases: `loop` (`BatchMakerLoop`: one BatchMaker process's lease, pacing, gathering of committed rollout files,
+commit of batch slots, curriculum and metrics), `loop_state` (its state between slots: `LoopState`, the slot log entry,
 `SlotLost`, `StopRequested`, the cursor a restart recovers from), `scan` (`ScanWindow`: which policy folders are
 listed for each slot, their seals and the late sweep), `slot_metrics` (the metrics record of each committed slot).
 """

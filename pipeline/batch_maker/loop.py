@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.batch_maker import BatchMaker, BatchResult
-from pipeline.batch_maker.loop_state import CURSOR_VERSION, MakerState, SlotLost, StopRequested, config_hash
+from pipeline.batch_maker.loop_state import CURSOR_VERSION, LoopState, SlotLost, StopRequested, config_hash
 from pipeline.batch_maker.scan import ScanWindow
 from pipeline.batch_maker.slot_metrics import batch_metrics
 from pipeline.config import BatchMakerStepConfig
@@ -52,7 +52,7 @@ class PendingCommit:
     future: Future[bool]
 
 
-class Maker:
+class BatchMakerLoop:
     """One BatchMaker process's loop state (store, lease, config, metrics)."""
 
     def __init__(self, config: BatchMakerStepConfig, store: RunStore, lease: Lease) -> None:
@@ -149,7 +149,7 @@ class Maker:
         )
 
     # --- recovery ------------------------------------------------------------------------------
-    def recover(self) -> MakerState:
+    def recover(self) -> LoopState:
         """Rebuild state from the newest committed log entry's cursor (nothing at all: a fresh start)."""
         t0 = time.monotonic()
         self.scan.forget()
@@ -157,7 +157,7 @@ class Maker:
         bm = BatchMaker(self.train)
         if last == 0:
             logger.info("no committed batch slot yet: starting at slot 1")
-            return MakerState(bm, 1, set(), 0)
+            return LoopState(bm, 1, set(), 0)
         entry = self.store.read_log_entry(last)  # an unknown cursor version is refused here, by name
         if entry.config_hash != self.hash:
             logger.warning(
@@ -181,10 +181,10 @@ class Maker:
             len(reservoir.files),
             len(cursor.seen),
         )
-        return MakerState(bm, last + 1, set(cursor.seen), last, set(cursor.late), cursor.sweep_next)
+        return LoopState(bm, last + 1, set(cursor.seen), last, set(cursor.late), cursor.sweep_next)
 
     # --- one slot ----------------------------------------------------------------------------
-    def gather(self, st: MakerState, slot: int, log: dict[str, Any]) -> None:
+    def gather(self, st: LoopState, slot: int, log: dict[str, Any]) -> None:
         """Feed files until batch `slot` can be built (waiting for more files if needed).
 
         Raises StopRequested when control/STOP appears, `pipeline.store.poll.WaitTimeout` after
@@ -241,7 +241,7 @@ class Maker:
         log["batch_noticed_at"] = time.time()
 
     def sweep_late(
-        self, st: MakerState, slot: int, latest: int, folders: list[int], log: dict[str, Any], limit: int | None
+        self, st: LoopState, slot: int, latest: int, folders: list[int], log: dict[str, Any], limit: int | None
     ) -> None:
         """Record, as dropped, the rows of files committed into folders that already left the scan window.
 
@@ -271,7 +271,7 @@ class Maker:
                 self.ingest(st, slot, latest, p, path, self.store.read_committed(path, ROLLOUT), log)
 
     def ingest(
-        self, st: MakerState, slot: int, latest: int, p: int, path: str, table: pa.Table | None, log: dict[str, Any]
+        self, st: LoopState, slot: int, latest: int, p: int, path: str, table: pa.Table | None, log: dict[str, Any]
     ) -> None:
         """Feed one committed rollout file, as read by `read_committed` (None: quarantined, skipped)."""
         t0 = time.monotonic()
@@ -304,7 +304,7 @@ class Maker:
                         rep.dropped)  # fmt: skip
 
     # --- commit ------------------------------------------------------------------------------
-    def commit(self, st: MakerState, batch: BatchResult, log: dict[str, Any], learner: int) -> bool:
+    def commit(self, st: LoopState, batch: BatchResult, log: dict[str, Any], learner: int) -> bool:
         """Commit slot T: write the data + dropped files, then create the slot's log entry.
 
         The previous slot's commit is settled first (raising SlotLost if another maker took it). Everything
@@ -338,7 +338,7 @@ class Maker:
 
     def slot_entry(
         self,
-        st: MakerState,
+        st: LoopState,
         batch: BatchResult,
         log: dict[str, Any],
         learner: int,

@@ -24,7 +24,7 @@ class SlotLost(Exception):
 
 
 @dataclasses.dataclass
-class MakerState:
+class LoopState:
     """What the maker knows between slots: the reservoir, seen files, and the next slot to build."""
 
     bm: BatchMaker
