@@ -111,8 +111,8 @@ batches: setup ## The BatchMaker on RUN (ARGS="--follow true" or "--max_batches 
 learn: setup ## The learner on RUN (bounded with ARGS="--max_steps N")
 	$(PY) -m steps.run step learn --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
 
-evaluate: setup ## Evaluate committed policies of RUN (ARGS="--all true", "--follow true", "--steps [3,5]")
-	$(PY) -m steps.run step evaluate --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+evaluate: setup ## Evaluate policies of RUN, config from run.json (ARGS="--all true", "--steps 3,5", "--follow true", "--hf_checkpoint DIR")
+	$(PY) -m steps.evaluate --store.run_root $(RUN) $(ARGS)
 
 export: setup ## Export policy STEP (default: the newest) of RUN as a Hugging Face folder OUT (model from run.json)
 	$(PY) -m steps.export --store.run_root $(RUN) $(if $(STEP),--step $(STEP)) $(if $(OUT),--out $(OUT)) $(ARGS)

@@ -1,13 +1,14 @@
 """The one command-line shape of every step program (`python -m steps.<name>`).
 
-`run_program(ConfigClass, main)` configures logging once, parses the step config with draccus
-(`--config_path file.yaml` plus dotted flags such as `--train.max_lag 2`), runs `main(config)` and returns
-its int as the process exit code. A bad config (a `ConfigError`, a value draccus cannot decode, an unknown
-flag, a missing config file) is reported as ONE line on stderr naming the field and the value, with exit
-code 2 and no traceback. Exceptions a program declares in `exit_codes` are logged in one line and mapped to
-their code, with what they mean. Storage that cannot be reached (`StorageUnavailableError`, also when it caused
-another error) is one line and exit code 75, which the job runner restarts with backoff; anything else
-propagates (a traceback is the right report of a bug).
+`run_program(ConfigClass, main)` configures logging once, parses the step config with draccus (`--config_path
+file.yaml` plus dotted flags such as `--train.max_lag 2`; a switched choice such as `--loss.type gspo` starts from
+that type's defaults, and `--curriculum.lessons.<id>.<field> v` sets a lesson's field: see
+pipeline/config/overrides.py), runs `main(config)` and returns its int as the process exit code. A bad config (a
+`ConfigError`, a value draccus cannot decode, an unknown flag, a missing config file) is reported as ONE line on
+stderr naming the field and the value, with exit code 2 and no traceback. Exceptions a program declares in
+`exit_codes` are logged in one line and mapped to their code, with what they mean. Storage that cannot be reached
+(`StorageUnavailableError`, also when it caused another error) is one line and exit code 75, which the job runner
+restarts with backoff; anything else propagates (a traceback is the right report of a bug).
 
 Before `main` runs, a step config whose contract fields (model, train, optimizer, loss, curriculum) differ from
 its run root's run.json is refused the same way, unless `--allow_config_change true` is given (taken off the
@@ -27,12 +28,13 @@ import json
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import draccus
 
-from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError
+from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError, dump_yaml, resolve_overrides
 from pipeline.process.exits import Exit
 from pipeline.store.committed import StorageUnavailableError
 
@@ -139,8 +141,18 @@ def parse_config(config_class: type[C], argv: Sequence[str]) -> C:
     the value) instead of printing draccus's traceback or argparse's usage text."""
     captured = io.StringIO()
     try:
-        with contextlib.redirect_stderr(captured):
-            return draccus.parse(config_class, args=list(argv))
+        # Choice switches (`--loss.type gspo`: the new type's defaults) and dict-entry fields
+        # (`--curriculum.lessons.cats.chat true`) are applied to the file's mapping first (pipeline.config.overrides).
+        mapping, args = resolve_overrides(config_class, argv)
+        with contextlib.ExitStack() as stack:
+            if mapping is not None:
+                folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="rlpipe-config-"))
+                path = os.path.join(folder, "config.yaml")
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(dump_yaml(mapping))
+                args = ["--config_path", path, *args]
+            with contextlib.redirect_stderr(captured):
+                return draccus.parse(config_class, args=args)
     except SystemExit as e:  # argparse: unknown flag, bad choice; `--help` exits 0 and keeps its text
         if not e.code:
             sys.stderr.write(captured.getvalue())

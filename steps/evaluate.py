@@ -20,32 +20,49 @@ rollouts then the summary. Idempotent: a rerun writes nothing new; a run killed 
 the missing (policy, lesson) pairs on the next run.
 The BatchMaker folds the summaries into the curriculum (it is the one curriculum writer).
 
+Config: `python -m steps.evaluate --store.run_root R …` (what `make evaluate RUN=R` runs) is read-only towards
+run.json: the model, curriculum, inference and seed are the run's own, as its run.json records them (the evaluator
+the job would start); the flags say only what to evaluate (`EvaluateCommand`). Nothing is compared with or written to
+run.json. A run root that does not exist or has no run.json is refused (one line naming it, exit 2, nothing created).
+With `--config_path FILE` the program takes a whole `EvaluateStepConfig` instead: that is how the job runner starts
+its evaluator (and `python -m steps.run step evaluate`), checked against run.json as every step config is.
+
+An external checkpoint (`--hf_checkpoint DIR`) is evaluated with the model its config.json describes (family and
+shape); the run's tokenizer, dtypes and max_seq_len are kept (a vocabulary of another size is resized to the
+tokenizer's), as the run's prompts and rewards are.
+
 Run
     python -m steps.evaluate --store.run_root runs/demo --all true
-    python -m steps.evaluate --store.run_root runs/demo --steps "[0,10]" --force true
+    python -m steps.evaluate --store.run_root runs/demo --steps 0,10 --force true     # or --steps "[0,10]"
     python -m steps.evaluate --store.run_root runs/demo --hf_checkpoint /path/to/hf_folder
     make evaluate RUN=runs/demo ARGS="--all true"
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
+import re
 import sys
 import time
-from pathlib import PurePosixPath
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 
-from pipeline.config import ConfigError, EvaluateStepConfig, validate_evaluate
+from pipeline.config import ConfigError, EvaluateStepConfig, ModelSpec, StoreConfig, validate_evaluate
+from pipeline.config.model import MODEL_FAMILIES, SHAPE_FIELDS
 from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
 from pipeline.store.notify import waker_for
 from pipeline.store.poll import poll_until
-from pipeline.store.storage import RunStore
+from pipeline.store.storage import RunStore, require_run
 from pipeline.telemetry.metrics import MetricsWriter
 from schemas import EVAL_ROW, EVAL_SUMMARY
 
@@ -59,6 +76,68 @@ def lesson_seed(seed: int, policy_step: int, lesson_id: str) -> int:
     checkpoint is scored on the same problems, so curves compare like with like."""
     digest = hashlib.sha256(f"{seed}/{lesson_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
+
+
+@dataclass(frozen=True)
+class EvaluateCommand:
+    """`python -m steps.evaluate --store.run_root R …` (`make evaluate`): evaluate policies of an existing run with
+    the model, curriculum, inference and seed its run.json records; these flags say only what to evaluate."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    """The run root whose policies are evaluated (it must hold run.json)."""
+    steps: list[int] = field(default_factory=list)
+    """Policy steps to evaluate: `3,5` or `[3,5]`."""
+    all: bool = False
+    """Evaluate every committed policy."""
+    follow: bool = False
+    """Evaluate each new policy as it appears, until the learner finishes or control/STOP."""
+    hf_checkpoint: str | None = None
+    """Evaluate an external HF checkpoint folder as a baseline (written under evals/external-<name>)."""
+    force: bool = False
+    """Re-evaluate what is already there."""
+    n_examples: int | None = None
+    """Examples per lesson; None: curriculum.eval_n_examples."""
+
+
+STEPS_FLAG = "--steps"
+STEPS_FORM = "policy steps as 3,5 (or [3,5])"
+
+
+def recorded_config(store: RunStore, command: EvaluateCommand) -> EvaluateStepConfig:
+    """The evaluator's config as the run's run.json gives it (the job's own evaluator: model, curriculum, inference,
+    seed), with the command's targets; ConfigError naming `store.run_root` when run.json has no readable job config."""
+    from pipeline.jobs.job import recorded_step_config
+
+    base: EvaluateStepConfig = recorded_step_config(store, StepKind.EVALUATE)
+    return dataclasses.replace(
+        base,
+        store=command.store,
+        steps=list(command.steps),
+        all=command.all,
+        follow=command.follow,
+        hf_checkpoint=command.hf_checkpoint,
+        force=command.force,
+        n_examples=command.n_examples if command.n_examples is not None else base.n_examples,
+    )
+
+
+def external_model(model: ModelSpec, path: str) -> ModelSpec:
+    """The spec of HF checkpoint `path`: its family and shape from its config.json (the run's shape fields back to
+    their defaults, as `model.hf_checkpoint` requires; no LoRA), the run's tokenizer, dtypes and max_seq_len kept.
+    ConfigError naming `hf_checkpoint` when the folder has no config.json or is of a family we do not build."""
+    from policy.families import hf_metadata_folder
+
+    try:
+        folder = hf_metadata_folder(path)
+        hf_config = json.loads((Path(folder) / "config.json").read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError) as e:
+        why = f"not a Hugging Face checkpoint folder (no readable config.json: {e})"
+        raise ConfigError("hf_checkpoint", path, why) from None
+    family = hf_config.get("model_type") if isinstance(hf_config, dict) else None
+    if family not in MODEL_FAMILIES:
+        raise ConfigError("hf_checkpoint", path, f"a {family!r} checkpoint; the families evaluated: {MODEL_FAMILIES}")
+    shape = {name: getattr(ModelSpec, name) for name in SHAPE_FIELDS}
+    return dataclasses.replace(model, family=family, hf_checkpoint=path, lora=None, **shape)
 
 
 class Evaluator:
@@ -163,12 +242,10 @@ class Evaluator:
 
     def evaluate_external(self, path: str) -> int:
         """Evaluate a Hugging Face checkpoint folder as a baseline (`evals/external-<name>/`)."""
-        import dataclasses
-
         from policy.model import build_model
 
         name = PurePosixPath(path.rstrip("/")).name.replace(" ", "_") or "hf"
-        spec = dataclasses.replace(self.cfg.model, hf_checkpoint=path)
+        spec = external_model(self.cfg.model, path)
         model = build_model(spec, self.vocab_size)
         from policy.rollout_manager import RolloutManager
 
@@ -271,12 +348,61 @@ def explicit_targets(cfg: EvaluateStepConfig, evaluator: Evaluator) -> list[int]
     return targets
 
 
-def cli(argv: list[str] | None = None) -> int:
-    """`python -m steps.evaluate [--config_path F] [--field value …]`; returns the exit code."""
+def evaluate_run(command: EvaluateCommand) -> int:
+    """`python -m steps.evaluate --store.run_root R …`: refuse a run root without run.json (MissingRunError, nothing
+    created) or a command with nothing to evaluate, then evaluate with the run's recorded config; 0."""
+    store = RunStore(command.store.run_root, command.store.storage_options or None)
+    require_run(store)
+    if not (command.all or command.steps or command.follow or command.hf_checkpoint):
+        raise ConfigError(
+            "steps", [], "nothing to evaluate: give --all true, --steps 3,5, --follow true or --hf_checkpoint DIR"
+        )
+    return main(recorded_config(store, command))
+
+
+def steps_flag_as_list(argv: Sequence[str]) -> list[str]:
+    """`argv` with `--steps 3,5` (or `--steps=3,5`, `--steps 3`) written as draccus's `[3,5]`; ConfigError naming
+    `steps` and the accepted form for a value that is neither."""
+    out: list[str] = []
+    it = iter(argv)
+    for a in it:
+        if a == STEPS_FLAG:
+            value = next(it, None)
+            out += [a] if value is None else [a, steps_value(value)]
+        elif a.startswith(f"{STEPS_FLAG}="):
+            out.append(f"{STEPS_FLAG}={steps_value(a.split('=', 1)[1])}")
+        else:
+            out.append(a)
+    return out
+
+
+def steps_value(value: str) -> str:
+    """`3,5`, `3, 5`, `[3,5]` or `3` as `[3,5]` / `[3]`; ConfigError (naming `steps`, giving the form) otherwise."""
+    inner = value.strip()
+    if inner.startswith("[") and inner.endswith("]"):
+        inner = inner[1:-1].strip()
+    if not re.fullmatch(r"(\d+(\s*,\s*\d+)*)?", inner):
+        raise ConfigError("steps", value, f"expected {STEPS_FORM}")
+    return "[" + ",".join(s.strip() for s in inner.split(",") if s.strip()) + "]"
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """`python -m steps.evaluate --store.run_root R [--all true | --steps 3,5 | --follow true | --hf_checkpoint DIR]
+    [--force true] [--n_examples N]` (the run's config from its run.json), or `python -m steps.evaluate --config_path F
+    [--field value …]` (a whole EvaluateStepConfig: the job runner's evaluator); returns the exit code."""
+    from pipeline.process.exits import Exit
     from steps.cli import run_program
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return run_program(EvaluateStepConfig, main, argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = steps_flag_as_list(args)
+    except ConfigError as e:
+        print(f"error: invalid config: {' '.join(str(e).split())}", file=sys.stderr)
+        return Exit.CONFIG
+    if any(a == "--config_path" or a.startswith("--config_path=") for a in args):
+        return run_program(EvaluateStepConfig, main, args)
+    return run_program(EvaluateCommand, evaluate_run, args)
 
 
 if __name__ == "__main__":

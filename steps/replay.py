@@ -18,7 +18,6 @@ field and the value, exit code 2.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -26,10 +25,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-import draccus
-
-from pipeline.config import ConfigError, LearnerStepConfig, RLJobConfig, StoreConfig
-from pipeline.jobs.job import RLJob
+from pipeline.config import ConfigError, LearnerStepConfig, StoreConfig
+from pipeline.jobs.job import recorded_step_config
 from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore, require_run
@@ -91,12 +88,7 @@ def copy_lora_base(store: RunStore, scratch: RunStore, config: LearnerStepConfig
 
 def recorded_learner_config(store: RunStore) -> LearnerStepConfig:
     """The learner's config as the run's run.json gives it (model, train, optimizer, loss)."""
-    record = json.loads(store.get(layout.RUN_CONFIG))
-    try:
-        job = draccus.decode(RLJobConfig, record["config"])
-    except (KeyError, TypeError, draccus.utils.ParsingError) as e:
-        raise ConfigError("store.run_root", store.url, f"{layout.RUN_CONFIG} has no readable job config ({e})") from e
-    learner: LearnerStepConfig = RLJob(job, check_environments=False).to_worker_configs()[StepKind.LEARNER.job_name]
+    learner: LearnerStepConfig = recorded_step_config(store, StepKind.LEARNER)
     return learner
 
 

@@ -16,13 +16,15 @@ config (draccus dotted flags); with `step NAME`, `--config_path` and `--store.*`
 other flag overrides that step's config (see `python -m steps.<module> --help`). A bad config is one line on
 stderr naming the field and the value, exit code 2, before anything starts. So is a model / train / optimizer /
 loss / curriculum value that differs from the run root's run.json (unless `--allow_config_change true`: then
-recorded in run.json's history), and `step evaluate` on a run root without run.json.
+recorded in run.json's history), and `step evaluate` on a run root without run.json. So is a run root that is
+a non-empty folder but not a run root (no run.json, and entries rlpipe does not make): nothing is created there.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -32,9 +34,10 @@ from typing import Any
 
 import draccus
 
-from pipeline.config import ALLOW_CHANGE_FLAG, RLJobConfig, check_run_config, check_step_config
+from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError, RLJobConfig, check_run_config, check_step_config
 from pipeline.jobs.job import RLJob
 from pipeline.process.step_kind import StepKind, cli_names
+from pipeline.store import layout
 from pipeline.store.storage import RunStore, require_run
 from steps.cli import parse_bool, parse_config, run_command
 
@@ -126,6 +129,31 @@ def step_config(job: RLJob, step: StepKind, overrides: Sequence[str]) -> Any:
 
 READ_ONLY_STEPS = frozenset({StepKind.EVALUATE})
 """Steps that only read a run: refused on a run root without run.json (nothing is created)."""
+RUN_ROOT_ENTRIES = frozenset(
+    {layout.RUN_CONFIG, "control", layout.POLICIES, layout.CHECKPOINTS, layout.ROLLOUTS, "batches", layout.CURRICULUM,
+     layout.EVALS, layout.METRICS, layout.QUARANTINE, layout.LEASES, layout.LOGS, layout.LINEAGE, layout.GC, "report"}
+)  # fmt: skip
+"""The top-level names rlpipe makes in a run root (`pipeline.store.layout`, and the report's folder)."""
+
+
+def refuse_foreign_folder(store: RunStore) -> None:
+    """Refuse (ConfigError naming `store.run_root`; nothing created) a run root that is a file, or a non-empty
+    folder that is not a run root: no run.json and an entry rlpipe does not make (hidden `.*` entries aside).
+    An absent or empty folder, or one made by rlpipe, is accepted."""
+    if store.is_local and os.path.isfile(store.root):
+        raise ConfigError("store.run_root", store.url, "is a file, not a folder")
+    if store.exists(layout.RUN_CONFIG):
+        return
+    names = [rel.rsplit("/", 1)[-1] for rel in store.list("")]
+    foreign = [n for n in names if n not in RUN_ROOT_ENTRIES and not n.startswith(".")]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", …" if len(foreign) > 5 else "")
+        raise ConfigError(
+            "store.run_root",
+            store.url,
+            f"is a non-empty folder that is not a run root (no {layout.RUN_CONFIG}; holds {shown}): "
+            "name a new or empty folder, or an existing run root",
+        )
 
 
 def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
@@ -140,6 +168,7 @@ def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
     if step in READ_ONLY_STEPS:
         require_run(store)
     else:
+        refuse_foreign_folder(store)
         check_run_config(store, job.config, allow_change=job.allow_config_change, by=module_name)
     check_step_config(store, config, by=module_name, allow_change=job.allow_config_change)
     module = importlib.import_module(module_name)
@@ -153,6 +182,7 @@ def main(invocation: Invocation) -> int:
         return run_step(job, invocation.step, invocation.step_args)
     from pipeline.jobs.runner import JobRunner
 
+    refuse_foreign_folder(RunStore(job.config.store.run_root, job.config.store.storage_options or None))
     return JobRunner(job).run()
 
 

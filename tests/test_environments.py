@@ -268,6 +268,86 @@ def test_exact_answer_bad_json_names_line(tmp_path) -> None:
         ExactAnswerEnv(str(p))
 
 
+def _check(env_args: dict[str, Any]) -> str:
+    """The one line the check hook refuses `env_args` with ('' when accepted)."""
+    from pipeline.config import ConfigError
+
+    try:
+        ExactAnswerEnv.check_args(env_args)
+    except ConfigError as e:
+        assert "\n" not in str(e)
+        return str(e)
+    return ""
+
+
+def test_exact_answer_check_args_refuses_what_construction_would(tmp_path: Any) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert _check({"path": str(good)}) == ""  # a row without answer is a per-example failure, not a refusal
+    folder = tmp_path / "data"
+    folder.mkdir()
+    csv = tmp_path / "d.csv"
+    csv.write_text("prompt,answer\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "b"}\n{not json\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert _check({"path": str(tmp_path / "no.jsonl")}).startswith("path=") and "no such file" in _check(
+        {"path": str(tmp_path / "no.jsonl")}
+    )
+    assert "is a folder" in _check({"path": str(folder)})
+    assert "unsupported format (.csv)" in _check({"path": str(csv)})
+    assert "line 2: invalid JSON" in _check({"path": str(bad)})
+    assert "holds no rows" in _check({"path": str(empty)})
+    assert "['question']" in _check({"path": str(good), "prompt_field": "question"})
+    assert "['choices']" in _check({"path": str(good), "choices_field": "choices"})
+    assert _check({"path": str(good), "eval_path": str(csv)}).startswith("eval_path=")
+    assert _check({"path": str(good), "file_format": "csv"}).startswith("file_format=")
+    txt = tmp_path / "d.txt"
+    txt.write_text(good.read_text())
+    assert _check({"path": str(txt), "file_format": "jsonl"}) == ""  # the format named, whatever the extension
+    pq.write_table(pa.table({"prompt": ["a"], "reply": ["b"]}), tmp_path / "d.parquet")
+    assert "['answer']" in _check({"path": str(tmp_path / "d.parquet")})
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    assert "not a readable parquet file" in _check({"path": str(tmp_path / "junk.parquet")})
+    with pytest.raises(ValueError, match="is a folder"):
+        ExactAnswerEnv(str(folder), file_format="jsonl")
+
+
+def test_exact_answer_check_args_of_a_remote_file_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from pipeline.environments import exact_answer
+
+    def hang(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(30)
+
+    assert "no such file" in (exact_answer.check_data_file("memory://nope/qa.jsonl") or "")
+    monkeypatch.setattr(exact_answer.fsspec.core, "url_to_fs", hang)
+    t0 = time.monotonic()
+    why = exact_answer.check_data_file("gs://bucket/qa.jsonl", timeout_s=0.5)
+    assert why is not None and "could not be looked up within 0.5 s" in why
+    assert time.monotonic() - t0 < 5
+
+
+def test_validators_name_the_lesson_and_the_arg(tmp_path: Any) -> None:
+    import dataclasses
+
+    import draccus
+
+    from pipeline.config import ConfigError, RLJobConfig, validate_job
+    from pipeline.config.curriculum import LessonConfig
+
+    root = os.path.dirname(os.path.dirname(__file__))
+    cfg = draccus.parse(RLJobConfig, config_path=os.path.join(root, "configs/test_cats.yaml"), args=[])
+    env = EnvConfig("pipeline.environments.exact_answer.ExactAnswerEnv", {"path": str(tmp_path / "no.jsonl")})
+    lesson = LessonConfig(lesson_id="qa", env=env)
+    cfg = dataclasses.replace(cfg, curriculum=dataclasses.replace(cfg.curriculum, lessons={"qa": lesson}))
+    with pytest.raises(ConfigError) as ei:
+        validate_job(cfg)
+    assert ei.value.field == "curriculum.lessons.qa.env.env_args.path" and "no such file" in str(ei.value)
+
+
 # ------------------------------------------------------------------------------ calculator
 
 

@@ -5,7 +5,10 @@ every test evaluates a fresh copy of its run root, so each one starts from an em
 
 - `--all true` scores every committed policy (listed from the run root), a rerun writes nothing, `--force` rewrites;
 - a SIGKILLed `--all` run is completed by a rerun: the full set, schema-valid, no duplicates, nothing quarantined;
-- `--steps [0,NUM_STEPS]`: the trained policy says "cat" more than the initial one (greedy, the 7 probe prompts).
+- `--steps [0,NUM_STEPS]`: the trained policy says "cat" more than the initial one (greedy, the 7 probe prompts);
+- `make evaluate`'s own command line (no CONFIG: the config is the run's run.json, here not demo_cats.yaml's) with
+  `--steps 0,S` scores those policies and leaves run.json byte-identical; `--hf_checkpoint` scores a folder that
+  `make export` wrote from the run; a `--steps` value of another form is one line giving the accepted one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from jobs import ROOT, job_config, run_job
+from makefile import make_env, recipe_command
 
 from pipeline.environments.cats import PROBE_PROMPTS
 from pipeline.store import layout
@@ -280,3 +284,75 @@ def test_later_policy_scores_higher_on_cats(finished_run: FinishedRun, tmp_path:
     assert late.mean_reward >= early.mean_reward + MIN_GAIN, (
         f"policy {final} mean reward {late.mean_reward:.3f} vs policy 0 {early.mean_reward:.3f}: gain below {MIN_GAIN}"
     )
+
+
+def make(target: str, timeout: float = 120, **variables: str) -> str:
+    """The Makefile's `target` recipe line (tests/makefile.py) run to completion; its output (asserting exit 0)."""
+    proc = subprocess.run(recipe_command(target, **variables), cwd=ROOT, env=make_env(), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"make {target} failed:\n{out[-4000:]}"
+    return out
+
+
+@pytest.mark.slow
+def test_make_evaluate_takes_the_config_from_run_json(finished_run: FinishedRun, tmp_path: Path) -> None:
+    """The run is not demo_cats.yaml's (JOB_OVERRIDES change contract fields): `make evaluate` evaluates it as it was
+    trained, never compares with nor rewrites run.json; `--steps 0,S` (comma form) names the policies."""
+    root = fresh_copy(finished_run, tmp_path / "run")
+    store = RunStore(str(root))
+    final = committed_policy_steps(store)[-1]
+    run_json = (root / layout.RUN_CONFIG).read_bytes()
+    out = make("evaluate", RUN=str(root), ARGS=f"--steps 0,{final} --n_examples 2")
+    assert eval_files(store) == expected_eval_files([0, final]), "--steps 0,S evaluated other policies"
+    for s in (0, final):
+        assert read_summary(store, s, "cats").n_examples == 2
+    assert (root / layout.RUN_CONFIG).read_bytes() == run_json, "make evaluate changed run.json"
+    assert "allow_config_change" not in out and "differs from run.json" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_make_evaluate_hf_checkpoint_scores_an_exported_folder(finished_run: FinishedRun, tmp_path: Path) -> None:
+    """`make export` writes the final policy as an HF folder; `make evaluate ARGS="--hf_checkpoint DIR"` scores it
+    (model shape from its config.json) under evals/external-<name>/, as the policy itself scores (greedy)."""
+    root = fresh_copy(finished_run, tmp_path / "run")
+    store = RunStore(str(root))
+    final = committed_policy_steps(store)[-1]
+    hf = tmp_path / "hf-final"
+    make("export", RUN=str(root), STEP=str(final), OUT=str(hf))
+    run_json = (root / layout.RUN_CONFIG).read_bytes()
+    make("evaluate", RUN=str(root), ARGS=f"--hf_checkpoint {hf} --steps {final} --n_examples 3")
+    name = hf.name
+    assert {f for f in eval_files(store) if f"external-{name}" in f} == {
+        f(0, lesson, external=name) for lesson in LESSONS for f in (layout.eval_rollouts_file, layout.eval_summary_file)
+    }
+    rows = EVAL_SUMMARY.from_table(store.read_parquet(layout.eval_summary_file(0, "cats", external=name), EVAL_SUMMARY))
+    assert len(rows) == 1
+    external = rows[0]
+    EVAL_SUMMARY.validate_row(external)
+    assert external.source == name and external.n_examples == 3
+    assert 0.0 <= external.mean_reward <= 1.0
+    own = read_summary(store, final, "cats")
+    # the exported folder holds the policy's weights: greedy, on the same examples, the same scores
+    assert (external.mean_reward, external.success_rate) == pytest.approx((own.mean_reward, own.success_rate))
+    assert (root / layout.RUN_CONFIG).read_bytes() == run_json
+
+
+@pytest.mark.parametrize("value", ["3-5", "[3;5]", "three"])
+def test_evaluate_steps_of_another_form_is_one_line_giving_the_accepted_one(tmp_path: Path, value: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "steps.evaluate", "--store.run_root", str(tmp_path / "run"), "--steps", value],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "3,5" in lines[0] and "[3,5]" in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_steps_forms() -> None:
+    from steps.evaluate import steps_flag_as_list
+
+    for given, want in (("3,5", "[3,5]"), ("3, 5", "[3,5]"), ("[3,5]", "[3,5]"), ("[3, 5]", "[3,5]"), ("7", "[7]")):
+        assert steps_flag_as_list(["--steps", given, "--all", "false"]) == ["--steps", want, "--all", "false"]
+        assert steps_flag_as_list([f"--steps={given}"]) == [f"--steps={want}"]

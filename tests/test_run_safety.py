@@ -6,7 +6,8 @@
   nothing created (local and gs://);
 - storage options from `--store.storage_options` and `$RLPIPE_STORAGE_OPTIONS` (report on the emulator); an
   unreachable endpoint fails at once, naming it; `make gcs-emulator`'s program serves and prints its env lines;
-- `make demo` refuses an existing run root unless FRESH=1;
+- `make demo` refuses an existing run root unless FRESH=1; a run (`steps.run`, `step learn`) refuses a non-empty
+  folder that is not a run root; exact-answer data that cannot be read is refused before anything starts;
 - `steps.replay` of a finished job's last slots from its checkpoint is bitwise equal to the committed policy
   and writes nothing into the run root; curriculum state files end with a newline.
 """
@@ -189,6 +190,75 @@ def test_demo_refuses_an_existing_run_root_unless_fresh(tmp_path: Path) -> None:
     prepare_run_root(str(run_root), keep=False, fresh=True)
     assert not run_root.exists()
     prepare_run_root(str(run_root), keep=False, fresh=False)  # absent: nothing to refuse
+
+
+def exact_answer_config(tmp_path: Path, data: str) -> Path:
+    """configs/test_cats.yaml with its one lesson replaced by an exact-answer lesson `qa` reading `data`."""
+    import yaml
+
+    cfg = yaml.safe_load(TEST_CONFIG.read_text())
+    env = {"env_class": "pipeline.environments.exact_answer.ExactAnswerEnv", "env_args": {"path": data}}
+    cfg["curriculum"]["lessons"] = {"qa": {"lesson_id": "qa", "env": env}}
+    path = tmp_path / "qa.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+BAD_DATA = {
+    "missing": ("missing.jsonl", None, "no such file"),
+    "folder": ("data", "folder", "is a folder"),
+    "csv": ("data.csv", "prompt,answer\n2+2,4\n", "unsupported format (.csv)"),
+    "bad json": ("bad.jsonl", '{"prompt": "2+2", "answer": "4"}\n{not json\n', "line 2: invalid JSON"),
+    "no answer column": ("q.jsonl", '{"prompt": "2+2", "reply": "4"}\n', "['answer']"),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "command"), [(case, "job") for case in sorted(BAD_DATA)] + [("missing", "step rollout")]
+)
+def test_unreadable_exact_answer_data_is_refused_before_anything_starts(
+    tmp_path: Path, case: str, command: str
+) -> None:
+    name, content, why = BAD_DATA[case]
+    data = tmp_path / name
+    if content == "folder":
+        data.mkdir()
+        (data / "train.jsonl").write_text('{"prompt": "2+2", "answer": "4"}\n')
+    elif content is not None:
+        data.write_text(content)
+    run_root = tmp_path / "run"
+    step = ["step", "rollout"] if command == "step rollout" else []
+    t0 = time.monotonic()
+    args = ["--config_path", str(exact_answer_config(tmp_path, str(data))), "--run_root", str(run_root)]
+    proc = cli("-m", "steps.run", *step, *args, timeout=60)
+    assert proc.returncode == Exit.CONFIG, proc.stderr
+    assert time.monotonic() - t0 < 20
+    (line,) = error_lines(proc)
+    assert "curriculum.lessons.qa.env.env_args.path=" in line and str(data) in line and why in line, line
+    assert not run_root.exists()  # nothing started: no run.json, no logs/
+
+
+def test_a_run_refuses_a_non_empty_folder_that_is_not_a_run_root(tmp_path: Path) -> None:
+    from steps.run import refuse_foreign_folder
+
+    mine = tmp_path / "my-files"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("keep me")
+    before = snapshot(mine)
+    for step in ([], ["step", "learn"]):
+        proc = cli("-m", "steps.run", *step, "--config_path", str(TEST_CONFIG), "--run_root", str(mine), timeout=60)
+        assert proc.returncode == Exit.CONFIG, proc.stderr
+        (line,) = error_lines(proc)
+        assert str(mine) in line and "not a run root" in line and "thesis.tex" in line, line
+        assert snapshot(mine) == before and sorted(os.listdir(mine)) == ["thesis.tex"]
+    # accepted: absent, empty, only hidden entries, a run root, or a folder only rlpipe made
+    for entries in ([], [".DS_Store"], ["run.json", "thesis.tex"], ["logs", "policies"]):
+        root = tmp_path / f"ok-{len(entries)}-{uuid.uuid4().hex[:6]}"
+        root.mkdir()
+        for e in entries:
+            (root / e).write_text("x")
+        refuse_foreign_folder(RunStore(str(root)))
+    refuse_foreign_folder(RunStore(str(tmp_path / "absent")))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ from pipeline.process.step_kind import StepKind
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT: dict[str, list[int]] = {}
 """Step kind -> exit codes of its next starts (the last one repeats)."""
+LOG_TEXT: dict[str, str] = {}
+"""Step kind -> what each start of it writes into its log before exiting."""
 
 
 @JobBackendConfig.register_subclass("scripted-test")
@@ -49,11 +51,17 @@ class ScriptedLauncher:
     def start(self, spec: StepSpec, log: LogTarget) -> subprocess.Popen[bytes]:
         codes = SCRIPT[spec.kind]
         code = codes.pop(0) if len(codes) > 1 else codes[0]
+        if spec.kind in LOG_TEXT:
+            path = Path(log.location)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(LOG_TEXT[spec.kind])
         return subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({code})"])
 
 
-def run_scripted(tmp_path: Path, script: dict[str, list[int]]) -> JobRunner:
+def run_scripted(tmp_path: Path, script: dict[str, list[int]], log_text: dict[str, str] | None = None) -> JobRunner:
     SCRIPT.clear()
+    LOG_TEXT.clear()
+    LOG_TEXT.update(log_text or {})
     SCRIPT.update({StepKind.BATCHMAKER: [0], StepKind.ROLLOUT: [0], StepKind.EVALUATE: [0], **script})
     cfg = draccus.parse(RLJobConfig, config_path=str(ROOT / "configs/test_cats.yaml"), args=[])
     cfg = dataclasses.replace(
@@ -84,6 +92,27 @@ def test_a_refused_config_is_never_restarted(tmp_path: Path) -> None:
     runner = run_scripted(tmp_path, {"learner": [Exit.CONFIG, Exit.OK]})
     assert runner.returncode == Exit.FAILED  # type: ignore[attr-defined]
     assert learner(runner).exit_codes == [Exit.CONFIG]
+
+
+def test_a_refused_config_stops_the_job_at_once_printing_its_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reason = "curriculum.lessons.qa.env.env_args.path='/no/such.jsonl': no such file"
+    log = f"2025 INFO steps.rollout: starting\nerror: invalid config: {reason}\n"
+    with caplog.at_level("ERROR", logger="pipeline.jobs.runner"):
+        runner = run_scripted(tmp_path, {"rollout": [Exit.CONFIG, Exit.OK], "learner": [Exit.OK]}, {"rollout": log})
+    assert runner.returncode == Exit.FAILED  # type: ignore[attr-defined]
+    rollout = next(s for s in runner.steps if s.kind == StepKind.ROLLOUT)
+    assert rollout.exit_codes == [Exit.CONFIG] and rollout.restarts == 0
+    (line,) = [r.getMessage() for r in caplog.records if "refused its configuration" in r.getMessage()]
+    assert reason in line and "not restarted" in line and runner.log_location(rollout.name) in line
+
+
+def test_config_reason_is_the_last_config_error_line() -> None:
+    assert runner_mod.config_reason("a\nerror: invalid config: x=1: bad\nb\n") == "invalid config: x=1: bad"
+    tail = "Traceback ...\npipeline.config.base.ConfigError: y=2: worse\n"
+    assert runner_mod.config_reason(tail) == "ConfigError: y=2: worse"
+    assert runner_mod.config_reason("nothing here\n") is None
 
 
 def test_a_crash_counts_against_max_restarts(tmp_path: Path) -> None:

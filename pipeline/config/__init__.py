@@ -34,6 +34,7 @@ from pipeline.config.model import (
     OpenAIInferenceConfig,
     ServerInferenceConfig,
 )
+from pipeline.config.overrides import dump_yaml, resolve_overrides
 from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing
 from pipeline.config.retention import GcStepConfig, RetentionConfig
 from pipeline.config.run_contract import (
@@ -143,10 +144,12 @@ __all__ = [
     "check_run_config",
     "check_step_config",
     "contract_diff",
+    "dump_yaml",
     "encode_config",
     "find_cycle",
     "flatten",
     "require",
+    "resolve_overrides",
     "run_record",
     "validate_batch_maker",
     "validate_evaluate",

@@ -255,7 +255,8 @@ class ServerInferenceConfig(OpenAIInferenceConfig):
     adapter: str = "levanter"
     """How the server is told to load policy S: levanter (rlpipe's levanter server), sglang, vllm."""
     command: str | None = None
-    """Shell-split command line that starts the server; None: the server at `openai_base_url` is already up."""
+    """Shell-split command line that starts the server; None: the server at `openai_base_url` is already up.
+    `{python}` is this environment's own Python, whose bin folder is also first on the server's PATH."""
     host: str = "127.0.0.1"
     """Host the started server binds to (and the worker connects to)."""
     port: int = 8000

@@ -2,8 +2,14 @@
 
 Single-field checks stay in each dataclass's `__post_init__` (a value out of range is refused as the config is
 built). What needs two fields or two sections (the sequence length against the model, the batch against the
-sampling plan, an environment class that must import) is checked here, before any work starts; every refusal is
-a `ConfigError` naming the field (dotted path) and the value.
+sampling plan, an environment class that must import, an environment's data file that must exist) is checked here,
+before any work starts; every refusal is a `ConfigError` naming the field (dotted path) and the value.
+
+Environments: every lesson's environment class may define the classmethod `check_args(env_args)`
+(`pipeline.environments.Environment.check_args`); its `ConfigError(<arg>, value, why)` is reported as
+`curriculum.lessons.<id>.env.env_args.<arg>=<value>: <why>` by `validate_job`, `validate_rollout` and
+`validate_evaluate`, so an error the environment would hit at start-up is found before anything starts and is never
+restarted.
 
 Who calls what, and nothing else does: `validate_job` when a job is built (`pipeline.jobs.job.RLJob`), and each
 step program at its start (its `main`): `validate_learner` (`steps.learn`), `validate_batch_maker`
@@ -121,12 +127,14 @@ def validate_rollout(c: RolloutStepConfig) -> None:
     check_inference_fits_model(c.inference, c.model)
     validate_train(c.train)
     _check_lessons_fit_rows(c.curriculum, c.train)
+    check_environment_args(c.curriculum)
 
 
 def validate_evaluate(c: EvaluateStepConfig) -> None:
     """Cross-field checks of the evaluator's config (`steps.evaluate` at its start): the sampler's sequences fit
-    the model."""
+    the model, and every lesson's environment accepts its `env_args` (`check_environment_args`)."""
     check_inference_fits_model(c.inference, c.model)
+    check_environment_args(c.curriculum)
 
 
 def check_inference_fits_model(inference: Any, model: ModelSpec) -> None:
@@ -141,7 +149,8 @@ def check_inference_fits_model(inference: Any, model: ModelSpec) -> None:
 def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
     """Cross-field checks of a whole job, before any process starts; raises ConfigError naming the field.
 
-    With `check_environments`, every lesson's environment class must import.
+    With `check_environments`, every lesson's environment class must import and accept its `env_args`
+    (`check_environment_args`).
     """
     if c.restart_backoff_s > c.restart_backoff_max_s:
         raise ConfigError(
@@ -159,6 +168,7 @@ def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
     if check_environments:
         for lesson_id, lesson in c.curriculum.lessons.items():
             check_importable(f"curriculum.lessons.{lesson_id}.env.env_class", lesson.env.env_class)
+        check_environment_args(c.curriculum)
 
 
 def _check_lesson_fits(c: RLJobConfig, lesson_id: str) -> None:
@@ -205,3 +215,24 @@ def check_importable(field_name: str, dotted: str) -> None:
         raise ConfigError(field_name, dotted, f"module cannot be imported ({e})") from None
     if not hasattr(module, cls_name):
         raise ConfigError(field_name, dotted, f"module {module_name!r} has no class {cls_name!r}")
+
+
+def check_environment_args(curriculum: CurriculumConfig) -> None:
+    """Run each lesson's environment `check_args(env_args)` hook (see the module docstring); a refusal becomes a
+    ConfigError naming `curriculum.lessons.<id>.env.env_args.<arg>`. A class that does not import is skipped here
+    (`validate_job` refuses it; a worker reports it per lesson)."""
+    for lesson_id, lesson in curriculum.lessons.items():
+        module_name, _, cls_name = lesson.env.env_class.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name, None)
+        except ImportError:
+            continue
+        check = getattr(cls, "check_args", None)
+        if not callable(check):
+            continue
+        try:
+            check(dict(lesson.env.env_args))
+        except ConfigError as e:
+            where = f"curriculum.lessons.{lesson_id}.env.env_args.{e.field}"
+            why = str(e).removeprefix(f"{e.field}={e.value!r}: ")
+            raise ConfigError(where, e.value, why) from None

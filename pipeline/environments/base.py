@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -157,6 +157,17 @@ class Environment(ABC):
     """
 
     name: str = "env"
+
+    @classmethod
+    def check_args(cls, env_args: Mapping[str, Any]) -> None:
+        """Start-up check of this environment's `env_args`, run by the config validators (`validate_job`,
+        `validate_rollout`, `validate_evaluate`) for every lesson before anything starts.
+
+        Raise `pipeline.config.ConfigError(<arg name>, value, why)` for what would make construction fail the same
+        way on every start (a missing data file, a file it cannot read); the validator reports it as one line
+        naming `curriculum.lessons.<id>.env.env_args.<arg name>`. Bounded in time (no network waits of minutes).
+        The default checks nothing."""
+        del env_args
 
     @abstractmethod
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:

@@ -5,6 +5,12 @@ multiple choice and `id_field` for stable ids). The file is read once, at constr
 (`storage_options` are passed to the filesystem). A missing file raises FileNotFoundError naming the path;
 a row without the needed fields becomes a per-example failure naming the row and the field.
 
+Before anything starts, the config validators call `ExactAnswerEnv.check_args` (the `Environment` hook), which
+refuses (`ConfigError` naming the argument) a `path` / `eval_path` that does not exist, is a folder, has a format
+other than JSON lines or parquet, holds no rows, holds a line that is not JSON, or whose rows never carry the
+prompt / answer / choices field. A local file is read in full; a remote one (gs://, ...) is only looked up, within
+`CHECK_TIMEOUT_S` seconds (a store that does not answer by then is refused rather than retried for minutes).
+
 Scoring: `verifier(response_text, answer) -> float | bool` (reward in [0, 1]; success iff reward >= 1).
 The default verifier `normalized_match` compares normalised strings; pass a dotted path
 (`package.module.function`) to plug in another.
@@ -14,14 +20,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline.config.base import ConfigError
 from pipeline.environments.base import (
     Example,
     Score,
@@ -51,28 +60,32 @@ def normalized_match(response: str, answer: str) -> float:
     return 1.0 if normalize_answer(response) == normalize_answer(str(answer)) else 0.0
 
 
-def read_rows(
-    path: str,
-    *,
-    file_format: str | None = None,
-    storage_options: dict[str, Any] | None = None,
-) -> list[dict]:
-    """The rows of a jsonl or parquet file (format from the extension unless given).
+FORMATS = ("jsonl", "parquet")
+"""The accepted data formats: JSON lines (`.jsonl`, `.json`: one JSON object per line) and parquet (`.parquet`)."""
+CHECK_TIMEOUT_S = 15.0
+"""How long `ExactAnswerEnv.check_args` waits for a remote store to say whether a data file exists."""
 
-    Raises FileNotFoundError naming the path when it does not exist, ValueError naming the path and
-    line for bad JSON or an unknown format.
-    """
-    fmt = file_format or (
-        "parquet" if path.endswith(".parquet") else "jsonl" if path.endswith((".jsonl", ".json")) else None
-    )
-    if fmt not in ("jsonl", "parquet"):
-        raise ValueError(f"{path!r}: unknown format {file_format!r}; use a .jsonl/.parquet file or file_format=")
-    fs, fpath = fsspec.core.url_to_fs(path, **(storage_options or {}))
-    if not fs.exists(fpath):
-        raise FileNotFoundError(f"exact-answer data file {path!r} does not exist")
-    data = fs.cat_file(fpath)
-    if fmt == "parquet":
-        return [dict(r) for r in pq.read_table(io.BytesIO(data)).to_pylist()]
+
+def data_format(path: str, file_format: str | None = None) -> str | None:
+    """`file_format` when given, else the format the extension names (`.parquet`; `.jsonl`/`.json`), else None."""
+    if file_format:
+        return file_format
+    return "parquet" if path.endswith(".parquet") else "jsonl" if path.endswith((".jsonl", ".json")) else None
+
+
+def _format_problem(path: str, file_format: str | None) -> str | None:
+    if file_format is not None and file_format not in FORMATS:
+        return f"file_format {file_format!r} is not supported: use one of {FORMATS}"
+    if data_format(path, file_format) is None:
+        ext = os.path.splitext(path.rstrip("/"))[1] or "no extension"
+        return (
+            f"unsupported format ({ext}): the exact-answer environment reads JSON lines (.jsonl, .json) or "
+            "parquet (.parquet) files; set env_args.file_format for another extension"
+        )
+    return None
+
+
+def _parse_jsonl(data: bytes, path: str) -> list[dict]:
     rows: list[dict] = []
     for lineno, line in enumerate(data.decode("utf-8").splitlines(), start=1):
         if not line.strip():
@@ -83,6 +96,123 @@ def read_rows(
             raise ValueError(f"{path!r} line {lineno}: invalid JSON: {e}") from e
         rows.append(obj if isinstance(obj, dict) else {"_value": obj})
     return rows
+
+
+def read_rows(
+    path: str,
+    *,
+    file_format: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[dict]:
+    """The rows of a jsonl or parquet file (format from the extension unless given).
+
+    Raises FileNotFoundError naming the path when it does not exist, ValueError naming the path and
+    line for bad JSON, a folder, or an unknown format.
+    """
+    problem = _format_problem(path, file_format)
+    if problem is not None:
+        raise ValueError(f"{path!r}: {problem}")
+    fmt = data_format(path, file_format)
+    fs, fpath = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    if not fs.exists(fpath):
+        raise FileNotFoundError(f"exact-answer data file {path!r} does not exist")
+    if fs.isdir(fpath):
+        raise ValueError(f"exact-answer data file {path!r} is a folder, not a file")
+    data = fs.cat_file(fpath)
+    if fmt == "parquet":
+        return [dict(r) for r in pq.read_table(io.BytesIO(data)).to_pylist()]
+    return _parse_jsonl(data, path)
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith(("file://", "local://"))
+
+
+def _local_problem(path: str, fmt: str, required: list[str]) -> str | None:
+    """Why the local data file `path` cannot be used (None: it can): missing, a folder, unreadable, bad rows."""
+    local = path.split("://", 1)[1] if "://" in path else path
+    if not os.path.exists(local):
+        return "no such file"
+    if os.path.isdir(local):
+        return "is a folder, not a data file (name the .jsonl / .parquet file inside it)"
+    try:
+        if fmt == "parquet":
+            try:
+                meta = pq.read_metadata(local)
+            except Exception as e:
+                return f"is not a readable parquet file ({type(e).__name__}: {' '.join(str(e).split())})"
+            columns = set(meta.schema.names)
+            n_rows = meta.num_rows
+        else:
+            with open(local, "rb") as f:
+                data = f.read()
+            try:
+                rows = _parse_jsonl(data, path)
+            except UnicodeDecodeError as e:
+                return f"is not UTF-8 text (JSON lines): {e}"
+            except ValueError as e:
+                return str(e).removeprefix(f"{path!r} ")
+            columns = {k for r in rows for k in r}
+            n_rows = len(rows)
+    except OSError as e:
+        return f"cannot be read ({type(e).__name__}: {e})"
+    if n_rows == 0:
+        return "holds no rows"
+    missing = [c for c in required if c not in columns]
+    if missing:
+        found = sorted(columns)[:10]
+        return f"no row has the field(s) {missing} (fields found: {found})"
+    return None
+
+
+def _remote_problem(path: str, storage_options: Mapping[str, Any] | None, timeout_s: float) -> str | None:
+    """Why the remote data file `path` cannot be used (None: it exists and is a file), looked up within
+    `timeout_s` seconds in a daemon thread (a store that does not answer is not waited for)."""
+    result: list[str | None] = []
+
+    def look() -> None:
+        try:
+            fs, fpath = fsspec.core.url_to_fs(path, **dict(storage_options or {}))
+            info = fs.info(fpath)
+            result.append("is a folder, not a data file" if info.get("type") == "directory" else None)
+        except FileNotFoundError:
+            result.append("no such file")
+        except Exception as e:
+            result.append(f"cannot be looked up ({type(e).__name__}: {' '.join(str(e).split())[:300]})")
+
+    t = threading.Thread(target=look, name="exact-answer-check", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not result:
+        return (
+            f"could not be looked up within {timeout_s:g} s (storage unreachable or credentials missing? "
+            "check env_args.storage_options)"
+        )
+    return result[0]
+
+
+def check_data_file(
+    path: str,
+    *,
+    file_format: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    required: list[str] | None = None,
+    timeout_s: float = CHECK_TIMEOUT_S,
+) -> str | None:
+    """Why the data file `path` cannot be used (a short reason), or None: the checks of the module docstring."""
+    if _is_local(path):
+        local = path.split("://", 1)[1] if "://" in path else path
+        if not os.path.exists(local):
+            return "no such file"
+        if os.path.isdir(local):
+            return "is a folder, not a data file (name the .jsonl / .parquet file inside it)"
+    problem = _format_problem(path, file_format)
+    if problem is not None:
+        return problem
+    fmt = data_format(path, file_format) or "jsonl"
+    if _is_local(path):
+        return _local_problem(path, fmt, list(required or []))
+    return _remote_problem(path, storage_options, timeout_s)
 
 
 class ExactAnswerEnv(SingleTurnEnvironment):
@@ -96,6 +226,34 @@ class ExactAnswerEnv(SingleTurnEnvironment):
     """
 
     name = "exact_answer"
+
+    @classmethod
+    def check_args(cls, env_args: Mapping[str, Any]) -> None:
+        """Refuse (ConfigError naming the argument) a `path` / `eval_path` that cannot be read: see the module
+        docstring. Missing or misspelled arguments are left to the constructor's signature check."""
+        file_format = env_args.get("file_format")
+        if file_format is not None and file_format not in FORMATS:
+            raise ConfigError("file_format", file_format, f"must be one of {FORMATS} or null (from the extension)")
+        storage_options = env_args.get("storage_options")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigError("storage_options", storage_options, "must be a mapping of fsspec options")
+        required = [
+            str(env_args.get("prompt_field", "prompt")),
+            str(env_args.get("answer_field", "answer")),
+        ]
+        if env_args.get("choices_field"):
+            required.append(str(env_args["choices_field"]))
+        for arg in ("path", "eval_path"):
+            if arg not in env_args or (arg == "eval_path" and env_args[arg] is None):
+                continue
+            value = env_args[arg]
+            if not isinstance(value, str) or not value:
+                raise ConfigError(arg, value, "must be the path or URL of a .jsonl or .parquet file")
+            problem = check_data_file(
+                value, file_format=file_format, storage_options=storage_options, required=required
+            )
+            if problem is not None:
+                raise ConfigError(arg, value, problem)
 
     def __init__(
         self,

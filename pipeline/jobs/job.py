@@ -85,3 +85,22 @@ class RLJob:
             StepKind.ROLLOUT.job_name: rollouts,
             StepKind.EVALUATE.job_name: evaluate,
         }
+
+
+def recorded_step_config(store: Any, kind: StepKind) -> Any:
+    """The config of step `kind` as the run's run.json gives it (the job's own step config, as the job runner would
+    start it): what read-only commands (evaluate, replay) run with. ConfigError naming `store.run_root` when
+    run.json holds no readable job config."""
+    import json
+
+    import draccus
+
+    from pipeline.config.base import ConfigError
+    from pipeline.store import layout
+
+    record = json.loads(store.get(layout.RUN_CONFIG))
+    try:
+        job = draccus.decode(RLJobConfig, record["config"])
+    except (KeyError, TypeError, draccus.utils.ParsingError) as e:
+        raise ConfigError("store.run_root", store.url, f"{layout.RUN_CONFIG} has no readable job config ({e})") from e
+    return RLJob(job, check_environments=False).to_worker_configs()[kind.job_name]

@@ -3,11 +3,12 @@
 one with bounded exponential backoff (`restart_backoff_s` doubling up to `restart_backoff_max_s`), shows live
 progress, and stops everything cleanly when the learner reaches `num_train_steps` or on Ctrl-C.
 
-Restart rules, by the step's exit code (`pipeline.process.exits.Exit`): `CONFIG` (2, a refused configuration) is
-never restarted and stops the job; `STORAGE_UNAVAILABLE` (75: the run root's storage could not be reached) is
-restarted with backoff outside
-`max_restarts` until the outage has lasted `STORAGE_OUTAGE_S`; any other failure is restarted with backoff up
-to `max_restarts` times.
+Restart rules, by the step's exit code (`pipeline.process.exits.Exit`): `CONFIG` (2, a refused configuration, or
+an error the step hit starting up that fails the same way on every start: a data file that cannot be read, a
+server command that exits before it is ready) is never restarted and stops the job at once, and the step's one-line
+reason (the last config-error line of its log) is printed; `STORAGE_UNAVAILABLE` (75: the run root's storage
+could not be reached) is restarted with backoff outside `max_restarts` until the outage has lasted
+`STORAGE_OUTAGE_S`; any other failure is restarted with backoff up to `max_restarts` times.
 
 Every step is the same program on every backend: `python -m steps.<module> --config_path <yaml>`, with the step
 config written as YAML (no pickle). The run root is the only channel between steps, so a restart of any step is
@@ -135,6 +136,19 @@ class JobRunner:
         """Where the newest start of step `name` logs (a path or URL under the run root)."""
         return self.logs[name].location
 
+    def config_reason(self, name: str) -> str | None:
+        """The one-line reason step `name`'s newest start gave for exiting with Exit.CONFIG: the last line of its
+        log that carries a config error (`error: invalid config: …`, as `steps.cli` prints it), else None."""
+        target = self.logs.get(name)
+        if target is None:
+            return None
+        try:
+            data = self.store.get(target.rel)
+        except Exception as e:  # the reason is a courtesy: the log's location is printed anyway
+            logger.debug("cannot read %s: %s", target.location, e)
+            return None
+        return config_reason(data.decode(errors="replace"))
+
     def _start(self, spec: StepSpec) -> None:
         target = log_target(self.cfg.store.run_root, self.cfg.store.storage_options, spec.name)
         self.logs[spec.name] = target
@@ -205,8 +219,9 @@ class JobRunner:
         if rc == Exit.STORAGE_UNAVAILABLE:
             return self._restart_after_outage(spec, now)
         if rc == Exit.CONFIG:  # a refused config (drift, bad value) fails the same way on every restart
-            logger.error("%s refused its configuration (exit %d); stopping the job; see %s", spec.name, rc,
-                         self.log_location(spec.name))  # fmt: skip
+            reason = self.config_reason(spec.name)
+            logger.error("%s refused its configuration (exit %d, not restarted): %s; stopping the job; see %s",
+                         spec.name, rc, reason or "no reason in its log", self.log_location(spec.name))  # fmt: skip
             return False
         spec.restarts += 1
         if spec.restarts > self.cfg.max_restarts:
@@ -327,6 +342,22 @@ class _Collections:
             )
         except Exception:  # a failed collection deletes nothing more; the next one retries
             logger.exception("garbage collection failed")
+
+
+CONFIG_ERROR_MARKERS = ("error: invalid config:", "ConfigError")
+"""What marks a log line as a config error's one line (`steps.cli.run_command` prints the first; a traceback's last
+line names the second)."""
+
+
+def config_reason(log_text: str) -> str | None:
+    """The last line of `log_text` that carries a config error, from its message on (see CONFIG_ERROR_MARKERS)."""
+    for line in reversed(log_text.splitlines()):
+        for marker in CONFIG_ERROR_MARKERS:
+            at = line.find(marker)
+            if at >= 0:
+                text = line[at:].removeprefix("error: ").strip()
+                return text or None
+    return None
 
 
 def snapshot(store: Any) -> dict[str, Any]:

@@ -7,8 +7,15 @@ never re-tokenised; prompt lengths checked against the server's `usage.prompt_to
 
 Promises
 - `attach(run_root, model_spec_json)` names the run root; with `command`, the first `load_policy` starts the
-  server as a child process (placeholders `{port}`, `{host}`, `{run_root}`, `{step}`, `{policy_dir}`,
-  `{hf_dir}`, `{model_json}`), waits for `/health` (`startup_timeout_s`) and loads the step.
+  server as a child process (placeholders `{python}`: this interpreter, `sys.executable`; `{port}`, `{host}`,
+  `{run_root}`, `{step}`, `{policy_dir}`, `{hf_dir}`, `{model_json}`), waits for `/health` (`startup_timeout_s`)
+  and loads the step. The child's PATH starts with this interpreter's folder (a virtual environment's `bin/`), so a
+  plain `python` in the command is the same environment's Python, not the machine's.
+- Start-up rule: a server that exits before its first health check passes, on its FIRST start, cannot start at all
+  (a bad command, a missing module): `ServerStartError`, a `ConfigError` on `inference.command`, so the worker
+  exits with `Exit.CONFIG` (2) and the job runner does not restart it. A restarted server that exits before it is
+  ready, or one not healthy within `startup_timeout_s`, is a `ServerLoadError` (exit 1, restarted). Either message
+  names the server's log (`logs/<step>/<attempt>.server.log`) and the last error line in it.
 - `load_policy(step)`: publishes nothing itself; the adapter (`policy.inference.adapters`) tells the server to
   load `policies/step-S` (or its `hf/` folder), then `served_policy_step()` is polled until it reports `step`
   (`load_timeout_s`, else `ServerLoadError`). Only then is `loaded_step` set and sampling allowed.
@@ -28,10 +35,12 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from pipeline.config import ServerInferenceConfig
+from pipeline.config import ConfigError, ServerInferenceConfig
 from pipeline.environments.chat import ChatRequest, ChatTurn
 from policy.inference.adapters import ServerLoadError, make_adapter
 from policy.inference.base import BackendBuild, GenerationRequest
@@ -39,6 +48,40 @@ from policy.inference.openai import OpenAIBackend, OpenAIBackendError
 from policy.inference.registry import register_backend
 
 logger = logging.getLogger(__name__)
+
+
+class ServerStartError(ConfigError, ServerLoadError):
+    """The child server exited before it was ready on its first start: it cannot start (see the module
+    docstring); a `ConfigError` on `inference.command` (exit 2, never restarted)."""
+
+    def __init__(self, command: str, why: str) -> None:
+        ConfigError.__init__(self, "inference.command", command, why)
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child server: this one, with this interpreter's folder first on PATH."""
+    env = dict(os.environ)
+    bin_dir = os.path.dirname(sys.executable)
+    parts = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bin_dir]
+    env["PATH"] = os.pathsep.join([bin_dir, *parts])
+    return env
+
+
+def last_error_line(log_path: str | None, max_bytes: int = 65536) -> str | None:
+    """The last line of the log's tail that names an error (`Error`, `error`, `Exception`), else its last
+    non-empty line; None without a log or when it is empty."""
+    if not log_path:
+        return None
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - max_bytes))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if "Error" in line or "error" in line or "Exception" in line:
+            return line[:500]
+    return lines[-1][:500] if lines else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -61,7 +104,7 @@ class ServerProcess:
         """Start (or restart) the process; its output goes to `log_path` (appended) or is inherited."""
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True)  # fmt: skip
+                                     start_new_session=True, env=child_env())  # fmt: skip
         self.starts += 1
         logger.info("started server pid %d: %s", self.proc.pid, shlex.join(self.argv))
 
@@ -142,7 +185,7 @@ class ServerBackend(OpenAIBackend):
         if self.process is not None and self.process.starts > c.max_restarts:
             raise ServerLoadError(f"server died {self.process.starts} times (inference.max_restarts={c.max_restarts})")
         policy_dir, hf_dir = self._dirs(step)
-        fields = {"port": c.port, "host": c.host, "run_root": self.run_root, "step": step,
+        fields = {"port": c.port, "host": c.host, "run_root": self.run_root, "step": step, "python": sys.executable,
                   "policy_dir": policy_dir, "hf_dir": hf_dir, "model_json": self.model_json}  # fmt: skip
         argv = [a.format(**fields) for a in shlex.split(c.command)]
         if self.process is None:
@@ -156,10 +199,23 @@ class ServerBackend(OpenAIBackend):
         deadline = time.monotonic() + c.startup_timeout_s
         while not self.adapter.healthy():
             if not self.process.alive():
-                raise ServerLoadError(f"server exited with {self.process.proc.returncode} while starting")  # type: ignore[union-attr]
+                why = f"the server exited with {self.process.proc.returncode} before it was ready"  # type: ignore[union-attr]
+                if self.process.starts == 1:
+                    raise ServerStartError(c.command, why + self._log_hint())
+                raise ServerLoadError(why + self._log_hint())
             if time.monotonic() > deadline:
-                raise ServerLoadError(f"server {self.root_url} not healthy after {c.startup_timeout_s}s")
+                raise ServerLoadError(
+                    f"server {self.root_url} not healthy after {c.startup_timeout_s}s" + self._log_hint()
+                )
             time.sleep(0.2)
+
+    def _log_hint(self) -> str:
+        """`; see <server log>: <its last error line>` (empty without a log)."""
+        path = getattr(self, "_log_path", None)
+        if not path:
+            return ""
+        line = last_error_line(path)
+        return f"; see {Path(path)}" + (f": {line}" if line else "")
 
     def load_policy(self, step: int) -> float:
         """Make the server serve committed policy `step` and confirm it; returns the seconds it took.
