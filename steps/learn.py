@@ -19,7 +19,8 @@ Phases of `main`:
      train.minibatches_per_slot), log metrics, publish policy T / checkpoint T on
      their intervals;
   3. stop at `train.num_train_steps` (checkpoint, policy, LEARNER_DONE), after `max_steps` in this process
-     (bounded mode; checkpoint), or when control/STOP appears (checkpoint);
+     (bounded mode; checkpoint), when bounded and the next batch slot is not committed within `polling.bounded_wait_s`
+     (exit 0 naming the slot; checkpoint of what was trained), or when control/STOP appears (checkpoint);
   4. with a tracker and `final_eval_wait_s` > 0 (a job with an evaluator), forward the final policy's
      evaluations to it as they commit, then close the tracker run.
 The step is a pure function of (checkpoint, batches) (see `policy.learner`): replaying batches S+1..S+k from
@@ -44,6 +45,7 @@ from pipeline.config import LearnerStepConfig, validate_learner
 from pipeline.environments.tokenizer import load_tokenizer
 from pipeline.process.step_kind import StepKind
 from pipeline.store import layout
+from pipeline.store.poll import WaitTimeout
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.hops import step_hops
 from pipeline.telemetry.metrics import MetricsWriter
@@ -161,9 +163,22 @@ def train(learner: Learner, state: pf.LearnerState) -> tuple[pf.LearnerState, st
             if config.max_steps is not None and learner.trained_here >= config.max_steps:
                 return state, "max_steps"
             slot = state.step + 1
-            entry, waited = L.wait_for_batch(
-                learner.store, slot, config.cadence.batch_wait_timeout_s, config.polling.interval_s
-            )
+            bounded = config.max_steps is not None  # a scheduled job: a short wait, then exit 0 saying why
+            try:
+                entry, waited = L.wait_for_batch(
+                    learner.store,
+                    slot,
+                    config.polling.bounded_wait_s if bounded else config.cadence.batch_wait_timeout_s,
+                    config.polling.interval_s,
+                )
+            except WaitTimeout:
+                if not bounded:
+                    raise
+                return state, (
+                    f"bounded mode: nothing more to do, batch slot {slot} is not committed "
+                    f"({layout.batch_log_entry(slot)} did not appear within "
+                    f"polling.bounded_wait_s={config.polling.bounded_wait_s:g})"
+                )
             # several processes: all follow process 0's decision (a committed batch never disappears, so a
             # process that saw control/STOP first can still read the batch process 0 found)
             if mesh_lib.agree_with_writer(entry is None):

@@ -18,7 +18,9 @@ Writes:
   metrics/batchmaker/…                      one metrics record per batch (`pipeline.batch_maker.slot_metrics.METRICS`)
 
 Algorithm (the phases of `main`; the machinery they call is `pipeline.batch_maker.loop`):
-  1. acquire the `batchmaker` lease (held elsewhere: exit code 6, `Exit.LEASE_HELD`, message names the holder);
+  1. acquire the `batchmaker` lease: one left by a holder that stopped renewing it (killed) is waited for until
+     it lapses (at most lease_ttl_s, one log line); held by a live maker (it renews meanwhile): exit code 6,
+     `Exit.LEASE_HELD`, message names the holder;
   2. recover: list batches/log, read the newest entry K, rebuild the BatchMaker's reservoir from its
      `cursor` (re-reading only the few files that still have live rows) -> next slot T = K + 1;
   3. for each slot T (up to train.num_train_steps):
@@ -48,8 +50,12 @@ Algorithm (the phases of `main`; the machinery they call is `pipeline.batch_make
         from committed files);
      f. metrics + progress.
   4. stop when: slot num_train_steps is committed (bounded / plain mode), the learner has consumed it
-     (follow mode), `max_batches` were written (bounded mode), or control/STOP exists. Every wait fails
-     loudly after train.max_batch_latency_s (exit code 4, `Exit.TIMEOUT`) naming what it waited for.
+     (follow mode), `max_batches` were written (bounded mode), or control/STOP exists or SIGTERM/SIGINT
+     arrived (the slot in flight is settled and the lease released: the next maker starts at once). Every wait
+     fails loudly after train.max_batch_latency_s (exit code 4, `Exit.TIMEOUT`) naming what it waited for;
+     in bounded mode (`max_batches` set, even with a `follow` inherited from the job config: a scheduled job) a
+     wait ends after `polling.bounded_wait_s` and the
+     step exits 0 with one line naming what it waited for, the slots it committed standing.
 
 Durable memory (why a restart is fast and exact): each log entry carries a `cursor`: the reservoir's live
 rows (per source file: arrival seq, policy step, live row indices and their use counts) and the rollout
@@ -72,8 +78,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -110,8 +118,22 @@ def main(config: BatchMakerStepConfig) -> int:
     store = RunStore(config.store.run_root, config.store.storage_options)
     holder = config.holder_id or f"{socket.gethostname()}-{os.getpid()}"
     lease = Lease(store, LEASE_NAME, holder, config.lease_ttl_s)
-    lease.acquire(take_over_own=config.lease_take_over_own)
+    signals = _StopSignals()
+    signals.install()
+    try:
+        # a lease left by a stopped holder (killed: no release) is waited for until it lapses; a live one is refused
+        lease.acquire_waiting(
+            take_over_own=config.lease_take_over_own, interval_s=config.polling.interval_s, sleep=signals.sleep
+        )
+    except StopRequested:
+        signals.restore()
+        logger.info("%s while waiting for the lease: stopping", signals.name)
+        return 0
+    except BaseException:
+        signals.restore()
+        raise
     maker = BatchMakerLoop(config, store, lease)
+    maker.signalled = lambda: signals.name
     written = 0  # slots committed (or being written) by this process
     try:
         # phase 2: recover consumed state from the committed batch log
@@ -135,6 +157,14 @@ def main(config: BatchMakerStepConfig) -> int:
                 _make_slot(maker, st, slot)
                 written += 1
                 st.next_slot = slot + 1
+            except WaitTimeout as e:
+                if not maker.bounded:
+                    raise
+                # a scheduled job with nothing more to do: what was committed stands, a rerun continues
+                maker.settle()
+                logger.info("bounded mode: nothing more to do: committed %d of max_batches=%s batches; next slot %d "
+                            "%s", written, config.max_batches, slot, e)  # fmt: skip
+                break
             except SlotLost as lost:
                 # another maker committed that slot first: everything built since is discarded
                 logger.warning("slot %s was taken by another maker; recovering from the batch log", lost)
@@ -142,7 +172,7 @@ def main(config: BatchMakerStepConfig) -> int:
                     written -= 1  # counted when it was handed to the writer
                 st = _recover(maker)
     except StopRequested:
-        logger.info("control/STOP found: stopping")
+        logger.info("%s: stopping", maker.stop_reason())
         try:
             maker.settle()
         except SlotLost as lost:
@@ -155,6 +185,7 @@ def main(config: BatchMakerStepConfig) -> int:
             lease.release()
         except Exception as e:  # best effort on the way out; the lease lapses by itself
             logger.warning("could not release the lease: %s", e)
+        signals.restore()
     logger.info("BatchMaker done: %d batches written by this process", written)
     return 0
 
@@ -190,7 +221,7 @@ def _should_stop(maker: BatchMakerLoop, config: BatchMakerStepConfig, slot: int,
     """Phase 4, checked before slot `slot`: whether to stop (the slot being written is settled first)."""
     if maker.stop_requested():
         maker.settle()
-        logger.info("control/STOP found: stopping before slot %d", slot)
+        logger.info("%s: stopping before slot %d", maker.stop_reason(), slot)
         return True
     if config.max_batches is not None and written >= config.max_batches:
         maker.settle()
@@ -203,6 +234,38 @@ def _should_stop(maker: BatchMakerLoop, config: BatchMakerStepConfig, slot: int,
         logger.info("all %d batch slots are committed", config.train.num_train_steps)
         return True
     return False
+
+
+class _StopSignals:
+    """SIGTERM/SIGINT: a clean stop, as with control/STOP (the slot being written is settled, the lease released);
+    a second signal stops at once (KeyboardInterrupt; the lease is still released on the way out)."""
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (e.g. a step run in-process by a test)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.name is not None:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
+
+    def sleep(self, seconds: float) -> None:
+        """A sleep that ends the lease wait with StopRequested once a stop signal arrived."""
+        if self.name is None:
+            time.sleep(seconds)
+        if self.name is not None:
+            raise StopRequested
 
 
 def _progress_bar(start: int, total: int) -> Callable[[int, BatchResult], None]:

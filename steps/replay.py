@@ -3,7 +3,7 @@
 Reads (never writes): the run root's `run.json` (model, train, optimizer, loss), the committed checkpoint
 `checkpoints/step-S/`, the committed batches of slots S+1..T, policy 0 (the reference model, when the loss uses
 one) and the committed policy T. Writes: the replayed policy T into a scratch run root (`--scratch`, default a
-new temporary folder), never into the run.
+new temporary folder, named at the start and removed at the end unless `--keep_scratch true`), never into the run.
 
 Phases: (1) restore checkpoint S exactly as the learner resumes; (2) train slots S+1..T with the learner's own
 batch reading and jitted train step (`policy.learner`); (3) publish the result as policy T in the scratch root
@@ -11,6 +11,12 @@ and load it back with `policy.policy_format.read_policy`, the way samplers load 
 by tensor with the run's committed policy T. Prints "bitwise equal" and exits 0, or prints the maximum absolute
 difference of every differing tensor and exits 1. A from/to step that is not committed is one line naming the
 field and the value, exit code 2.
+
+Replay runs on the learner's recorded mesh (`recorded_topology`): the job's `learner.mesh` and
+`learner.num_processes` (run.json), with an axis of -1 resolved from checkpoint S's blocks (one per device that
+holds a distinct piece of a sharded tensor). On CPU the simulated devices are made before JAX starts
+(`jax_num_cpu_devices`); on accelerators the devices present must match. A run whose learner ran on several
+processes is refused (one line, exit 2) naming what replay needs: replay runs as one process.
 
     python -m steps.replay --store.run_root runs/demo --from_step 4 --to_step 6
     make replay RUN=runs/demo FROM=4 TO=6
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -45,6 +52,8 @@ class ReplayConfig:
     """The committed policy to compare with (TO); None: the newest committed policy."""
     scratch: str | None = None
     """Scratch run root for the replayed policy (local or fsspec URL); None: a new temporary folder."""
+    keep_scratch: bool = False
+    """Keep the temporary scratch folder replay made (removed at the end by default); a `--scratch` is kept."""
 
 
 def main(config: ReplayConfig) -> int:
@@ -56,22 +65,102 @@ def main(config: ReplayConfig) -> int:
     require_run(store)
     learner_config = recorded_learner_config(store)
     to_step = check_steps(store, config.from_step, config.to_step)
+    topology = recorded_topology(store, learner_config, config.from_step)
+    refusal = use_recorded_devices(topology)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     replayed = replay(store, learner_config, config.from_step, to_step)  # 1 + 2
     scratch = RunStore(scratch_root(config, store), config.store.storage_options or None)
-    copy_lora_base(store, scratch, learner_config)
-    L.publish_policy(scratch, replayed, learner_config)  # 3
-    vocab = int(replayed.model.Vocab.size)
-    ours = pf.read_policy(scratch, to_step, learner_config.model, vocab)
-    theirs = pf.read_policy(store, to_step, learner_config.model, vocab)
-    diffs = compare(theirs, ours)  # 4
-    print(f"replayed slots {config.from_step + 1}..{to_step} from checkpoint {config.from_step} into {scratch.url}")
+    temporary = config.scratch is None and not config.keep_scratch  # made here: removed once compared
+    print(f"scratch run root: {scratch.url}" + (" (temporary: removed at the end; --keep_scratch true keeps it)"
+          if temporary else ""), flush=True)  # fmt: skip
+    try:
+        copy_lora_base(store, scratch, learner_config)
+        L.publish_policy(scratch, replayed, learner_config)  # 3
+        vocab = int(replayed.model.Vocab.size)
+        ours = pf.read_policy(scratch, to_step, learner_config.model, vocab)
+        theirs = pf.read_policy(store, to_step, learner_config.model, vocab)
+        diffs = compare(theirs, ours)  # 4
+    finally:
+        if temporary:
+            shutil.rmtree(scratch.root, ignore_errors=True)
+    where = f"{scratch.url} (removed)" if temporary else scratch.url
+    print(f"replayed slots {config.from_step + 1}..{to_step} from checkpoint {config.from_step} into {where}")
     if not diffs:
         print(f"bitwise equal: every parameter of the replay equals the run's committed policy {to_step}")
         return 0
-    print(f"NOT equal to the run's committed policy {to_step}: {len(diffs)} tensors differ (max abs difference):")
+    print(f"NOT equal to the run's committed policy {to_step}: {len(diffs)} tensors differ:")
     for name, diff in diffs.items():
-        print(f"  {name}: {diff:.3e}")
+        print(f"  {name}: {diff}")
     return 1
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The learner's devices as a run recorded them: `processes` × `devices_per_process` on `mesh`."""
+
+    processes: int
+    devices: int
+    """All devices of all processes (the mesh's size)."""
+    mesh: Any
+
+    @property
+    def devices_per_process(self) -> int:
+        return max(self.devices // self.processes, 1)
+
+    def describe(self) -> str:
+        data, fsdp, model = self.mesh.resolve(self.devices)
+        axes = " ".join(f"{k}={v}" for k, v in (("data", data), ("fsdp", fsdp), ("model", model)) if v > 1)
+        procs = f"{self.processes} process{'es' if self.processes > 1 else ''}"
+        return f"{procs} × {self.devices_per_process} devices (mesh {axes or 'of one device'})"
+
+
+def recorded_topology(store: RunStore, config: LearnerStepConfig, step: int) -> Topology:
+    """The learner's process count and mesh size: the config's `distributed.num_processes` (also the number of
+    shard files of checkpoint `step`) and `mesh`; an axis of -1 is resolved from the checkpoint's blocks (each
+    sharded tensor is cut into fsdp × model blocks; data replicas write none), else the devices present now."""
+    import json
+
+    mesh = config.mesh
+    processes = config.distributed.num_processes
+    blocks: int | None = None
+    try:
+        marker = json.loads(store.get(layout.checkpoint_marker(step)))
+        processes = max(processes, len(marker.get("files") or {}))
+        if marker.get("tensors"):
+            blocks = max(len(t.get("blocks", [])) for t in marker["tensors"].values())
+    except (FileNotFoundError, ValueError, AttributeError):  # an older whole-pytree checkpoint: no blocks
+        pass
+    if -1 not in (mesh.data, mesh.fsdp, mesh.model):
+        devices = mesh.data * mesh.fsdp * mesh.model
+    elif mesh.data != -1 and blocks is not None:  # fsdp or model is -1: each sharded tensor has fsdp × model blocks
+        devices = mesh.data * blocks
+    else:  # data replicas leave no trace in the blocks: the devices present decide
+        import jax
+
+        devices = jax.device_count()
+    return Topology(processes=processes, devices=max(devices, 1), mesh=mesh)
+
+
+def use_recorded_devices(topology: Topology) -> str | None:
+    """Make the recorded number of devices where that is still possible (CPU, before JAX's backend starts);
+    None when this process now has the recorded mesh's devices, else the one-line refusal saying what is needed."""
+    import jax
+    from jax._src import xla_bridge
+
+    needs = f"this run's learner ran on {topology.describe()}; replay needs the same"
+    if topology.processes > 1:
+        return (
+            f"{needs}: replay runs as one process, so it cannot replay a run of {topology.processes} learner "
+            "processes bitwise (compare on the same hosts by resuming the learner from the checkpoint instead)"
+        )
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_num_cpu_devices", topology.devices)  # CPU only; accelerators have what they have
+    have = jax.device_count()
+    if have != topology.devices:
+        return f"{needs}: {topology.devices} devices, this process has {have} {jax.default_backend()} devices"
+    return None
 
 
 def copy_lora_base(store: RunStore, scratch: RunStore, config: LearnerStepConfig) -> None:
@@ -148,26 +237,62 @@ def scratch_root(config: ReplayConfig, store: RunStore) -> str:
     return config.scratch
 
 
-def compare(reference: Any, candidate: Any) -> dict[str, float]:
-    """{parameter path: max |reference - candidate|} of every tensor that is not bitwise equal."""
+@dataclass(frozen=True)
+class Difference:
+    """How one tensor differs: the largest absolute difference and the first differing element (its index in
+    the tensor, the run's value and the replay's)."""
+
+    max_abs: float
+    index: tuple[int, ...] = ()
+    theirs: float = 0.0
+    ours: float = 0.0
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def __str__(self) -> str:
+        if self.shapes is not None:
+            return f"shape {self.shapes[0]} in the run, {self.shapes[1]} in the replay"
+        at = "[" + ", ".join(map(str, self.index)) + "]"
+        return f"max abs difference {self.max_abs:.3e}; first at {at}: run {self.theirs!r}, replay {self.ours!r}"
+
+    def __float__(self) -> float:
+        return self.max_abs
+
+    def __gt__(self, other: object) -> bool:
+        return self.max_abs > float(other)  # type: ignore[arg-type]
+
+    def __lt__(self, other: object) -> bool:
+        return self.max_abs < float(other)  # type: ignore[arg-type]
+
+
+def compare(reference: Any, candidate: Any) -> dict[str, Difference]:
+    """{parameter path: how it differs} of every tensor that is not bitwise equal (see `Difference`)."""
     import equinox as eqx
     import jax
     import numpy as np
 
     ref = jax.tree_util.tree_flatten_with_path(eqx.filter(reference, eqx.is_array))[0]
     cand = jax.tree_util.tree_leaves(eqx.filter(candidate, eqx.is_array))
-    out: dict[str, float] = {}
+    out: dict[str, Difference] = {}
     for (path, a), b in zip(ref, cand, strict=True):
         x, y = np.asarray(a), np.asarray(b)
+        name = jax.tree_util.keystr(path)
         if x.shape != y.shape:
-            out[jax.tree_util.keystr(path)] = float("inf")
+            out[name] = Difference(float("inf"), shapes=(tuple(x.shape), tuple(y.shape)))
         elif not np.array_equal(x, y):
-            out[jax.tree_util.keystr(path)] = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+            differs = x != y
+            index = tuple(int(i) for i in np.unravel_index(int(np.argmax(differs)), x.shape))
+            out[name] = Difference(
+                float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))),
+                index,
+                x[index].item(),
+                y[index].item(),
+            )
     return out
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """`python -m steps.replay --store.run_root R --from_step S [--to_step T] [--scratch DIR]`; the exit code."""
+    """`python -m steps.replay --store.run_root R --from_step S [--to_step T] [--scratch DIR]
+    [--keep_scratch true]`; the exit code."""
     from steps.cli import run_program
 
     return run_program(ReplayConfig, main, argv)

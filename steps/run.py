@@ -182,8 +182,28 @@ def main(invocation: Invocation) -> int:
         return run_step(job, invocation.step, invocation.step_args)
     from pipeline.jobs.runner import JobRunner
 
-    refuse_foreign_folder(RunStore(job.config.store.run_root, job.config.store.storage_options or None))
-    return JobRunner(job).run()
+    store = RunStore(job.config.store.run_root, job.config.store.storage_options or None)
+    refuse_foreign_folder(store)
+    rc = JobRunner(job).run()
+    log_summary(store, job.config.store.run_root)
+    return rc
+
+
+def log_summary(store: RunStore, run_root: str) -> None:
+    """The job's closing lines: first and last batch reward, the last evaluation, the `make report` command
+    (`pipeline.jobs.progress.summary_lines`); a run root that cannot be read only loses the summary."""
+    import logging
+
+    from pipeline.jobs.progress import summary_lines
+
+    log = logging.getLogger("pipeline.jobs.runner")
+    try:
+        lines = summary_lines(store, run_root)
+    except Exception as e:  # the summary is a courtesy: the run root holds everything
+        log.warning("no summary: cannot read %s (%s)", run_root, e)
+        return
+    for line in lines:
+        log.info("%s", line)
 
 
 def cli(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,7 @@
 """A whole job driven from a terminal (a pseudo-terminal): the progress bar reaches the final step, every
-step's output is under the run root, the tracker receives every step's metrics, and start-up is quiet."""
+step's output is under the run root, the tracker receives every step's metrics, and start-up is quiet. And the
+progress computation itself, from run roots written with the real metrics writer: each step's own values, the
+rollout rate over a real window, nothing after the learner finished, and the job's closing summary."""
 
 from __future__ import annotations
 
@@ -18,10 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from jobs import ROOT, job_config
+from jobs import ROOT, FinishedJob, job_config
+from log_entries import put_log_entry
 
+from pipeline.jobs.progress import ROWS_WINDOW_S, JobProgress, RunProgress, summary_lines
+from pipeline.process.step_kind import StepKind
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import MetricsWriter
 
 STEPS = 4
 NOISE = ("Disabling PyTorch", "transition_steps", "our own retried write", "Traceback")
@@ -123,3 +129,82 @@ def test_tracker_holds_every_steps_metrics(tty_job: TtyJob) -> None:
     assert all(v > 0 for v in scalars["rollout/rows_per_s"].values())
     # the final policy's evaluation ends after the learner's last step: the tracker run waited for it
     assert float(STEPS) in scalars["eval/cats/policy_step"].values(), scalars["eval/cats/policy_step"]
+
+
+def _records(store: RunStore, kind: StepKind, *records: dict[str, object]) -> None:
+    """Commit `records` as one metrics file of step kind `kind` (each record's own `time` kept when given)."""
+    writer = MetricsWriter(store, kind, kind.job_name)
+    for rec in records:
+        writer.log(rec)
+    writer.flush()
+
+
+def test_rollout_rows_per_s_counts_the_last_window(local_store: RunStore) -> None:
+    """Rows committed in the last ROWS_WINDOW_S seconds over that window; older writes and summaries not."""
+    now = time.time()
+    _records(
+        local_store,
+        StepKind.ROLLOUT,
+        {"event": "write", "rows": 600, "rollout_committed_at": now - ROWS_WINDOW_S - 20},
+        {"event": "write", "rows": 30, "rollout_committed_at": now - 10},
+        {"event": "write", "rows": 30, "rollout_committed_at": now - 5},
+        {"event": "stop", "rows": 660},  # the worker's total: not rows written again
+    )
+    progress = RunProgress(local_store, t0=now - 200)
+    assert progress.snapshot()["rollout_rows_per_s"] == round(60 / ROWS_WINDOW_S, 1)
+    # a job younger than the window: rows over the time since it started
+    assert RunProgress(local_store, t0=now - 15).snapshot()["rollout_rows_per_s"] == round(60 / 15, 1)
+
+
+def test_each_step_line_has_its_own_values_and_none_follow_the_finish(
+    local_store: RunStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two steps committed between two reads: two lines, each with its own batch's reward; the "now" values
+    (batch slot, rollout rate) on the newest only. After `finish()` (the learner finished) nothing is printed."""
+    for slot in (1, 2):
+        put_log_entry(local_store, slot)
+    _records(local_store, StepKind.BATCHMAKER, {"slot": 1, "mean_reward": 0.1, "staleness_mean": 0.0},
+             {"slot": 2, "mean_reward": 0.5, "staleness_mean": 1.0})  # fmt: skip
+    _records(local_store, StepKind.LEARNER, {"step": 1, "loss": 0.25}, {"step": 2, "loss": 0.5})
+    caplog.set_level("INFO", logger="pipeline.jobs.runner")
+    progress = JobProgress(local_store, 3, terminal=False)
+    progress.update(force=True)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("learner step")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("learner step 1/3 (") and "reward=0.1 " in lines[0] and "loss=0.25" in lines[0]
+    assert "rollout_rows_per_s" not in lines[0] and "batch_slot" not in lines[0]
+    assert lines[1].startswith("learner step 2/3 (") and "batch_slot=2 reward=0.5 staleness=1.0" in lines[1]
+    assert "rollout_rows_per_s=0.0" in lines[1]
+    progress.update(force=True)  # nothing new: no line
+    progress.finish()
+    _records(local_store, StepKind.LEARNER, {"step": 3, "loss": 0.1})
+    progress.update(force=True)
+    progress.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("learner step")]
+    assert len(lines) == 2, lines
+
+
+def test_summary_names_rewards_the_last_evaluation_and_the_report(local_store: RunStore) -> None:
+    _records(local_store, StepKind.BATCHMAKER, {"slot": 2, "mean_reward": 0.75}, {"slot": 1, "mean_reward": 0.125})
+    _records(local_store, StepKind.EVALUATE,
+             {"policy_step": 0, "lesson_id": "cats", "mean_reward": 0.1, "success_rate": 0.0},
+             {"policy_step": 2, "lesson_id": "cats", "mean_reward": 0.9, "success_rate": 0.5})  # fmt: skip
+    lines = summary_lines(local_store, "runs/my run")
+    assert lines == [
+        "batch reward: 0.125 (slot 1) -> 0.750 (slot 2)",
+        "last evaluation (policy 2): cats reward 0.900 success 0.500",
+        "report: make report RUN='runs/my run'",
+    ]
+
+
+@pytest.mark.slow
+def test_finished_job_ends_with_its_summary_and_no_exit_codes(default_job: FinishedJob) -> None:
+    """The runner's output of a normal end: the producers it stopped read "stopped", not as a crash's exit code;
+    no progress line after "learner finished"; the summary and the report command close it."""
+    err = default_job.proc.stderr
+    assert "exit -15" not in err and "exit 130" not in err and "stopped (exit" not in err
+    assert re.search(r"runner: rollout-worker0 (stopped|finished)$", err, re.M), err[-3000:]
+    after = err[err.index("learner finished") :]
+    assert "runner: learner step" not in after
+    assert "batch reward: " in after and "last evaluation (policy 6): " in after
+    assert f"report: make report RUN={default_job.root}" in after

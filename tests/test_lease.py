@@ -157,3 +157,22 @@ def test_layout_and_validation(local_store: RunStore) -> None:
         Lease(local_store, "bm", "a", ttl_s=0)
     with pytest.raises(LeaseLostError):
         Lease(local_store, "bm", "a", ttl_s=5).renew()
+
+
+def test_acquire_waiting_waits_out_a_dead_holder_and_refuses_a_live_one(lstore: RunStore) -> None:
+    """A holder that stopped renewing (killed) is waited for until its epoch lapses; one that renews is refused."""
+    dead = Lease(lstore, "bm", "dead", ttl_s=0.6)
+    dead.acquire()
+    t0 = time.monotonic()
+    b = Lease(lstore, "bm", "B", ttl_s=0.6)
+    assert b.acquire_waiting(interval_s=0.05) == 2
+    assert 0.2 < time.monotonic() - t0 < 10
+    c = Lease(lstore, "bm", "C", ttl_s=0.6)
+
+    def renew_meanwhile(s: float) -> None:
+        time.sleep(s)
+        b.renew()
+
+    with pytest.raises(LeaseHeldError) as ei:
+        c.acquire_waiting(interval_s=0.05, sleep=renew_meanwhile)
+    assert ei.value.holder == "B"

@@ -154,7 +154,7 @@ def test_no_signal_slot_fills_after_the_stated_number_of_files(run_root: tuple[P
     """A solved task (every group all-equal rewards) fills the slot after `no_signal_fill_after` files."""
     root, store = run_root
     paths = [commit_rollouts(store, 0, i, rows_for(0, f"s{i}", [[1.0, 1.0]], seed=i)) for i in range(5)]
-    r = run_step(root, max_batches=1, **{"train.no_signal_fill_after": 0, "train.max_batch_latency_s": 1})
+    r = run_step(root, **{"train.no_signal_fill_after": 0, "train.max_batch_latency_s": 1})  # plain mode
     assert r.returncode == Exit.TIMEOUT and "have 0 eligible of 4" in r.stderr  # 0: never fill, fail loudly
     assert log_entries(store) == []
     r = run_step(root, max_batches=1, **{"train.no_signal_fill_after": 3})
@@ -173,17 +173,38 @@ def test_pacing_and_wait_timeout_names_what_it_waited_for(run_root: tuple[Path, 
     root, store = run_root
     for i in range(4):
         commit_rollouts(store, 0, i, rows_for(0, f"a{i}", [[0.0, 1.0], [0.0, 1.0]], seed=i))
-    r = run_step(root, max_batches=3, **{"train.max_batch_latency_s": 1})
+    r = run_step(root, **{"train.max_batch_latency_s": 1})  # plain mode (not bounded): a wait fails loudly
     assert r.returncode == Exit.TIMEOUT
     assert "policies/step-00000001/COMMITTED" in r.stderr and "batch slot 2" in r.stderr
     assert [e["slot"] for e in log_entries(store)] == [1]  # T <= learner_step + max_batches_ahead
+
+
+def test_bounded_mode_commits_what_it_can_and_exits_0_saying_why(run_root: tuple[Path, RunStore]) -> None:
+    """A scheduled job: `--max_batches 3` with rollouts for one slot commits it and exits 0 after
+    polling.bounded_wait_s; with too few rollouts for any slot, it commits nothing and exits 0; no traceback either
+    way."""
+    root, store = run_root
+    commit_rollouts(store, 0, 0, rows_for(0, "a0", [[0.0, 1.0]], seed=0))  # 2 of the 4 rows a slot needs
+    t0 = time.monotonic()
+    r = run_step(root, max_batches=3, **{"polling.bounded_wait_s": 1})
+    assert r.returncode == 0, r.stderr
+    assert "bounded mode: nothing more to do: committed 0 of max_batches=3" in r.stderr and "batch slot 1" in r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - t0 < 30
+    assert log_entries(store) == []
+    for i in range(1, 4):
+        commit_rollouts(store, 0, i, rows_for(0, f"a{i}", [[0.0, 1.0], [0.0, 1.0]], seed=i))
+    r = run_step(root, max_batches=3, **{"polling.bounded_wait_s": 1})
+    assert r.returncode == 0, r.stderr
+    assert "committed 1 of max_batches=3" in r.stderr and "policies/step-00000001/COMMITTED" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert [e["slot"] for e in log_entries(store)] == [1]
 
 
 def test_two_processes_one_exits_naming_the_holder(run_root: tuple[Path, RunStore]) -> None:
     root, store = run_root
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(
-        step_args(root, follow=True, holder_id="maker-A", **{"train.max_batch_latency_s": 60}),
+        step_args(root, follow=True, holder_id="maker-A", lease_ttl_s=3, **{"train.max_batch_latency_s": 60}),
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

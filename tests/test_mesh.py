@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jobs import simulated_devices
+from jobs import TEST_XLA_FLAGS, job_config, run_job, simulated_devices
+from makefile import make_env, recipe_command
 
 from pipeline.config import ConfigError, LearnerStepConfig, MeshConfig, ModelSpec, TrainParams, validate_learner
 
@@ -116,6 +117,47 @@ def test_replay_on_the_same_mesh_is_bitwise(runs: dict[str, Path]) -> None:
     """FSDP×4's sharded checkpoint of step 2, resumed on the same mesh with the same batch 3: the same bits."""
     a, b = _params(runs["fsdp4"]), _params(runs["replay4"])
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_make_replay_of_a_multi_device_run_is_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose learner ran on 2 simulated devices (mesh fsdp=-1, so fsdp=2), replayed through `make replay`'s
+    command line from a process started with one device: replay rebuilds the recorded mesh (fsdp=2 over 2 devices)
+    and gives the committed policy bit for bit."""
+    run_root = tmp_path / "run"
+    overrides = {"train.num_train_steps": "3", "evaluator": "false", "num_rollout_workers": "1"}
+    overrides["cadence.checkpoint_interval"] = "1"
+    monkeypatch.setenv("XLA_FLAGS", simulated_devices(2))
+    job = run_job(job_config(tmp_path, str(run_root), None, **overrides))
+    assert job.returncode == 0, job.stderr[-3000:]
+    env = {**make_env(), "XLA_FLAGS": TEST_XLA_FLAGS, "PYTHONPATH": str(ROOT)}
+    cmd = recipe_command("replay", RUN=str(run_root), FROM="2", TO="3", ARGS=f"--scratch {tmp_path / 'scratch'}")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "bitwise equal" in proc.stdout
+    assert "learner mesh: data=1 fsdp=2 model=1 over 2 devices" in proc.stderr
+
+
+def test_replay_names_the_topology_it_needs() -> None:
+    """A multi-process run is refused in one line naming its processes, devices and mesh."""
+    from steps.replay import Topology, use_recorded_devices
+
+    line = use_recorded_devices(Topology(processes=2, devices=4, mesh=MeshConfig()))
+    assert line is not None and "\n" not in line
+    assert line.startswith("this run's learner ran on 2 processes × 2 devices (mesh fsdp=4); replay needs the same")
+
+
+def test_replay_difference_names_an_element() -> None:
+    """The first differing element is named by its index in the tensor, with both values."""
+    import jax.numpy as jnp
+
+    from steps.replay import compare
+
+    a = {"w": jnp.zeros((2, 3), jnp.float32)}
+    b = {"w": jnp.zeros((2, 3), jnp.float32).at[1, 2].set(0.5)}
+    diff = compare(a, b)["['w']"]
+    assert diff.index == (1, 2) and diff.ours == 0.5 and diff.theirs == 0.0
+    assert "first at [1, 2]: run 0.0, replay 0.5" in str(diff)
 
 
 def test_batch_not_divisible_by_data_axis_is_refused() -> None:

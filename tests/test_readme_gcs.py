@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from gcs_emulator import _free_port
 from jobs import check_finished_run, job_config
-from makefile import REPO, make_env, recipe_command, wait_all
+from makefile import REPO, make_env, recipe_command
 from test_job_e2e import check_step_logs
 from test_readme_commands import _Page, docs_text, readme_report_plots
 
@@ -43,6 +43,7 @@ pytestmark = pytest.mark.slow
 
 NUM_STEPS = 2
 STEP_TIMEOUT_S = 600
+MAX_ROUNDS = 6
 README = docs_text()  # README.md and every page under docs/
 GCS_GUIDE = REPO / "docs" / "guides" / "gcs-and-ray.md"
 
@@ -87,11 +88,11 @@ def make_variables(words: list[str], target: str) -> dict[str, str]:
 
 
 def scheduled_block() -> list[list[str]]:
-    """The README's scheduled-jobs block as argv lists, its shell variables (`CFG`, `ROOT`, `N`) left in."""
+    """The docs' scheduled-jobs block as argv lists in its order, its shell variables (`CFG`, `ROOT`, `N`) left in."""
     (block,) = [b for b in BASH_BLOCKS if "steps.run step learn" in b]
     commands = [shlex.split(line, comments=True) for line in block.splitlines()]
     steps = [c for c in commands if c[:4] == ["python", "-m", "steps.run", "step"]]
-    assert [c[4] for c in steps] == ["learn", "batches", "rollout", "evaluate"], steps
+    assert [c[4] for c in steps] == ["learn", "rollout", "batches", "evaluate"], steps
     return steps
 
 
@@ -238,13 +239,16 @@ def test_the_tracker_holds_reward_staleness_loss_and_the_final_evaluation(made_r
 
 
 @pytest.fixture(scope="module")
-def scheduled_run(emulator: Emulator, tmp_path_factory: pytest.TempPathFactory) -> RunStore:
-    """The README's four `steps.run step …` lines with CFG = a short job, ROOT = a gs:// root, N = 1: learn,
-    batches and rollout side by side (as separate scheduled jobs would be), then evaluate."""
+def scheduled_run(emulator: Emulator, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunStore, list[str]]:
+    """The docs' scheduled-jobs block run as a scheduler would: its lines one after another, in their order, round
+    after round, with CFG = a short job (its `polling.bounded_wait_s` short, as a job config may set it), ROOT = a
+    gs:// root, N = 1, until a round starts with the learner finished. Returns the store and each line's last
+    stderr line."""
     tmp = tmp_path_factory.mktemp("readme-gcs-scheduled")
     url = f"gs://{emulator.bucket}/runs/scheduled"
-    config = job_config(tmp, url, **{"train.num_train_steps": str(NUM_STEPS)})
+    config = job_config(tmp, url, **{"train.num_train_steps": str(NUM_STEPS), "polling.bounded_wait_s": "2"})
     values = {"$CFG": str(config), "$ROOT": url, "$N": "1"}
+    store = store_of(emulator, url)
 
     def argv(words: list[str]) -> list[str]:
         out = [sys.executable if w == "python" else w for w in words]
@@ -252,24 +256,26 @@ def scheduled_run(emulator: Emulator, tmp_path_factory: pytest.TempPathFactory) 
             out = [w.replace(var, value) for w in out]
         return out
 
-    *parallel, evaluate = scheduled_block()
-    logs = {c[4]: tmp / f"{c[4]}.log" for c in parallel}
-    procs = {}
-    for words in parallel:
-        with logs[words[4]].open("w") as log:
-            procs[words[4]] = subprocess.Popen(argv(words), cwd=REPO, env=emulator.env, stdout=log,
-                                               stderr=subprocess.STDOUT)  # fmt: skip
-    errors = wait_all(procs, logs, STEP_TIMEOUT_S)
-    assert not errors, errors
-    proc = subprocess.run(argv(evaluate), cwd=REPO, env=emulator.env, capture_output=True, text=True,
-                          timeout=STEP_TIMEOUT_S)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return store_of(emulator, url)
+    last_lines = []
+    for _ in range(MAX_ROUNDS):
+        finished = store.exists(layout.policy_marker(NUM_STEPS))
+        for words in scheduled_block():
+            proc = subprocess.run(argv(words), cwd=REPO, env=emulator.env, capture_output=True, text=True,
+                                  timeout=STEP_TIMEOUT_S)  # fmt: skip
+            assert proc.returncode == 0, (words[4], proc.stderr[-3000:])
+            assert "Traceback" not in proc.stderr, (words[4], proc.stderr[-3000:])
+            last_lines.append(f"{words[4]}: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}")
+        if finished:  # this round started with the learner finished: every line ended on its own
+            return store, last_lines
+    raise AssertionError(f"the run did not finish in {MAX_ROUNDS} rounds: {last_lines}")
 
 
-def test_the_scheduled_steps_make_a_complete_run_and_stop_on_their_own(scheduled_run: RunStore) -> None:
-    check_finished_run(scheduled_run, num_steps=NUM_STEPS, max_lag=1)
-    files = [r for d in scheduled_run.list(layout.ROLLOUTS) for r in scheduled_run.list_committed(d)]
+def test_the_scheduled_steps_make_a_complete_run_and_stop_on_their_own(
+    scheduled_run: tuple[RunStore, list[str]],
+) -> None:
+    store, _ = scheduled_run
+    check_finished_run(store, num_steps=NUM_STEPS, max_lag=1)
+    files = [r for d in store.list(layout.ROLLOUTS) for r in store.list_committed(d)]
     assert files and all("/job1." in f for f in files), files  # --worker_id job$N with N=1
     # evaluate --all true: every committed policy
-    assert all(scheduled_run.exists(layout.eval_summary_file(s, "cats")) for s in range(NUM_STEPS + 1))
+    assert all(store.exists(layout.eval_summary_file(s, "cats")) for s in range(NUM_STEPS + 1))

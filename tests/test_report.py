@@ -290,7 +290,27 @@ def test_default_out_dir_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[s
     page = Path(printed).read_text()
     assert "run.json is not valid JSON" in page
     assert "idle fraction 0.25" in page
-    assert report.default_out_dir("gs://bucket/runs/demo").endswith("report-demo")
+    assert report.default_out_dir("gs://bucket/runs/demo/") == "gs://bucket/runs/demo/report"
+
+
+@pytest.mark.parametrize("backend", ["memory", "gs"])
+def test_report_without_out_is_written_under_a_url_run_root(
+    backend: str, store_factory: Callable[[str], RunStore], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """`make report RUN=gs://…` without `--out` uploads `<run root>/report/` (as the docs say), nothing in the
+    working directory."""
+    store = store_factory(backend)
+    store.put_unique(layout.RUN_CONFIG, b"{}")
+    w = MetricsWriter(store, "learner", "l")
+    w.log({"step": 1, "wait_s": 1.0, "train_s": 3.0})
+    w.flush()
+    monkeypatch.chdir(tmp_path)
+    report.main([store.url, "--store.storage_options", json.dumps(store.storage_options)])
+    assert capsys.readouterr().out.strip() == f"{store.url}/report/index.html"
+    assert "idle fraction 0.25" in store.get("report/index.html").decode()
+    assert store.list("report/plots"), "no plot files under <run root>/report/plots"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_corrupt_eval_summary_is_skipped_with_a_note(tmp_path: Path) -> None:

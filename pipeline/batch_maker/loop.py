@@ -76,6 +76,13 @@ class BatchMakerLoop:
         self._pending: PendingCommit | None = None
         self.after_commit: Callable[[int, BatchResult, dict[str, Any]], None] = lambda slot, batch, log: None
         """Called (main thread) once slot T's log entry exists: curriculum, metrics, progress."""
+        self.signalled: Callable[[], str | None] = lambda: None
+        """The name of a stop signal received (SIGTERM/SIGINT), else None: a stop as clean as control/STOP."""
+        self.bounded = config.max_batches is not None  # a bound wins over a `follow` inherited from the job config
+        """Bounded mode (a scheduled job): every wait ends after `polling.bounded_wait_s`, and the step exits 0 saying
+        what it waited for, instead of failing after train.max_batch_latency_s."""
+        self.wait_s = config.polling.bounded_wait_s if self.bounded else self.train.max_batch_latency_s
+        self.wait_setting = "polling.bounded_wait_s" if self.bounded else LATENCY_SETTING
 
     # --- lease, stop, waits -------------------------------------------------------------------
     def keep_lease(self) -> None:
@@ -85,8 +92,12 @@ class BatchMakerLoop:
             self._last_renew = time.monotonic()
 
     def stop_requested(self) -> bool:
-        """Whether control/STOP exists."""
-        return self.store.exists(layout.STOP_FILE)
+        """Whether a stop signal arrived or control/STOP exists."""
+        return self.signalled() is not None or self.store.exists(layout.STOP_FILE)
+
+    def stop_reason(self) -> str:
+        """What stopped the step: the signal's name, else control/STOP."""
+        return self.signalled() or f"{layout.STOP_FILE} found"
 
     def raise_if_stopped(self) -> None:
         """Raise StopRequested when control/STOP exists (checked by every wait before its deadline)."""
@@ -101,7 +112,8 @@ class BatchMakerLoop:
         """Poll `cond` until true; returns seconds waited.
 
         Raises StopRequested when control/STOP appears, `pipeline.store.poll.WaitTimeout` naming `what()` after
-        train.max_batch_latency_s; the deadline restarts whenever `progress()` changes.
+        train.max_batch_latency_s (bounded mode: `polling.bounded_wait_s`); the deadline restarts whenever `progress()`
+        changes.
         """
 
         def done() -> bool | None:
@@ -112,10 +124,10 @@ class BatchMakerLoop:
 
         _, waited = poll_until(
             done,
-            timeout_s=self.train.max_batch_latency_s,
+            timeout_s=self.wait_s,
             what=what,
             interval_s=self.config.polling.interval_s,
-            setting=LATENCY_SETTING,
+            setting=self.wait_setting,
             on_wait=self._before_sleep,
             progress=progress,
             waker=self.waker,
@@ -230,10 +242,10 @@ class BatchMakerLoop:
 
         _, waited = poll_until(
             one_round,
-            timeout_s=self.train.max_batch_latency_s,
+            timeout_s=self.wait_s,
             what=what,
             interval_s=self.config.polling.interval_s,
-            setting=LATENCY_SETTING,
+            setting=self.wait_setting,
             on_wait=self._before_sleep,
             waker=self.waker,
         )

@@ -38,9 +38,15 @@ class PollingConfig:
 
     interval_s: float = 0.2
     """Seconds between two looks (listings or marker reads) while waiting."""
+    bounded_wait_s: float = 10.0
+    """A bounded step (a scheduled job: `learn --max_steps`, `batches --max_batches`, a rollout worker not
+    following) waits at most this long for work (the next batch slot; the learner or enough rollouts for a slot; a
+    first policy or the end of a pacing pause), then exits 0 with one line saying what is missing; what it
+    committed stands. Steps that follow the run wait by their own timeouts instead."""
 
     def __post_init__(self) -> None:
         require(self.interval_s > 0, "polling.interval_s", self.interval_s, "must be > 0")
+        require(self.bounded_wait_s > 0, "polling.bounded_wait_s", self.bounded_wait_s, "must be > 0")
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,30 @@
 """The job's live progress, read from the run root alone: learner step of N, batch slot, batch reward,
-staleness, and rollout rows per second over the job's wall time.
+staleness, and rollout rows per second over the last `ROWS_WINDOW_S` seconds.
+
+A learner step counts once it is committed (its policy, or its metrics record, is in the run root). Each step's
+reward and staleness are those of its own batch slot's record, shown only once that record is in the run root
+(metrics files are written a few seconds apart, so a value may come a tick late; it is never another slot's). The
+batch slot and the rollout rate are "now" values, shown on the newest step's line.
 
 On a terminal (stderr is a tty) it is one tqdm bar that reaches N when the learner finishes. Otherwise it is
 plain log lines: one at start, one per learner step, and one every `QUIET_LOG_S` seconds while the learner
-has not moved (saying what the job waits for).
+has not moved (saying what the job waits for). Nothing is printed after `finish()` (the learner finished).
+`summary_lines` is the job's closing summary: first and last batch reward, the last evaluation, the report command.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from pipeline.process.step_kind import StepKind
 from pipeline.store import run_state
-from pipeline.telemetry.metrics import MetricsTail
+from pipeline.telemetry.metrics import MetricsTail, read_metrics
 
 logger = logging.getLogger("pipeline.jobs.runner")
 
@@ -24,6 +32,9 @@ REFRESH_S = 1.0
 """How often the run root is read for progress."""
 QUIET_LOG_S = 10.0
 """Without a terminal: how often a line says the job still waits for the next learner step."""
+ROWS_WINDOW_S = 30.0
+"""`rollout_rows_per_s`: rows the rollout workers committed over the last this many seconds (or since the job
+started, when shorter), by each write's commit time."""
 
 
 class RunProgress:
@@ -33,30 +44,95 @@ class RunProgress:
         self._store = store
         self._tail = MetricsTail(store, (StepKind.LEARNER, StepKind.BATCHMAKER, StepKind.ROLLOUT))
         self._t0 = time.time() if t0 is None else t0
-        self._rows = 0
+        self._writes: deque[tuple[float, int]] = deque()
+        """(commit time, rows) of each rollout write since t0 within the window."""
         self._learner_step = 0
+        self._batches: dict[int, dict[str, Any]] = {}
+        self._learner: dict[int, dict[str, Any]] = {}
         self._last_batch: dict[str, Any] = {}
 
-    def snapshot(self) -> dict[str, Any]:
-        """{learner_step, batch_slot, reward?, staleness?, rollout_rows_per_s, elapsed_s} right now."""
+    def _read(self) -> None:
         for rec in self._tail.new_records():
             kind = rec.get("kind")
-            if kind == StepKind.LEARNER:
-                self._learner_step = max(self._learner_step, int(rec.get("step", 0)))
-            elif kind == StepKind.BATCHMAKER:
-                self._last_batch = rec
-            elif kind == StepKind.ROLLOUT and float(rec.get("time", 0.0)) >= self._t0:
-                self._rows += int(rec.get("rows", 0))
+            if kind == StepKind.LEARNER and "step" in rec:
+                step = int(rec["step"])
+                self._learner_step = max(self._learner_step, step)
+                self._learner[step] = rec
+            elif kind == StepKind.BATCHMAKER and "slot" in rec:
+                self._batches[int(rec["slot"])] = rec
+                if int(rec["slot"]) >= int(self._last_batch.get("slot", -1)):
+                    self._last_batch = rec
+            elif kind == StepKind.ROLLOUT and rec.get("event") == "write":
+                at = float(rec.get("rollout_committed_at") or rec.get("time", 0.0))
+                if at >= self._t0:
+                    self._writes.append((at, int(rec.get("rows", 0))))
+
+    def rows_per_s(self, now: float | None = None) -> float:
+        """Rollout rows committed per second over the last ROWS_WINDOW_S seconds (or since t0 when shorter)."""
+        now = time.time() if now is None else now
+        while self._writes and self._writes[0][0] < now - ROWS_WINDOW_S:
+            self._writes.popleft()
+        window = max(min(ROWS_WINDOW_S, now - self._t0), 1e-9)
+        return sum(rows for _, rows in self._writes) / window
+
+    def step_fields(self, step: int) -> dict[str, Any]:
+        """The fields of learner step `step` itself: its batch's reward and staleness, its loss (when known)."""
+        out: dict[str, Any] = {}
+        batch = self._batches.get(step, {})
+        if "mean_reward" in batch:
+            out["reward"] = round(float(batch["mean_reward"]), 3)
+        if "staleness_mean" in batch:
+            out["staleness"] = round(float(batch["staleness_mean"]), 2)
+        if "loss" in self._learner.get(step, {}):
+            out["loss"] = round(float(self._learner[step]["loss"]), 4)
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """{learner_step, batch_slot, reward?, staleness?, rollout_rows_per_s, elapsed_s} right now (reward and
+        staleness: of the newest batch slot whose record is in the run root)."""
+        self._read()
         step = max(self._learner_step, run_state.latest_policy_step(self._store) or 0)
-        elapsed = max(time.time() - self._t0, 1e-9)
+        now = time.time()
+        elapsed = max(now - self._t0, 1e-9)
         info: dict[str, Any] = {"learner_step": step, "batch_slot": run_state.last_committed_slot(self._store)}
         if "mean_reward" in self._last_batch:
             info["reward"] = round(float(self._last_batch["mean_reward"]), 3)
         if "staleness_mean" in self._last_batch:
             info["staleness"] = round(float(self._last_batch["staleness_mean"]), 2)
-        info["rollout_rows_per_s"] = round(self._rows / elapsed, 1)
+        info["rollout_rows_per_s"] = round(self.rows_per_s(now), 1)
         info["elapsed_s"] = round(elapsed, 1)
         return info
+
+
+def summary_lines(store: Any, run_root: str) -> list[str]:
+    """The job's closing summary: the first and last batch reward, the last evaluation (if any), and the
+    `make report` command line that renders the run's report."""
+    batches = sorted(
+        (r for r in read_metrics(store, StepKind.BATCHMAKER) if "slot" in r and "mean_reward" in r),
+        key=lambda r: int(r["slot"]),
+    )
+    lines = []
+    if batches:
+        first, last = batches[0], batches[-1]
+        lines.append(
+            f"batch reward: {float(first['mean_reward']):.3f} (slot {int(first['slot'])}) -> "
+            f"{float(last['mean_reward']):.3f} (slot {int(last['slot'])})"
+        )
+    else:
+        lines.append("batch reward: no batch committed")
+    evals = [r for r in read_metrics(store, StepKind.EVALUATE) if "policy_step" in r and "mean_reward" in r]
+    if evals:
+        step = max(int(r["policy_step"]) for r in evals)
+        parts = [
+            f"{r.get('lesson_id', '?')} reward {float(r['mean_reward']):.3f}"
+            + (f" success {float(r['success_rate']):.3f}" if r.get("success_rate") is not None else "")
+            for r in evals
+            if int(r["policy_step"]) == step and not r.get("external")
+        ]
+        if parts:
+            lines.append(f"last evaluation (policy {step}): " + ", ".join(parts))
+    lines.append(f"report: make report RUN={shlex.quote(run_root)}")
+    return lines
 
 
 class JobProgress:
@@ -79,6 +155,7 @@ class JobProgress:
         self._last_line = time.monotonic()
         self._bar: Any = None
         self._redirect: Any = None
+        self._finished = False
         if self._terminal:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -91,9 +168,10 @@ class JobProgress:
             logger.info("job started: %d learner steps; one progress line per learner step follows", total)
 
     def update(self, *, force: bool = False) -> dict[str, Any] | None:
-        """Read the run root (at most every REFRESH_S unless `force`) and show what changed."""
+        """Read the run root (at most every REFRESH_S unless `force`) and show what changed (nothing once
+        `finish()` was called)."""
         now = time.monotonic()
-        if not force and now - self._last_read < REFRESH_S:
+        if self._finished or (not force and now - self._last_read < REFRESH_S):
             return None
         self._last_read = now
         info = self._run.snapshot()
@@ -103,9 +181,14 @@ class JobProgress:
             self._bar.n = step
             self._bar.set_postfix(shown, refresh=True)
         elif step > self._shown_step and step > 0:
-            fields = " ".join(f"{k}={v}" for k, v in shown.items())
-            for s in range(max(self._shown_step + 1, 1), step + 1):  # one line per step, even if several passed
-                logger.info("learner step %d/%d (%.0fs) %s", s, self._total, info["elapsed_s"], fields)
+            # one line per committed step, each with its own batch's values; "now" values on the newest only
+            for s in range(max(self._shown_step + 1, 1), step + 1):
+                fields = self._run.step_fields(s)
+                if s == step:
+                    fields = {"batch_slot": info["batch_slot"], **fields}
+                    fields["rollout_rows_per_s"] = info["rollout_rows_per_s"]
+                text = " ".join(f"{k}={v}" for k, v in fields.items())
+                logger.info("learner step %d/%d (%.0fs) %s", s, self._total, info["elapsed_s"], text)
             self._last_line = now
         elif now - self._last_line >= QUIET_LOG_S:
             logger.info(
@@ -121,6 +204,11 @@ class JobProgress:
         if self._callback:
             self._callback(info)
         return info
+
+    def finish(self) -> None:
+        """The learner finished: show its last steps now, and nothing after."""
+        self.update(force=True)
+        self._finished = True
 
     def close(self) -> None:
         """Show the final state (the bar reaches the last step the learner committed) and release the terminal."""

@@ -69,6 +69,7 @@ class JobRunner:
         self.store = RunStore(self.cfg.store.run_root, self.cfg.store.storage_options)
         self._stopping = False
         self._on_progress = on_progress
+        self._progress: JobProgress | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="rlpipe-job-")
         self.log_dir = location(self.store, layout.LOGS)
         self.logs: dict[str, LogTarget] = {}
@@ -164,7 +165,7 @@ class JobRunner:
         often; Exit.INTERRUPTED)."""
         for spec in self.steps:
             self._start(spec)
-        progress = JobProgress(self.store, self.cfg.train.num_train_steps, self._on_progress)
+        progress = self._progress = JobProgress(self.store, self.cfg.train.num_train_steps, self._on_progress)
         gc = _Collections(self.store, self.cfg.retention)
         learner = self.steps[0]
         drain_deadline: float | None = None
@@ -210,9 +211,11 @@ class JobRunner:
         if rc == Exit.OK or self._stopping or spec.terminated:
             spec.finished = True
             if rc == Exit.OK:
+                if spec.kind == StepKind.LEARNER and self._progress is not None:
+                    self._progress.finish()  # its last steps first; no progress line after "learner finished"
                 logger.info("%s finished", spec.name)
-            elif self._stopping or spec.terminated:
-                logger.info("%s stopped (exit %d)", spec.name, rc)
+            elif self._stopping or spec.terminated:  # stopped by the runner or the user: not a crash
+                logger.info("%s stopped", spec.name)
             else:
                 logger.info("%s exited with %d", spec.name, rc)
             return True

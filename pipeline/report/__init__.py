@@ -16,8 +16,8 @@ Reads (all relative to the run root, any fsspec URL: local path, file://, gs://,
 
 Writes `<out>/index.html` with every plot embedded as a base64 PNG (the page alone is the whole
 report), and the same PNGs as `<out>/plots/<name>.png` for use elsewhere. The default `<out>` is
-`<run_root>/report` for a local run root and `./report-<run name>` for a remote one (a reader of a
-gs:// run needs no write access to it).
+`<run_root>/report`, on a local run root and a remote one alike (uploaded there with the run root's storage
+options; `--out` writes elsewhere, e.g. a local folder when the reader of a gs:// run may not write to it).
 
 Sections, in page order (`SECTION_TITLES`): the curves first — reward per lesson, evaluation, the learner
 (one plot per term of its metrics record: loss, KL, entropy, clip fraction, ratio, grad norm, mismatch KL,

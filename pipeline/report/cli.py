@@ -18,7 +18,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """CLI: `python -m pipeline.report RUN_ROOT [--out DIR]`; prints the path of index.html."""
     parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=DESCRIPTION)
     parser.add_argument("run_root", help="run root: local folder or fsspec URL (gs://bucket/run)")
-    parser.add_argument("--out", default=None, help="output folder (default: <run_root>/report if local)")
+    parser.add_argument(
+        "--out", default=None, help="output folder or URL (default: <run_root>/report, also on a remote run root)"
+    )
     parser.add_argument(
         "--store.storage_options", dest="storage_options", help='fsspec options (JSON: \'{"token": "anon"}\')'
     )

@@ -80,11 +80,10 @@ def render_html(data: RunData, sections: Sequence[Section]) -> str:
 
 
 def default_out_dir(run_root: str) -> str:
-    """`<run_root>/report` for a local run root; `./report-<run name>` for a remote one."""
+    """`<run_root>/report`: a folder of a local run root, or the same prefix of a remote one (uploaded there)."""
     if is_local(run_root):
         return os.path.join(local_path(run_root), "report")
-    name = run_root.rstrip("/").rsplit("/", 1)[-1] or "run"
-    return os.path.join(os.getcwd(), f"report-{name}")
+    return f"{run_root.rstrip('/')}/report"
 
 
 def build_report(run_root: str, out_dir: str | None = None, storage_options: dict[str, Any] | None = None) -> str:
@@ -92,13 +91,14 @@ def build_report(run_root: str, out_dir: str | None = None, storage_options: dic
 
     Reads only the run root (local path or fsspec URL, with `storage_options` for its file
     system). `out_dir` may be local or an fsspec URL (opened with default options); its default is
-    `default_out_dir(run_root)`. Sections without data say so; this never raises for missing data.
+    `default_out_dir(run_root)`, `<run_root>/report`, opened with the run root's `storage_options`. Sections
+    without data say so; this never raises for missing data.
     """
     data = load_run(run_root, storage_options)
     sections = _build_sections(data)
     page = render_html(data, sections)
     out = out_dir or default_out_dir(run_root)
-    out_store = RunStore(out)  # atomic writes, local or remote
+    out_store = RunStore(out, None if out_dir else storage_options)  # atomic writes, local or remote
     for sec in sections:
         for plot in sec.plots:
             out_store.put_unique(f"plots/{plot.name}.png", plot.png)

@@ -97,6 +97,8 @@ class RolloutWorker:
         self._stall_grace_s = stall_grace_s if stall_grace_s is not None else max(2.0, 25 * config.polling.interval_s)
         self._weight_load_s = 0.0
         self._pause_s = 0.0
+        self._paused_since: float | None = None
+        """When the current run of pacing pauses began (None: producing)."""
         self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
         self._noticed_at: dict[int, float] = {}
         """policy step -> unix time this worker first saw it committed (recorded in its ready markers)."""
@@ -149,7 +151,7 @@ class RolloutWorker:
             self.stop(f"max_seconds={c.max_seconds} reached")
         elif not c.follow and c.max_rollouts is None and c.max_seconds is None and self.summary.files:
             self.stop("one write done (not follow mode and no bounds)")
-        elif c.follow and (self._latest_policy() or -1) >= c.train.num_train_steps:
+        elif (self._latest_policy() or -1) >= c.train.num_train_steps:
             self.stop(f"learner finished (policy {c.train.num_train_steps} published)")
         return self._stop.is_set()
 
@@ -176,12 +178,19 @@ class RolloutWorker:
             if self._stop.is_set():
                 raise WaitTimeout("stopped while waiting for the first policy")
 
+        c = self.config  # not follow mode (a scheduled job): a short wait (see `run`)
+        wait_s, setting = (
+            (c.wait_for_policy_timeout_s, "wait_for_policy_timeout_s")
+            if c.follow or c.wait_for_policy_timeout_s <= c.polling.bounded_wait_s
+            else (c.polling.bounded_wait_s, "polling.bounded_wait_s")
+        )
+
         step, _ = poll_until(
             self._latest_policy,
-            timeout_s=self.config.wait_for_policy_timeout_s,
+            timeout_s=wait_s,
             what=f"{self.store.full_path(layout.policy_marker(0))} (or any policies/step-*/COMMITTED)",
             interval_s=self.config.polling.interval_s,
-            setting="wait_for_policy_timeout_s",
+            setting=setting,
             on_wait=check_stop,
             waker=self._waker,
         )
@@ -329,7 +338,12 @@ class RolloutWorker:
     def run(self) -> WorkerSummary:
         """Run the phases of the program (`steps/rollout.py`) until stopped; returns what was done."""
         started = time.monotonic()
-        self.start()
+        try:
+            self.start()
+        except WaitTimeout as e:
+            if self.config.follow or self._stop.is_set():
+                raise
+            self.stop(f"nothing to do: no committed policy yet ({e})")  # not follow mode: exit 0 saying why
         self._progress = (self._last_batch_slot(), self._latest_policy(), time.monotonic())
         writes = 0
         try:
@@ -376,8 +390,15 @@ class RolloutWorker:
             self._progress = (*state, time.monotonic())
         if decision.produce:
             self._backoff.reset()
+            self._paused_since = None
             return False
         stalled = time.monotonic() - self._progress[2]
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
+        paused = time.monotonic() - self._paused_since
+        if not self.config.follow and paused >= self.config.polling.bounded_wait_s:  # scheduled: nothing to do now
+            self.stop(f"nothing more to do: paused by pacing for {paused:.0f}s ({decision.reason})")
+            return True
         if not (decision.reason.startswith("ahead") and stalled >= self._stall_grace_s):
             logger.debug("pausing: %s", decision.reason)
             t0 = time.monotonic()

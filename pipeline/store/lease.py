@@ -193,6 +193,39 @@ class Lease:
             logger.info("lease %s: %s holds epoch %d", self.name, self.holder, epoch)
         return epoch
 
+    def acquire_waiting(
+        self, *, take_over_own: bool = False, interval_s: float = 0.5, sleep: Callable[[float], None] = time.sleep
+    ) -> int:
+        """acquire(), but a lease whose holder has stopped renewing (a killed process) is waited for until it
+        lapses (at most its ttl_s), with one log line saying so, instead of raising at once.
+
+        A live holder renews every ttl_s / 3 or so: as soon as the held epoch shows newer activity (or another
+        instance claims a newer epoch), LeaseHeldError is raised naming it, as acquire() would. Waiting never
+        weakens exclusivity: every claim is still create-if-absent.
+        """
+        try:
+            return self.acquire(take_over_own=take_over_own)
+        except LeaseHeldError as held:
+            first = self._latest()
+            if first is None or first.epoch != held.epoch:
+                return self.acquire(take_over_own=take_over_own)
+            logger.warning(
+                "lease %s: epoch %d is held by %r for another %.1fs (a stopped or killed holder does not renew it); "
+                "waiting up to that long for it to lapse",
+                self.name, held.epoch, held.holder, held.expires_in,
+            )  # fmt: skip
+        while True:
+            sleep(max(0.01, min(interval_s, first.last_activity + first.ttl_s - self._clock())))
+            state = self._latest()
+            if state is not None and state.epoch == first.epoch and not state.released:
+                if state.last_activity > first.last_activity:  # renewed: a live holder
+                    raise LeaseHeldError(
+                        state.holder, state.last_activity + state.ttl_s - self._clock(), self.name, state.epoch
+                    )
+                if self._clock() < state.last_activity + state.ttl_s:
+                    continue
+            return self.acquire(take_over_own=take_over_own)
+
     def renew(self) -> None:
         """Extend the lease by ttl_s from now. Raises LeaseLostError if it expired or was taken over."""
         if self.epoch == 0:

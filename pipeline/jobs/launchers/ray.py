@@ -228,6 +228,10 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
     # Every line of every step reaches the driver: Ray's default folds lines that differ only in numbers ("trained
     # slot 3" after "trained slot 2") into "[repeated Nx]". Read when ray is first imported; the environment wins.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray wraps each forwarded line in ANSI colour codes unless RAY_COLOR_PREFIX=0 (read as each line is
+    # printed, to the driver's stdout or stderr): into a file or a pipe they are noise. The environment wins.
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     import ray
 
     if not ray.is_initialized():
