@@ -208,6 +208,13 @@ class JobRunner:
                 del self._outage[spec.name]
             return True
         spec.exit_codes.append(rc)
+        # a refused config (drift, bad value) fails the same way on every restart: never restarted, and a failure
+        # even when the runner has asked the step to stop since (it was refused before it could stop cleanly)
+        if rc == Exit.CONFIG and not self._stopping:
+            reason = self.config_reason(spec.name)
+            logger.error("%s refused its configuration (exit %d, not restarted): %s; stopping the job; see %s",
+                         spec.name, rc, reason or "no reason in its log", self.log_location(spec.name))  # fmt: skip
+            return False
         if rc == Exit.OK or self._stopping or spec.terminated:
             spec.finished = True
             if rc == Exit.OK:
@@ -221,11 +228,6 @@ class JobRunner:
             return True
         if rc == Exit.STORAGE_UNAVAILABLE:
             return self._restart_after_outage(spec, now)
-        if rc == Exit.CONFIG:  # a refused config (drift, bad value) fails the same way on every restart
-            reason = self.config_reason(spec.name)
-            logger.error("%s refused its configuration (exit %d, not restarted): %s; stopping the job; see %s",
-                         spec.name, rc, reason or "no reason in its log", self.log_location(spec.name))  # fmt: skip
-            return False
         spec.restarts += 1
         if spec.restarts > self.cfg.max_restarts:
             logger.error(

@@ -511,6 +511,8 @@ class RolloutWorker:
                 },
             )
         )
+        if len(self.summary.files) == 1:  # the first write is visible at once (throughput in a short job's tracker)
+            self.metrics.flush()
         self._weight_load_s = 0.0
         self._pause_s = 0.0
         logger.info(
