@@ -38,6 +38,7 @@ from pipeline.environments.base import (
     check_mode,
 )
 from pipeline.environments.loading import import_object
+from pipeline.store.urls import is_local, local_path
 
 Verifier = Callable[[str, str], "float | bool"]
 
@@ -124,17 +125,9 @@ def read_rows(
     return _parse_jsonl(data, path)
 
 
-def _is_local(path: str) -> bool:
-    return "://" not in path or path.startswith(("file://", "local://"))
-
-
-def _local_problem(path: str, fmt: str, required: list[str]) -> str | None:
-    """Why the local data file `path` cannot be used (None: it can): missing, a folder, unreadable, bad rows."""
-    local = path.split("://", 1)[1] if "://" in path else path
-    if not os.path.exists(local):
-        return "no such file"
-    if os.path.isdir(local):
-        return "is a folder, not a data file (name the .jsonl / .parquet file inside it)"
+def _local_problem(path: str, local: str, fmt: str, required: list[str]) -> str | None:
+    """Why the local data file `path` (on disk at `local`, which exists and is a file) cannot be used (None: it
+    can): unreadable, no rows, bad rows."""
     try:
         if fmt == "parquet":
             try:
@@ -200,19 +193,17 @@ def check_data_file(
     timeout_s: float = CHECK_TIMEOUT_S,
 ) -> str | None:
     """Why the data file `path` cannot be used (a short reason), or None: the checks of the module docstring."""
-    if _is_local(path):
-        local = path.split("://", 1)[1] if "://" in path else path
-        if not os.path.exists(local):
-            return "no such file"
-        if os.path.isdir(local):
-            return "is a folder, not a data file (name the .jsonl / .parquet file inside it)"
+    local = local_path(path) if is_local(path) else None
+    if local is not None and not os.path.exists(local):
+        return "no such file"
+    if local is not None and os.path.isdir(local):
+        return "is a folder, not a data file (name the .jsonl / .parquet file inside it)"
     problem = _format_problem(path, file_format)
     if problem is not None:
         return problem
-    fmt = data_format(path, file_format) or "jsonl"
-    if _is_local(path):
-        return _local_problem(path, fmt, list(required or []))
-    return _remote_problem(path, storage_options, timeout_s)
+    if local is None:
+        return _remote_problem(path, storage_options, timeout_s)
+    return _local_problem(path, local, data_format(path, file_format) or "jsonl", list(required or []))
 
 
 class ExactAnswerEnv(SingleTurnEnvironment):
