@@ -48,7 +48,10 @@ def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("readme")
     root = tmp / "run"
     # kl_coef > 0: the learner logs KL, so every learner plot the README names is drawn
-    config = job_config(tmp, str(root), **{"train.num_train_steps": str(NUM_STEPS), "loss.kl_coef": "0.01"})
+    # the bounded steps run side by side: each may wait for the others' work (polling.bounded_wait_s) as long as a
+    # loaded CI machine needs, rather than the scheduled-job default of 10 s
+    overrides = {"train.num_train_steps": str(NUM_STEPS), "loss.kl_coef": "0.01", "polling.bounded_wait_s": "600"}
+    config = job_config(tmp, str(root), **overrides)
     common = {"CONFIG": str(config), "RUN": str(root)}
     args = {
         "rollout": "--worker_id w7 --max_rollouts 1024 --follow true",
