@@ -238,6 +238,7 @@ class RolloutWorker:
             self._weight_load_s += time.monotonic() - t0
         old, self._current_step = self._current_step, latest
         self.metrics.log({"event": "weights", "from_step": old, "policy_step": latest})
+        self.metrics.flush()  # once per policy: the previous policy's writes reach trackers by the next learner step
         return True
 
     @property
@@ -511,8 +512,6 @@ class RolloutWorker:
                 },
             )
         )
-        if len(self.summary.files) == 1:  # the first write is visible at once (throughput in a short job's tracker)
-            self.metrics.flush()
         self._weight_load_s = 0.0
         self._pause_s = 0.0
         logger.info(
