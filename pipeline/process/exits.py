@@ -8,6 +8,7 @@ non-zero is restarted with backoff up to `max_restarts` times.
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 
 
 class Exit(enum.IntEnum):
@@ -29,7 +30,54 @@ class Exit(enum.IntEnum):
     """The process lost the lease it held (another holder took it over)."""
     LEASE_HELD = 6
     """Another live process holds the lease this one needs (a second BatchMaker on the same run root)."""
+    DAMAGED_INPUT = 7
+    """A committed object failed verification on read (its bytes differ from its commit record, a record is cut or
+    of an unknown version) and no documented recovery rule applies: the message names the file and what differs.
+    Fails the same way on every restart, so it is never restarted."""
+    STORAGE_FAULT = 8
+    """The run root's storage refused a write or a read for a reason a restart cannot fix: no space left
+    (ENOSPC), read-only (EROFS), a path that should be a folder is a file. The message names the path (and the free
+    space); never restarted: the same command completes the run once the cause is fixed."""
+    NO_PROGRESS = 9
+    """The step cannot make progress on its input as configured (every generation of a rollout worker fails the
+    same way): the message names the cause. Never restarted."""
     STORAGE_UNAVAILABLE = 75
     """The run root's storage could not be reached (EX_TEMPFAIL): restarted with backoff for a bounded outage."""
     INTERRUPTED = 130
     """Stopped by the user (a second SIGINT/SIGTERM, or the job runner's Ctrl-C): 128 + SIGINT."""
+
+
+NEVER_RESTARTED: frozenset[int] = frozenset({Exit.CONFIG, Exit.DAMAGED_INPUT, Exit.STORAGE_FAULT, Exit.NO_PROGRESS})
+"""Exit codes the job runner never restarts: the same start would fail the same way; the job stops with the
+step's one-line reason."""
+
+
+class ExpectedFailure(Exception):
+    """An expected failure of a step: every entry point ends it with one line (`str(error)`, which names the object
+    or field) and `exit_code`, never a traceback. Subclasses set `exit_code`; raising one from deep inside a step
+    (or chaining one as the cause of another error) is how a step reports such a failure."""
+
+    exit_code: ClassVar[Exit] = Exit.FAILED
+
+
+class DamagedInputError(ExpectedFailure):
+    """A committed object failed verification on read and cannot be recovered by a documented rule."""
+
+    exit_code = Exit.DAMAGED_INPUT
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class StorageFaultError(ExpectedFailure):
+    """The run root's storage refused an operation for a reason a restart cannot fix (no space, read-only)."""
+
+    exit_code = Exit.STORAGE_FAULT
+
+
+class NoProgressError(ExpectedFailure):
+    """A step cannot make progress on its input as configured."""
+
+    exit_code = Exit.NO_PROGRESS
