@@ -75,6 +75,9 @@ class TableSpec(Generic[R]):
         """An Arrow table (same columns) back to row objects."""
         table = self.conform(table, path="<table>")
         cols = {name: table.column(name).to_pylist() for name in self.schema.names}
+        for f in self.schema:
+            if pa.types.is_map(f.type):  # Arrow gives a map's entries as (key, value) pairs
+                cols[f.name] = [None if v is None else dict(v) for v in cols[f.name]]
         n = table.num_rows
         return [self.row_type(**{k: cols[k][i] for k in cols}) for i in range(n)]
 

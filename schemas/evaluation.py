@@ -7,7 +7,7 @@ import dataclasses
 import pyarrow as pa
 
 from schemas.base import TableSpec, ValidationError, check_finite, check_nonempty
-from schemas.rollout import ROLLOUT_ARROW, RolloutRow, add_sampling_columns, validate_rollout
+from schemas.rollout import ROLLOUT_ARROW, RolloutRow, add_text_columns, upgrade_from_v1, validate_rollout
 
 
 @dataclasses.dataclass
@@ -29,13 +29,14 @@ def validate_eval_row(row: EvalRow) -> None:
 
 EVAL_ROW: TableSpec[EvalRow] = TableSpec(
     name="eval_rollout",
-    version=2,
+    version=3,
     schema=EVAL_ARROW,
     row_type=EvalRow,
     validate_row=validate_eval_row,
-    upgrades={1: add_sampling_columns},
+    upgrades={1: upgrade_from_v1, 2: add_text_columns},
 )
-"""Version 2 added top_p, top_k and min_p (as `schemas.ROLLOUT`); version-1 files are read with those controls off."""
+"""Versions 2 and 3 added the columns `schemas.ROLLOUT` versions 2 and 3 added; older files are read with them
+off or empty."""
 
 
 @dataclasses.dataclass

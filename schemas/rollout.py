@@ -31,6 +31,16 @@ class RolloutRow:
     group_key: rows with the same key were sampled from the same prompt for RLOO/GRPO.
     policy_step: the policy checkpoint step that generated the response.
     temperature, top_p, top_k, min_p: the sampling controls of the request (top_p 1, top_k 0, min_p 0: off).
+    response_text: the response as the environment saw it (decoded once by the worker; never re-tokenised).
+    extracted_answer: the answer the environment's scorer extracted from the response (None: none was found or
+        the environment does not extract one).
+    ground_truth: the reference answer the response was scored against ("" when the task has none).
+    reward_components: each reward function's own value (name -> value) for environments that combine several
+        (a rubric's functions, a judge); `episode_reward` is their combination. Empty for a single-reward lesson.
+    episode_id: the episode this row belongs to: an episode whose later prompt does not extend its transcript
+        (a multi-turn agent that rewrote its history) is written as several rows, one per segment, sharing it.
+        "" means the row is a whole episode (its rollout_id names it).
+    segment_index: this row's position among its episode's segments (0 for a whole episode).
     """
 
     rollout_id: str
@@ -53,6 +63,12 @@ class RolloutRow:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    response_text: str = ""
+    extracted_answer: str | None = None
+    ground_truth: str = ""
+    reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
+    episode_id: str = ""
+    segment_index: int = 0
 
 
 ROLLOUT_ARROW = pa.schema(
@@ -77,6 +93,12 @@ ROLLOUT_ARROW = pa.schema(
         pa.field("top_p", pa.float32(), nullable=False),
         pa.field("top_k", pa.int32(), nullable=False),
         pa.field("min_p", pa.float32(), nullable=False),
+        pa.field("response_text", pa.string(), nullable=False),
+        pa.field("extracted_answer", pa.string(), nullable=True),
+        pa.field("ground_truth", pa.string(), nullable=False),
+        pa.field("reward_components", pa.map_(pa.string(), pa.float64()), nullable=False),
+        pa.field("episode_id", pa.string(), nullable=False),
+        pa.field("segment_index", pa.int32(), nullable=False),
     ]
 )
 
@@ -84,12 +106,37 @@ SAMPLING_COLUMNS_V2 = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
 """Columns version 2 added, with the value a version-1 file (which did not record them) is read with."""
 
 
-def add_sampling_columns(table: pa.Table) -> pa.Table:
-    """A version-1 rollout (or eval) table with the version-2 sampling columns at their "off" values."""
-    for name, value in SAMPLING_COLUMNS_V2:
+TEXT_COLUMNS_V3: tuple[tuple[str, object], ...] = (
+    ("response_text", ""),
+    ("extracted_answer", None),
+    ("ground_truth", ""),
+    ("reward_components", []),
+    ("episode_id", ""),
+    ("segment_index", 0),
+)
+"""Columns version 3 added, with the value an older file (which did not record them) is read with."""
+
+
+def _add_columns(table: pa.Table, columns: tuple[tuple[str, object], ...]) -> pa.Table:
+    for name, value in columns:
         if name not in table.column_names:
             table = table.append_column(name, pa.array([value] * table.num_rows, ROLLOUT_ARROW.field(name).type))
     return table
+
+
+def add_sampling_columns(table: pa.Table) -> pa.Table:
+    """A version-1 rollout (or eval) table with the version-2 sampling columns at their "off" values."""
+    return _add_columns(table, SAMPLING_COLUMNS_V2)
+
+
+def add_text_columns(table: pa.Table) -> pa.Table:
+    """A version-2 rollout (or eval) table with the version-3 columns at their "not recorded" values."""
+    return _add_columns(table, TEXT_COLUMNS_V3)
+
+
+def upgrade_from_v1(table: pa.Table) -> pa.Table:
+    """A version-1 rollout (or eval) table with every column added since."""
+    return add_text_columns(add_sampling_columns(table))
 
 
 def validate_rollout(row: RolloutRow) -> None:
@@ -118,17 +165,24 @@ def validate_rollout(row: RolloutRow) -> None:
         raise ValidationError(f"min_p must be in [0, 1], got {row.min_p}")
     if row.policy_step < 0:
         raise ValidationError(f"policy_step must be >= 0, got {row.policy_step}")
+    for name, value in row.reward_components.items():
+        check_nonempty("reward_components key", name)
+        check_finite(f"reward_components[{name!r}]", value)
+    if row.segment_index < 0:
+        raise ValidationError(f"segment_index must be >= 0, got {row.segment_index}")
 
 
 ROLLOUT: TableSpec[RolloutRow] = TableSpec(
     name="rollout",
-    version=2,
+    version=3,
     schema=ROLLOUT_ARROW,
     row_type=RolloutRow,
     validate_row=validate_rollout,
-    upgrades={1: add_sampling_columns},
+    upgrades={1: upgrade_from_v1, 2: add_text_columns},
 )
-"""Version 2 added top_p, top_k and min_p; version-1 files are read with those controls off."""
+"""Version 2 added top_p, top_k and min_p (version-1 files are read with those controls off); version 3 added
+response_text, extracted_answer, ground_truth, reward_components, episode_id and segment_index (older files are
+read with them empty)."""
 
 
 def validate_group(rows: list[RolloutRow]) -> None:

@@ -90,7 +90,7 @@ def test_rollout_round_trip_is_lossless() -> None:
     assert type(back[0].timestamp) is float and back[0].timestamp == 1_732_000_000.123456  # float64 kept
     assert table.schema.field("timestamp").type == pa.float64()
     assert table.schema.metadata[SCHEMA_NAME_KEY] == b"rollout"
-    assert table.schema.metadata[SCHEMA_VERSION_KEY] == b"2"
+    assert table.schema.metadata[SCHEMA_VERSION_KEY] == str(ROLLOUT.version).encode()
 
 
 def test_batch_eval_and_summary_round_trips() -> None:
@@ -165,8 +165,12 @@ def test_eval_summary_rates_checked() -> None:
 def test_check_metadata_and_conform() -> None:
     table = ROLLOUT.to_table([rollout()])
     ROLLOUT.check_metadata(table.schema.metadata, "f.parquet")
-    with pytest.raises(SchemaMismatchError, match=re.escape("f.parquet: expected schema rollout@v3, found rollout@v2")):
-        dataclasses.replace(ROLLOUT, version=3).check_metadata(table.schema.metadata, "f.parquet")
+    newer = ROLLOUT.version + 1
+    with pytest.raises(
+        SchemaMismatchError,
+        match=re.escape(f"f.parquet: expected schema rollout@v{newer}, found rollout@v{ROLLOUT.version}"),
+    ):
+        dataclasses.replace(ROLLOUT, version=newer).check_metadata(table.schema.metadata, "f.parquet")
     with pytest.raises(SchemaMismatchError, match="found <none>@v<none>"):
         ROLLOUT.check_metadata(None, "f.parquet")
     with pytest.raises(SchemaMismatchError, match="without columns \\['worker_id'\\]"):
@@ -180,37 +184,74 @@ def test_check_metadata_and_conform() -> None:
 
 
 def test_version_1_rollout_files_stay_readable(tmp_path) -> None:
-    """A committed rollout file of version 1 (no top_p/top_k/min_p columns) reads as version 2 with the controls off;
-    the same for eval rows; a version the spec cannot upgrade is still refused."""
+    """A committed rollout file of version 1 (no top_p/top_k/min_p columns, none of version 3's) reads as the current
+    version with the controls off and the text columns empty; the same for eval rows; a version 2 file (no text
+    columns) reads with them empty; a version the spec cannot upgrade is still refused."""
     from pipeline.store.storage import RunStore
+    from schemas.rollout import TEXT_COLUMNS_V3
 
     store = RunStore(str(tmp_path))
-    v1_cols = [n for n in ROLLOUT.schema.names if n not in ("top_p", "top_k", "min_p")]
+    v3_names = [n for n, _ in TEXT_COLUMNS_V3]
+    v2_cols = [n for n in ROLLOUT.schema.names if n not in v3_names]
+    v2 = dataclasses.replace(ROLLOUT, version=2, schema=pa.schema([ROLLOUT.schema.field(n) for n in v2_cols]))
+    v2_row = rollout(top_k=7)
+    store.commit_data(
+        "rollouts/v2.parquet", ROLLOUT.to_table([v2_row]).select(v2_cols).replace_schema_metadata(v2.metadata), v2
+    )
+    v2_read = store.read_committed("rollouts/v2.parquet", ROLLOUT)
+    assert v2_read is not None
+    [v2_back] = ROLLOUT.from_table(v2_read)
+    assert v2_back == v2_row and v2_back.top_k == 7 and v2_back.reward_components == {}
+    assert v2_back.extracted_answer is None and v2_back.response_text == ""
+    v1_cols = [n for n in v2_cols if n not in ("top_p", "top_k", "min_p")]
     v1 = dataclasses.replace(ROLLOUT, version=1, schema=pa.schema([ROLLOUT.schema.field(n) for n in v1_cols]))
     new = rollout(top_p=0.9, top_k=5, min_p=0.05)
     old_table = ROLLOUT.to_table([rollout(), new]).select(v1_cols).replace_schema_metadata(v1.metadata)
     store.commit_data("rollouts/old.parquet", old_table, v1)
     store.commit_data("rollouts/new.parquet", ROLLOUT.to_table([new]), ROLLOUT)
     old = store.read_committed("rollouts/old.parquet", ROLLOUT)
-    assert old is not None and old.schema.metadata[SCHEMA_VERSION_KEY] == b"2"
+    assert old is not None and old.schema.metadata[SCHEMA_VERSION_KEY] == str(ROLLOUT.version).encode()
     assert ROLLOUT.from_table(old) == [rollout(), rollout()]  # v1 did not record the controls: read as off
     read_new = store.read_committed("rollouts/new.parquet", ROLLOUT)
     assert read_new is not None
     [back] = ROLLOUT.from_table(read_new)
     assert (back.top_p, back.top_k, back.min_p) == (pytest.approx(0.9), 5, pytest.approx(0.05))
-    ev_cols = [n for n in EVAL_ROW.schema.names if n not in ("top_p", "top_k", "min_p")]
+    ev_cols = [n for n in EVAL_ROW.schema.names if n not in ("top_p", "top_k", "min_p", *v3_names)]
     ev1 = dataclasses.replace(EVAL_ROW, version=1, schema=pa.schema([EVAL_ROW.schema.field(n) for n in ev_cols]))
     ev_table = EVAL_ROW.to_table([EvalRow(**dataclasses.asdict(rollout()), eval_type="eval")]).select(ev_cols)
     store.commit_data("evals/old.parquet", ev_table.replace_schema_metadata(ev1.metadata), ev1)
     ev = store.read_committed("evals/old.parquet", EVAL_ROW)
     assert ev is not None and EVAL_ROW.from_table(ev)[0].top_k == 0
-    with pytest.raises(SchemaMismatchError, match="found rollout@v3"):
-        dataclasses.replace(ROLLOUT, version=4, upgrades={2: lambda t: t}).check_metadata(
-            dataclasses.replace(ROLLOUT, version=3).metadata, "f.parquet"
+    with pytest.raises(SchemaMismatchError, match=f"found rollout@v{ROLLOUT.version + 1}"):
+        dataclasses.replace(ROLLOUT, version=ROLLOUT.version + 2, upgrades={2: lambda t: t}).check_metadata(
+            dataclasses.replace(ROLLOUT, version=ROLLOUT.version + 1).metadata, "f.parquet"
         )
 
 
 def test_sampling_controls_are_validated() -> None:
     for change, fragment in (({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"), ({"min_p": 1.5}, "min_p")):
+        with pytest.raises(ValidationError, match=fragment):
+            ROLLOUT.to_table([rollout(**change)])
+
+
+def test_version_3_columns_round_trip_and_are_validated() -> None:
+    """Response text, the extracted answer (or none), the ground truth, each reward function's value and the
+    episode segment survive a write and read exactly; a non-finite component or a negative segment is refused."""
+    row = rollout(
+        response_text="the answer is <answer>3</answer>",
+        extracted_answer="3",
+        ground_truth="3",
+        reward_components={"exact": 1.0, "format": 0.25},
+        episode_id="w0-1-0",
+        segment_index=1,
+    )
+    none_row = rollout(rollout_id="w0-1-1", extracted_answer=None)
+    back = ROLLOUT.from_table(ROLLOUT.to_table([row, none_row]))
+    assert back == [row, none_row]
+    assert back[0].reward_components == {"exact": 1.0, "format": 0.25} and back[1].extracted_answer is None
+    for change, fragment in (
+        ({"reward_components": {"judge": float("nan")}}, "reward_components"),
+        ({"segment_index": -1}, "segment_index"),
+    ):
         with pytest.raises(ValidationError, match=fragment):
             ROLLOUT.to_table([rollout(**change)])

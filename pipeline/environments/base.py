@@ -106,6 +106,21 @@ class EnvRollout:
     finish_reason: str
     info: dict[str, float] = field(default_factory=dict)
     """Environment-specific numbers about this episode (summed/averaged into metrics; not persisted)."""
+    response_text: str = ""
+    """The response as the environment read it (decoded from `response_tokens` once; persisted for inspection)."""
+    extracted_answer: str | None = None
+    """The answer the scorer extracted from the response (None: none found, or the environment extracts none)."""
+    ground_truth: str = ""
+    """The reference answer the response was scored against ("" when the task has none)."""
+    reward_components: dict[str, float] = field(default_factory=dict)
+    """Each reward function's own value when `episode_reward` combines several (a rubric, a judge)."""
+    episode_id: str = ""
+    """Set when one episode is written as several rows (segments); "" for a whole episode in one row."""
+    segment_index: int = 0
+    """This row's position among its episode's segments."""
+    policy_step: int | None = None
+    """The oldest policy step that sampled any of this episode's tokens when the environment knows it (an episode
+    served through the generate endpoint across a policy change); None: the step the worker sampled with."""
 
 
 @dataclass

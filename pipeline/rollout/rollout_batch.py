@@ -150,7 +150,8 @@ def schema_rows(
     """The `schemas` rows of (env group key, EnvRollout) pairs: `RolloutRow`s, or `EvalRow`s with `eval_type`.
 
     `rollout_id` is `<batch_id>-<i>` and `group_key` `<lesson>/<env group key>/<batch_id>`; every row records the
-    temperature and top-p / top-k / min-p of `sampling` (what every backend applied or refused).
+    temperature and top-p / top-k / min-p of `sampling` (what every backend applied or refused), and the
+    episode's text, answer, ground truth, reward components and segment as the environment gave them.
     """
     rows: list[RolloutRow] = []
     for i, (gkey, r) in enumerate(rows_src):
@@ -169,12 +170,18 @@ def schema_rows(
             truncated=bool(r.truncated),
             finish_reason=r.finish_reason,
             temperature=float(sampling.temperature),
-            policy_step=int(step),
+            policy_step=int(step if r.policy_step is None else r.policy_step),
             worker_id=worker_id,
             timestamp=timestamp,
             top_p=float(sampling.top_p),
             top_k=int(sampling.top_k),
             min_p=float(sampling.min_p),
+            response_text=r.response_text,
+            extracted_answer=r.extracted_answer,
+            ground_truth=r.ground_truth,
+            reward_components={str(k): float(v) for k, v in r.reward_components.items()},
+            episode_id=r.episode_id,
+            segment_index=int(r.segment_index),
         )
         rows.append(EvalRow(**common, eval_type=eval_type) if eval_type else RolloutRow(**common))
     return rows
