@@ -20,7 +20,7 @@ export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup demo test test-fast test-slow lint format typecheck docs bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc clean
+.PHONY: help setup demo test test-fast test-slow lint format typecheck docs bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc rescore clean sft recipe
 
 help: ## List every target with a one-line description
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -120,11 +120,24 @@ export: setup ## Export policy STEP (default: the newest) of RUN as a Hugging Fa
 gc: setup ## Garbage-collect RUN under its retention settings (lineage index first; bounded, safe to rerun)
 	$(PY) -m steps.gc --store.run_root $(RUN) $(ARGS)
 
+rescore: setup ## Re-score RUN's committed rollout files into rescored/<name>/ (ARGS="--name N --config_path F"); sources untouched
+	$(PY) -m steps.rescore --store.run_root $(RUN) $(ARGS)
+
 report: setup ## Write the HTML report of RUN (RUN=runs/demo) from the run root alone
 	$(PY) -m pipeline.report $(RUN) $(ARGS)
 
 replay: setup ## Re-train slots FROM+1..TO of RUN from checkpoint FROM in a scratch folder; exit 0 iff bitwise equal
 	$(PY) -m steps.replay --store.run_root $(RUN) --from_step $(FROM) $(if $(TO),--to_step $(TO)) $(ARGS)
+
+SFT_CONFIG ?= configs/basic_arithmetic_sft.yaml
+sft: setup ## Supervised fine-tuning (SFT_CONFIG=configs/…_sft.yaml): a policy an RL job starts from (model.init_policy)
+	$(PY) -m steps.sft --config_path $(SFT_CONFIG) $(ARGS)
+
+RECIPE ?= basic_arithmetic
+recipe: setup ## The real-task recipe (RECIPE=basic_arithmetic): SFT warm start, then RL, then held-out evaluation and report
+	$(PY) -m steps.sft --config_path configs/$(RECIPE)_sft.yaml
+	$(PY) -m steps.run --config_path configs/$(RECIPE).yaml
+	$(PY) -m pipeline.report runs/$(RECIPE)
 
 GCS_PORT ?= 4443
 gcs-emulator: setup ## Start the GCS emulator the tests use on 127.0.0.1:GCS_PORT (prints the env line to export)

@@ -2,8 +2,10 @@
 
 The step program (`steps/learn.py`) strings these together. Contracts kept here:
   - a batch slot T is named by its commit object `batches/log/step-T.json` (`data_file` names the parquet,
-    read through `schemas.BATCH`); a batch whose row count, seq_len, tokenizer or token ids do not fit the run
-    is refused with `BatchMismatchError` naming the file and the field;
+    verified against the entry's size and sha256 and read through `schemas.BATCH`; a file that does not match is
+    quarantined and the slot rebuilt from its recorded inputs: `pipeline.batch_maker.rebuild`); a batch whose row
+    count, seq_len, tokenizer or token ids do not fit the run is refused with `BatchMismatchError` naming the file
+    and the field;
   - a checkpoint `checkpoints/step-S/` holds model + optimizer state (sharded safetensors, one file per learner
     process) and a COMMITTED marker written last by process 0, recording the batch slot consumed, the
     checkpoint resumed from and the slots trained since (written and read by `policy.policy_format`);
@@ -24,6 +26,7 @@ import numpy as np
 import optax
 
 import schemas
+from pipeline.batch_maker.rebuild import verified_batch
 from pipeline.config import LearnerStepConfig, OptimizerSpec, TrainParams
 from pipeline.store import layout
 from pipeline.store.notify import waker_for
@@ -37,7 +40,7 @@ from policy.attention import fused_attention
 from policy.losses import Batch, RLLossModule, loss_module_from_config
 from policy.policy_format import LearnerState
 from policy.update_guard import guarded_update
-from schemas.records import BatchLogEntry, RecordError
+from schemas.records import BatchLogEntry
 
 logger = logging.getLogger("policy.learner")
 
@@ -181,21 +184,21 @@ def make_train_step(loss_module: RLLossModule, optimizer: optax.GradientTransfor
 # ---------------------------------------------------------------------------------------------
 
 
-def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) -> tuple[BatchLogEntry | None, float]:
+def wait_for_batch(
+    store: RunStore, slot: int, timeout_s: float, poll_s: float, on_wait: Callable[[], None] | None = None
+) -> tuple[BatchLogEntry | None, float]:
     """The commit object of batch `slot` and the seconds waited; (None, waited) if control/STOP appeared.
+    `on_wait` runs between checks and may raise to end the wait (a failed policy publish).
 
     Raises `pipeline.store.poll.WaitTimeout` naming the log entry and `cadence.batch_wait_timeout_s` when nothing
-    appears within `timeout_s`, and BatchMismatchError naming the file and field when the entry is not a valid
-    `BatchLogEntry`.
+    appears within `timeout_s`, and `pipeline.store.committed.DamagedRecordError` (a DamagedInputError naming the
+    file and field: exit code 7) when the entry is not a valid `BatchLogEntry`.
     """
     entry = layout.batch_log_entry(slot)
 
     def found() -> tuple[str, BatchLogEntry | None] | None:
         if store.exists(entry):
-            try:
-                return "batch", store.read_log_entry(slot)
-            except RecordError as e:
-                raise BatchMismatchError(str(e)) from None
+            return "batch", store.read_log_entry(slot)
         if store.exists(layout.STOP_FILE):
             return "stop", None
         return None
@@ -207,6 +210,7 @@ def wait_for_batch(store: RunStore, slot: int, timeout_s: float, poll_s: float) 
         what=lambda: store.full_path(entry),
         setting="cadence.batch_wait_timeout_s",
         waker=waker_for(store),
+        on_wait=on_wait,
     )
     return value, waited
 
@@ -278,6 +282,9 @@ def read_batch(
 ) -> tuple[Batch, str]:
     """Load and check batch `slot` named by its commit object; returns (arrays, data file).
 
+    The data file is verified against the entry (size, sha256, rows) before anything trains on it; one that does
+    not match is set aside and the batch rebuilt from its recorded inputs, or the read ends in DamagedInputError
+    naming the file and what differs (`pipeline.batch_maker.rebuild.verified_batch`).
     With a mesh, this process converts only its own rows (`policy.mesh.process_rows`) and the arrays returned
     are global arrays on the mesh, rows split over its data-parallel axes."""
     if entry.seq_len != train.seq_len:
@@ -285,7 +292,9 @@ def read_batch(
             f"{layout.batch_log_entry(slot)}: seq_len={entry.seq_len!r}, this run has seq_len={train.seq_len!r}"
         )
     data_file = entry.data_file
-    table = store.read_parquet(data_file, schemas.BATCH)
+    # verified against the entry's size and sha256; a damaged file is quarantined and the slot rebuilt from its
+    # recorded inputs, or DamagedInputError (pipeline.batch_maker.rebuild)
+    table = verified_batch(store, entry, train)
     rows = schemas.BATCH.from_table(table)
     if lm is None:
         return batch_arrays(rows, train, vocab_size, data_file), data_file
@@ -305,14 +314,20 @@ def resume_or_init(
     """The newest committed checkpoint (onto mesh `lm` if given), or a fresh model (seeded, or an HF folder).
 
     A committed checkpoint that fails verification on any process is skipped (by all, in process 0's order) with
-    an error log; if checkpoints exist but none loads, this raises rather than silently restarting from scratch.
+    one error line, and a damaged one (`DamagedCommitError`) is quarantined with its reason (the documented recovery:
+    fall back to an older intact checkpoint); if checkpoints exist but none loads, this raises (DamagedCommitError,
+    exit code 7) rather than silently restarting from scratch.
     """
     errors = []
+    newest: int | None = None
     for s in reversed(mesh_lib.writer_ints(pf.committed_checkpoints(store))):
+        newest = s if newest is None else newest
         try:
             state: LearnerState | None = pf.read_checkpoint(store, s, config.model, vocab_size, optimizer, lm)
         except pf.CheckpointError as e:
             logger.error("checkpoint %d unusable, trying an older one: %s", s, e)
+            if isinstance(e, pf.DamagedCommitError) and mesh_lib.is_writer():
+                store.quarantine(layout.checkpoint_dir(s), str(e))
             errors.append(str(e))
             state = None
         if not mesh_lib.all_processes(state is not None):  # every process skips it together
@@ -322,11 +337,20 @@ def resume_or_init(
         logger.info("resuming from checkpoint %d (next batch slot %d)", s, s + 1)
         return state
     if errors:
-        raise pf.CheckpointError("no committed checkpoint loads: " + "; ".join(errors))
-    logger.info("no checkpoint: initialising %s model (seed %d)", config.model.family, config.model.seed)
-    model = M.build_model(config.model, vocab_size, jax.random.PRNGKey(config.model.seed), mesh=lm)
-    if config.model.param_dtype not in ("float32", "fp32"):
-        model = M.cast_for_compute(model, config.model.param_dtype)
+        assert newest is not None
+        why = "no committed checkpoint loads: " + "; ".join(errors)
+        raise pf.DamagedCommitError(layout.checkpoint_marker(newest), why)
+    if config.model.init_policy:  # another run's committed policy (an SFT warm start: `steps.sft`)
+        from pipeline.store.init_policy import resolve_init_policy
+
+        source, step = resolve_init_policy(config.model.init_policy, config.store.storage_options)
+        logger.info("no checkpoint: initialising from %s", source.full_path(layout.policy_dir(step)))
+        model = M.cast_params(pf.read_policy(source, step, config.model, vocab_size), config.model.param_dtype)
+    else:
+        logger.info("no checkpoint: initialising %s model (seed %d)", config.model.family, config.model.seed)
+        model = M.build_model(config.model, vocab_size, jax.random.PRNGKey(config.model.seed), mesh=lm)
+        if config.model.param_dtype not in ("float32", "fp32"):
+            model = M.cast_for_compute(model, config.model.param_dtype)
     if config.model.lora is not None:  # adapters with B = 0: the model still computes the base's outputs
         model = lora.loraize(model, config.model.lora, config.model.seed)
     # jitted: one compiled program instead of one per distinct moment shape (the same zeros)

@@ -24,9 +24,10 @@ class PolicyPublisher:
 
     Contracts: policies are committed in step order (one FIFO thread), each exactly as `publish_policy` does;
     the state handed over is immutable (JAX arrays), so training the next step cannot change what is written;
-    a failed publish is raised from the next `submit` or `drain` on the caller's thread; `drain` returns once
-    every submitted policy is committed. Checkpoints do not wait for it: resuming from checkpoint S publishes
-    policy S if a crash lost it.
+    a failed publish is raised from the next `check`, `submit` or `drain` on the caller's thread (the learner
+    checks before each step and while it waits for a batch, so a publish that failed stops it: no batch comes
+    while the BatchMaker waits for that policy); `drain` returns once every submitted policy is committed.
+    Checkpoints do not wait for it: resuming from checkpoint S publishes policy S if a crash lost it.
     """
 
     def __init__(self, store: RunStore, config: LearnerStepConfig) -> None:
@@ -66,6 +67,11 @@ class PolicyPublisher:
         while len(self._pending) >= self.MAX_PENDING:
             self._pending.pop(0).result()
         self._pending.append(self._pool.submit(self._publish, state))
+
+    def check(self) -> None:
+        """Raise the error of a queued publish that has failed (e.g. `StorageFaultError`: no space under
+        `policies/`); a no-op while every publish succeeded or is still running."""
+        self._reap(wait=False)
 
     def drain(self) -> None:
         """Block until every queued policy is committed; raise the first failure."""

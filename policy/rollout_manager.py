@@ -93,9 +93,11 @@ class RolloutManager:
         """True when the backend's server is told which committed policy to load (the `server` backend)."""
         return self._backend.manages_weights
 
-    def attach_run(self, run_root: str, log_path: str | None = None) -> None:
-        """Name the run root whose policies a weight-managing server loads."""
-        self._backend.attach(run_root, json.dumps(dataclasses.asdict(self.model_spec)), log_path)  # type: ignore[attr-defined]
+    def attach_run(self, run_root: str, log_path: str | None = None, log_location: str | None = None) -> None:
+        """Name the run root whose policies a weight-managing server loads; its server logs to the local file
+        `log_path`, kept at `log_location` (named in start-up errors; see `ServerBackend.attach`)."""
+        spec = json.dumps(dataclasses.asdict(self.model_spec))
+        self._backend.attach(run_root, spec, log_path, log_location)  # type: ignore[attr-defined]
 
     def load_policy(self, step: int) -> float:
         """Make the server serve committed policy `step` once the running sampling call finished (requests in
@@ -173,6 +175,7 @@ class RolloutManager:
                 env, lesson_id, n_examples, n_generations, mode, gen, weight_step, sampling
             )
         generate_s = time.monotonic() - start
+        self.last_failures = failures  # the worker reads them when nothing was generated (its no-progress check)
         now = time.time()
         rows = schema_rows(rows_src, lesson_id, batch_id, sampling, step, worker_id, now, eval_type)
         n_groups = len({r.group_key for r in rows})
@@ -248,6 +251,7 @@ class RolloutManager:
             if remaining <= 0:
                 break
             ctx = BackendContext(self.tokenizer, self._backend, controls_of(sampling))
+            ctx.policy_step, ctx.max_seq_len = weight_step, self.model_spec.max_seq_len  # for the generate endpoint
             spec = SampleSpec(
                 remaining,
                 n_generations,

@@ -45,6 +45,9 @@ class EvalSummaryRow:
 
     success_rate: fraction of episodes with episode_reward >= the lesson's success threshold
     (1.0 by default: exact answers).
+    samples_per_problem, pass_k, pass_at_k, mean_at_k (version 2): with n = `samples_per_problem` samples of every
+    problem, pass@k (k = `pass_k` <= n; Chen et al. 2021's unbiased estimator, `pipeline.rollout.passk`) and mean@k
+    (mean reward over a problem's samples, averaged over problems). Version-1 files read with 0, 0, None, None.
     """
 
     policy_step: int
@@ -58,6 +61,10 @@ class EvalSummaryRow:
     temperature: float
     source: str
     timestamp: float
+    samples_per_problem: int = 0
+    pass_k: int = 0
+    pass_at_k: float | None = None
+    mean_at_k: float | None = None
 
 
 EVAL_SUMMARY_ARROW = pa.schema(
@@ -73,8 +80,28 @@ EVAL_SUMMARY_ARROW = pa.schema(
         pa.field("temperature", pa.float32(), nullable=False),
         pa.field("source", pa.string(), nullable=False),
         pa.field("timestamp", pa.float64(), nullable=False),
+        pa.field("samples_per_problem", pa.int64(), nullable=False),
+        pa.field("pass_k", pa.int64(), nullable=False),
+        pa.field("pass_at_k", pa.float64(), nullable=True),
+        pa.field("mean_at_k", pa.float64(), nullable=True),
     ]
 )
+
+PASS_AT_K_COLUMNS_V2: tuple[tuple[str, object], ...] = (
+    ("samples_per_problem", 0),
+    ("pass_k", 0),
+    ("pass_at_k", None),
+    ("mean_at_k", None),
+)
+"""Columns eval-summary version 2 added, with the value a version-1 file (which did not record them) is read with."""
+
+
+def add_pass_at_k_columns(table: pa.Table) -> pa.Table:
+    """A version-1 eval-summary table with the version-2 columns at their "not recorded" values."""
+    for name, value in PASS_AT_K_COLUMNS_V2:
+        if name not in table.column_names:
+            table = table.append_column(name, pa.array([value] * table.num_rows, EVAL_SUMMARY_ARROW.field(name).type))
+    return table
 
 
 def validate_eval_summary(row: EvalSummaryRow) -> None:
@@ -86,12 +113,22 @@ def validate_eval_summary(row: EvalSummaryRow) -> None:
         check_finite(name, v)
         if not 0.0 <= v <= 1.0:
             raise ValidationError(f"{name} must be in [0, 1], got {v}")
+    if row.pass_k < 0 or row.pass_k > row.samples_per_problem:
+        raise ValidationError(f"pass_k must be in [0, samples_per_problem={row.samples_per_problem}], got {row.pass_k}")
+    if row.pass_at_k is not None:
+        check_finite("pass_at_k", row.pass_at_k)
+        if not 0.0 <= row.pass_at_k <= 1.0:
+            raise ValidationError(f"pass_at_k must be in [0, 1], got {row.pass_at_k}")
+    if row.mean_at_k is not None:
+        check_finite("mean_at_k", row.mean_at_k)
 
 
 EVAL_SUMMARY: TableSpec[EvalSummaryRow] = TableSpec(
     name="eval_summary",
-    version=1,
+    version=2,
     schema=EVAL_SUMMARY_ARROW,
     row_type=EvalSummaryRow,
     validate_row=validate_eval_summary,
+    upgrades={1: add_pass_at_k_columns},
 )
+"""Version 2 added samples_per_problem, pass_k, pass_at_k and mean_at_k (version-1 files are read without them)."""

@@ -5,10 +5,12 @@ file.yaml` plus dotted flags such as `--train.max_lag 2`; a switched choice such
 that type's defaults, and `--curriculum.lessons.<id>.<field> v` sets a lesson's field: see
 pipeline/config/overrides.py), runs `main(config)` and returns its int as the process exit code. A bad config (a
 `ConfigError`, a value draccus cannot decode, an unknown flag, a missing config file) is reported as ONE line on
-stderr naming the field and the value, with exit code 2 and no traceback. Exceptions a program declares in
-`exit_codes` are logged in one line and mapped to their code, with what they mean. Storage that cannot be reached
-(`StorageUnavailableError`, also when it caused another error) is one line and exit code 75, which the job runner
-restarts with backoff; anything else propagates (a traceback is the right report of a bug).
+stderr naming the field and the value, with exit code 2 and no traceback. Every other expected failure (an
+`ExpectedFailure` of `pipeline.process.exits`: damaged input 7, storage fault 8, no progress 9; storage that cannot
+be reached, 75, which the job runner restarts with backoff; a lease held by another process 6 or lost 5; a wait
+that timed out 4; also when it caused another error) is one line `error: <label>: <message>` with its code from
+the one table (`expected_failure`, docs/reference/exit-codes.md); anything else propagates (a traceback is the
+right report of a bug).
 
 Before `main` runs, a step config whose contract fields (model, train, optimizer, loss, curriculum) differ from
 its run root's run.json is refused the same way, unless `--allow_config_change true` is given (taken off the
@@ -35,8 +37,11 @@ from typing import TypeVar
 import draccus
 
 from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError, dump_yaml, resolve_overrides
-from pipeline.process.exits import Exit
+from pipeline.process.exits import LABELS, Exit, ExpectedFailure
 from pipeline.store.committed import StorageUnavailableError
+from pipeline.store.faults import storage_fault
+from pipeline.store.lease import LeaseHeldError, LeaseLostError
+from pipeline.store.poll import WaitTimeout
 
 C = TypeVar("C")
 A = TypeVar("A")
@@ -104,7 +109,8 @@ def program_name(main: Callable[..., object]) -> str:
 
 def check_against_run(config: object, program: str, allow_change: bool) -> None:
     """Refuse (RunConfigMismatchError, a ConfigError) a step config whose contract fields differ from its run
-    root's run.json, unless `allow_change` (then recorded in run.json's history)."""
+    root's run.json, unless `allow_change` (then recorded in run.json's history); and (ConfigError) a local run root
+    that is a regular file. A run root that becomes a file later is a storage fault (exit 8) at the first write."""
     from pipeline.config import check_step_config
     from pipeline.store.storage import RunStore, require_run
 
@@ -112,6 +118,8 @@ def check_against_run(config: object, program: str, allow_change: bool) -> None:
     if store_config is None:
         return
     store = RunStore(store_config.run_root, store_config.storage_options or None)
+    if store.is_local and os.path.isfile(store.root):  # as `steps.run` refuses it: exit 2 by every entry point
+        raise ConfigError("store.run_root", store.url, "is a file, not a folder")
     if type(config).__name__ in READ_ONLY_CONFIGS:
         require_run(store)
     check_step_config(store, config, by=program, allow_change=allow_change)
@@ -164,18 +172,70 @@ def parse_config(config_class: type[C], argv: Sequence[str]) -> C:
         raise UsageError(one_line(e)) from None
 
 
+EXIT_TABLE: Mapping[type[BaseException], Exit] = {
+    LeaseHeldError: Exit.LEASE_HELD,
+    LeaseLostError: Exit.LEASE_LOST,
+    WaitTimeout: Exit.TIMEOUT,
+}
+"""Expected failures raised by the store's own classes (not `ExpectedFailure`s) and their exit codes: with
+`ExpectedFailure.exit_code`, `StorageUnavailableError` (75) and config errors (2), the one table every step program
+ends with (docs/reference/exit-codes.md)."""
+
+
+def expected_failure(error: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line naming the object or field) for an expected failure: `error` or an error in its
+    cause/context chain (a step's thread may wrap it) that is an `ExpectedFailure`, a `StorageUnavailableError`, an
+    `EXIT_TABLE` class, or an `OSError` the storage refused for good (`pipeline.store.faults.FAULT_ERRNOS`, with a
+    file name); None for anything else (a bug: a traceback is the right report)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ExpectedFailure):
+            return current.exit_code, str(current)
+        if isinstance(current, StorageUnavailableError):
+            return Exit.STORAGE_UNAVAILABLE, str(current).removeprefix("storage unavailable: ")
+        for kind, code in EXIT_TABLE.items():
+            if isinstance(current, kind):
+                return code, str(current)
+        if isinstance(current, OSError) and current.filename:
+            fault = storage_fault(str(current.filename), current)
+            if fault is not None:
+                return fault.exit_code, str(fault)
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def report(code: int, message: str) -> None:
+    """Print `error: <label>: <message>` on one line on stderr; under the job runner (`RLPIPE_STEP`,
+    `RLPIPE_ATTEMPT` set) also write it to `pipeline.jobs.step_logs.reason_path`, off the run root, so the runner
+    can name the cause when the step log cannot be written (a full run root). A stderr that refuses the line (a
+    full disk) is replaced by /dev/null, so that later writes cannot turn the exit into a traceback."""
+    line = f"error: {LABELS.get(code, 'failed')}: {' '.join(message.split())}"
+    path = reason_path()
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(line + "\n")
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
 def run_command(
     parse: Callable[[list[str]], A],
     main: Callable[[A], int],
     argv: Sequence[str] | None = None,
-    *,
-    exit_codes: Mapping[type[BaseException], tuple[int, str]] | None = None,
 ) -> int:
     """Configure logging, `parse(argv)` (default: sys.argv[1:]), run `main(parsed)`, return the exit code.
 
-    A `UsageError` or `ConfigError` (from `parse` or from `main`) gives one stderr line and Exit.CONFIG; an
-    exception of a type in `exit_codes` (type -> (code, what it means)) gives one log line and its code; a
-    `StorageUnavailableError` (or an error it caused) gives one stderr line and Exit.STORAGE_UNAVAILABLE (75).
+    A `UsageError` or `ConfigError` (from `parse` or from `main`) gives one stderr line and Exit.CONFIG; any other
+    expected failure (`expected_failure`: an `ExpectedFailure`, a `StorageUnavailableError`, a lease or wait error, a
+    storage-refused write; also as the cause of another error) gives one stderr line `error: <label>: <message>`
+    and its code from the one table (`pipeline.process.exits.LABELS`, `EXIT_TABLE`); anything else propagates (a
+    traceback).
     """
     level, args = pop_log_level(sys.argv[1:] if argv is None else argv)
     configure_logging(level)
@@ -186,19 +246,40 @@ def run_command(
     try:
         return int(main(parse(args)))
     except (UsageError, ConfigError) as e:
-        print(f"error: invalid config: {one_line(e)}", file=sys.stderr)
+        report(Exit.CONFIG, one_line(e))
         return Exit.CONFIG
-    except tuple(exit_codes or ()) as e:
-        code, meaning = next(v for t, v in (exit_codes or {}).items() if isinstance(e, t))
-        logging.getLogger(getattr(main, "__module__", None) or "rlpipe").error("%s: %s", meaning, e)
-        return code
     except Exception as e:
-        unavailable = storage_unavailable(e)
-        if unavailable is None:
+        config = config_error(e)
+        if config is not None:  # a ConfigError a step's thread wrapped
+            report(Exit.CONFIG, one_line(config))
+            return Exit.CONFIG
+        expected = expected_failure(e)
+        if expected is None:
             raise
-        logger.debug("storage unavailable", exc_info=e)
-        print(f"error: {' '.join(str(unavailable).split())}", file=sys.stderr)
-        return Exit.STORAGE_UNAVAILABLE
+        code, message = expected
+        logger.debug("expected failure (exit %d)", code, exc_info=e)
+        report(code, message)
+        return code
+
+
+def config_error(error: BaseException) -> ConfigError | None:
+    """The ConfigError `error` was caused by (its cause/context chain), else None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ConfigError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def reason_path() -> str | None:
+    """Where this process writes its one-line failure reason for the job runner (None: not under the runner)."""
+    from pipeline.jobs.step_logs import reason_path as path_of
+
+    step, attempt = os.environ.get("RLPIPE_STEP"), os.environ.get("RLPIPE_ATTEMPT")
+    return path_of(step, attempt) if step and attempt else None
 
 
 def storage_unavailable(error: BaseException) -> StorageUnavailableError | None:
@@ -217,8 +298,6 @@ def run_program(
     config_class: type[C],
     main: Callable[[C], int],
     argv: Sequence[str] | None = None,
-    *,
-    exit_codes: Mapping[type[BaseException], tuple[int, str]] | None = None,
 ) -> int:
     """`run_command` for a step program: the config is `config_class` parsed by draccus (and logged)."""
 
@@ -230,4 +309,4 @@ def run_program(
         check_against_run(config, program_name(main), parse_bool(ALLOW_CHANGE_FLAG, allow))
         return config
 
-    return run_command(parse, main, argv, exit_codes=exit_codes)
+    return run_command(parse, main, argv)

@@ -10,6 +10,11 @@ Writes
     evals/external-<name>/…                        the same for an external HF checkpoint (--hf_checkpoint)
     metrics/evaluate/…                             one record per evaluated (policy, lesson)
 
+A committed policy whose files fail verification on read (a COMMITTED marker cut or missing a field, a weights file
+truncated or replaced) is skipped with its reason: the damaged file is quarantined (`quarantine/`, which the report
+lists), one warning line names it, and the evaluation goes on with the next policy (exit 0 under `--all` and
+`--follow`; a policy named by `--steps` ends the run in one line, exit code 7, once the other targets are done).
+
 Algorithm: for each target policy (explicit `--steps`, `--all` committed policies, or `--follow`:
 every policy whose step is a multiple of `curriculum.eval_frequency` plus the final one, as they
 appear; explicit `--steps`/`--all`/`--hf_checkpoint` win over a `follow` inherited from the job config, as under
@@ -58,17 +63,38 @@ import numpy as np
 
 from pipeline.config import ConfigError, EvaluateStepConfig, ModelSpec, StoreConfig, validate_evaluate
 from pipeline.config.model import MODEL_FAMILIES, SHAPE_FIELDS
+from pipeline.process.exits import DamagedInputError
 from pipeline.process.step_kind import StepKind
+from pipeline.rollout.passk import pass_at_k_of_groups
+from pipeline.rollout.rollout_batch import SUCCESS_REWARD
 from pipeline.store import layout, run_state
 from pipeline.store.notify import waker_for
 from pipeline.store.poll import poll_until
 from pipeline.store.storage import RunStore, require_run
 from pipeline.telemetry.metrics import MetricsWriter
-from schemas import EVAL_ROW, EVAL_SUMMARY
+from schemas import EVAL_ROW, EVAL_SUMMARY, EvalSummaryRow
 
 logger = logging.getLogger("rlpipe.evaluate")
 
 WORKER_ID = "evaluator"
+
+
+def with_pass_at_k(summary: EvalSummaryRow, batch: Any, k: int) -> EvalSummaryRow:
+    """`summary` with pass@k and mean@k (`pipeline.rollout.passk`) of the batch's problems (its groups: the samples
+    of one prompt, successes as the batch judged them); `k` 0: the samples per problem. Unchanged without rows."""
+    if batch is None or not batch.rows:
+        return summary
+    flags = batch.successes if len(batch.successes) == len(batch.rows) else [None] * len(batch.rows)
+    groups: dict[str, list[tuple[float, bool]]] = {}
+    for row, ok in zip(batch.rows, flags, strict=True):
+        success = bool(ok) if ok is not None else row.episode_reward >= SUCCESS_REWARD
+        groups.setdefault(row.group_key, []).append((float(row.episode_reward), success))
+    p = pass_at_k_of_groups(groups, k or None)
+    if p is None:
+        return summary
+    return dataclasses.replace(
+        summary, samples_per_problem=p.n, pass_k=p.k, pass_at_k=p.pass_at_k, mean_at_k=p.mean_at_k
+    )
 
 
 def lesson_seed(seed: int, policy_step: int, lesson_id: str) -> int:
@@ -155,6 +181,8 @@ class Evaluator:
         self.metrics = MetricsWriter(self.store, StepKind.EVALUATE, WORKER_ID, flush_every=1)
         self._manager: Any = None
         self._loaded_step: int | None = None
+        self.skipped: dict[int, str] = {}
+        """Policies whose files failed verification on read: {step: the one-line reason} (see `skip`)."""
 
     # -- model ----------------------------------------------------------------------------------
     def _manager_for(self, model: Any) -> Any:
@@ -199,10 +227,38 @@ class Evaluator:
         if not todo:
             logger.info("policy %d: every lesson already evaluated", step)
             return 0
-        manager = manager or self._load(step)
+        if manager is None:
+            if step in self.skipped:
+                return 0
+            try:
+                manager = self._load(step)
+            except DamagedInputError as e:
+                self.skip(step, e)
+                return 0
         for lesson in todo:
             self.evaluate_lesson(manager, step, lesson, external)
         return len(todo)
+
+    def skip(self, step: int, error: DamagedInputError) -> None:
+        """Set policy `step` aside: its damaged file is quarantined with the reason (what the report lists as
+        skipped), one warning line, and the evaluation goes on with the next policy."""
+        if not self.store.is_quarantined(error.path):
+            self.store.quarantine(error.path, error.reason)
+        self.skipped[step] = str(error)
+        logger.warning("skipped policy %d (damaged: %s); going on with the next one", step, error)
+
+    def damaged_policies(self) -> dict[int, str]:
+        """Policies set aside (a file of `policies/step-S/` quarantined, by this process or an earlier one):
+        {S: why}."""
+        out = dict(self.skipped)
+        for path in sorted(self.store.quarantined()):
+            if path.startswith(f"{layout.POLICIES}/step-") and layout.parse_step(path) not in out:
+                try:
+                    reason = str(self.store.get_json(layout.quarantine_record(path))["reason"])
+                except (FileNotFoundError, ValueError, KeyError, TypeError):
+                    reason = "quarantined (no readable reason)"
+                out[layout.parse_step(path)] = f"{path}: {reason}"
+        return out
 
     def evaluate_lesson(self, manager: Any, step: int, lesson: str, external: str | None) -> None:
         """Evaluate one lesson of policy `step`: rollouts, then the summary (its commit), then a metrics record."""
@@ -215,7 +271,7 @@ class Evaluator:
         self.store.write_parquet(
             layout.eval_rollouts_file(step, lesson, external=external), EVAL_ROW.to_table(rows), EVAL_ROW
         )
-        summary = stats.to_summary_row("eval", source)
+        summary = with_pass_at_k(stats.to_summary_row("eval", source), batch, self.cfg.curriculum.eval_pass_k)
         self.store.write_parquet(
             layout.eval_summary_file(step, lesson, external=external), EVAL_SUMMARY.to_table([summary]), EVAL_SUMMARY
         )
@@ -225,6 +281,8 @@ class Evaluator:
                 "lesson_id": lesson,
                 "mean_reward": stats.mean_reward,
                 "success_rate": stats.success_rate,
+                "pass_at_k": summary.pass_at_k,
+                "mean_at_k": summary.mean_at_k,
                 "n_rows": stats.n_rows,
                 "failures": stats.n_failures,
                 "eval_s": time.monotonic() - t0,
@@ -269,13 +327,32 @@ def main(cfg: EvaluateStepConfig) -> int:
         if cfg.hf_checkpoint:
             evaluator.evaluate_external(cfg.hf_checkpoint)
         if following(cfg):
+            evaluator.skipped.update(evaluator.damaged_policies())
             follow(evaluator)
         else:
-            for s in explicit_targets(cfg, evaluator):
+            targets = explicit_targets(cfg, evaluator)
+            evaluator.skipped.update({s: why for s, why in evaluator.damaged_policies().items() if s in targets})
+            for s in targets:
                 evaluator.evaluate_step(s)
     finally:
         evaluator.close()
+    report_skipped(cfg, evaluator)
     return 0
+
+
+def report_skipped(cfg: EvaluateStepConfig, evaluator: Evaluator) -> None:
+    """One warning line per run naming the policies skipped as damaged; with explicit `--steps`, a skipped policy
+    ends the program in DamagedInputError (exit code 7) once every other target is evaluated: the user asked for it."""
+    if not evaluator.skipped:
+        return
+    listed = "; ".join(f"policy {s}: {why}" for s, why in sorted(evaluator.skipped.items()))
+    logger.warning("skipped %d damaged %s (quarantined; the report lists them): %s", len(evaluator.skipped),
+                   "policy" if len(evaluator.skipped) == 1 else "policies", listed)  # fmt: skip
+    named = sorted(s for s in evaluator.skipped if s in set(cfg.steps)) if not cfg.all else []
+    if named:
+        first = evaluator.skipped[named[0]]
+        path, _, reason = first.partition(": ")
+        raise DamagedInputError(path, f"{reason} (policy {named[0]} named by --steps was not evaluated)")
 
 
 def follow(evaluator: Evaluator) -> None:
@@ -320,6 +397,8 @@ def next_to_follow(evaluator: Evaluator, steps: list[int]) -> int | None:
     evaluated; None when there is none."""
     freq = max(1, evaluator.cfg.curriculum.eval_frequency)
     for s in steps:
+        if s in evaluator.skipped:  # damaged: set aside, never retried
+            continue
         if (s % freq == 0 or s == evaluator.cfg.stop_after_step) and evaluator.missing_lessons(s):
             return s
     return None

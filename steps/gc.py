@@ -11,7 +11,8 @@ Run
     python -m steps.gc --store.run_root runs/demo --retention.keep_policies 2 --retention.data_window_slots 2
     make gc RUN=runs/demo
 
-Exit codes: 0 done (or nothing to do), 2 bad config, 3 another garbage collection holds the lease.
+Exit codes (docs/reference/exit-codes.md): 0 done (or nothing to do), 2 bad config, 6 (`Exit.LEASE_HELD`) another
+garbage collection holds the lease, 8 the run root's storage refused a write.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import sys
 
 from pipeline.config import ConfigError, GcStepConfig
 from pipeline.retention import collect
-from pipeline.store.lease import LeaseHeldError
 from pipeline.store.storage import RunStore
 
 logger = logging.getLogger("rlpipe.gc")
@@ -50,9 +50,7 @@ def cli(argv: list[str] | None = None) -> int:
     """`python -m steps.gc [--config_path F] [--field value …]`; returns the exit code."""
     from steps.cli import run_program
 
-    return run_program(
-        GcStepConfig, main, argv, exit_codes={LeaseHeldError: (3, "another garbage collection is running")}
-    )
+    return run_program(GcStepConfig, main, argv)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,14 @@ Writes: `policies/step-S/` (+ COMMITTED, then the LATEST hint) every `cadence.po
         `metrics/learner/…`; `control/LEARNER_DONE` once `train.num_train_steps` are trained.
 
 Phases of `main`:
-  1. resume from the newest committed checkpoint S (weights, optimizer state, step), else initialise from
-     the ModelSpec (seeded, or an HF folder); publish policy 0 (or policy S, if a crash fell between
-     checkpoint S and policy S);
+  1. resume from the newest committed checkpoint S (weights, optimizer state, step; a damaged one is quarantined
+     and an older intact one used), else initialise from the ModelSpec (seeded, or an HF folder); publish policy 0
+     (or policy S, if a crash fell between checkpoint S and policy S; a damaged policies/step-S/COMMITTED stops
+     the step, exit code 7, naming the file and the field);
   2. loop T = S+1, S+2, …: wait for batch slot T (fail loudly naming the file after `cadence.batch_wait_timeout_s`),
-     read it (refusing a batch whose schema version, row count, seq_len or tokenizer do not match), run the
+     read it, verified against its log entry (size, sha256, rows: a file that differs is quarantined and the slot
+     rebuilt from its recorded inputs, `pipeline.batch_maker.rebuild`, or the step stops with exit code 7 naming
+     the file; refusing a batch whose schema version, row count, seq_len or tokenizer do not match), run the
      slot's optimizer updates of the configured loss module (one; or train.ppo_epochs ×
      train.minibatches_per_slot), log metrics, publish policy T / checkpoint T on
      their intervals;
@@ -130,6 +133,7 @@ def resume(learner: Learner) -> pf.LearnerState:
     state = L.shard_state(state, learner.mesh)  # a fresh model or an older whole-pytree checkpoint onto the mesh
     learner.lineage_start = state.step + 1
     learner.last_checkpoint = state.step
+    verify_policy_marker(store, state.step)
     if not mesh_lib.agree_with_writer(store.exists(layout.policy_marker(state.step))):
         L.publish_policy(store, state, config)  # policy 0, or a crash fell between checkpoint S and policy S
     learner.reference = L.load_reference(store, config, learner.vocab_size, learner.loss_module)
@@ -146,6 +150,21 @@ def resume(learner: Learner) -> pf.LearnerState:
     return state
 
 
+def verify_policy_marker(store: RunStore, step: int) -> None:
+    """Refuse to carry on past a damaged `policies/step-S/COMMITTED` of the step resumed from: samplers cannot load
+    that policy, and a committed marker is never replaced. DamagedCommitError (exit code 7) names the file, the field
+    and the repair: deleting the folder lets the learner publish the policy again from the state it resumes from."""
+    if not store.exists(layout.policy_marker(step)):
+        return
+    try:
+        pf.policy_metadata(store, step)
+    except pf.DamagedCommitError as e:
+        raise pf.DamagedCommitError(
+            e.path, f"{e.reason} (delete {layout.policy_dir(step)}/ and rerun: the learner publishes policy {step} "
+            "again from the state it resumes from)"
+        ) from None  # fmt: skip
+
+
 def train(learner: Learner, state: pf.LearnerState) -> tuple[pf.LearnerState, str]:
     """Phase 2: train slot after slot until num_train_steps, max_steps or control/STOP; returns (state, why)."""
     config = learner.config
@@ -160,6 +179,7 @@ def train(learner: Learner, state: pf.LearnerState) -> tuple[pf.LearnerState, st
     started_at = time.time()
     try:
         while state.step < learner.total:
+            learner.publisher.check()  # a failed publish stops the learner (the BatchMaker waits for that policy)
             if config.max_steps is not None and learner.trained_here >= config.max_steps:
                 return state, "max_steps"
             slot = state.step + 1
@@ -170,6 +190,7 @@ def train(learner: Learner, state: pf.LearnerState) -> tuple[pf.LearnerState, st
                     slot,
                     config.polling.bounded_wait_s if bounded else config.cadence.batch_wait_timeout_s,
                     config.polling.interval_s,
+                    on_wait=learner.publisher.check,
                 )
             except WaitTimeout:
                 if not bounded:

@@ -18,9 +18,10 @@ Writes:
   metrics/batchmaker/…                      one metrics record per batch (`pipeline.batch_maker.slot_metrics.METRICS`)
 
 Algorithm (the phases of `main`; the machinery they call is `pipeline.batch_maker.loop`):
-  1. acquire the `batchmaker` lease: one left by a holder that stopped renewing it (killed) is waited for until
-     it lapses (at most lease_ttl_s, one log line); held by a live maker (it renews meanwhile): exit code 6,
-     `Exit.LEASE_HELD`, message names the holder;
+  1. acquire the `batchmaker` lease: one whose holder process is dead on this host is taken over at once; one
+     left by a holder elsewhere that stopped renewing it is waited for until it lapses (at most lease_ttl_s, one
+     log line); held by a live maker (it renews meanwhile): exit code 6, `Exit.LEASE_HELD`, one line naming the
+     holder (docs/reference/exit-codes.md);
   2. recover: list batches/log, read the newest entry K, rebuild the BatchMaker's reservoir from its
      `cursor` (re-reading only the few files that still have live rows) -> next slot T = K + 1;
   3. for each slot T (up to train.num_train_steps):
@@ -90,9 +91,8 @@ from pipeline.batch_maker import BatchResult
 from pipeline.batch_maker.loop import BatchMakerLoop
 from pipeline.batch_maker.loop_state import LoopState, SlotLost, StopRequested, new_slot_log
 from pipeline.config import BatchMakerStepConfig, validate_batch_maker
-from pipeline.process.exits import Exit
 from pipeline.process.step_kind import StepKind
-from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError
+from pipeline.store.lease import Lease
 from pipeline.store.poll import WaitTimeout
 from pipeline.store.storage import RunStore
 
@@ -310,16 +310,8 @@ def cli(argv: list[str] | None = None) -> int:
         sys.meta_path.insert(0, _NoPandas())  # type: ignore[arg-type]
     from steps.cli import run_program
 
-    return run_program(
-        BatchMakerStepConfig,
-        lambda config: main(config) or 0,
-        argv,
-        exit_codes={
-            LeaseHeldError: (Exit.LEASE_HELD, "another BatchMaker holds the run's lease; exiting"),
-            LeaseLostError: (Exit.LEASE_LOST, "lost the BatchMaker lease"),
-            BatchWaitTimeout: (Exit.TIMEOUT, "timed out"),
-        },
-    )
+    # LeaseHeldError, LeaseLostError and WaitTimeout map to their exit codes in steps.cli's one table
+    return run_program(BatchMakerStepConfig, lambda config: main(config) or 0, argv)
 
 
 if __name__ == "__main__":

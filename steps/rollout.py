@@ -59,14 +59,17 @@ call to finish, so no rollout mixes weights; every row carries the step the call
 external server (`openai` backend) that reports a different policy step during one call, the whole call is
 re-rolled. An example that fails is retried (a fresh example of the same lesson is drawn, since environments
 choose examples by rng) up to `max_example_retries` more times; every failure is kept with its reason in the
-batch, the ready marker (`failures`) and the metrics (`failures`). Nothing is dropped silently.
+batch, the ready marker (`failures`) and the metrics (`failures`). Nothing is dropped silently. A worker whose
+sampling calls generate nothing `NO_PROGRESS_AFTER` (20) times in a row, every example failing with the same error
+type (a lesson none of whose prompts fits `max_seq_len`), stops with one line and exit code 9 (`NoProgressError`;
+never restarted: docs/reference/exit-codes.md).
 """
 
 from __future__ import annotations
 
 from pipeline.config import RolloutStepConfig, validate_rollout
 from pipeline.environments.tokenizer import load_tokenizer
-from pipeline.rollout.worker import RolloutWorker
+from pipeline.rollout.worker import RolloutWorker, check_prompts_fit
 from policy.rollout_manager import policy_runtime
 
 
@@ -74,6 +77,7 @@ def main(config: RolloutStepConfig) -> int:
     """Run one rollout worker until stopped; returns the exit status (0: clean stop)."""
     validate_rollout(config)
     tokenizer = load_tokenizer(config.model.tokenizer)
+    check_prompts_fit(config, tokenizer)  # a lesson none of whose prompts fits: exit 2 before anything starts
     worker = RolloutWorker(config, runtime=policy_runtime(config, tokenizer), tokenizer=tokenizer)
     worker.install_signal_handlers()
     try:

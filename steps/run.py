@@ -11,18 +11,21 @@ then supervise the steps (pipeline.jobs.runner).
     python -m steps.run step rollout --config_path … --run_root … --worker_id w7 --max_rollouts 64
     python -m steps.run step evaluate --config_path … --run_root … --all true
 
-`--run_root X` is shorthand for `--store.run_root X`. Without `step`, every other flag overrides the job
-config (draccus dotted flags); with `step NAME`, `--config_path` and `--store.*` describe the job and every
-other flag overrides that step's config (see `python -m steps.<module> --help`). A bad config is one line on
-stderr naming the field and the value, exit code 2, before anything starts. So is a model / train / optimizer /
-loss / curriculum value that differs from the run root's run.json (unless `--allow_config_change true`: then
-recorded in run.json's history), and `step evaluate` on a run root without run.json. So is a run root that is
-a non-empty folder but not a run root (no run.json, and entries rlpipe does not make): nothing is created there.
+`--run_root X` is shorthand for `--store.run_root X`. Without `step`, every other flag overrides the job config
+(draccus dotted flags); with `step NAME`, `--config_path` and `--store.*` describe the job and every other flag
+overrides that step's config (see `python -m steps.<module> --help`), except a flag of a job field the step's
+config does not have (`step learn --curriculum.lessons.cats.chat true`): it overrides the job config. A bad
+config is one line on stderr naming the field and the value, exit code 2, before anything starts. So is a model
+/ train / optimizer / loss / curriculum value that differs from the run root's run.json (unless
+`--allow_config_change true`: then recorded in run.json's history), and `step evaluate` on a run root without
+run.json. So is a run root that is a non-empty folder but not a run root (no run.json, and entries rlpipe does
+not make): nothing is created there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -131,7 +134,8 @@ READ_ONLY_STEPS = frozenset({StepKind.EVALUATE})
 """Steps that only read a run: refused on a run root without run.json (nothing is created)."""
 RUN_ROOT_ENTRIES = frozenset(
     {layout.RUN_CONFIG, "control", layout.POLICIES, layout.CHECKPOINTS, layout.ROLLOUTS, "batches", layout.CURRICULUM,
-     layout.EVALS, layout.METRICS, layout.QUARANTINE, layout.LEASES, layout.LOGS, layout.LINEAGE, layout.GC, "report"}
+     layout.EVALS, layout.METRICS, layout.QUARANTINE, layout.LEASES, layout.LOGS, layout.LINEAGE, layout.GC,
+     layout.RESCORED, "report"}
 )  # fmt: skip
 """The top-level names rlpipe makes in a run root (`pipeline.store.layout`, and the report's folder)."""
 
@@ -154,6 +158,29 @@ def refuse_foreign_folder(store: RunStore) -> None:
             f"is a non-empty folder that is not a run root (no {layout.RUN_CONFIG}; holds {shown}): "
             "name a new or empty folder, or an existing run root",
         )
+
+
+def split_step_args(job: RLJob, step: StepKind, args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the flags of job fields that `step`'s config does not have, the step's own overrides), in their order.
+    The first override the job config: `step learn --curriculum.lessons.<id>.chat true` changes the job's lesson
+    (an unknown id is refused naming the known ones; a change is checked against run.json) instead of being an
+    unrecognized argument of the learner's config."""
+    base: Any = job.to_worker_configs()[step.job_name]
+    if isinstance(base, list):
+        base = base[0]
+    step_fields = {f.name for f in dataclasses.fields(base)}
+    job_only = {f.name for f in dataclasses.fields(RLJobConfig)} - step_fields
+    to_job: list[str] = []
+    to_step: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        flag = arg.startswith("--")
+        count = 2 if flag and "=" not in arg and i + 1 < len(args) and not args[i + 1].startswith("--") else 1
+        top = arg[2:].split("=", 1)[0].split(".", 1)[0] if flag else ""
+        (to_job if top in job_only else to_step).extend(args[i : i + count])
+        i += count
+    return to_job, to_step
 
 
 def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
@@ -179,7 +206,12 @@ def main(invocation: Invocation) -> int:
     """Run the job (or the one step) the invocation names; returns the process exit code."""
     job = RLJob(parse_job(invocation.job_args), allow_config_change=invocation.allow_config_change)
     if invocation.step is not None:
-        return run_step(job, invocation.step, invocation.step_args)
+        job_flags, step_flags = split_step_args(job, invocation.step, invocation.step_args)
+        if job_flags:  # e.g. `step learn --curriculum.lessons.cats.chat true`: a job field the learner has not
+            job = RLJob(
+                parse_job([*invocation.job_args, *job_flags]), allow_config_change=invocation.allow_config_change
+            )
+        return run_step(job, invocation.step, step_flags)
     from pipeline.jobs.runner import JobRunner
 
     store = RunStore(job.config.store.run_root, job.config.store.storage_options or None)

@@ -87,6 +87,7 @@ EXPECTED_SECONDS = {
     "tests/test_readme_gcs.py": 41,
     "default_job": 40,
     "tests/test_server_job.py": 38,
+    "tests/test_judge_job.py": 60,  # a job plus a judge server process, killed and restarted
     "tests/test_lora.py::test_lora_learns_cats": 37,
     "tests/test_learn_crash.py": 34,
     "tests/test_loss_learning.py": 34,

@@ -238,10 +238,14 @@ def test_readers_refuse_bad_or_foreign_state_files(tmp_path: Path) -> None:
     obj = json.loads(store.get(layout.curriculum_state(1)))
     store.put_unique(layout.curriculum_state(2), json.dumps({**obj, "schema_version": 9}).encode())
     with pytest.raises(CurriculumStateError, match=r"state-00000002\.json: expected schema curriculum_state@v1"):
-        load_latest_curriculum(store, cfg)
+        load_curriculum_state(store, 2, cfg)
     store.put_unique(layout.curriculum_state(3), b"{not json")
     with pytest.raises(CurriculumStateError, match=r"state-00000003\.json"):
-        load_latest_curriculum(store, cfg)
+        load_curriculum_state(store, 3, cfg)
+    # a reader of the newest state sets the damaged ones aside with their reasons and uses the newest intact one
+    assert load_latest_curriculum(store, cfg).step == 1
+    assert store.quarantined() == {layout.curriculum_state(2), layout.curriculum_state(3)}
+    assert "curriculum_state@v9" in store.get_json(layout.quarantine_record(layout.curriculum_state(2)))["reason"]
 
 
 def test_rebuild_folds_recorded_eval_values_after_evaluate_force(tmp_path: Path) -> None:

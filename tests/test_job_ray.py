@@ -14,9 +14,11 @@ from pipeline.store.storage import RunStore
 
 
 @pytest.mark.slow
-def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint) -> None:
+def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole job as Ray tasks, its run root on gs:// (the GCS emulator): every step task reads and writes the
-    bucket through the job's storage options, step logs included, and nothing is written locally."""
+    bucket through the job's storage options, step logs included, and nothing is written locally. Its output,
+    piped here (not a terminal), carries no ANSI colour codes."""
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)  # the launcher's own default, not this environment's
     run_root = f"gs://{gcs_endpoint.bucket}/ray-{os.getpid()}"
     cfg = job_config(
         tmp_path,
@@ -36,6 +38,9 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint) -> None:
     output = proc.stdout + proc.stderr
     assert "TaskCancelledError" not in output and "Traceback" not in output, output[-3000:]
     assert "exited with" not in output, [ln for ln in output.splitlines() if "exited with" in ln]
+    assert "\x1b[" not in output, [ln for ln in output.splitlines() if "\x1b[" in ln][:5]
+    for log in store.list("logs/learner") + store.list("logs/batches"):
+        assert b"\x1b[" not in store.get(log), log
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def test_storage_unavailable_steps_are_restarted_outside_max_restarts(tmp_path: 
 
 def test_a_refused_config_is_never_restarted(tmp_path: Path) -> None:
     runner = run_scripted(tmp_path, {"learner": [Exit.CONFIG, Exit.OK]})
-    assert runner.returncode == Exit.FAILED  # type: ignore[attr-defined]
+    assert runner.returncode == Exit.CONFIG  # type: ignore[attr-defined]
     assert learner(runner).exit_codes == [Exit.CONFIG]
 
 
@@ -101,7 +101,7 @@ def test_a_refused_config_stops_the_job_at_once_printing_its_one_line(
     log = f"2025 INFO steps.rollout: starting\nerror: invalid config: {reason}\n"
     with caplog.at_level("ERROR", logger="pipeline.jobs.runner"):
         runner = run_scripted(tmp_path, {"rollout": [Exit.CONFIG, Exit.OK], "learner": [Exit.OK]}, {"rollout": log})
-    assert runner.returncode == Exit.FAILED  # type: ignore[attr-defined]
+    assert runner.returncode == Exit.CONFIG  # type: ignore[attr-defined]
     rollout = next(s for s in runner.steps if s.kind == StepKind.ROLLOUT)
     assert rollout.exit_codes == [Exit.CONFIG] and rollout.restarts == 0
     (line,) = [r.getMessage() for r in caplog.records if "refused its configuration" in r.getMessage()]

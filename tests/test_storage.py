@@ -28,7 +28,6 @@ from pipeline.store.storage import (
     TMP_PREFIX,
     CorruptFileError,
     FileInfo,
-    MissingDataError,
     NotCommittedError,
     RunStore,
     SchemaMismatchError,
@@ -393,7 +392,7 @@ def _commit_garbage(store: RunStore, name: str) -> tuple[str, str]:
             {f.name: pa.array([], f.type) for f in EVAL_SUMMARY.schema}, schema=EVAL_SUMMARY.arrow_schema()
         )
         commit_raw(store, rel, RunStore.parquet_bytes(summary, EVAL_SUMMARY), 0)
-        return rel, f"expected {ROLLOUT.tag}, found eval_summary@v1"
+        return rel, f"expected {ROLLOUT.tag}, found {EVAL_SUMMARY.tag}"
     if name == "newer-version":
         newer = dataclasses.replace(ROLLOUT, version=ROLLOUT.version + 1)
         commit_raw(store, rel, RunStore.parquet_bytes(rollout_table(4), newer), 4)
@@ -470,13 +469,20 @@ def test_quarantine_on_remote_backends(store_factory: Any, backend: str) -> None
     assert store.list_committed(STEP_DIR) == []
 
 
-def test_missing_data_behind_a_marker_is_an_error_not_quarantine(store: RunStore) -> None:
+def test_missing_data_behind_a_marker_is_quarantined_and_the_reader_goes_on(store: RunStore) -> None:
+    """A ready marker whose data file is gone is set aside like any unreadable file (one damaged object never blocks
+    the rest): quarantined with its reason, None returned, no longer listed as committed."""
     rel = layout.rollout_file(3, "w0", 1)
+    good = layout.rollout_file(3, "w0", 2)
     assert store.commit_data(rel, rollout_table(2), ROLLOUT, {})
+    assert store.commit_data(good, rollout_table(3), ROLLOUT, {})
     store.delete(rel)
-    with pytest.raises(MissingDataError, match=re.escape("w0-00000001.parquet")):
-        store.read_committed(rel, ROLLOUT)
-    assert not store.is_quarantined(rel)
+    assert store.read_committed(rel, ROLLOUT) is None
+    assert store.is_quarantined(rel)
+    reason = store.get_json(layout.quarantine_record(rel))["reason"]
+    assert "data file missing" in reason and layout.ready_marker(rel) in reason, reason
+    assert store.list_committed(STEP_DIR) == [good]
+    assert store.read_committed(good, ROLLOUT).num_rows == 3  # type: ignore[union-attr]
 
 
 # races ----------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from pipeline.config.model import (
 )
 from pipeline.config.overrides import dump_yaml, resolve_overrides
 from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing
+from pipeline.config.rescore import RescoreStepConfig
 from pipeline.config.retention import GcStepConfig, RetentionConfig
 from pipeline.config.run_contract import (
     ALLOW_CHANGE_FLAG,
@@ -127,6 +128,7 @@ __all__ = [
     "RLJobConfig",
     "RLOOLossConfig",
     "RayBackendConfig",
+    "RescoreStepConfig",
     "RetentionConfig",
     "RolloutPacing",
     "RolloutStepConfig",

@@ -48,21 +48,35 @@ class SamplingParams:
         require(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
 
 
+ENV_TYPES: dict[str, str] = {
+    "reasoning_gym": "pipeline.environments.reasoning_gym_env.ReasoningGymEnv",
+    "exact_answer": "pipeline.environments.exact_answer.ExactAnswerEnv",
+    "arithmetic": "pipeline.environments.arithmetic.ArithmeticEnv",
+    "cats": "pipeline.environments.cats.CatsEnv",
+    "agent": "pipeline.environments.agent.AgentEnv",
+    "judged": "pipeline.environments.judged.JudgedEnv",
+}
+"""Short names accepted in `env_class` for the built-in environments (the value is the class path)."""
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     """An environment named by dotted class path plus keyword arguments."""
 
     env_class: str = "pipeline.environments.cats.CatsEnv"
-    """Dotted path `package.module.Class` of an `Environment` subclass."""
+    """Dotted path `package.module.Class` of an `Environment` subclass, or a short name of `ENV_TYPES`
+    (`reasoning_gym`, `exact_answer`, `arithmetic`, `cats`, `agent`, `judged`), replaced by its class path."""
     env_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the class."""
 
     def __post_init__(self) -> None:
+        if self.env_class in ENV_TYPES:
+            object.__setattr__(self, "env_class", ENV_TYPES[self.env_class])
         require(
             "." in self.env_class and not self.env_class.startswith("."),
             "env_class",
             self.env_class,
-            "must be a dotted path like 'package.module.ClassName'",
+            f"must be a dotted path like 'package.module.ClassName' or one of {sorted(ENV_TYPES)}",
         )
 
 
@@ -146,6 +160,9 @@ class CurriculumConfig:
     """Full evaluation of every lesson every this many policy steps (0: never)."""
     eval_n_examples: int = 16
     """Examples per lesson in a full evaluation."""
+    eval_pass_k: int = 0
+    """The k of pass@k in evaluation summaries (Chen et al. 2021's unbiased estimator from the n samples of each
+    problem, n = the lesson's eval `n_generations_per_prompt`); 0: k = n. At most every lesson's n."""
     micro_eval_frequency: int = 0
     """Micro-evaluation of the sampled lesson every this many rollout writes (0: never). Logged only."""
     micro_eval_n_examples: int = 4
@@ -191,6 +208,15 @@ class CurriculumConfig:
             self.minimum_sample_probability,
             "times the number of lessons must be in [0, 1]",
         )
+        require(self.eval_pass_k >= 0, "curriculum.eval_pass_k", self.eval_pass_k, "must be >= 0 (0: k = n)")
+        for key in self.lessons:
+            n = self.eval_sampling_for(key).n_generations_per_prompt
+            require(
+                self.eval_pass_k <= n,
+                "curriculum.eval_pass_k",
+                self.eval_pass_k,
+                f"exceeds lesson {key!r}'s eval n_generations_per_prompt={n} (pass@k needs k <= samples per problem)",
+            )
         roots = sorted(k for k, v in self.lessons.items() if not v.dependencies)
         require(
             any(self.lessons[k].start_threshold == 0.0 for k in roots),

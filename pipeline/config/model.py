@@ -85,6 +85,10 @@ class ModelSpec:
     hf_checkpoint: str | None = None
     """Local path or gs:// (any fsspec URL) folder of a Hugging Face checkpoint, streamed onto the learner's mesh
     (only its config and tokenizer files are copied to local disk); None: initialise from `seed`."""
+    init_policy: str | None = None
+    """Start the learner (at step 0) from a committed policy of another run instead of `seed`: a run root (local
+    or gs://; its newest committed policy) or one of its `policies/step-S` folders, e.g. an SFT run's
+    (`steps.sft`). Its shape and tokenizer must be this spec's; a resumed run reads its own checkpoints instead."""
     tokenizer: str = "builtin:tiny"
     """A local tokenizer folder, or `builtin:tiny` (built deterministically in code)."""
     seed: int = 0
@@ -131,6 +135,12 @@ class ModelSpec:
             "model.attention_backend",
             self.attention_backend,
             f"one of {ATTENTION_BACKENDS}",
+        )
+        require(
+            not (self.init_policy and self.hf_checkpoint),
+            "model.init_policy",
+            self.init_policy,
+            "give either model.init_policy or model.hf_checkpoint, not both",
         )
         if self.hf_checkpoint:
             for name in SHAPE_FIELDS:

@@ -55,3 +55,6 @@ class RolloutPacing:
 
     max_steps_ahead: int = 1
     """A worker pauses while rollouts from the current policy already cover this many unconsumed batches."""
+
+    def __post_init__(self) -> None:
+        require(self.max_steps_ahead >= 0, "pacing.max_steps_ahead", self.max_steps_ahead, "must be >= 0")

@@ -26,6 +26,7 @@ import draccus
 from pipeline.config.backend import JobBackendConfig
 from pipeline.config.job import RLJobConfig
 from pipeline.config.model import InferenceConfig
+from pipeline.config.rescore import RescoreStepConfig
 from pipeline.config.retention import GcStepConfig
 from pipeline.config.steps import (
     BatchMakerStepConfig,
@@ -52,6 +53,7 @@ STEPS: tuple[tuple[str, type], ...] = (
     ("steps.rollout", RolloutStepConfig),
     ("steps.evaluate", EvaluateStepConfig),
     ("steps.gc", GcStepConfig),
+    ("steps.rescore", RescoreStepConfig),
 )
 """(program, config class) of every step program whose config lives in `pipeline.config`."""
 SHARED_SECTIONS = frozenset({"store", "model", "train", "optimizer", "loss", "curriculum", "inference", "tracker"})

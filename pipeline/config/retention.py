@@ -60,3 +60,6 @@ class GcStepConfig:
     """Name under which this run holds the `gc` lease (one garbage collection at a time per run root)."""
     lease_ttl_s: float = 120.0
     """A garbage collection that stops renewing its lease for this long is presumed dead."""
+
+    def __post_init__(self) -> None:
+        require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0")

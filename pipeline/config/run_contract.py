@@ -18,10 +18,11 @@ import draccus
 from pipeline.config.base import ConfigError
 from pipeline.config.job import RLJobConfig
 from pipeline.store import layout
+from pipeline.store.run_state import RUN_SCHEMA_VERSION, read_run_record
 
 logger = logging.getLogger(__name__)
 
-RUN_SCHEMA_VERSION = 1
+__all__ = ["RUN_SCHEMA_VERSION"]
 
 CONTRACT_FIELDS = ("model", "train", "optimizer", "loss", "curriculum")
 """The fields of run.json that define the run's data contract: a step started with a different value of one of
@@ -100,7 +101,9 @@ def check_run_config(store: Any, c: RLJobConfig, *, allow_change: bool = False, 
     `allow_change`: then run.json takes the new values and its `history` records what changed, when, by `by`."""
     record = run_record(c)
     data = json.dumps(record, indent=2, sort_keys=True).encode()
-    if store.put_if_absent(layout.RUN_CONFIG, data):
+    # an existing run.json is only read: a rerun writes nothing before its steps start (a full disk is then named
+    # by the step that hits it, as it would be mid-run)
+    if not store.exists(layout.RUN_CONFIG) and store.put_if_absent(layout.RUN_CONFIG, data):
         logger.info("wrote %s", layout.RUN_CONFIG)
         return
     _check_against_run(store, record["config"], CONTRACT_FIELDS, allow_change=allow_change, by=by)
@@ -121,7 +124,7 @@ def check_step_config(store: Any, step_config: Any, *, by: str, allow_change: bo
 def _check_against_run(
     store: Any, current: dict[str, Any], fields: tuple[str, ...], *, allow_change: bool, by: str
 ) -> None:
-    existing = json.loads(store.get(layout.RUN_CONFIG))
+    existing = read_run_record(store)  # DamagedInputError naming run.json and the field when it is damaged
     changes = _changes(existing.get("config", {}), current, fields)
     if not changes:
         return

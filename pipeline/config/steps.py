@@ -65,6 +65,8 @@ class BatchMakerStepConfig:
         require(self.read_ahead >= 0, "read_ahead", self.read_ahead, "must be >= 0")
         require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0")
         require(self.late_sweep_folders >= 0, "late_sweep_folders", self.late_sweep_folders, "must be >= 0")
+        bounded = self.max_batches is None or self.max_batches >= 1
+        require(bounded, "max_batches", self.max_batches, "must be >= 1 or null")
 
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -155,6 +157,8 @@ class LearnerStepConfig:
 
     def __post_init__(self) -> None:
         require(self.final_eval_wait_s >= 0, "final_eval_wait_s", self.final_eval_wait_s, "must be >= 0")
+        require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        require(self.max_steps is None or self.max_steps >= 1, "max_steps", self.max_steps, "must be >= 1 or null")
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,14 @@ class RolloutStepConfig:
             check_component(self.worker_id, "worker_id")
         except ValueError as e:
             raise ConfigError("worker_id", self.worker_id, str(e)) from None
+        bounded = self.max_rollouts is None or self.max_rollouts >= 1
+        require(bounded, "max_rollouts", self.max_rollouts, "must be >= 1 or null")
+        require(
+            self.max_seconds is None or self.max_seconds > 0, "max_seconds", self.max_seconds, "must be > 0 or null"
+        )
+        for name in ("weight_load_timeout_s", "generation_timeout_s", "write_timeout_s", "wait_for_policy_timeout_s"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        require(self.max_example_retries >= 0, "max_example_retries", self.max_example_retries, "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -239,3 +251,13 @@ class EvaluateStepConfig:
     """Follow mode: how often the evaluator looks for new policies."""
     seed: int = 0
     """Seeds example choice per lesson: every policy is scored on the same examples."""
+
+    def __post_init__(self) -> None:
+        require(all(s >= 0 for s in self.steps), "steps", self.steps, "policy steps must be >= 0")
+        require(self.n_examples is None or self.n_examples >= 1, "n_examples", self.n_examples, "must be >= 1 or null")
+        require(
+            self.stop_after_step is None or self.stop_after_step >= 0,
+            "stop_after_step",
+            self.stop_after_step,
+            "must be >= 0 or null",
+        )

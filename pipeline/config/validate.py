@@ -71,6 +71,7 @@ def validate_learner(c: LearnerStepConfig) -> None:
     validate_train(c.train)
     check_seq_len_fits_model(c.train, c.model)
     check_learner_layout(c.train, c.model, c.mesh, "mesh")
+    check_init_policy(c.model, c.store.storage_options)
 
 
 def check_learner_layout(train: TrainParams, model: ModelSpec, mesh: MeshConfig, mesh_field: str) -> None:
@@ -127,14 +128,24 @@ def validate_rollout(c: RolloutStepConfig) -> None:
     check_inference_fits_model(c.inference, c.model)
     validate_train(c.train)
     _check_lessons_fit_rows(c.curriculum, c.train)
+    check_environment_classes(c.curriculum)
     check_environment_args(c.curriculum)
 
 
 def validate_evaluate(c: EvaluateStepConfig) -> None:
     """Cross-field checks of the evaluator's config (`steps.evaluate` at its start): the sampler's sequences fit
-    the model, and every lesson's environment accepts its `env_args` (`check_environment_args`)."""
+    the model, and every lesson's environment class imports and accepts its `env_args` (`check_environment_args`)."""
     check_inference_fits_model(c.inference, c.model)
+    check_environment_classes(c.curriculum)
     check_environment_args(c.curriculum)
+
+
+def check_init_policy(model: ModelSpec, storage_options: dict[str, Any]) -> None:
+    """Refuse a `model.init_policy` that names no committed policy (or one of another tokenizer)."""
+    if model.init_policy:
+        from pipeline.store.init_policy import check_init_policy as check
+
+        check(model, storage_options)
 
 
 def check_inference_fits_model(inference: Any, model: ModelSpec) -> None:
@@ -165,10 +176,17 @@ def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
     _check_lessons_fit_rows(c.curriculum, c.train)
     for lesson_id in c.curriculum.lessons:
         _check_lesson_fits(c, lesson_id)
+    check_init_policy(c.model, c.store.storage_options)
     if check_environments:
-        for lesson_id, lesson in c.curriculum.lessons.items():
-            check_importable(f"curriculum.lessons.{lesson_id}.env.env_class", lesson.env.env_class)
+        check_environment_classes(c.curriculum)
         check_environment_args(c.curriculum)
+
+
+def check_environment_classes(curriculum: CurriculumConfig) -> None:
+    """Refuse (ConfigError naming `curriculum.lessons.<id>.env.env_class`) a lesson whose environment class does
+    not import: the same one line, exit 2, through the job and through each step program."""
+    for lesson_id, lesson in curriculum.lessons.items():
+        check_importable(f"curriculum.lessons.{lesson_id}.env.env_class", lesson.env.env_class)
 
 
 def _check_lesson_fits(c: RLJobConfig, lesson_id: str) -> None:
@@ -220,7 +238,7 @@ def check_importable(field_name: str, dotted: str) -> None:
 def check_environment_args(curriculum: CurriculumConfig) -> None:
     """Run each lesson's environment `check_args(env_args)` hook (see the module docstring); a refusal becomes a
     ConfigError naming `curriculum.lessons.<id>.env.env_args.<arg>`. A class that does not import is skipped here
-    (`validate_job` refuses it; a worker reports it per lesson)."""
+    (`check_environment_classes` refuses it)."""
     for lesson_id, lesson in curriculum.lessons.items():
         module_name, _, cls_name = lesson.env.env_class.rpartition(".")
         try:

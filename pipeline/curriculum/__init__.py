@@ -39,11 +39,14 @@ Files (see `pipeline.store.layout`): the writer folds, for each batch slot T in 
 policies S < T not yet folded (in (S, lesson) order) and then the rollout files the BatchMaker first read while
 building slot T (batch log order), and publishes `curriculum/state-T.json` (schema `schemas.curriculum`) with
 create-if-absent. The content is a function of those committed files only, so a writer restarted from its newest
-published state, or rebuilt from nothing, writes the same bytes.
+published state, or rebuilt from nothing, writes the same bytes. A damaged state file (cut, of another schema or
+version, a field missing) is quarantined by the reader that finds it, which uses the newest older intact state; the
+writer folds the slots after it again and goes on (the damaged file, which cannot be replaced, stays set aside).
 """
 
 from pipeline.curriculum.files import (
     CurriculumWriter,
+    DamagedCurriculumStateError,
     latest_curriculum_slot,
     load_curriculum_state,
     load_latest_curriculum,
@@ -92,6 +95,7 @@ __all__ = [
     "CurriculumStateError",
     "CurriculumSyncError",
     "CurriculumWriter",
+    "DamagedCurriculumStateError",
     "LessonRecord",
     "Trend",
     "bell_weight",

@@ -23,6 +23,7 @@ from pipeline.curriculum.rules import (
     fold_training,
     initial_state,
 )
+from pipeline.process.exits import DamagedInputError
 from pipeline.store import layout
 from pipeline.store.storage import CorruptFileError, RunStore
 from schemas.base import SchemaMismatchError, ValidationError
@@ -52,21 +53,36 @@ def _state_document(state: CurriculumState) -> dict[str, Any]:
     return obj
 
 
-def latest_curriculum_slot(store: RunStore) -> int | None:
-    """The newest slot with a published state file (listing is the truth), or None."""
+def _published_slots(store: RunStore) -> list[int]:
     slots = []
     for p in store.list(layout.CURRICULUM):
         m = _STATE_RE.match(p.rsplit("/", 1)[-1])
         if m:
             slots.append(int(m.group(1)))
+    return slots
+
+
+def latest_curriculum_slot(store: RunStore) -> int | None:
+    """The newest slot with a published state file (listing is the truth), or None."""
+    slots = _published_slots(store)
     return max(slots) if slots else None
+
+
+class DamagedCurriculumStateError(CurriculumStateError, DamagedInputError):
+    """A published state file is damaged: cut mid-JSON, of another schema or a newer version, a field missing or
+    malformed, or holding another slot. (A state folded under another curriculum config is a plain
+    CurriculumStateError: a config change, not damage.)"""
+
+    def __init__(self, path: str, reason: str) -> None:
+        DamagedInputError.__init__(self, path, reason)
 
 
 def load_curriculum_state(store: RunStore, slot: int, cfg: CurriculumConfig) -> CurriculumState:
     """Read and validate `curriculum/state-<slot>.json`.
 
-    Raises FileNotFoundError if absent, CurriculumStateError (naming the path) if it is not valid JSON, not the
-    declared schema/version, malformed, or folded under another curriculum config.
+    Raises FileNotFoundError if absent, DamagedCurriculumStateError (a CurriculumStateError naming the path and
+    the field) if it is not valid JSON, not the declared schema/version, malformed or of another slot, and
+    CurriculumStateError if it was folded under another curriculum config.
     """
     path = layout.curriculum_state(slot)
     try:
@@ -75,22 +91,39 @@ def load_curriculum_state(store: RunStore, slot: int, cfg: CurriculumConfig) -> 
     except FileNotFoundError:
         raise
     except (SchemaMismatchError, ValidationError, CorruptFileError) as e:
-        raise CurriculumStateError(str(e)) from None
+        reason = str(e)
+        why = reason[len(path) + 2 :] if reason.startswith(f"{path}: ") else reason
+        raise DamagedCurriculumStateError(path, why) from None
     if rec.slot != slot:
-        raise CurriculumStateError(f"{path}: holds slot {rec.slot}, expected {slot}")
+        raise DamagedCurriculumStateError(path, f"field 'slot': holds slot {rec.slot}, expected {slot}")
     return CurriculumState.from_record(rec, cfg, path)
 
 
 def load_latest_curriculum(store: RunStore, cfg: CurriculumConfig) -> CurriculumState:
-    """The newest published curriculum state, or `initial_state(cfg)` when none is published yet.
+    """The newest intact published curriculum state, or `initial_state(cfg)` when none is published yet.
 
-    For rollout workers: `sample_lesson(sampling_weights(state), rng)`. Raises CurriculumStateError if the newest
-    file is unusable (see `load_curriculum_state`).
+    For rollout workers: `sample_lesson(sampling_weights(state), rng)`. A damaged state file (see
+    `load_curriculum_state`) is quarantined with its reason and the next older one is used (one warning line): every
+    state is a function of committed files, and the writer folds the slots after it again. Raises
+    CurriculumStateError if the newest intact state was folded under another curriculum config.
     """
-    slot = latest_curriculum_slot(store)
-    if slot is None:
+    slots = sorted(_published_slots(store), reverse=True)
+    if not slots:
         return initial_state(cfg)
-    return load_curriculum_state(store, slot, cfg)
+    bad = store.quarantined()
+    for slot in slots:
+        path = layout.curriculum_state(slot)
+        if path in bad:
+            continue
+        try:
+            return load_curriculum_state(store, slot, cfg)
+        except FileNotFoundError:  # deleted since the listing (retention): an older one
+            continue
+        except DamagedCurriculumStateError as e:
+            store.quarantine(path, e.reason)
+            logger.warning("curriculum: %s is damaged (%s); set aside, using the newest older intact state", path,
+                           e.reason)  # fmt: skip
+    return initial_state(cfg)
 
 
 class CurriculumWriter:
@@ -296,12 +329,26 @@ class CurriculumWriter:
                 if e.step == state.step:
                     logger.info("curriculum: %s", e.reason)
             return state
-        existing = self.store.get_json(path)
+        try:
+            existing = self.store.get_json(path)
+        except CorruptFileError:
+            existing = None
         if existing == doc:
             return state
-        logger.warning(
-            "curriculum: %s was already published with other content (another writer, or other inputs); "
-            "adopting the published state",
-            path,
-        )
-        return load_curriculum_state(self.store, state.step, self.cfg)
+        if existing is not None and not self.store.is_quarantined(path):
+            logger.warning(
+                "curriculum: %s was already published with other content (another writer, or other inputs); "
+                "adopting the published state",
+                path,
+            )
+            try:
+                return load_curriculum_state(self.store, state.step, self.cfg)
+            except DamagedCurriculumStateError as e:
+                self.store.quarantine(path, e.reason)
+        elif existing is None:
+            self.store.quarantine(path, "field '<json>': not valid JSON")
+        # a damaged file cannot be replaced (create-if-absent): it stays set aside, and this state, folded from the
+        # committed files, goes on (readers use the newest intact state; the next slot's file is published as usual)
+        logger.warning("curriculum: %s is damaged and set aside; going on with the state folded from committed files",
+                       path)  # fmt: skip
+        return state

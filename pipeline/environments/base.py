@@ -361,6 +361,10 @@ class Score:
     reward: float
     success: bool
     info: dict[str, float] = field(default_factory=dict)
+    extracted_answer: str | None = None
+    """The answer the scorer read from the response (None: none found, or the scorer extracts none)."""
+    ground_truth: str | None = None
+    """The reference answer scored against; None: `str(example.target)` ("" when the target is None)."""
 
 
 class SingleTurnEnvironment(Environment):
@@ -437,12 +441,17 @@ class SingleTurnEnvironment(Environment):
                 try:
                     rollouts = []
                     for c in comps:
-                        s = self.score(ex, response_text(tok, c.tokens, stop))
+                        text = response_text(tok, c.tokens, stop)
+                        s = self.score(ex, text)
                         info = dict(s.info)
                         info["success"] = float(s.success)
-                        rollouts.append(
-                            rollout_from_completion(self.name, ex.example_id, prompt, c, s.reward, info=info)
-                        )
+                        r = rollout_from_completion(self.name, ex.example_id, prompt, c, s.reward, info=info)
+                        # kept on the row for inspection (schema v3): what was read, extracted and expected
+                        r.response_text = text
+                        r.extracted_answer = s.extracted_answer
+                        truth = s.ground_truth
+                        r.ground_truth = truth if truth is not None else "" if ex.target is None else str(ex.target)
+                        rollouts.append(r)
                 except Exception as e:  # a bad completion/score fails its example only
                     failures.append(ExampleFailure(ex.example_id, f"scoring error: {e!r}"))
                     continue

@@ -12,8 +12,10 @@ prompt / answer / choices field. A local file is read in full; a remote one (gs:
 `CHECK_TIMEOUT_S` seconds (a store that does not answer by then is refused rather than retried for minutes).
 
 Scoring: `verifier(response_text, answer) -> float | bool` (reward in [0, 1]; success iff reward >= 1).
-The default verifier `normalized_match` compares normalised strings; pass a dotted path
-(`package.module.function`) to plug in another.
+The default verifier `normalized_match` compares normalised strings; `verifier: math_verify` checks mathematical
+equivalence with math-verify (`math_verify_match`: LaTeX, boxed answers, fractions and decimals); pass a dotted path
+(`package.module.function`) to plug in another. Rows keep the response, the answer the named verifiers extract (none
+for a plugged-in one) and the reference answer.
 """
 
 from __future__ import annotations
@@ -59,6 +61,59 @@ def normalize_answer(text: str) -> str:
 def normalized_match(response: str, answer: str) -> float:
     """1.0 when `normalize_answer(response) == normalize_answer(answer)`, else 0.0."""
     return 1.0 if normalize_answer(response) == normalize_answer(str(answer)) else 0.0
+
+
+MATH_VERIFY_TIMEOUT_S = 5
+"""math-verify's own time limit per parse / comparison, in seconds, applied in the main thread only (see
+`math_verify_match`)."""
+_ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
+
+
+def _math_verify_timeout() -> int | None:
+    # math-verify times out with signal.alarm, which only the main thread may set (elsewhere it raises ValueError):
+    # in other threads it runs without its time limit
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _math_parse(text: str) -> list[Any]:
+    from math_verify import parse
+
+    return list(parse(text, parsing_timeout=_math_verify_timeout()))  # type: ignore[arg-type]
+
+
+def math_verify_answer(response: str) -> str | None:
+    """The answer math-verify reads from `response` (the last `\\boxed{}`, LaTeX or plain expression; inside the
+    last `<answer>…</answer>` when there is one), as the text it matched; None when it finds none."""
+    tags = _ANSWER_TAG.findall(response)
+    parsed = _math_parse(tags[-1] if tags else response)
+    return str(parsed[-1]) if parsed else None
+
+
+def math_verify_match(response: str, answer: str) -> float:
+    """1.0 when math-verify (`math_verify.parse` + `verify`) finds the response's answer mathematically equal to
+    `answer` (LaTeX, `\\boxed{}`, fractions, decimals, numeric equivalence), else 0.0.
+
+    The response is read as by `math_verify_answer`; the reference is parsed as it is, else wrapped in `$...$`
+    (plain LaTeX like `\\frac{1}{2}`). An answer math-verify cannot read, or a check that times out, scores 0.0.
+    math-verify's time limit (`MATH_VERIFY_TIMEOUT_S`) uses SIGALRM, so it applies in the main thread only; called
+    from another thread the check runs without it."""
+    from math_verify import verify
+
+    gold = _math_parse(str(answer)) or _math_parse(f"${answer}$")
+    tags = _ANSWER_TAG.findall(response)
+    pred = _math_parse(tags[-1] if tags else response)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=_math_verify_timeout()) else 0.0
+
+
+VERIFIERS: dict[str, Verifier] = {"normalized_match": normalized_match, "math_verify": math_verify_match}
+"""Named verifiers (`verifier: <name>`); any other value is a dotted path to a function."""
+EXTRACTORS: dict[Verifier, Callable[[str], str | None]] = {
+    normalized_match: normalize_answer,
+    math_verify_match: math_verify_answer,
+}
+"""How the named verifiers read the answer out of a response (kept on rollout rows as `extracted_answer`)."""
 
 
 FORMATS = ("jsonl", "parquet")
@@ -273,7 +328,9 @@ class ExactAnswerEnv(SingleTurnEnvironment):
         if name:
             self.name = name
         self.verifier: Callable[[str, str], Any] = normalized_match
-        if verifier is not None:
+        if verifier in VERIFIERS:
+            self.verifier = VERIFIERS[verifier]
+        elif verifier is not None:
             try:
                 fn = import_object(verifier)
             except (ImportError, AttributeError) as e:
@@ -330,4 +387,5 @@ class ExactAnswerEnv(SingleTurnEnvironment):
 
     def score(self, example: Example, text: str) -> Score:
         reward = float(self.verifier(text, str(example.target)))
-        return Score(reward=reward, success=reward >= 1.0)
+        extract = EXTRACTORS.get(self.verifier)
+        return Score(reward=reward, success=reward >= 1.0, extracted_answer=extract(text) if extract else None)

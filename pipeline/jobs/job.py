@@ -91,14 +91,13 @@ def recorded_step_config(store: Any, kind: StepKind) -> Any:
     """The config of step `kind` as the run's run.json gives it (the job's own step config, as the job runner would
     start it): what read-only commands (evaluate, replay) run with. ConfigError naming `store.run_root` when
     run.json holds no readable job config."""
-    import json
-
     import draccus
 
     from pipeline.config.base import ConfigError
     from pipeline.store import layout
+    from pipeline.store.run_state import read_run_record
 
-    record = json.loads(store.get(layout.RUN_CONFIG))
+    record = read_run_record(store)  # DamagedInputError naming run.json and the field when it is damaged
     try:
         job = draccus.decode(RLJobConfig, record["config"])
     except (KeyError, TypeError, draccus.utils.ParsingError) as e:

@@ -3,10 +3,12 @@
 one with bounded exponential backoff (`restart_backoff_s` doubling up to `restart_backoff_max_s`), shows live
 progress, and stops everything cleanly when the learner reaches `num_train_steps` or on Ctrl-C.
 
-Restart rules, by the step's exit code (`pipeline.process.exits.Exit`): `CONFIG` (2, a refused configuration, or
-an error the step hit starting up that fails the same way on every start: a data file that cannot be read, a
-server command that exits before it is ready) is never restarted and stops the job at once, and the step's one-line
-reason (the last config-error line of its log) is printed; `STORAGE_UNAVAILABLE` (75: the run root's storage
+Restart rules, by the step's exit code (`pipeline.process.exits.Exit`): a code in `NEVER_RESTARTED` (`CONFIG` 2: a
+refused configuration, or an error the step hit starting up that fails the same way on every start; `DAMAGED_INPUT`
+7; `STORAGE_FAULT` 8: no space, a read-only or misplaced run root; `NO_PROGRESS` 9) is never restarted and stops
+the job at once with that code, and the step's one-line reason is printed (the line it wrote off the run root,
+`pipeline.jobs.step_logs.read_reason`, so a full run root whose step logs are empty still names the cause; else
+the last `error: …` line of its log); `STORAGE_UNAVAILABLE` (75: the run root's storage
 could not be reached) is restarted with backoff outside `max_restarts` until the outage has lasted
 `STORAGE_OUTAGE_S`; any other failure is restarted with backoff up to `max_restarts` times.
 
@@ -35,9 +37,9 @@ from pipeline.config import check_run_config
 from pipeline.jobs.job import RLJob
 from pipeline.jobs.launchers.base import STOP_GRACE_S, StepSpec, make_launcher
 from pipeline.jobs.progress import JobProgress, RunProgress
-from pipeline.jobs.step_logs import LogTarget, location, log_target
+from pipeline.jobs.step_logs import LogTarget, location, log_target, read_reason
 from pipeline.process.backoff import backoff_delay
-from pipeline.process.exits import Exit
+from pipeline.process.exits import LABELS, NEVER_RESTARTED, Exit
 from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
 from pipeline.store.committed import StorageUnavailableError
@@ -77,6 +79,8 @@ class JobRunner:
         self._started_at: dict[str, float] = {}
         self._outage: dict[str, tuple[float, int]] = {}
         """Per step in a storage outage: (monotonic time of its first Exit.STORAGE_UNAVAILABLE, restarts since)."""
+        self.failure: int = Exit.FAILED
+        """The job's exit code if a step stops it: Exit.FAILED, or the step's code in NEVER_RESTARTED."""
         self.launcher = make_launcher(self.cfg.backend)
         self.steps = self._build_specs()
 
@@ -138,17 +142,25 @@ class JobRunner:
         return self.logs[name].location
 
     def config_reason(self, name: str) -> str | None:
-        """The one-line reason step `name`'s newest start gave for exiting with Exit.CONFIG: the last line of its
-        log that carries a config error (`error: invalid config: …`, as `steps.cli` prints it), else None."""
+        """The one-line reason step `name`'s newest start gave for its exit (see `failure_reason`)."""
+        return self.failure_reason(name)
+
+    def failure_reason(self, name: str) -> str | None:
+        """The one-line reason step `name`'s newest start gave for an expected failure: the line it wrote off the
+        run root (`pipeline.jobs.step_logs.read_reason`: still there when the run root is full and its log is
+        empty), else the last `error: <label>: …` line of its log (as `steps.cli.report` prints it), else None."""
         target = self.logs.get(name)
         if target is None:
             return None
+        reason = read_reason(target)
+        if reason is not None:
+            return reason
         try:
             data = self.store.get(target.rel)
         except Exception as e:  # the reason is a courtesy: the log's location is printed anyway
             logger.debug("cannot read %s: %s", target.location, e)
             return None
-        return config_reason(data.decode(errors="replace"))
+        return failure_reason(data.decode(errors="replace"))
 
     def _start(self, spec: StepSpec) -> None:
         target = log_target(self.cfg.store.run_root, self.cfg.store.storage_options, spec.name)
@@ -162,7 +174,7 @@ class JobRunner:
 
     def _supervise(self) -> int:
         """Poll every step until the job ends; returns the job's exit code (Exit.OK; Exit.FAILED: a step failed too
-        often; Exit.INTERRUPTED)."""
+        often; a step's code in NEVER_RESTARTED: that step's failure stopped the job; Exit.INTERRUPTED)."""
         for spec in self.steps:
             self._start(spec)
         progress = self._progress = JobProgress(self.store, self.cfg.train.num_train_steps, self._on_progress)
@@ -174,7 +186,7 @@ class JobRunner:
                 now = time.monotonic()
                 for spec in self.steps:
                     if not self._tend(spec, now):
-                        return Exit.FAILED
+                        return self.failure
                 self._unless_storage_unavailable(progress.update)
                 self._unless_storage_unavailable(gc.tick)
                 if self._stopping:
@@ -208,12 +220,16 @@ class JobRunner:
                 del self._outage[spec.name]
             return True
         spec.exit_codes.append(rc)
-        # a refused config (drift, bad value) fails the same way on every restart: never restarted, and a failure
-        # even when the runner has asked the step to stop since (it was refused before it could stop cleanly)
-        if rc == Exit.CONFIG and not self._stopping:
-            reason = self.config_reason(spec.name)
-            logger.error("%s refused its configuration (exit %d, not restarted): %s; stopping the job; see %s",
-                         spec.name, rc, reason or "no reason in its log", self.log_location(spec.name))  # fmt: skip
+        # a refused config (drift, bad value), damaged input, a storage fault (full, read-only) or no progress fails
+        # the same way on every restart: never restarted, and a failure even when the runner has asked the step to
+        # stop since (it failed before it could stop cleanly)
+        if rc in NEVER_RESTARTED and not self._stopping:
+            reason = self.failure_reason(spec.name) or "no reason in its log"
+            # (the reason comes from outside the run root when the step could not write its log: a full disk)
+            what = "refused its configuration" if rc == Exit.CONFIG else f"stopped ({LABELS.get(rc, 'failed')})"
+            logger.error("%s %s (exit %d, not restarted): %s; stopping the job; see %s",
+                         spec.name, what, rc, reason, self.log_location(spec.name))  # fmt: skip
+            self.failure = rc
             return False
         if rc == Exit.OK or self._stopping or spec.terminated:
             spec.finished = True
@@ -230,13 +246,9 @@ class JobRunner:
             return self._restart_after_outage(spec, now)
         spec.restarts += 1
         if spec.restarts > self.cfg.max_restarts:
-            logger.error(
-                "%s failed %d times (last exit %d); stopping the job; see %s",
-                spec.name,
-                spec.restarts,
-                rc,
-                self.log_location(spec.name),
-            )
+            last = self.failure_reason(spec.name)
+            logger.error("%s failed %d times (last exit %d%s); stopping the job; see %s", spec.name, spec.restarts,
+                         rc, f": {last}" if last else "", self.log_location(spec.name))  # fmt: skip
             return False
         delay = backoff_delay(self.cfg.restart_backoff_s, self.cfg.restart_backoff_max_s, spec.restarts - 1)
         logger.warning(
@@ -352,6 +364,8 @@ class _Collections:
 CONFIG_ERROR_MARKERS = ("error: invalid config:", "ConfigError")
 """What marks a log line as a config error's one line (`steps.cli.run_command` prints the first; a traceback's last
 line names the second)."""
+REASON_PREFIX = "error: "
+"""How `steps.cli.report` starts the one line of an expected failure (`error: <label>: <message>`)."""
 
 
 def config_reason(log_text: str) -> str | None:
@@ -363,6 +377,15 @@ def config_reason(log_text: str) -> str | None:
                 text = line[at:].removeprefix("error: ").strip()
                 return text or None
     return None
+
+
+def failure_reason(log_text: str) -> str | None:
+    """The last line of `log_text` that starts with `error: ` (a step's one-line report of an expected failure),
+    without that prefix; else its last config-error line (`config_reason`)."""
+    for line in reversed(log_text.splitlines()):
+        if line.startswith(REASON_PREFIX) and line[len(REASON_PREFIX) :].strip():
+            return line[len(REASON_PREFIX) :].strip()
+    return config_reason(log_text)
 
 
 def snapshot(store: Any) -> dict[str, Any]:

@@ -8,10 +8,15 @@ file, and at most the last few seconds of output are missing until the step ends
 that uploads loses at most those seconds; the local copy stays in the temporary folder until then.
 
 An attempt id is `<UTC time>-<8 hex>`, so the attempts of a step sort by start time.
+
+A step the job runner started also writes the one line that ends an expected failure (`steps.cli.report`) to
+`reason_path(step, attempt)`, a small file under the system temp folder, off the run root: when the run root is
+full its log may be empty, and the runner still prints the step's reason from there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pipeline.store import layout
+from pipeline.store.faults import logs_full
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +93,32 @@ def child_log_target(
     return LogTarget(run_root, dict(storage_options) if storage_options else None, step, f"{attempt}.{suffix}")
 
 
+FULL_DEVICE = "/dev/full"
+"""A device every write to fails with ENOSPC: the step log of a run root whose logs the fault hook fills."""
+REASON_DIR = "rlpipe-step-reasons"
+"""Folder under the system temp folder that holds the steps' one-line failure reasons (`reason_path`)."""
+
+
+def reason_path(step: str, attempt: str) -> str:
+    """Where the process start `attempt` of `step` writes the one line that ended it (see the module docstring)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{step}.{attempt}")
+    return os.path.join(tempfile.gettempdir(), REASON_DIR, f"{safe}.txt")
+
+
+def read_reason(target: LogTarget) -> str | None:
+    """The one-line reason the process start of `target` wrote at its end (`reason_path`), removed once read, or
+    None."""
+    path = reason_path(target.step, target.attempt)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return text.removeprefix("error: ") or None
+
+
 class StepLog:
     """The open log file of one process start of a step (see the module docstring).
 
@@ -108,8 +140,18 @@ class StepLog:
         else:
             self._tmp = tempfile.TemporaryDirectory(prefix="rlpipe-log-")
             self.local_path = Path(self._tmp.name) / f"{target.step}.log"
-        self.local_path.parent.mkdir(parents=True, exist_ok=True)
-        self.local_path.touch()
+        self._full = self.store.is_local and logs_full()
+        """The fault-injection hook fills the logs' folder (`pipeline.store.faults`): the log is /dev/full."""
+        if not self._full:
+            try:
+                self.local_path.parent.mkdir(parents=True, exist_ok=True)
+                self.local_path.touch()
+            except OSError as e:  # a full or read-only run root: the log goes to a local temp file instead (kept)
+                fallback = Path(tempfile.mkdtemp(prefix="rlpipe-log-")) / f"{target.step}.{target.attempt}.log"
+                logger.warning("cannot write the log %s (%s); logging to %s instead", self.location, e, fallback)
+                self.local_path = fallback
+                self.location = str(fallback)
+                fallback.touch()
         self._stop = threading.Event()
         self._uploaded_size = -1
         self._thread: threading.Thread | None = None
@@ -120,7 +162,7 @@ class StepLog:
 
     def open(self) -> IO[bytes]:
         """The file (append mode) that the step's output goes to; the caller closes it."""
-        return open(self.local_path, "ab")
+        return open(FULL_DEVICE if self._full else self.local_path, "ab")
 
     def close(self) -> None:
         """Stop the uploader and upload the final state (idempotent; a no-op for a local run root)."""

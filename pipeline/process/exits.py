@@ -1,8 +1,12 @@
 """The exit codes of every rlpipe process (step programs, the job runner), one meaning per code.
 
-The job runner's restart policy reads them from here (`pipeline.jobs.runner`): `CONFIG` is never restarted,
-`STORAGE_UNAVAILABLE` is restarted with backoff outside `max_restarts` for a bounded outage, anything else
-non-zero is restarted with backoff up to `max_restarts` times.
+The job runner's restart policy reads them from here (`pipeline.jobs.runner`): a code in `NEVER_RESTARTED` stops
+the job at once with the step's one-line reason, `STORAGE_UNAVAILABLE` is restarted with backoff outside
+`max_restarts` for a bounded outage, anything else non-zero is restarted with backoff up to `max_restarts` times.
+
+Every step program ends an expected failure the same way, however it was started (`steps.cli.run_command`): one
+stderr line `error: <LABELS[code]>: <what, naming the object or field>` and the code. The table is documented in
+docs/reference/exit-codes.md.
 """
 
 from __future__ import annotations
@@ -47,6 +51,21 @@ class Exit(enum.IntEnum):
     """Stopped by the user (a second SIGINT/SIGTERM, or the job runner's Ctrl-C): 128 + SIGINT."""
 
 
+LABELS: dict[int, str] = {
+    Exit.FAILED: "failed",
+    Exit.CONFIG: "invalid config",
+    Exit.WATCHDOG: "watchdog",
+    Exit.TIMEOUT: "timed out",
+    Exit.LEASE_LOST: "lease lost",
+    Exit.LEASE_HELD: "lease held",
+    Exit.DAMAGED_INPUT: "damaged input",
+    Exit.STORAGE_FAULT: "storage fault",
+    Exit.NO_PROGRESS: "no progress",
+    Exit.STORAGE_UNAVAILABLE: "storage unavailable",
+    Exit.INTERRUPTED: "interrupted",
+}
+"""The word(s) after `error: ` in a step's one-line report of an expected failure with that exit code."""
+
 NEVER_RESTARTED: frozenset[int] = frozenset({Exit.CONFIG, Exit.DAMAGED_INPUT, Exit.STORAGE_FAULT, Exit.NO_PROGRESS})
 """Exit codes the job runner never restarts: the same start would fail the same way; the job stops with the
 step's one-line reason."""
@@ -72,9 +91,15 @@ class DamagedInputError(ExpectedFailure):
 
 
 class StorageFaultError(ExpectedFailure):
-    """The run root's storage refused an operation for a reason a restart cannot fix (no space, read-only)."""
+    """The run root's storage refused an operation for a reason a restart cannot fix (no space, read-only, a file
+    where a folder must be); `path` is what was being written, `reason` says why (and the free space)."""
 
     exit_code = Exit.STORAGE_FAULT
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
 
 
 class NoProgressError(ExpectedFailure):

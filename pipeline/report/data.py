@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.process.step_kind import StepKind
+from pipeline.report.answers import AnswerSample, read_answers
 from pipeline.retention.lineage import used_through
 from pipeline.rollout.samples import SAMPLES_EVENT, Sample, newest_rollout_file, newest_samples, tokenizer_decoder
 from pipeline.store import layout
@@ -91,6 +92,9 @@ class RunData:
     curriculum_events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     quarantined: int = 0
     """Files set aside by any step (quarantine records)."""
+    quarantine: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    """Every quarantine record as {path, kind, reason}, by path: what was set aside (a rollout or batch file, a
+    curriculum state) or skipped (a damaged policy `evaluate` skipped, a checkpoint the learner fell back from)."""
     notes: list[str] = dataclasses.field(default_factory=list)
     """Problems met while reading (unreadable files), shown in the summary."""
     samples_file: str | None = None
@@ -101,6 +105,38 @@ class RunData:
     """Why `samples` is empty although there are rollouts (e.g. no tokenizer to decode with)."""
     sample_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The `samples` metrics records of rollout workers (one per policy step and worker), by time."""
+    answers: list[AnswerSample] = dataclasses.field(default_factory=list)
+    """Right and wrong samples per lesson from eval and rollout rows (`pipeline.report.answers`)."""
+
+
+QUARANTINE_KINDS = (
+    (f"{layout.POLICIES}/", "policy (skipped)"),
+    (f"{layout.CHECKPOINTS}/", "checkpoint (skipped)"),
+    (f"{layout.ROLLOUTS}/", "rollout file"),
+    ("batches/data/", "batch file"),
+    (f"{layout.CURRICULUM}/", "curriculum state"),
+    (f"{layout.EVALS}/", "evaluation file"),
+)
+"""The kind of a quarantined object by the folder it lies in (anything else: "other")."""
+
+
+def quarantine_kind(path: str) -> str:
+    """What a quarantined path is (`QUARANTINE_KINDS`)."""
+    return next((kind for prefix, kind in QUARANTINE_KINDS if path.startswith(prefix)), "other")
+
+
+def _read_quarantine(store: RunStore, data: RunData) -> None:
+    """Every quarantine record: path, kind and reason (an unreadable record becomes a note)."""
+    records = [r for r in store.list(layout.QUARANTINE) if r.endswith(".json")]
+    for rel, blob in zip(records, _get_many(store, records), strict=True):
+        obj = _parse_json(rel, blob, data.notes)
+        if not isinstance(obj, dict) or not isinstance(obj.get("path"), str):
+            if obj is not None:
+                data.notes.append(f"quarantine record {rel} names no path")
+            continue
+        path = obj["path"]
+        data.quarantine.append({"path": path, "kind": quarantine_kind(path), "reason": str(obj.get("reason", ""))})
+    data.quarantine.sort(key=lambda r: r["path"])
 
 
 def _read_run_config(store: RunStore, data: RunData) -> None:
@@ -277,6 +313,16 @@ def _read_samples(store: RunStore, data: RunData) -> None:
     data.samples_file, data.samples = newest_samples(store, decode)
 
 
+def _decoder(data: RunData) -> Any:
+    """The decoder of the tokenizer run.json names, or None when there is none to load."""
+    model = ((data.run_config or {}).get("config") or {}).get("model") or {}
+    spec = model.get("tokenizer") if isinstance(model, dict) else None
+    try:
+        return tokenizer_decoder(spec) if isinstance(spec, str) else None
+    except (ValueError, OSError):
+        return None
+
+
 def _normalise_metrics(metrics: dict[str, list[dict[str, Any]]]) -> None:
     """Fill canonical field names from known aliases and keep only rollout-write records.
 
@@ -299,6 +345,7 @@ def load_run(run_root: str, storage_options: dict[str, Any] | None = None) -> Ru
     data = RunData(run_root=run_root)
     bad = store.quarantined()
     data.quarantined = len(bad)
+    _read_quarantine(store, data)
     _read_run_config(store, data)
     for kind in METRIC_KINDS:
         data.metrics[kind] = read_metrics(store, kind)
@@ -315,6 +362,11 @@ def load_run(run_root: str, storage_options: dict[str, Any] | None = None) -> Ru
     except Exception as e:  # samples are a view: a failure to read them must not cost the report
         logger.exception("report: cannot read sample completions")
         data.samples_note = f"cannot read sample completions: {type(e).__name__}: {e}"
+    try:
+        data.answers = read_answers(store, data.eval_summaries, _decoder(data), data.notes, bad)
+    except Exception as e:  # a view as well
+        logger.exception("report: cannot read right and wrong answers")
+        data.notes.append(f"cannot read right and wrong answers: {type(e).__name__}: {e}")
     return data
 
 

@@ -18,7 +18,7 @@ from pipeline.report.data import RunData, last_per, num, series, start_time
 from pipeline.report.latency import latency_section
 from pipeline.report.learner import learner_section
 from pipeline.report.plots import Plot, Section, add_legend, fmt, html_table, new_figure, to_png
-from pipeline.report.text import config_section, samples_section
+from pipeline.report.text import answers_section, config_section, samples_section
 
 SECTION_TITLES = (
     "Reward per lesson",
@@ -29,6 +29,7 @@ SECTION_TITLES = (
     "Learner idle time",
     "Per-step latency",
     "Sample completions",
+    "Right and wrong answers",
     "Summary",
     "Rollout fates",
     "Curriculum events",
@@ -65,6 +66,11 @@ def summary_section(data: RunData) -> Section:
     dropped = sum(data.dropped_by_reason.values())
     rows.append(("rollouts dropped", dropped if data.dropped_by_reason else None))
     rows.append(("quarantined files", data.quarantined))
+    kinds: dict[str, int] = defaultdict(int)
+    for rec in data.quarantine:
+        kinds[rec["kind"]] += 1
+    for kind, n in sorted(kinds.items()):
+        rows.append((f"quarantined: {kind}", n))
     t0 = start_time(data)
     t1 = max((t for recs in data.metrics.values() for r in recs if (t := num(r, "time")) is not None), default=None)
     if t0 is not None and t1 is not None:
@@ -82,10 +88,19 @@ def summary_section(data: RunData) -> Section:
             )
         )
     sec.body.append(html_table(["quantity", "value"], rows))
+    if data.quarantine:
+        sec.body.append(quarantine_table(data))
     if data.notes:
         items = "".join(f"<li>{html.escape(n)}</li>" for n in data.notes)
         sec.body.append(f'<p class="warn">Problems met while reading the run root:</p><ul>{items}</ul>')
     return sec
+
+
+def quarantine_table(data: RunData) -> str:
+    """The objects set aside (quarantined) or skipped, each with its kind and reason, folded under a count."""
+    table = html_table(["kind", "path", "reason"], [(r["kind"], r["path"], r["reason"]) for r in data.quarantine])
+    n = len(data.quarantine)
+    return f"<details><summary>{n} quarantined or skipped object{'s' if n != 1 else ''}</summary>{table}</details>"
 
 
 def reward_section(data: RunData) -> Section:
@@ -162,17 +177,56 @@ def eval_section(data: RunData) -> Section:
     for ax in axes:
         add_legend(ax)
     sec.plots.append(Plot("eval", to_png(fig), "Evaluation of each committed checkpoint, per lesson."))
+    passk = _pass_at_k_plot(curves)
+    if passk is not None:
+        sec.plots.append(passk)
     newest: list[tuple[str, int | str, dict[str, Any]]]
     newest = [(name, max(per_step), per_step[max(per_step)]) for name, per_step in sorted(curves.items())]
     newest += [(f"baseline {name}", "external", row) for name, row in sorted(baselines.items())]
     rows = [
         (name, step, r.get("n_examples"), r.get("mean_reward"), r.get("success_rate"),
-         r.get("mean_response_tokens"), r.get("truncation_rate"))
+         _pass_label(r), r.get("mean_at_k"), r.get("mean_response_tokens"), r.get("truncation_rate"))
         for name, step, r in newest
     ]  # fmt: skip
-    header = ["lesson", "policy step", "examples", "mean reward", "success rate", "response tokens", "truncation"]
+    header = [
+        "lesson", "policy step", "examples", "mean reward", "success rate", "pass@k (k/n)", "mean@k",
+        "response tokens", "truncation",
+    ]  # fmt: skip
     sec.body.append(html_table(header, rows))
     return sec
+
+
+def _pass_label(row: dict[str, Any]) -> str:
+    """`pass@k value (k/n)` of a summary row, or "-" when it records none (a version-1 summary)."""
+    v = num(row, "pass_at_k")
+    return "-" if v is None else f"{fmt(v)} ({row.get('pass_k')}/{row.get('samples_per_problem')})"
+
+
+def _pass_at_k_plot(curves: dict[str, dict[int, dict[str, Any]]]) -> Plot | None:
+    """pass@k and mean@k per checkpoint and lesson (summaries of schema version 2), or None when none has them."""
+    have = {
+        name: per_step
+        for name, per_step in curves.items()
+        if any(num(r, "pass_at_k") is not None for r in per_step.values())
+    }
+    if not have:
+        return None
+    fig, axes = new_figure(2)
+    for name, per_step in sorted(have.items()):
+        ks = sorted({int(r["pass_k"]) for r in per_step.values() if num(r, "pass_at_k") is not None})
+        label = f"{name} (k={','.join(map(str, ks))})"
+        for ax, field in zip(axes, ("pass_at_k", "mean_at_k"), strict=True):
+            pts = [(s, v) for s in sorted(per_step) if (v := num(per_step[s], field)) is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    axes[0].set(title="Eval pass@k per checkpoint", xlabel="policy step", ylabel="pass@k")
+    axes[1].set(title="Eval mean@k per checkpoint", xlabel="policy step", ylabel="mean reward over k samples")
+    for ax in axes:
+        add_legend(ax)
+    caption = (
+        "pass@k (Chen et al. 2021's unbiased estimator from n samples per problem) and mean@k (mean reward of a "
+        "problem's samples) of each committed checkpoint, per lesson."
+    )
+    return Plot("eval_pass_at_k", to_png(fig), caption)
 
 
 def staleness_section(data: RunData) -> Section:
@@ -366,6 +420,7 @@ SECTIONS: tuple[Callable[[RunData], Section], ...] = (
     idle_section,
     latency_section,
     samples_section,
+    answers_section,
     summary_section,
     fates_section,
     curriculum_section,

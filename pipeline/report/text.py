@@ -62,6 +62,31 @@ def samples_section(data: RunData) -> Section:
     return sec
 
 
+def _none(text: str | None) -> str:
+    return "(none found)" if text is None else text
+
+
+def answers_section(data: RunData) -> Section:
+    """Right and wrong samples per lesson (`pipeline.report.answers`): prompt, response, extracted answer and
+    ground truth, from the newest eval rows and the newest rollout rows."""
+    sec = Section("Right and wrong answers")
+    if not data.answers:
+        return sec.no_data("rollout or eval rows with response text (schema version 3)")
+    header = ["source", "example", "prompt", "response", "extracted answer", "ground truth", "reward"]
+    for lesson in sorted({a.lesson_id for a in data.answers}):
+        for right in (True, False):
+            picked = [a for a in data.answers if a.lesson_id == lesson and a.right == right]
+            if not picked:
+                continue
+            rows = [
+                (a.source, a.example_id, a.prompt, a.response, _none(a.extracted_answer), a.ground_truth, a.reward)
+                for a in picked
+            ]
+            sec.body.append(f"<h3>{html.escape(lesson)}: {'right' if right else 'wrong'}</h3>")
+            sec.body.append(_text_table(header, rows, {2, 3, 4, 5}))
+    return sec
+
+
 def _flatten(obj: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
     """Dotted (key, scalar) pairs of a JSON value; lists of scalars are shown inline."""
     if isinstance(obj, dict):

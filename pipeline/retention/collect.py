@@ -8,7 +8,6 @@ the plan (create-if-absent) and carry it out in the safe order; write the done r
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -43,7 +42,7 @@ class RunFacts:
     @classmethod
     def read(cls, store: RunStore) -> RunFacts:
         """The facts of the run root's run.json (FileNotFoundError if it has none: not a run root)."""
-        cfg = json.loads(store.get(layout.RUN_CONFIG)).get("config", {})
+        cfg = run_state.read_run_record(store)["config"]  # DamagedInputError when run.json is damaged
         train, curriculum = cfg.get("train", {}), cfg.get("curriculum", {})
         return cls(
             max_lag=int(train.get("max_lag", 1)),

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from pipeline.store import layout
+from pipeline.batch_maker.rebuild import verified_batch
+from pipeline.config import TrainParams
+from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore, new_attempt_id
-from schemas import BATCH
 from schemas.dropped import DROPPED
 from schemas.lineage import LINEAGE, USED
 
@@ -68,11 +69,25 @@ def covered_through(files: Iterable[IndexFile]) -> int:
     return through
 
 
-def _slot_rows(store: RunStore, slot: int) -> dict[str, list[object]]:
-    """The lineage columns of one committed slot: its batch's segments (`used`) and its dropped rows."""
+def _recorded_train(store: RunStore) -> TrainParams | None:
+    """The run's train config as run.json records it (None: not readable), for rebuilding a damaged batch."""
+    import draccus
+
+    try:
+        return draccus.decode(TrainParams, run_state.read_run_record(store)["config"]["train"])
+    except (FileNotFoundError, KeyError, TypeError, ValueError, draccus.utils.ParsingError):
+        return None
+
+
+def _slot_rows(store: RunStore, slot: int, train: TrainParams | None = None) -> dict[str, list[object]]:
+    """The lineage columns of one committed slot: its batch's segments (`used`) and its dropped rows.
+
+    The batch is verified against its log entry (a damaged data file is quarantined and the slot rebuilt with
+    `train`, or DamagedInputError: `pipeline.batch_maker.rebuild`), so the index never records a damaged file's
+    rows."""
     entry = store.read_log_entry(slot)
     cols: dict[str, list[object]] = {name: [] for name in LINEAGE.schema.names}
-    batch = store.read_parquet(entry.data_file, BATCH)
+    batch = verified_batch(store, entry, train)
     for ids, files, steps in zip(
         batch.column("rollout_ids").to_pylist(),
         batch.column("source_files").to_pylist(),
@@ -98,8 +113,9 @@ def _slot_rows(store: RunStore, slot: int) -> dict[str, list[object]]:
 def build_index(store: RunStore, first: int, last: int) -> pa.Table:
     """The lineage rows of batch slots `first..last` (every slot must be committed with its data present)."""
     cols: dict[str, list[object]] = {name: [] for name in LINEAGE.schema.names}
+    train = _recorded_train(store)
     for slot in range(first, last + 1):
-        for name, values in _slot_rows(store, slot).items():
+        for name, values in _slot_rows(store, slot, train).items():
             cols[name].extend(values)
     return pa.Table.from_pydict(cols, schema=LINEAGE.arrow_schema())
 

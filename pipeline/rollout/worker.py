@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -25,7 +26,7 @@ from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_
 from pipeline.environments.tokenizer import check_chat_lessons, load_tokenizer
 from pipeline.jobs.step_logs import run_root_of, server_log
 from pipeline.process.backoff import Backoff
-from pipeline.process.exits import Exit
+from pipeline.process.exits import Exit, NoProgressError
 from pipeline.process.step_kind import StepKind
 from pipeline.process.watchdog import watchdog
 from pipeline.rollout.pacing import PacingDecision, PacingView, count_unconsumed_rows, pacing_decision, signal_rows
@@ -55,6 +56,65 @@ class PolicyRuntime:
     """(store, committed policy step) -> its policy model."""
     publish_hf: Callable[[RunStore, int], Any]
     """(store, step) -> write `policies/step-S/hf/` when the backend's server needs it (a no-op otherwise)."""
+
+
+NO_PROGRESS_AFTER = 20
+"""Consecutive sampling calls that generate nothing, every example failing with the same error type, after which a
+worker stops with NoProgressError (exit 9, never restarted) instead of spinning: each call already re-draws a
+failed example `max_example_retries` times."""
+
+
+_ERROR_TYPE = re.compile(r"\b([A-Z]\w*(?:Error|Exception))\b")
+
+
+def failure_kind(reason: str) -> str:
+    """The error type a failure reason names (`generation error: PromptTooLongError('prompt 0 …')` ->
+    `PromptTooLongError`), else its text up to the first `(` or `:`."""
+    match = _ERROR_TYPE.search(str(reason))
+    if match:
+        return match.group(1)
+    head = str(reason).split("(", 1)[0].split(":", 1)[0].strip()
+    return re.sub(r"\d+", "#", head) or "<no reason>"  # "prompt has 9 tokens > …" and "… 12 tokens …": one kind
+
+
+PROMPT_PROBE = 16
+"""Prompts drawn per lesson at a worker's start to check that some fit the sampler (`check_prompts_fit`)."""
+
+
+def check_prompts_fit(config: RolloutStepConfig, tokenizer: Any) -> None:
+    """Refuse (ConfigError naming the sequence-length field) a lesson none of whose prompts fits the sampler: a
+    prompt of >= max_seq_len tokens (`inference.max_seq_len`, else `model.max_seq_len`) leaves no room to generate,
+    so every generation would fail. Checked at start on `PROMPT_PROBE` prompts drawn from each single-turn lesson
+    (one that fits is enough); an environment that cannot be built or drawn from here is left to the worker, which
+    reports it per lesson (and stops with NoProgressError when every generation fails the same way)."""
+    from pipeline.config import ConfigError
+    from pipeline.environments import load_environment
+    from pipeline.environments.base import SingleTurnEnvironment, encode_prompt
+
+    limit = getattr(config.inference, "max_seq_len", None)
+    field = "inference.max_seq_len" if limit is not None else "model.max_seq_len"
+    limit = limit if limit is not None else config.model.max_seq_len
+    for lesson_id, lesson in config.curriculum.lessons.items():
+        try:
+            env = load_environment(lesson.env)
+            if not isinstance(env, SingleTurnEnvironment):
+                continue
+            examples = env.examples(PROMPT_PROBE, np.random.default_rng(config.seed), "train")
+            lengths = [
+                len(encode_prompt(tokenizer, ex.prompt, add_bos=env.add_bos, chat=lesson.chat))
+                for ex in examples
+                if ex.prompt is not None and ex.error is None
+            ]
+        except Exception as e:  # the worker reports it when it samples the lesson
+            logger.debug("prompt-length check of lesson %s skipped: %s", lesson_id, e)
+            continue
+        if lengths and min(lengths) >= limit:
+            raise ConfigError(
+                field,
+                limit,
+                f"no prompt of lesson {lesson_id!r} fits: {len(lengths)} drawn have {min(lengths)}..{max(lengths)} "
+                "tokens, and a prompt of >= max_seq_len tokens leaves no room to generate",
+            )
 
 
 class RolloutWorker:
@@ -106,6 +166,8 @@ class RolloutWorker:
         self._mark = 0
         self._backoff = Backoff(config.polling.interval_s)
         self.summary = WorkerSummary()
+        self._fruitless: tuple[str, str, int] | None = None
+        """(failure kind, last reason, consecutive sampling calls) while every call fails the same way."""
 
     # -- control ------------------------------------------------------------------------------------
 
@@ -260,7 +322,8 @@ class RolloutWorker:
         if self._manager.manages_weights:
             if self._server_log is None:
                 self._server_log = server_log(self.store, self.config.worker_id)
-            self._manager.attach_run(run_root_of(self.store), str(self._server_log.local_path))
+            log = self._server_log  # written locally, kept (uploaded) at its location: errors name the latter
+            self._manager.attach_run(run_root_of(self.store), str(log.local_path), log.location)
             self._serve_step(step)
         elif managed is None:
             self._manager.update_model(self._load_step(step))
@@ -452,7 +515,9 @@ class RolloutWorker:
         self.summary.failures += int(m["failures"])
         if batch is None:
             self.metrics.log({"event": "empty", "lesson_id": lesson_id, **m})
+            self._no_progress(lesson_id, getattr(self.manager, "last_failures", None) or [])
             return False
+        self._fruitless = None
         timing["generated_at"] = time.time()
         t0 = time.monotonic()
         rel = self.write(batch, timing)
@@ -460,6 +525,24 @@ class RolloutWorker:
         self._log_write(batch, {**m, **timing}, rel, time.monotonic() - t0, t_lesson)
         self._log_samples(batch, rel)
         return True
+
+    def _no_progress(self, lesson_id: str, failures: list[Any]) -> None:
+        """Count a sampling call that produced no rollout; NoProgressError naming the cause once
+        `NO_PROGRESS_AFTER` consecutive calls failed every example the same way (the same error type: a lesson
+        none of whose prompts fits `max_seq_len` fails every generation with PromptTooLongError, forever)."""
+        kinds = {failure_kind(f.reason) for f in failures}
+        if len(kinds) != 1:
+            self._fruitless = None
+            return
+        (kind,) = kinds
+        count = self._fruitless[2] + 1 if self._fruitless is not None and self._fruitless[0] == kind else 1
+        self._fruitless = (kind, failures[-1].reason, count)
+        if count >= NO_PROGRESS_AFTER:
+            raise NoProgressError(
+                f"lesson {lesson_id!r}: {count} sampling calls in a row generated nothing, every example failing "
+                f"with {kind} (last: {' '.join(str(failures[-1].reason).split())}); check the lesson's prompts against "
+                "max_seq_len, max_prompt_tokens and the inference settings"
+            )
 
     def _log_samples(self, batch: RolloutBatch, rel: str) -> None:
         """A few completions as text, once per policy step this worker writes (`pipeline.rollout.samples`)."""

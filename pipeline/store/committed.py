@@ -7,9 +7,12 @@ store's primitives (`get`, `exists`, `list`, `put_if_absent`, `put_json_if_absen
 - `commit_data` writes data then a ready marker (`layout.ready_marker`, a `schemas.records.ReadyMarker`) naming
   its file, size, sha256, rows, schema, attempt_id and time, plus the producer's `extra` fields.
 - `list_committed` trusts markers, never data listings.
-- `read_committed` verifies the data against its marker; a permanently bad file (bad marker included) is
-  quarantined (reason record via create-if-absent, a warning naming path and reason) and None is returned so
-  the caller goes on. A marker whose data file is missing raises `MissingDataError`: a bug, not corruption.
+- `read_committed` verifies the data against its marker; a permanently bad file (bad marker included, and a marker
+  whose data file is gone) is quarantined (reason record via create-if-absent, a warning naming path and reason)
+  and None is returned so the caller goes on: one damaged object never blocks the rest.
+- `read_log_entry` refuses a damaged batch log entry (cut mid-JSON, of a newer version, a field missing) with
+  `DamagedRecordError`: a `RecordError` that is also a `pipeline.process.exits.DamagedInputError` (one line naming
+  the file and the field, exit code 7, never restarted): a slot's commit object cannot be rebuilt.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from pipeline.config.base import ConfigError
+from pipeline.process.exits import DamagedInputError
 from pipeline.store import layout
 from schemas.base import SchemaMismatchError, TableSpec
 from schemas.records import BatchLogEntry, ReadyMarker, RecordError
@@ -73,12 +77,23 @@ class CorruptFileError(StorageError):
 
 
 class MissingDataError(StorageError):
-    """A committed ready marker names a data file that does not exist: a bug, never quarantined."""
+    """A committed ready marker names a data file that does not exist (`read_committed` quarantines such a file
+    with this message as its reason)."""
 
     def __init__(self, path: str, marker: str) -> None:
         super().__init__(f"{path}: data file missing although its ready marker {marker} exists")
         self.path = path
         self.marker = marker
+
+
+class DamagedRecordError(RecordError, DamagedInputError):
+    """A commit record read from the run root is damaged: cut mid-JSON, of a version this reader cannot read, a field
+    missing or of the wrong type. Still a `RecordError` (naming the file and the field) for the callers that catch
+    one; as a `DamagedInputError` every entry point ends it in one line with `Exit.DAMAGED_INPUT`."""
+
+    def __init__(self, error: RecordError) -> None:
+        RecordError.__init__(self, error.path, error.field, error.why)
+        self.reason = f"field {error.field!r}: {error.why}"
 
 
 class NotCommittedError(StorageError):
@@ -193,10 +208,14 @@ class CommittedData:
     def read_log_entry(self, slot: int) -> BatchLogEntry:
         """The committed log entry of batch `slot`.
 
-        Raises FileNotFoundError (not committed), CorruptFileError (not JSON) or RecordError (names the field).
+        Raises FileNotFoundError (not committed) or DamagedRecordError (a RecordError naming the file and the field:
+        not JSON, a newer version, a field missing or of the wrong type).
         """
         path = layout.batch_log_entry(slot)
-        return BatchLogEntry.from_json(self.get_json(path), path=path)
+        try:
+            return BatchLogEntry.from_json(self.get(path), path=path)
+        except RecordError as e:
+            raise DamagedRecordError(e) from None
 
     def list_committed(self, rel_dir: str) -> builtins.list[str]:
         """Sorted data paths in `rel_dir` whose ready marker exists and that are not quarantined."""
@@ -221,9 +240,9 @@ class CommittedData:
     def read_committed(self, rel: str, spec: TableSpec[Any]) -> pa.Table | None:
         """Read a committed data file, verified against its marker; None if it is (now) quarantined.
 
-        A permanent defect (bad marker, size/sha256/row mismatch, unreadable parquet, checksum failure,
-        foreign schema or unknown version) quarantines the file with a reason and returns None.
-        Raises NotCommittedError without a marker and MissingDataError if the marker's data is gone.
+        A permanent defect (bad marker, data file gone, size/sha256/row mismatch, unreadable parquet, checksum
+        failure, foreign schema or unknown version) quarantines the file with a reason and returns None.
+        Raises NotCommittedError without a marker.
         """
         rel = check_rel(rel)
         if self.is_quarantined(rel):
@@ -234,7 +253,8 @@ class CommittedData:
             try:
                 data = self.get(rel)
             except FileNotFoundError:
-                raise MissingDataError(rel, layout.ready_marker(rel)) from None
+                missing = MissingDataError(rel, layout.ready_marker(rel))
+                raise CorruptFileError(rel, str(missing).split(": ", 1)[1]) from None
             if len(data) != record.size:
                 raise CorruptFileError(rel, f"size {len(data)} != marker size {record.size}")
             # Hash in a worker thread (hashlib releases the GIL) while parsing: the digest is checked before

@@ -21,6 +21,7 @@ All paths are relative to the run root and use '/'. Step numbers are zero-padded
     control/LEARNER_DONE                       written once the learner trained train.num_train_steps
     logs/<step>/<attempt>.log                  output of one start of a step run by the job runner (its job name)
     lineage/slots-<first>-<last>-<attempt>.parquet  fates of the rollouts of slots first..last (retention)
+    rescored/<name>/step-P/<worker>-<seq>.parquet  rollout file re-scored by `steps.rescore` (+ ready marker)
     gc/plan-<NNNNNNNN>.json                    what garbage-collection run N deletes (create-if-absent)
     gc/plan-<NNNNNNNN>.done.json               run N finished deleting
 """
@@ -125,6 +126,19 @@ def data_of_marker(marker_path: str) -> str:
     if not marker_path.endswith(READY_SUFFIX):
         raise ValueError(f"not a ready marker: {marker_path!r}")
     return marker_path[: -len(READY_SUFFIX)] + ".parquet"
+
+
+RESCORED = "rescored"
+
+
+def rescored_file(name: str, source: str) -> str:
+    """Where rescoring `name` writes its copy of rollout file `source` (`rollouts/step-P/<file>.parquet`):
+    `rescored/<name>/step-P/<file>.parquet` (one new file per source file, so a rerun finds it committed)."""
+    check_component(name, "rescoring name")
+    parts = source.strip("/").split("/")
+    if len(parts) != 3 or parts[0] != ROLLOUTS or not parts[2].endswith(".parquet"):
+        raise ValueError(f"not a rollout data file: {source!r}")
+    return join(RESCORED, name, parts[1], parts[2])
 
 
 # batches -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ work. It is NOT what makes commits safe: the commits themselves are create-if-ab
 
 Protocol for lease `name` (all objects under `leases/<name>/`, written with `put_if_absent`):
 
-    epoch-00000003.json                 claim of epoch 3: {holder, epoch, ttl_s, time, attempt_id}
+    epoch-00000003.json                 claim of epoch 3: {holder, epoch, ttl_s, time, attempt_id, host, pid}
     epoch-00000003.renew-00000007.json  7th renewal by the epoch-3 holder: {holder, epoch, time}
     epoch-00000003.released.json        the epoch-3 holder let go: {holder, epoch, time}
 
@@ -21,6 +21,10 @@ Protocol for lease `name` (all objects under `leases/<name>/`, written with `put
   previous instance is dead, so a live epoch claimed under the same holder name is taken over at
   once (epoch k+1, create-if-absent as always; if the predecessor lived after all, its next
   renew() raises LeaseLostError).
+- A live epoch whose claim names this host (`socket.gethostname()`) and a process id that no longer runs here is
+  taken over at once by acquire() (its holder is dead: a killed step, a step that died on a full disk before it
+  could write its release record), so a rerun is never blocked by a dead step's lease. A process id reused by
+  another live process only makes the taker wait for the epoch to lapse, as before.
 - renew(): raise `LeaseLostError` if a newer epoch exists or our own epoch already expired (someone
   may have taken over); otherwise create the next renewal record and delete the previous one
   (renewals are not commit objects). Renew well inside ttl_s (e.g. every ttl_s / 3).
@@ -35,7 +39,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +102,22 @@ class _EpochState:
     ttl_s: float
     last_activity: float
     released: bool
+    host: str = ""
+    pid: int = 0
+
+    def holder_dead(self) -> bool:
+        """Whether the claim names a process of this host that no longer runs."""
+        return self.host == socket.gethostname() and self.pid > 0 and not _pid_alive(self.pid)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
 
 
 class Lease:
@@ -113,7 +135,7 @@ class Lease:
         if not holder:
             raise ValueError(f"lease {name!r}: holder must be a non-empty string")
         self.store = store
-        self.name = name
+        self.name = str(name)  # a StrEnum name (StepKind) would show as <StepKind…> in messages
         self.holder = holder
         self.ttl_s = float(ttl_s)
         self.epoch = 0
@@ -150,6 +172,8 @@ class Lease:
             ttl_s=float(claim.get("ttl_s", self.ttl_s)),
             last_activity=last,
             released=released,
+            host=str(claim.get("host", "")),
+            pid=int(claim.get("pid", 0) or 0),
         )
 
     def _read(self, rel: str) -> dict[str, Any] | None:
@@ -176,11 +200,16 @@ class Lease:
             return self.epoch
         if state is not None and not state.released:
             expires_in = state.last_activity + state.ttl_s - now
-            if expires_in > 0 and not (take_over_own and state.holder == self.holder):
+            own = take_over_own and state.holder == self.holder
+            if expires_in > 0 and not own and not state.holder_dead():
                 raise LeaseHeldError(state.holder, expires_in, self.name, state.epoch)
+            if expires_in > 0 and not own:
+                logger.info("lease %s: epoch %d's holder %r (pid %d on this host) is dead; taking over at once",
+                            self.name, state.epoch, state.holder, state.pid)  # fmt: skip
         epoch = 1 if state is None else state.epoch + 1
         attempt_id = new_attempt_id()
-        claim = {"holder": self.holder, "epoch": epoch, "ttl_s": self.ttl_s, "time": now, "attempt_id": attempt_id}
+        claim = {"holder": self.holder, "epoch": epoch, "ttl_s": self.ttl_s, "time": now, "attempt_id": attempt_id,
+                 "host": socket.gethostname(), "pid": os.getpid()}  # fmt: skip
         if not self.store.put_json_if_absent(_epoch_file(self.name, epoch), claim):
             winner = self._read(_epoch_file(self.name, epoch)) or {}
             raise LeaseHeldError(str(winner.get("holder", "<unknown>")), self.ttl_s, self.name, epoch)

@@ -1,17 +1,51 @@
 """What a run root says about the run's progress, in one place: the newest committed policy, the newest
 committed batch slot, and the policy folders that hold rollouts (whether a root is on local disk:
-`pipeline.store.urls.is_local`).
+`pipeline.store.urls.is_local`); and `read_run_record`, the one reader of `run.json`, verified on read.
 
 Listing plus marker existence is the truth; pointers such as `policies/LATEST` are only hints.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
 
+from pipeline.process.exits import DamagedInputError
 from pipeline.store import layout
+
+RUN_SCHEMA_VERSION = 1
+"""The version of run.json this code writes (`run_schema_version`) and the newest it reads."""
+
+
+def read_run_record(store: Any) -> dict[str, Any]:
+    """The run root's `run.json`, checked against its schema: a JSON object whose `config` is an object and whose
+    `run_schema_version` (absent: 1) this reader knows. Raises FileNotFoundError when there is none, and
+    DamagedInputError naming run.json and the field (exit code 7) when it is cut, of a newer version or missing
+    `config`: never a JSONDecodeError traceback."""
+    data = store.get(layout.RUN_CONFIG)
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedInputError(layout.RUN_CONFIG, f"field '<json>': not valid JSON ({e})") from None
+    if not isinstance(record, dict):
+        got = type(record).__name__
+        raise DamagedInputError(layout.RUN_CONFIG, f"field '<record>': must be a JSON object, got {got}")
+    version = record.get("run_schema_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise DamagedInputError(layout.RUN_CONFIG, f"field 'run_schema_version': must be an integer, got {version!r}")
+    if version > RUN_SCHEMA_VERSION:
+        raise DamagedInputError(
+            layout.RUN_CONFIG, f"field 'run_schema_version': version {version} is newer than this reader's "
+            f"{RUN_SCHEMA_VERSION}"
+        )  # fmt: skip
+    if "config" not in record:
+        raise DamagedInputError(layout.RUN_CONFIG, "field 'config': missing")
+    if not isinstance(record["config"], dict):
+        raise DamagedInputError(layout.RUN_CONFIG, f"field 'config': must be an object, got {record['config']!r:.60}")
+    return record
+
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,11 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
   retried with exponential backoff capped at `RETRY_MAX_DELAY_S`, each retry logged, until `RETRY_WINDOW_S`
   (30 s) of wall time have passed since the first try, gcsfs's own retries inside a call included (a refused
   connection or a DNS failure spends ~30 s in gcsfs alone); then they raise `StorageUnavailableError` (a step
-  exits with `Exit.STORAGE_UNAVAILABLE`, 75 (`pipeline.process.exits`), and the job runner restarts it). Other
-  errors propagate unchanged.
+  exits with `Exit.STORAGE_UNAVAILABLE`, 75 (`pipeline.process.exits`), and the job runner restarts it). A write
+  the storage refuses for good (no space, read-only, a file where a folder must be) raises
+  `pipeline.process.exits.StorageFaultError` naming the path and the free space (`pipeline.store.faults`, which also
+  holds the fault-injection hook `RLPIPE_INJECT_STORAGE_FAULT` the tests use to fill a disk). Other errors
+  propagate unchanged.
 - Storage options: `storage_options_from(given)` is the one way every command builds them: the JSON object in
   `$RLPIPE_STORAGE_OPTIONS`, overridden key by key by the command's own (`--store.storage_options '{…}'`).
   A gs:// RunStore also takes the environment's options itself. gcsfs reads `STORAGE_EMULATOR_HOST`
@@ -62,6 +65,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config.base import ConfigError
 from pipeline.process.backoff import backoff_delay
+from pipeline.process.exits import StorageFaultError
 from pipeline.store import layout
 from pipeline.store.committed import (
     TMP_PREFIX,
@@ -77,6 +81,7 @@ from pipeline.store.committed import (
 )
 from pipeline.store.committed import _sha256 as _sha256
 from pipeline.store.committed import check_rel as _check_rel
+from pipeline.store.faults import injected_fault, not_a_folder, storage_fault
 from pipeline.store.urls import local_path, split_location
 from schemas.base import SchemaMismatchError, TableSpec
 
@@ -342,9 +347,9 @@ class RunStore(CommittedData):
         """Write `data` at `rel` atomically: readers see the old state or all of `data`, never a part."""
         full = self.full_path(rel)
         if self.is_local:
-            self._local_write_tmp_then(full, data, lambda tmp: os.replace(tmp, full))
+            self._local_write_tmp_then(full, data, lambda tmp: os.replace(tmp, full), rel)
             return
-        _retry(f"put {full}", lambda: self.fs.pipe_file(full, data))
+        self._remote_write(rel, full, lambda: _retry(f"put {full}", lambda: self.fs.pipe_file(full, data)))
 
     def put_if_absent(self, rel: str, data: bytes) -> bool:
         """Create `rel` holding `data` only if it does not exist.
@@ -367,19 +372,38 @@ class RunStore(CommittedData):
                 finally:
                     os.unlink(tmp)
 
-            self._local_write_tmp_then(full, data, link)
+            self._local_write_tmp_then(full, data, link, rel)
             return created or self._holds(full, data)
         if self.protocol == "memory":
             with _MEMORY_LOCK:
                 if self.fs.exists(full):
                     return self._holds(full, data)
-                self.fs.pipe_file(full, data)
+                self._remote_write(rel, full, lambda: self.fs.pipe_file(full, data))
                 return True
         try:
-            _retry(f"create {full}", lambda: self.fs.pipe_file(full, data, mode="create"))
+            self._remote_write(
+                rel, full, lambda: _retry(f"create {full}", lambda: self.fs.pipe_file(full, data, mode="create"))
+            )
             return True
         except FileExistsError:
             return self._holds(full, data)
+
+    def _remote_write(self, rel: str, full: str, write: Callable[[], object]) -> None:
+        """Run one object upload; an injected fault (`pipeline.store.faults`) or a storage-refused write becomes
+        a StorageFaultError naming the object's URL."""
+        where = f"{self.protocol}://{full}"
+        rule = injected_fault(rel)
+        try:
+            if rule is not None:
+                raise rule.error(where)
+            write()
+        except FileExistsError:
+            raise
+        except OSError as e:
+            fault = storage_fault(where, e, local=False)
+            if fault is None:
+                raise
+            raise fault from e
 
     def _holds(self, full: str, data: bytes) -> bool:
         """After a create-if-absent collision: True iff the existing object is byte-identical to ours."""
@@ -394,20 +418,40 @@ class RunStore(CommittedData):
             return True
         return False
 
-    def _local_write_tmp_then(self, full: str, data: bytes, finish: Callable[[str], None]) -> None:
+    def _local_write_tmp_then(self, full: str, data: bytes, finish: Callable[[str], None], rel: str) -> None:
+        """Write `data` to a temp file beside `full`, fsync it, `finish(tmp)` (rename or link it into place).
+
+        A write the storage refuses (no space, read-only, a file where a folder must be; or a fault injected for
+        `rel`, `pipeline.store.faults`) raises StorageFaultError naming `full`; the temp file, whole or half
+        written, is removed when it can be and is never read (temp names are never listed)."""
         folder = os.path.dirname(full)
-        os.makedirs(folder, exist_ok=True)
+        rule = injected_fault(rel)
         tmp = os.path.join(folder, os.path.basename(self._tmp_name(os.path.basename(full))))
         try:
-            with open(tmp, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            finish(tmp)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        _fsync_dir(folder)
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except (FileExistsError, NotADirectoryError) as e:
+                raise (not_a_folder(full) or e) from e
+            try:
+                with open(tmp, "xb") as f:
+                    if rule is not None:  # a disk that fills up (or is read-only) part-way through this object
+                        f.write(data[: rule.after_bytes])
+                        raise rule.error(full)
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                finish(tmp)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            _fsync_dir(folder)
+        except StorageFaultError:
+            raise
+        except OSError as e:
+            fault = storage_fault(full, e)
+            if fault is None:
+                raise
+            raise fault from e
 
     def get(self, rel: str) -> bytes:
         """All bytes of `rel`. Raises FileNotFoundError if absent."""

@@ -28,6 +28,10 @@ class BackendContext:
         self.generated_tokens = 0
         self.calls = 0
         self.served_steps: set[int] = set()
+        self.policy_step: int | None = None
+        """The policy step the caller samples with (set by the rollout manager; read by the generate endpoint)."""
+        self.max_seq_len: int | None = None
+        """The backend's sequence limit (set by the rollout manager; the generate endpoint refuses longer prompts)."""
 
     def generate(self, request: GenerationRequest) -> list[list[Completion]]:
         """`request.n` completions per prompt (see `policy.inference.base`; a too-long prompt raises

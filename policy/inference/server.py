@@ -15,7 +15,8 @@ Promises
   (a bad command, a missing module): `ServerStartError`, a `ConfigError` on `inference.command`, so the worker
   exits with `Exit.CONFIG` (2) and the job runner does not restart it. A restarted server that exits before it is
   ready, or one not healthy within `startup_timeout_s`, is a `ServerLoadError` (exit 1, restarted). Either message
-  names the server's log (`logs/<step>/<attempt>.server.log`) and the last error line in it.
+  names the server's log (`logs/<step>/<attempt>.server.log`; on a gs:// run root its gs:// URL, where the worker
+  uploads it, not the temporary local file it is written to) and the last error line in it.
 - `load_policy(step)`: publishes nothing itself; the adapter (`policy.inference.adapters`) tells the server to
   load `policies/step-S` (or its `hf/` folder), then `served_policy_step()` is polled until it reports `step`
   (`load_timeout_s`, else `ServerLoadError`). Only then is `loaded_step` set and sampling allowed.
@@ -164,11 +165,17 @@ class ServerBackend(OpenAIBackend):
         """True when the server loads Hugging Face folders (`policies/step-S/hf/` must exist first)."""
         return self.adapter.needs_hf
 
-    def attach(self, run_root: str, model_spec_json: str = "{}", log_path: str | None = None) -> None:
-        """Name the run root whose policies the server loads (and the model spec a launcher needs)."""
+    def attach(
+        self, run_root: str, model_spec_json: str = "{}", log_path: str | None = None, log_location: str | None = None
+    ) -> None:
+        """Name the run root whose policies the server loads (and the model spec a launcher needs). The child
+        server's output goes to the local file `log_path`; start-up errors name `log_location` (default
+        `log_path`): where a user reads that log, e.g. its gs:// URL when `log_path` is a temporary local copy
+        uploaded there (and removed when the worker ends)."""
         self.run_root = run_root.rstrip("/")
         self.model_json = model_spec_json
         self._log_path = log_path
+        self._log_location = log_location or log_path
 
     def _dirs(self, step: int) -> tuple[str, str]:
         if self.run_root is None:
@@ -210,12 +217,14 @@ class ServerBackend(OpenAIBackend):
             time.sleep(0.2)
 
     def _log_hint(self) -> str:
-        """`; see <server log>: <its last error line>` (empty without a log)."""
+        """`; see <server log's location>: <its last error line>` (empty without a log); the line is read from
+        the local file, the location is where the log is kept (`attach`)."""
         path = getattr(self, "_log_path", None)
         if not path:
             return ""
         line = last_error_line(path)
-        return f"; see {Path(path)}" + (f": {line}" if line else "")
+        where = getattr(self, "_log_location", None) or str(Path(path))
+        return f"; see {where}" + (f": {line}" if line else "")
 
     def load_policy(self, step: int) -> float:
         """Make the server serve committed policy `step` and confirm it; returns the seconds it took.

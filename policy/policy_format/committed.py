@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save as st_save
 
+from pipeline.process.exits import DamagedInputError
 from pipeline.store import layout
 from schemas.records import CHECKPOINT_FORMAT, CommitFile, CommitMarker, RecordError
 
@@ -52,6 +53,16 @@ OPT_BLOB = "opt_state"
 
 class CheckpointError(RuntimeError):
     """A committed checkpoint cannot be read: missing file, size/sha mismatch, or structure mismatch."""
+
+
+class DamagedCommitError(CheckpointError, DamagedInputError):
+    """A committed policy or checkpoint folder failed verification on read: its COMMITTED marker is cut, of an
+    unknown version or missing a field, or a file it names is gone or differs from it (size, sha256). Still a
+    `CheckpointError` (the learner falls back to an older intact checkpoint); as a `DamagedInputError` a reader
+    with no older object to fall back to ends in one line naming the file and what differs, exit code 7."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        DamagedInputError.__init__(self, path, reason)
 
 
 class _Store(Protocol):
@@ -200,7 +211,8 @@ def write_committed(store: _Store, folder: str, blobs: dict[str, bytes], meta: d
 
 
 def read_marker(store: _Store, folder: str) -> CommitMarker:
-    """The COMMITTED marker of `folder`; CheckpointError if missing or invalid (the message names the field)."""
+    """The COMMITTED marker of `folder`; CheckpointError if missing, DamagedCommitError if invalid (the message
+    names the file and the field)."""
     marker = layout.join(folder, layout.COMMIT_MARKER)
     try:
         data = store.get(marker)
@@ -209,19 +221,20 @@ def read_marker(store: _Store, folder: str) -> CommitMarker:
     try:
         return CommitMarker.from_json(data, path=marker)
     except RecordError as e:
-        raise CheckpointError(f"unreadable marker: {e}") from None
+        raise DamagedCommitError(marker, f"unreadable commit marker: field {e.field!r}: {e.why}") from None
 
 
 def read_blob(store: _Store, folder: str, record: CommitMarker, name: str) -> bytes:
-    """Bytes of the committed file `name`, verified against the marker's size and sha256."""
+    """Bytes of the committed file `name`, verified against the marker's size and sha256 (DamagedCommitError, naming
+    the file and what differs, if they do not match or the file is gone)."""
     entry = record.files.get(name)
     if entry is None:
-        raise CheckpointError(f"{folder}/{layout.COMMIT_MARKER}: lists no file {name!r}")
+        raise DamagedCommitError(layout.join(folder, layout.COMMIT_MARKER), f"field 'files': lists no file {name!r}")
     rel = layout.join(folder, entry.path)
     try:
         data = store.get(rel)
     except FileNotFoundError:
-        raise CheckpointError(f"{rel}: named by the commit marker but missing") from None
+        raise DamagedCommitError(rel, "named by the commit marker but missing") from None
     if len(data) != entry.size or sha256_hex(data) != entry.sha256:
-        raise CheckpointError(f"{rel}: size/sha256 differ from the commit marker ({len(data)} vs {entry.size} B)")
+        raise DamagedCommitError(rel, f"size/sha256 differ from the commit marker ({len(data)} vs {entry.size} B)")
     return data

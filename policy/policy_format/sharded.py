@@ -52,7 +52,7 @@ from safetensors.numpy import save as st_save
 
 from pipeline.store import layout
 from policy import mesh as mesh_lib
-from policy.policy_format.committed import CheckpointError, _Store, sha256_hex
+from policy.policy_format.committed import CheckpointError, DamagedCommitError, _Store, sha256_hex
 from schemas.records import SHARDED_CHECKPOINT_FORMAT, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)
@@ -198,9 +198,9 @@ class _Reader:
             try:
                 data = self.store.get(rel)
             except FileNotFoundError:
-                raise CheckpointError(f"{rel}: named by the commit marker but missing") from None
+                raise DamagedCommitError(rel, "named by the commit marker but missing") from None
             if len(data) != entry.size or sha256_hex(data) != entry.sha256:
-                raise CheckpointError(f"{rel}: size/sha256 differ from the commit marker ({len(data)}/{entry.size} B)")
+                raise DamagedCommitError(rel, f"size/sha256 differ from the commit marker ({len(data)}/{entry.size} B)")
             self._files[key] = st_load(data)
         return self._files[key]
 

@@ -1,0 +1,195 @@
+"""reasoning-gym lessons (pipeline.environments.reasoning_gym_env): rewards are the library's own scores of the same
+answers, train and eval seeds are disjoint, difficulty levels and mixes, and bad configs refused at start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import reasoning_gym
+import yaml
+from reasoning_gym.factory import create_curriculum
+from reasoning_gym.utils import extract_answer
+
+from pipeline.config import ConfigError
+from pipeline.config.curriculum import EnvConfig
+from pipeline.environments.base import SampleSpec
+from pipeline.environments.reasoning_gym_env import ReasoningGymEnv, extract
+from pipeline.environments.scripted import ScriptedContext
+from pipeline.environments.tokenizer import build_tiny_tokenizer
+from pipeline.process.exits import Exit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _library_entry(task: str, config: dict, example_id: str) -> tuple[dict, object]:
+    """The entry the library itself makes for an example id `<task>-<item seed>` (the documented rule)."""
+    name, _, seed = example_id.rpartition("-")
+    assert name == task
+    ds = reasoning_gym.create_dataset(task, seed=int(seed), size=1, **config)
+    return ds[0], ds
+
+
+def _answers(entry: dict) -> list[str]:
+    """A right answer, a wrong one, a partly right one (the oracle inside more text) and unparsable ones."""
+    right = str(entry["answer"])
+    return [
+        f"thinking...\n<answer>{right}</answer>",
+        "<answer>certainly not this</answer>",
+        f"<answer>{right} or maybe 12345</answer>",
+        f"{right} (no tags)",
+        "",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("task", "config"),
+    [("chain_sum", {}), ("leg_counting", {}), ("basic_arithmetic", {}), ("word_sorting", {}), ("simple_equations", {})],
+)
+def test_rewards_equal_the_library_scorer(task: str, config: dict) -> None:
+    env = ReasoningGymEnv(task, config, n_eval=8)
+    examples = env.examples(4, np.random.default_rng(0), "train") + env.examples(2, np.random.default_rng(0), "eval")
+    seen = set()
+    for ex in examples:
+        entry, ds = _library_entry(task, config, ex.example_id)
+        assert ex.prompt == entry["question"]
+        for text in _answers(entry):
+            got = env.score(ex, text)
+            want = ds.score_answer(extract_answer(text), entry)  # type: ignore[attr-defined]
+            assert got.reward == pytest.approx(want), (task, text)
+            assert got.success == (want >= 1.0)
+            assert got.ground_truth == str(entry["answer"])
+            assert got.extracted_answer == extract_answer(text)
+            seen.add(round(want, 6))
+    assert 1.0 in seen and 0.0 in seen  # right and wrong both occurred
+
+
+def test_sample_fills_text_answer_and_ground_truth_on_rollouts() -> None:
+    tok = build_tiny_tokenizer()
+    env = ReasoningGymEnv("chain_sum", answer_format="first_line", n_eval=4)
+    # answers the right sum for even item seeds, a wrong one for odd ones
+    spec = SampleSpec(6, 2, 1.0, 16, None, "train")
+    exs = env.examples(6, np.random.default_rng(3), "train")
+    truth = {ex.prompt: str(ex.target[0]["answer"]) for ex in exs}
+
+    def answer(prompt: str) -> str:
+        q = next(q for q in truth if q and q in prompt)
+        return truth[q] if sum(map(ord, q)) % 2 == 0 else truth[q] + "1"
+
+    res = env.sample(ScriptedContext(tok, answer), spec, np.random.default_rng(3))
+    assert not res.failures and len(res.groups) == 6
+    rewards = []
+    for g in res.groups:
+        for r in g.rollouts:
+            entry, ds = _library_entry("chain_sum", {}, r.example_id)
+            assert r.ground_truth == str(entry["answer"])
+            assert r.extracted_answer == r.response_text.strip()
+            assert r.episode_reward == pytest.approx(ds.score_answer(r.extracted_answer, entry))  # type: ignore[attr-defined]
+            rewards.append(r.episode_reward)
+    assert 0.0 <= min(rewards) < 1.0 and max(rewards) == 1.0
+
+
+def test_train_and_eval_item_seeds_are_disjoint_and_eval_is_fixed() -> None:
+    env = ReasoningGymEnv("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, n_eval=64)
+    eval_ids = [ex.example_id for ex in env.examples(64, np.random.default_rng(1), "eval")]
+    assert eval_ids == [ex.example_id for ex in env.examples(64, np.random.default_rng(99), "eval")]
+    eval_seeds = {int(i.rsplit("-", 1)[1]) for i in eval_ids}
+    assert eval_seeds == set(range(0, 64))
+    train = env.examples(300, np.random.default_rng(2), "train")
+    train_seeds = {int(ex.example_id.rsplit("-", 1)[1]) for ex in train}
+    assert not train_seeds & eval_seeds
+    assert min(train_seeds) >= 64
+    # the problem space is small (2 one-digit terms): seed-disjoint examples would repeat eval questions; with
+    # dedupe_eval (the default) no train question is an eval question
+    eval_questions = {ex.prompt for ex in env.examples(64, np.random.default_rng(1), "eval")}
+    assert not {ex.prompt for ex in train} & eval_questions
+    loose = ReasoningGymEnv(
+        "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, n_eval=64, dedupe_eval=False
+    )
+    assert {ex.prompt for ex in loose.examples(300, np.random.default_rng(2), "train")} & eval_questions
+
+
+def test_levels_follow_the_library_curriculum() -> None:
+    cur = create_curriculum("chain_sum")
+    cur.set_global_level(3)
+    want = cur.generate_configuration({})
+    env = ReasoningGymEnv("chain_sum", level=3, config={"allow_negation": True})
+    got = env.specs[0].config
+    assert got["max_terms"] == want.max_terms and got["max_digits"] == want.max_digits
+    assert got["allow_negation"] is True  # config wins over the level
+    one = ReasoningGymEnv("chain_sum", levels={"num_digits": 2})
+    assert one.specs[0].config["max_digits"] == cur.attributes["num_digits"].levels[2]
+    assert one.specs[0].config["max_terms"] == cur.attributes["num_terms"].levels[0]
+
+
+def test_mix_draws_each_task_by_weight_and_scores_with_its_own_scorer() -> None:
+    tasks = [{"task": "chain_sum", "weight": 3}, {"task": "leg_counting", "weight": 1, "level": 1}]
+    env = ReasoningGymEnv(tasks=tasks, n_eval=8)
+    exs = env.examples(400, np.random.default_rng(0), "train")
+    names = [ex.example_id.rsplit("-", 1)[0] for ex in exs]
+    share = names.count("chain_sum") / len(names)
+    assert 0.65 < share < 0.85, share
+    for ex in exs[:20]:
+        task = ex.example_id.rsplit("-", 1)[0]
+        entry, ds = _library_entry(task, env.specs[[s.task for s in env.specs].index(task)].config, ex.example_id)
+        assert ex.prompt == entry["question"]
+        text = f"<answer>{entry['answer']}</answer>"
+        assert env.score(ex, text).reward == pytest.approx(ds.score_answer(extract_answer(text), entry))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("text", "fmt", "want"),
+    [
+        ("so <answer> 12 </answer> and <answer>13</answer>", "tag", "13"),
+        ("no tags", "tag", None),
+        ("x = \\boxed{\\frac{1}{2}} done", "boxed", "\\frac{1}{2}"),
+        ("first 3, then -1,250.5 apples", "last_number", "-1250.5"),
+        ("\n  42 \nmore", "first_line", "42"),
+        ("   ", "full", None),
+    ],
+)
+def test_answer_extraction_conventions(text: str, fmt: str, want: str | None) -> None:
+    assert extract(text, fmt) == want
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"task": "chain_sums"}, "task"),
+        ({"task": "chain_sum", "config": {"bogus": 1}}, "config"),
+        ({"task": "chain_sum", "config": {"min_terms": 5, "max_terms": 2}}, "config"),
+        ({"task": "chain_sum", "level": 99}, "level"),
+        ({"task": "chain_sum", "levels": {"nope": 1}}, "levels"),
+        ({"tasks": [{"task": "chain_sum"}, {"task": "leg_counting", "weight": 0}]}, "tasks[1].weight"),
+        ({"tasks": [{"task": "chain_sum", "cfg": {}}]}, "tasks[0]"),
+        ({"task": "chain_sum", "answer_format": "xml"}, "answer_format"),
+        ({}, "task"),
+    ],
+)
+def test_bad_args_are_config_errors_naming_the_argument(args: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        ReasoningGymEnv.check_args(args)
+    assert e.value.field == field
+
+
+def test_short_name_and_unknown_task_is_one_line_exit_2(tmp_path: Path) -> None:
+    assert EnvConfig("reasoning_gym").env_class == "pipeline.environments.reasoning_gym_env.ReasoningGymEnv"
+    cfg = yaml.safe_load((ROOT / "configs/test_cats.yaml").read_text())
+    cfg["store"]["run_root"] = str(tmp_path / "run")
+    cfg["curriculum"]["lessons"]["cats"]["env"] = {"env_class": "reasoning_gym", "env_args": {"task": "chain_sums"}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        [sys.executable, "-m", "steps.run", "--config_path", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == Exit.CONFIG, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "curriculum.lessons.cats.env.env_args.task='chain_sums'" in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()

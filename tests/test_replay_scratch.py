@@ -1,0 +1,52 @@
+"""`make replay` without `--scratch` trains into a temporary folder it names at the start and removes at the end;
+`--keep_scratch true` keeps it (with the replayed policy in it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jobs import FinishedJob
+
+from pipeline.store import layout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _replay(run_root: Path, tmpdir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`python -m steps.replay` of slots 5..6 with TMPDIR set to `tmpdir`; the scratch folder it printed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "steps.replay", "--store.run_root", str(run_root), "--from_step", "4", *args],
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "bitwise equal" in proc.stdout, proc.stdout
+    m = re.search(r"^scratch run root: (\S+)", proc.stdout, re.M)
+    assert m is not None, proc.stdout
+    return proc, Path(m.group(1).removeprefix("file://"))
+
+
+@pytest.mark.slow
+def test_replay_removes_its_scratch_folder_unless_kept(default_job: FinishedJob, tmp_path: Path) -> None:
+    removed_tmp, kept_tmp = tmp_path / "tmp-removed", tmp_path / "tmp-kept"
+    removed_tmp.mkdir()
+    kept_tmp.mkdir()
+
+    proc, scratch = _replay(default_job.root, removed_tmp)
+    assert scratch.parent == removed_tmp, scratch  # a new temporary folder, named at the start
+    assert "removed at the end" in proc.stdout
+    assert not scratch.exists() and os.listdir(removed_tmp) == [], os.listdir(removed_tmp)
+    assert "(removed)" in proc.stdout, proc.stdout
+
+    proc, scratch = _replay(default_job.root, kept_tmp, "--keep_scratch", "true")
+    assert scratch.parent == kept_tmp, scratch
+    assert "removed at the end" not in proc.stdout and "(removed)" not in proc.stdout, proc.stdout
+    assert (scratch / layout.policy_marker(6)).exists(), sorted(p.name for p in scratch.rglob("*"))
