@@ -47,6 +47,7 @@ from pipeline.config import BatchMakerStepConfig, TrainParams
 from pipeline.store.prefetch import read_ahead
 from pipeline.store.storage import RunStore
 from schemas import BATCH, ROLLOUT
+from schemas.rollout import add_text_columns
 
 logger = logging.getLogger("bench.batch_maker")
 
@@ -93,7 +94,8 @@ def synthetic_rollouts(
         "top_k": pa.array(np.zeros(n, np.int32)),
         "min_p": pa.array(np.zeros(n, np.float32)),
     }
-    return ROLLOUT.conform(pa.table(cols), "<synthetic>")
+    # the text, answer and reward-component columns at their "not recorded" values
+    return ROLLOUT.conform(add_text_columns(pa.table(cols)), "<synthetic>")
 
 
 READ_AHEAD = BatchMakerStepConfig().read_ahead

@@ -8,11 +8,15 @@ JSON; this program prints each part's own table as it finishes, then the summary
   bytes (goal >= 0.7), and memory at 1/4 and at the end of the files (bounded by the window);
 - learner: tokens/s of a levanter train step, tiny and ~50M-parameter models;
 - rollout: generation tokens/s, our dense sampler vs levanter's InferenceEngine (the peer), both sizes;
+- continuous: the dense sampler's continuous vs static batching on long-tailed completion lengths (tokens/s, goal
+  >= 2x) and prefill work with shared group prefixes at n = 8 (goal <= 1/4) (`bench.bench_continuous`);
 - per-step latency: the demo job's per-hop breakdown and wall seconds per learner step (goal <= 0.2 s);
 - retention: run-root bytes of a 100-step tiny cats job with retention off and on (`bench.bench_retention`);
 - end to end: the demo job (`configs/demo_cats.yaml`) on a fresh run root: learner steps/min, fraction of
   learner wall time spent waiting for batches, rollouts/s, reward at the first and last batch;
 - startup: each step's start (process start -> ready to work), cold and warm (goal <= 3 s);
+- scale: N = 10, 100, 1,000 simulated rollout workers, the real BatchMaker and a stub learner on local disk and
+  the GCS emulator: storage requests and latency per batch slot (`bench.bench_scale`, docs/scale.md);
 - trl: rlpipe vs TRL's GRPOTrainer on the cats task at the tiny and ~50M sizes (needs `trl` and CPU torch, the
   `bench` dependency group that `make bench` installs; `--skip_trl` leaves it out).
 
@@ -42,7 +46,20 @@ from bench.common import machine_name
 
 logger = logging.getLogger("rlpipe.bench")
 
-PARTS = ("storage", "batchmaker", "learner", "learner_mesh", "rollout", "e2e", "startup", "trl", "latency", "retention")
+PARTS = (
+    "storage",
+    "batchmaker",
+    "learner",
+    "learner_mesh",
+    "rollout",
+    "continuous",
+    "e2e",
+    "startup",
+    "trl",
+    "latency",
+    "retention",
+    "scale",
+)
 
 
 def _run(cmd: list[str], timeout_s: float) -> float:
@@ -94,6 +111,13 @@ def part_rollout(tmp: Path, quick: bool) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "bench.bench_rollout", "--sizes", sizes, "--backends", "dense,levanter"]
     _run([*cmd, "--json", str(out)], 3600)
     return list(json.loads(out.read_text())["rows"])
+
+
+def part_continuous(tmp: Path, quick: bool) -> dict[str, Any]:
+    out = tmp / "continuous.json"
+    prompts = "16" if quick else "64"
+    _run([sys.executable, "-m", "bench.bench_continuous", "--prompts", prompts, "--json", str(out)], 3600)
+    return dict(json.loads(out.read_text()))
 
 
 def part_startup(tmp: Path, quick: bool) -> list[dict[str, Any]]:
@@ -168,6 +192,13 @@ def part_retention(tmp: Path, quick: bool) -> dict[str, Any]:
     steps = "30" if quick else "100"
     _run([sys.executable, "-m", "bench.bench_retention", "--steps", steps, "--json", str(out)], 3600)
     return dict(json.loads(out.read_text()))
+
+
+def part_scale(tmp: Path, quick: bool) -> list[dict[str, Any]]:
+    out = tmp / "scale.json"
+    cmd = [sys.executable, "-m", "bench.bench_scale", "--workers", "10,100" if quick else "10,100,1000"]
+    _run([*cmd, "--json", str(out)], 900)
+    return list(json.loads(out.read_text())["rows"])
 
 
 def _f(x: Any, fmt: str = ".3g") -> str:
@@ -274,6 +305,30 @@ def _rows_rollout(results: dict[str, Any]) -> list[Row]:
                 )
             )
     return rows
+
+
+def _rows_continuous(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `continuous` part (none when it did not run)."""
+    c = results.get("continuous")
+    if not c:
+        return []
+    w = c["workload"]
+    return [
+        (
+            f"continuous batching, {w['prompts']}x{w['n']} geometric lengths mean {w['mean']} cap {w['max_len']}",
+            f"{c['continuous']['tokens_per_s']:,.0f} tokens/s",
+            f"static {c['static']['tokens_per_s']:,.0f} tokens/s",
+            f"{c['speedup']:.2f}",
+            ">= 2",
+        ),
+        (
+            f"prefill tokens, shared group prefixes (n = {w['n']})",
+            f"{c['continuous']['prefill_tokens']:,}",
+            f"static {c['static']['prefill_tokens']:,}",
+            f"{c['prefill_ratio']:.3f}",
+            "<= 0.25",
+        ),
+    ]
 
 
 def _rows_e2e(results: dict[str, Any]) -> list[Row]:
@@ -392,6 +447,36 @@ def _rows_retention(results: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _rows_scale(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `scale` part: per backend, BatchMaker requests and latency per slot at the largest N
+    against the smallest (`bench.bench_scale`; goal: within 2x)."""
+    rows: list[Row] = []
+    sc = results.get("scale") or []
+    for backend in dict.fromkeys(r["backend"] for r in sc):
+        mine = sorted((r for r in sc if r["backend"] == backend), key=lambda r: r["workers"])
+        lo, hi = mine[0], mine[-1]
+        rows.append(
+            (
+                f"scale sim, {backend}: BatchMaker requests/slot at N={hi['workers']}",
+                f"{hi['bm_ops_total_per_slot']:.0f}",
+                f"N={lo['workers']}: {lo['bm_ops_total_per_slot']:.0f}",
+                f"{hi['bm_ops_total_per_slot'] / max(lo['bm_ops_total_per_slot'], 1e-9):.2f}",
+                "<= 2",
+            )
+        )
+        a, b = lo.get("slot_latency_p50_s"), hi.get("slot_latency_p50_s")
+        rows.append(
+            (
+                f"scale sim, {backend}: slot latency p50 at N={hi['workers']}",
+                f"{_f(b)} s",
+                f"N={lo['workers']}: {_f(a)} s",
+                _f(b / a, ".2f") if a and b else "-",
+                "<= 2",
+            )
+        )
+    return rows
+
+
 def summary_rows(results: dict[str, Any]) -> list[Row]:
     """(figure, ours, reference, ratio, goal) rows for whatever parts ran."""
     builders = (
@@ -400,11 +485,13 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         _rows_learner,
         _rows_learner_mesh,
         _rows_rollout,
+        _rows_continuous,
         _rows_e2e,
         _rows_startup,
         _rows_trl,
         _rows_latency,
         _rows_retention,
+        _rows_scale,
     )
     return [row for build in builders for row in build(results)]
 
@@ -454,11 +541,13 @@ def main(argv: list[str] | None = None) -> int:
         "learner": part_learner,
         "learner_mesh": part_learner_mesh,
         "rollout": part_rollout,
+        "continuous": part_continuous,
         "e2e": part_e2e,
         "startup": part_startup,
         "trl": part_trl,
         "latency": part_latency,
         "retention": part_retention,
+        "scale": part_scale,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
     failed = []

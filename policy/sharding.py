@@ -8,8 +8,12 @@ between devices). The gradient of the slot's loss is the sum over microbatches o
 
 where loss_i is the loss module's objective on microbatch i and w_i its aggregation weight: the number of
 loss tokens for token-level aggregation, the number of sequences with loss tokens for sequence-level (and
-GSPO). Each aggregated term is a mean with that denominator, so the weighted sum equals the objective of the
-whole slot (up to floating-point summation order). Metrics are combined the same way, counts summed.
+GSPO); with masked IS (`loss.mis_level`) the tokens / sequences it kept. w_i is read from microbatch i's own
+count metrics (`policy.losses.modules.loss_weight`), since a rejection depends on the learner's logprobs. Each
+aggregated term is a mean with that denominator, so the weighted sum equals the objective of the whole slot (up
+to floating-point summation order). Every metric is combined with its own denominator (token means by loss
+tokens, sequence means by sequences, counts summed, maxima maximised:
+`policy.losses.modules.combine_microbatch_metrics`), so the slot's metrics do not depend on the microbatch size.
 
 Several optimizer updates per slot (`train.minibatches_per_slot` = k, `train.ppo_epochs` = E): the slot's rows
 are split into k minibatches the same strided way (minibatch j: rows j, j+k, …), and the slot step makes E
@@ -34,11 +38,11 @@ import optax
 
 from policy import lora
 from policy.losses import Batch, RLLossModule
-from policy.losses.modules import GSPOLoss
+from policy.losses.modules import GSPOLoss, combine_microbatch_metrics, loss_weight
 from policy.mesh import LearnerMesh
 from policy.update_guard import guarded_update
 
-SUMMED_METRICS = ("loss_tokens", "clamped_count")
+SUMMED_METRICS = ("loss_tokens", "loss_sequences", "kept_tokens", "kept_sequences", "clamped_count")
 """Metrics that are counts over the slot (summed over microbatches, not averaged)."""
 
 
@@ -73,18 +77,18 @@ def accumulate(
         (loss, metrics), grads = grad_fn(model, reference, batch)
         return loss, grads, metrics
     pieces = [microbatch(batch, i, n) for i in range(n)]
-    weights = jnp.stack([aggregation_weight(loss_module, p) for p in pieces])
-    shares = weights / jnp.maximum(jnp.sum(weights), 1.0)
     params = eqx.filter(model, eqx.is_array)
     grads = jax.tree.map(jnp.zeros_like, params)
-    loss, metrics = jnp.zeros((), jnp.float32), {}
-    for i, piece in enumerate(pieces):  # unrolled: n is small and static; scan would add a stacked copy
+    loss, total, per_piece = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), []
+    for piece in pieces:  # unrolled: n is small and static; scan would add a stacked copy
         (loss_i, m_i), g_i = grad_fn(model, reference, piece)
-        grads = jax.tree.map(lambda a, g, s=shares[i]: a + g * s, grads, g_i)
-        loss = loss + loss_i * shares[i]
-        for k, v in m_i.items():
-            metrics[k] = metrics.get(k, 0.0) + (v if k in SUMMED_METRICS else v * shares[i])
-    return loss, grads, metrics
+        w_i = jax.lax.stop_gradient(loss_weight(loss_module, m_i))
+        grads = jax.tree.map(lambda a, g, w=w_i: a + g * w, grads, g_i)
+        loss, total = loss + loss_i * w_i, total + w_i
+        per_piece.append(m_i)
+    scale = 1.0 / jnp.maximum(total, 1.0)
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    return loss * scale, grads, combine_microbatch_metrics(loss_module, per_piece)
 
 
 def pre_update_logprobs(logprob_fn: Any, model: Any, batch: Batch, n: int) -> jax.Array:
@@ -133,7 +137,7 @@ def make_mesh_train_step(
     grad_fn = eqx.filter_value_and_grad(lora.on_trainable(loss_fn), has_aux=True)  # a LoRA base gets no gradient
     n, k = num_microbatches, minibatches
     # the decoupled ratio of TIS needs the slot's pre-update learner logprobs once the policy moves within it
-    needs_old = epochs * k > 1 and getattr(loss_module, "tis_cap", None) is not None
+    needs_old = epochs * k > 1 and getattr(loss_module, "uses_old_logprobs", False)
 
     def update(model: Any, opt_state: Any, reference: Any, batch: Batch, j: jax.Array) -> tuple[Any, Any, Any]:
         with hax.axis_mapping(lm.compute_mapping):

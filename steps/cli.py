@@ -144,6 +144,37 @@ def one_line(error: BaseException) -> str:
     return " ".join(str(chosen).split())
 
 
+def _yaml_safe(value: str) -> str:
+    """`value` as draccus should read it: unchanged when YAML reads it, else as a quoted YAML string. draccus
+    YAML-decodes every command-line value, so a plain string YAML cannot parse (`{python} -m server --port {port}`,
+    which opens a flow mapping) would end in a YAML traceback, and `{python}` alone would be read as the mapping
+    {python: null}; quoted, each is the string it says."""
+    import yaml
+
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return json.dumps(value)  # a JSON string is a YAML double-quoted scalar
+    if isinstance(parsed, dict) and parsed and all(v is None for v in parsed.values()):
+        return json.dumps(value)  # `{python}`: a placeholder, not a mapping of keys without values
+    return value
+
+
+def _quote_unparsable(args: Sequence[str]) -> list[str]:
+    """Command-line flags with each value YAML cannot parse quoted (`_yaml_safe`); everything else as given."""
+    out: list[str] = []
+    after_flag = False
+    for a in args:
+        if a.startswith("--"):
+            flag, eq, value = a.partition("=")
+            out.append(f"{flag}={_yaml_safe(value)}" if eq else a)
+            after_flag = not eq
+        else:
+            out.append(_yaml_safe(a) if after_flag else a)
+            after_flag = False
+    return out
+
+
 def parse_config(config_class: type[C], argv: Sequence[str]) -> C:
     """`config_class` from `--config_path` and dotted flags; raises UsageError (one line naming the field and
     the value) instead of printing draccus's traceback or argparse's usage text."""
@@ -152,6 +183,7 @@ def parse_config(config_class: type[C], argv: Sequence[str]) -> C:
         # Choice switches (`--loss.type gspo`: the new type's defaults) and dict-entry fields
         # (`--curriculum.lessons.cats.chat true`) are applied to the file's mapping first (pipeline.config.overrides).
         mapping, args = resolve_overrides(config_class, argv)
+        args = _quote_unparsable(args)
         with contextlib.ExitStack() as stack:
             if mapping is not None:
                 folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="rlpipe-config-"))

@@ -2,7 +2,8 @@
 
 Reads: a job config YAML (`configs/*.yaml`, an `RLJobConfig`). Writes: the run root, through the
 steps it starts. Algorithm: validate the whole config before any process starts (lesson DAG,
-environment classes, batch size vs prompts × generations, lengths), write or check `run.json`,
+environment classes, batch size vs prompts × generations, lengths, a lesson none of whose prompts fits the
+sampler), write or check `run.json` (a step records the contract it runs with, its overrides included),
 then supervise the steps (pipeline.jobs.runner).
 
     python -m steps.run --config_path configs/demo_cats.yaml --run_root runs/demo [--train.num_train_steps 5 …]
@@ -38,6 +39,7 @@ from typing import Any
 import draccus
 
 from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError, RLJobConfig, check_run_config, check_step_config
+from pipeline.config.run_contract import with_step_contract
 from pipeline.jobs.job import RLJob
 from pipeline.process.step_kind import StepKind, cli_names
 from pipeline.store import layout
@@ -196,10 +198,26 @@ def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
         require_run(store)
     else:
         refuse_foreign_folder(store)
-        check_run_config(store, job.config, allow_change=job.allow_config_change, by=module_name)
+        # run.json records the contract the step runs with: the job config with the step-level overrides applied
+        check_run_config(store, with_step_contract(job.config, config), allow_change=job.allow_config_change,
+                         by=module_name)  # fmt: skip
     check_step_config(store, config, by=module_name, allow_change=job.allow_config_change)
     module = importlib.import_module(module_name)
     return int(module.main(config) or 0)
+
+
+def check_prompts(job: RLJob) -> None:
+    """Refuse (ConfigError naming the sequence-length field and the lesson; exit 2, nothing started) a job with a
+    lesson none of whose prompts fits the sampler: the rollout worker's own start-up check
+    (`pipeline.rollout.worker.check_prompts_fit`) on the job's rollout config, run once before any process starts
+    (it needs the tokenizer and the environments, hence here and not in `validate_job`, which imports neither)."""
+    from pipeline.environments.tokenizer import load_tokenizer
+    from pipeline.rollout.worker import check_prompts_fit
+
+    configs = job.to_worker_configs()[StepKind.ROLLOUT.job_name]
+    config = configs[0] if isinstance(configs, list) and configs else configs
+    if config:
+        check_prompts_fit(config, load_tokenizer(config.model.tokenizer))
 
 
 def main(invocation: Invocation) -> int:
@@ -214,6 +232,7 @@ def main(invocation: Invocation) -> int:
         return run_step(job, invocation.step, step_flags)
     from pipeline.jobs.runner import JobRunner
 
+    check_prompts(job)
     store = RunStore(job.config.store.run_root, job.config.store.storage_options or None)
     refuse_foreign_folder(store)
     rc = JobRunner(job).run()

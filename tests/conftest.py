@@ -78,6 +78,7 @@ SHARED_SESSION_JOBS = ("default_job",)
 # by node-id prefix (the longest prefix that matches wins) or shared job fixture. Only their order matters: they
 # are scheduled longest first, so no long test starts last while the other worker sits idle.
 EXPECTED_SECONDS = {
+    "tests/test_recipe.py": 112,  # SFT, then 50 RL steps of 512 rollouts (measured 2026-11-26, -n 0)
     "tests/test_job_crash_learner_group.py": 68,
     "tests/test_mesh.py": 64,
     "tests/test_job_crash.py": 57,

@@ -224,15 +224,18 @@ def test_damaged_commit_records_end_in_one_line_naming_the_file_and_field(
     assert layout.policy_marker(4) in line and "'files'" in line, line
     assert not store.exists(layout.policy_marker(5))
 
-    # a rollout worker loading the newest policy, whose COMMITTED is cut mid-JSON
+    # a rollout worker loading the newest policy, whose COMMITTED is cut mid-JSON: it sets that policy aside
+    # (quarantined with the reason) and falls back to the newest older intact one (tests/test_worker_policy_fallback)
     root = tmp_path / "rollout"
-    copy_run(default_job, root)
+    store = copy_run(default_job, root)
     cut(root, layout.policy_marker(NUM_STEPS))
     (root / layout.STOP_FILE).unlink(missing_ok=True)
     proc = run("steps.rollout", "--config_path", str(step_config(root, "rollout", tmp_path)), "--follow", "false",
                "--max_rollouts", "16")  # fmt: skip
-    line = damaged_line(proc)
-    assert layout.policy_marker(NUM_STEPS) in line and "'<json>'" in line, line
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"policy {NUM_STEPS} is damaged and set aside" in proc.stderr, proc.stderr[-3000:]
+    reason = store.get_json(layout.quarantine_record(layout.policy_marker(NUM_STEPS)))["reason"]
+    assert "'<json>'" in reason, reason
 
     # run.json cut mid-JSON: refused by every step at its start, naming the file
     root = tmp_path / "runjson"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import draccus
 import pytest
+from shipped import JOB_CONFIGS, STEP_CONFIGS, without_init_policy
 
 from pipeline.config import (
     ConfigError,
@@ -36,31 +37,14 @@ def _demo() -> RLJobConfig:
     return draccus.parse(RLJobConfig, config_path=str(ROOT / "configs/test_cats.yaml"), args=[])
 
 
-STEP_CONFIGS = {"basic_arithmetic_sft.yaml": "SFTStepConfig", "judge_rescore.yaml": "RescoreStepConfig"}
-"""Shipped configs of a single step program (the rest are job configs), by the config class they parse as."""
-
-
 def test_shipped_configs_validate() -> None:
     """Every shipped config parses and validates as what it is; a job that starts from another run's policy
-    (`model.init_policy`) names the run root of a shipped SFT config (the policy exists once that config has run:
-    its existence is checked at start, so it is validated here with the reference cleared)."""
-    from pipeline.config.rescore import RescoreStepConfig
-    from pipeline.config.sft import SFTStepConfig
-
-    classes = {"SFTStepConfig": SFTStepConfig, "RescoreStepConfig": RescoreStepConfig}
-    sft_roots = set()
-    for name, class_name in STEP_CONFIGS.items():
-        step_cfg = draccus.parse(classes[class_name], config_path=str(ROOT / "configs" / name), args=[])
-        if isinstance(step_cfg, SFTStepConfig):
-            sft_roots.add(step_cfg.store.run_root)
-    for path in sorted((ROOT / "configs").glob("*.yaml")):
-        if path.name in STEP_CONFIGS:
-            continue
-        cfg = draccus.parse(RLJobConfig, config_path=str(path), args=[])
-        if cfg.model.init_policy:
-            assert cfg.model.init_policy in sft_roots, f"{path.name}: init_policy names no shipped SFT run"
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_policy=None))
-        RLJob(cfg)  # raises on any invalid field
+    (`model.init_policy`) names the run root of a shipped SFT config."""
+    for path, cls in STEP_CONFIGS.items():
+        draccus.parse(cls, config_path=str(ROOT / path), args=[])
+    for path in JOB_CONFIGS:
+        cfg = draccus.parse(RLJobConfig, config_path=str(ROOT / path), args=[])
+        RLJob(without_init_policy(cfg))  # raises on any invalid field
 
 
 def test_lesson_cycle_is_refused_and_printed() -> None:

@@ -290,3 +290,16 @@ def test_guarded_update_skips_non_finite_steps(bad: float) -> None:
         assert float(met["skipped_nonfinite"]) == 1.0
         for new, old in zip(jax.tree.leaves((m2, o2)), jax.tree.leaves((m1, o1)), strict=True):
             np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+
+
+def test_reverse_kl_distillation_advantage_by_hand() -> None:
+    """A_t = c·(log π_teacher − log π_student) (+ the RL advantage), 0 off the mask, no gradient: teacher
+    [−0.5, −2.0, −1.0], student [−1.0, −1.5, −3.0], mask [1, 1, 0], RLOO advantage 0.4 on the response."""
+    teacher = jnp.asarray([[-0.5, -2.0, -1.0]], jnp.float32)
+    student = jnp.asarray([[-1.0, -1.5, -3.0]], jnp.float32)
+    mask = jnp.asarray([[1.0, 1.0, 0.0]], jnp.float32)
+    np.testing.assert_allclose(np.asarray(L.reverse_kl_advantage(teacher, student, mask)), [[0.5, -0.5, 0.0]])
+    mixed = L.reverse_kl_advantage(teacher, student, mask, jnp.full((1, 3), 0.4, jnp.float32), coef=0.5)
+    np.testing.assert_allclose(np.asarray(mixed), [[0.4 + 0.25, 0.4 - 0.25, 0.0]], rtol=1e-6)
+    grad = jax.grad(lambda s: jnp.sum(L.reverse_kl_advantage(teacher, s, mask)))(student)
+    assert not np.asarray(grad).any()

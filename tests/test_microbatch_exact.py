@@ -4,7 +4,13 @@ sequence-level aggregation, TIS, and the overlong filter (some responses truncat
 
 Tolerance: relative, 1e-5 on the loss and on the gradient's global norm of the difference (‖g₄ₓ₈ − g₃₂‖ / ‖g₃₂‖),
 float32 on CPU. Measured on the 2-core CI machine: loss ≤ 1.4e-7, gradient ≤ 8.8e-7 for every case; the wrong
-normalisation (each microbatch's own mean, averaged) misses the loss by 6.6e-3, so the comparison can fail."""
+normalisation (each microbatch's own mean, averaged) misses the loss by 6.6e-3, so the comparison can fail.
+
+Every metric of the slot is the same too (relative 1e-5, absolute 1e-6 near zero), for every loss type and
+aggregation mode and the rollout-correction options (sequence-level TIS, token- and sequence-level masked IS,
+whose bounds here reject part of the tokens / sequences of the random models): token means weighted by loss
+tokens, sequence means by sequences, counts summed, maxima maximised. Weighting token means by the loss's
+per-sequence shares (the old combination) gives entropy 0.5 for a slot whose entropy is 0.75."""
 
 from __future__ import annotations
 
@@ -37,7 +43,17 @@ CONFIGS: dict[str, LossConfig] = {
     "ppo": PPOClipLossConfig(kl_coef=KL, kl_estimator="k2"),
     "gspo": GSPOLossConfig(kl_coef=KL, overlong_filter=True),
     "cispo-sequence": CISPOLossConfig(kl_coef=KL, kl_estimator="k1", aggregation="sequence"),
+    "cispo": CISPOLossConfig(kl_coef=KL),
+    "ppo-sequence": PPOClipLossConfig(kl_coef=KL, aggregation="sequence"),
+    # learner/sampler log-ratios of these random models: tokens in [-6.7, 1.4], sequences' sums in [-26, -0.1]
+    "rloo-seq-tis-token-mis": RLOOLossConfig(
+        kl_coef=KL, tis_cap=2.0, tis_level="sequence", mis_level="token", mis_low=0.05, mis_high=2.0
+    ),
+    "rloo-sequence-seq-mis": RLOOLossConfig(
+        kl_coef=KL, aggregation="sequence", mis_level="sequence", mis_low=4.5e-5, overlong_filter=True
+    ),
 }
+MTOL = 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +93,12 @@ def test_four_microbatches_of_eight_equal_one_batch_of_32(name: str, models: tup
     print(f"{name}: loss rel {abs(loss4 - loss1) / abs(loss1):.2e}, grad rel {rel:.2e}")
     assert rel <= RTOL, f"{name}: relative gradient difference {rel:.3g}"
     assert float(m4["loss_tokens"]) == float(m1["loss_tokens"])
+    assert set(m4) == set(m1)
+    for key in sorted(m1):
+        a, b = float(m1[key]), float(m4[key])
+        assert abs(a - b) <= RTOL * abs(a) + MTOL, f"{name}: metric {key}: slot {a} vs 4 microbatches {b}"
+    if isinstance(cfg, RLOOLossConfig) and cfg.mis_level is not None:
+        assert 0.0 < float(m1["mis_masked_fraction"]) < 1.0, "the bounds must reject part of the batch"
 
 
 def test_per_microbatch_means_would_fail_the_tolerance(models: tuple) -> None:
@@ -91,3 +113,23 @@ def test_per_microbatch_means_would_fail_the_tolerance(models: tuple) -> None:
     whole, _, _ = _loss_and_grads(cfg, models, 1)
     print(f"naive per-microbatch means: loss rel {abs(naive - whole) / abs(whole):.2e}")
     assert abs(naive - whole) > 100 * RTOL * abs(whole), (naive, whole)
+
+
+def test_token_mean_metrics_are_weighted_by_tokens_not_by_the_loss_shares() -> None:
+    """The issue's small case: sequence aggregation, microbatch 0 holds one 3-token response of entropy 1, microbatch
+    1 one 1-token response of entropy 0. The slot's entropy is 3/4; the loss's per-sequence shares (½, ½) would give
+    ½. Computed through the module's objective on the whole slot and on each row as its own microbatch."""
+    from test_loss_terms import batch_of
+
+    from policy.losses.modules import combine_microbatch_metrics
+
+    module = loss_module_from_config(RLOOLossConfig(aggregation="sequence"))
+    whole = batch_of([[0.0] * 3, [0.0]], [[1.0] * 3, [-1.0]])
+    entropy = jnp.asarray(np.array([[1.0] * 8, [0.0] * 8], np.float32))
+    logp = jnp.full(whole.loss_mask.shape, -1.0, jnp.float32)
+    _, slot = module.objective(logp, whole, None, entropy)
+    pieces = [module.objective(logp[i::2], sharding.microbatch(whole, i, 2), None, entropy[i::2])[1] for i in range(2)]
+    combined = combine_microbatch_metrics(module, pieces)
+    assert float(slot["entropy"]) == pytest.approx(0.75)
+    assert float(combined["entropy"]) == pytest.approx(0.75)
+    assert float(combined["loss"]) == pytest.approx(float(slot["loss"]))

@@ -17,7 +17,7 @@ from reasoning_gym.utils import extract_answer
 from pipeline.config import ConfigError
 from pipeline.config.curriculum import EnvConfig
 from pipeline.environments.base import SampleSpec
-from pipeline.environments.reasoning_gym_env import ReasoningGymEnv, extract
+from pipeline.environments.reasoning_gym_env import ReasoningGymEnv, extract, extract_strict
 from pipeline.environments.scripted import ScriptedContext
 from pipeline.environments.tokenizer import build_tiny_tokenizer
 from pipeline.process.exits import Exit
@@ -90,6 +90,33 @@ def test_sample_fills_text_answer_and_ground_truth_on_rollouts() -> None:
             assert r.episode_reward == pytest.approx(ds.score_answer(r.extracted_answer, entry))  # type: ignore[attr-defined]
             rewards.append(r.episode_reward)
     assert 0.0 <= min(rewards) < 1.0 and max(rewards) == 1.0
+
+
+def test_strict_format_scores_only_a_response_that_is_the_answer_alone() -> None:
+    """A policy that stops ending its response after `</answer>` (it writes on until `max_tokens`) must not be paid
+    for the answer inside: with `strict_format` such text scores 0 as a parse failure, the exact format the library's
+    score, and without it the library's convention (last tag) is kept."""
+    cfg = {"min_terms": 3, "max_terms": 3, "min_digits": 1, "max_digits": 1, "operators": ["+"]}
+    strict = ReasoningGymEnv("basic_arithmetic", cfg, n_eval=4, strict_format=True)
+    loose = ReasoningGymEnv("basic_arithmetic", cfg, n_eval=4)
+    (ex,) = strict.examples(1, np.random.default_rng(0), "eval")
+    entry, ds = _library_entry("basic_arithmetic", cfg, ex.example_id)
+    right = str(entry["answer"])
+    for text in (f"<answer>{right}</answer>", f" <answer> {right} </answer>\n"):
+        got = strict.score(ex, text)
+        assert got.extracted_answer == right and got.reward == ds.score_answer(right, entry) == 1.0  # type: ignore[attr-defined]
+    extra = (
+        f"<answer>{right}</answer>7</",
+        f"so <answer>{right}</answer>",
+        f"<answer>1</answer><answer>{right}</answer>",
+    )
+    for text in extra:
+        got = strict.score(ex, text)
+        assert (got.reward, got.success, got.extracted_answer, got.info["parse_failure"]) == (0.0, False, None, 1.0)
+        assert loose.score(ex, text).reward == ds.score_answer(extract_answer(text), entry)  # type: ignore[attr-defined]
+    assert extract_strict("\\boxed{3}", "boxed") == "3" and extract_strict("so \\boxed{3}", "boxed") is None
+    assert extract_strict("12", "last_number") == "12" and extract_strict("1 2", "last_number") is None
+    assert extract_strict("a\nb", "first_line") is None
 
 
 def test_train_and_eval_item_seeds_are_disjoint_and_eval_is_fixed() -> None:
@@ -166,6 +193,7 @@ def test_answer_extraction_conventions(text: str, fmt: str, want: str | None) ->
         ({"tasks": [{"task": "chain_sum"}, {"task": "leg_counting", "weight": 0}]}, "tasks[1].weight"),
         ({"tasks": [{"task": "chain_sum", "cfg": {}}]}, "tasks[0]"),
         ({"task": "chain_sum", "answer_format": "xml"}, "answer_format"),
+        ({"task": "chain_sum", "strict_format": "yes"}, "strict_format"),
         ({}, "task"),
     ],
 )

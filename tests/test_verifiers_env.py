@@ -1,6 +1,7 @@
-"""verifiers environments as rlpipe lessons (`pipeline.environments.verifiers_env`), through the real generate
-endpoint and verifiers' own training client: the tool loop and its masks on a scripted sampler, and a whole CPU job
-with a single-turn and a multi-turn (Python tool) verifiers environment defined in tests/verifiers_envs.py."""
+"""verifiers environments as rlpipe lessons (`pipeline.environments.verifiers_env`): verifiers' own rollout loop (an
+`Agent` running the `null` harness's chat program, its `TrainClient`, its tool servers, its scoring) against the
+real generate endpoint. The tool episode and its masks on a scripted sampler, and a whole CPU job with the shipped
+single-turn (configs/envs/verifiers_cats.py) and multi-turn Python-tool (configs/envs/verifiers_sum.py) examples."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from pipeline.environments.scripted import ScriptedContext
 from pipeline.environments.tokenizer import build_tiny_tokenizer
 from pipeline.environments.verifiers_env import VerifiersEnv
 
-ENVS = "tests/verifiers_envs.py"
-CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 1}}</tool_call>'
+CATS = "configs/envs/verifiers_cats.py:load_environment"
+SUM = "configs/envs/verifiers_sum.py:load_environment"
+CALL = '<tool_call>{"name": "adder_add", "arguments": {"a": 2, "b": 1}}</tool_call>'
 
 
 def _script(prompt: str) -> str:
@@ -30,15 +32,18 @@ def _script(prompt: str) -> str:
 def test_tool_episode_masks_tool_tokens_and_records_each_reward(tmp_path: Path) -> None:
     tok = build_tiny_tokenizer()
     log = tmp_path / "capture.jsonl"
-    env = VerifiersEnv(env=f"{ENVS}:tool_use", max_turns=3, max_seq_len=256, capture_log=str(log))
+    env = VerifiersEnv(env=SUM, max_turns=3, max_seq_len=256, capture_log=str(log))
     spec = SampleSpec(n_examples=1, n_generations=2, temperature=1.0, max_tokens=64, stop_tokens=None, mode="eval")
-    res = env.sample(ScriptedContext(tok, _script, logprob=-0.5), spec, np.random.default_rng(0))
-    assert not res.failures, res.failures  # includes: verifiers' TurnTokens agree with the endpoint's capture
+    ctx = ScriptedContext(tok, _script, logprob=-0.5)
+    ctx.policy_step = 7  # type: ignore[attr-defined]  # the worker's step, which the endpoint reports per call
+    res = env.sample(ctx, spec, np.random.default_rng(0))
+    assert not res.failures, res.failures  # includes: verifiers' recorded tokens agree with the endpoint's capture
+    assert res.metrics["reward/correct"] == 1.0 and res.metrics["reward/used_tool"] == 1.0
     (group,) = res.groups
     assert len({r.episode_id for r in group.rollouts}) == 2
     sampled = [json.loads(line) for line in log.read_text().splitlines()]
     for row in group.rollouts:
-        assert row.example_id == "sum-0" and row.segment_index == 0
+        assert row.example_id == "sum-0" and row.segment_index == 0 and row.policy_step == 7
         assert row.reward_components == {"correct": 1.0, "used_tool": 1.0} and row.episode_reward == 2.0
         # two sampled turns (mask 1, the sampler's ids and logprobs) around the tool message (mask 0, logprob 0.0)
         first = next(s for s in sampled if s["prompt_ids"] == row.prompt_tokens)
@@ -55,10 +60,12 @@ def test_tool_episode_masks_tool_tokens_and_records_each_reward(tmp_path: Path) 
 
 def test_a_missing_environment_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="env="):
-        VerifiersEnv.check_args({"env": f"{ENVS}:no_such_function"})
+        VerifiersEnv.check_args({"env": "configs/envs/verifiers_cats.py:no_such_function"})
     with pytest.raises(ConfigError, match="env="):
         VerifiersEnv.check_args({"env": "no_such_taskset_id"})
-    VerifiersEnv.check_args({"env": f"{ENVS}:single_turn"})
+    with pytest.raises(ConfigError, match="harness="):
+        VerifiersEnv.check_args({"env": CATS, "harness": "no_such_harness"})
+    VerifiersEnv.check_args({"env": CATS})
 
 
 @pytest.mark.slow
@@ -79,10 +86,10 @@ def test_whole_job_trains_on_verifiers_envs(tmp_path: Path, lesson: str) -> None
     logs = {"cats": tmp_path / "cats.jsonl", "sum": tmp_path / "sum.jsonl"}
     lessons = cfg["curriculum"]["lessons"]
     lessons.clear()
-    for lid, fn, turns in (("cats", "single_turn", 1), ("sum", "tool_use", 2)):
+    for lid, ref, turns in (("cats", CATS, 1), ("sum", SUM, 2)):
         if lid != lesson:
             continue
-        args = {"env": f"{ENVS}:{fn}", "max_turns": turns, "max_seq_len": 64, "capture_log": str(logs[lid])}
+        args = {"env": ref, "max_turns": turns, "max_seq_len": 64, "capture_log": str(logs[lid])}
         env = {"env_class": "pipeline.environments.verifiers_env.VerifiersEnv", "env_args": args}
         lessons[lid] = {"lesson_id": lid, "chat": True, "env": env}
     cfg["train"]["num_train_steps"] = 1
@@ -101,11 +108,12 @@ def test_whole_job_trains_on_verifiers_envs(tmp_path: Path, lesson: str) -> None
     for step in range(0, 2):
         for name in store.list(layout.rollout_step_dir(step)):
             if name.endswith(".parquet"):
-                rows.extend(store.read_parquet(name, ROLLOUT).to_pylist())
+                rows.extend((step, r) for r in store.read_parquet(name, ROLLOUT).to_pylist())
     assert rows
     seen = set()
-    for row in rows:
-        lid = "cats" if row["env_name"] == "single_turn" else "sum"
+    for step, row in rows:
+        assert row["policy_step"] == step  # the step the endpoint sampled with, reported per call
+        lid = lesson
         seen.add(lid)
         sampled = [json.loads(line) for line in logs[lid].read_text().splitlines()]
         mask = row["response_loss_mask"]

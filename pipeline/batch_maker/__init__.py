@@ -16,9 +16,11 @@ Ingestion (`add_rollouts(table, source_file, slot=T, latest_policy=S)`), in orde
    negative or wrong policy step, bad temperature, empty ids) -> `malformed` (the detail says which);
 2. policy_step > S (the newest published policy) -> `future_policy`;
    policy_step < T-1-max_lag (too old for slot T and every later slot) -> `stale`;
-3. groups = rows of this file sharing (group_key, policy_step); advantages per group with the
-   configured estimator (`pipeline.batch_maker.advantages`); with `filter_zero_variance`, a group whose rewards
-   are all equal -> `zero_variance`, and a row whose own advantage is exactly 0 -> `zero_advantage`
+3. groups = episodes of this file sharing (group_key, policy_step); an episode is the rows sharing a non-empty
+   `episode_id` (its segments; one sample whose reward is the episode's, its policy step its oldest segment's),
+   else one row; advantages per group of episodes with the configured estimator
+   (`pipeline.batch_maker.advantages`), each segment getting its episode's; with `filter_zero_variance`, a group
+   whose rewards are all equal -> `zero_variance`, and a row whose own advantage is exactly 0 -> `zero_advantage`
    (unless the call says `admit_no_signal`: then they are admitted with advantage 0, counted in
    `IngestReport.admitted_no_signal`; the step does this when a slot cannot fill otherwise);
 4. overlong (prompt + response > seq_len): rule `drop` -> `too_long`; rule `truncate` cuts the response
@@ -27,6 +29,11 @@ Ingestion (`add_rollouts(table, source_file, slot=T, latest_policy=S)`), in orde
 5. latest-version retention per problem (env_name, example_id), among live rows: rows of an older
    policy than a live group of the same problem -> `superseded` (whichever arrived first);
 6. reservoir capacity: beyond `replay_buffer_capacity` live rows the oldest arrivals -> `evicted`.
+
+Whole episodes: every rule above drops an episode's segments together (the first offending segment's reason,
+named in the others' detail; segments disagreeing on group_key or episode_reward -> `malformed`; the oldest
+segment decides `stale`, the newest `future_policy`), and a batch takes all of an episode's segments or none
+(`packing.keep_whole_episodes`).
 
 Batch T (`make_batch(T)`): live rows with lag `(T-1) - policy_step` outside `[0, max_lag]` are dropped
 `stale` first. Eligible rows (live, used fewer than `max_samples_per_rollout` times) are ordered by

@@ -21,6 +21,7 @@ class Chunk:
     rollout_ids: pa.Array  # string
     problems: pa.Array  # string: env_name + '\x1f' + example_id
     group: np.ndarray  # int64 group code within the file
+    episode: np.ndarray  # int64 episode code within the file (segments of one episode share it; else one per row)
     reward: np.ndarray  # float64
     advantage: np.ndarray  # float32
     temperature: np.ndarray  # float32
@@ -44,9 +45,9 @@ class Chunk:
 
     def nbytes(self) -> int:
         """Bytes held by this chunk's arrays."""
-        arrays = (self.rows, self.group, self.reward, self.advantage, self.temperature, self.truncated, self.cut,
-                  self.prompt_len, self.resp_len, self.prompt_off, self.resp_off, self.prompt_vals, self.resp_vals,
-                  self.logprob_vals, self.mask_vals, self.uses, self.alive)  # fmt: skip
+        arrays = (self.rows, self.group, self.episode, self.reward, self.advantage, self.temperature, self.truncated,
+                  self.cut, self.prompt_len, self.resp_len, self.prompt_off, self.resp_off, self.prompt_vals,
+                  self.resp_vals, self.logprob_vals, self.mask_vals, self.uses, self.alive)  # fmt: skip
         return sum(a.nbytes for a in arrays) + self.rollout_ids.nbytes + self.problems.nbytes
 
     def take(self, keep: np.ndarray) -> Chunk:
@@ -63,6 +64,7 @@ class Chunk:
             rollout_ids=self.rollout_ids.take(keep_arr),
             problems=self.problems.take(keep_arr),
             group=self.group[keep],
+            episode=self.episode[keep],
             reward=self.reward[keep],
             advantage=self.advantage[keep],
             temperature=self.temperature[keep],

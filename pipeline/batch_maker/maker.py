@@ -16,8 +16,8 @@ import pyarrow.compute as pc
 
 from pipeline.batch_maker.advantages import estimator_for
 from pipeline.batch_maker.chunk import Chunk
-from pipeline.batch_maker.packing import BatchResult, build_batch, place
-from pipeline.batch_maker.staging import Staged, stage
+from pipeline.batch_maker.packing import BatchResult, build_batch, keep_whole_episodes, place
+from pipeline.batch_maker.staging import Staged, spread_over_episodes, stage
 from pipeline.config import TrainParams
 from pipeline.store import staleness
 from schemas.dropped import DROP_REASONS, DROPPED
@@ -173,8 +173,10 @@ class BatchMaker:
             table, source_file, dir_policy_step, self.params, self._estimator, filter_no_signal=not admit_no_signal
         )
         self._refuse_for_slot(st, slot, latest_policy)
+        spread_over_episodes(st.reason, st.detail, st.chunk.episode)  # the oldest (newest) segment decides
         if (st.reason == "").any():
             self._retain_latest(st)
+            spread_over_episodes(st.reason, st.detail, st.chunk.episode)
         admit = st.reason == ""
         counts = self._record_drops(st, ~admit)
         chunk = st.chunk
@@ -201,9 +203,18 @@ class BatchMaker:
         )
 
     def _refuse_for_slot(self, st: Staged, slot: int, latest_policy: int) -> None:
-        """Mark rows of a policy newer than `latest_policy` (`future_policy`) or too old for `slot` (`stale`)."""
-        reason, detail, policy = st.reason, st.detail, st.policy
-        future = (reason == "") & (policy > latest_policy)
+        """Mark rows of a policy newer than `latest_policy` (`future_policy`) or too old for `slot` (`stale`), whole
+        episodes at a time."""
+        reason, detail = st.reason, st.detail
+        # an episode's segments share one verdict: its newest segment decides `future_policy`, its oldest `stale`
+        episode = st.chunk.episode
+        n_ep = int(episode.max()) + 1 if len(episode) else 0
+        newest = np.full(n_ep, np.iinfo(np.int64).min, dtype=np.int64)
+        oldest = np.full(n_ep, np.iinfo(np.int64).max, dtype=np.int64)
+        np.maximum.at(newest, episode, st.policy)
+        np.minimum.at(oldest, episode, st.policy)
+        policy = oldest[episode]
+        future = (reason == "") & (newest[episode] > latest_policy)
         reason[future] = "future_policy"
         detail[future] = f"newest published policy is {latest_policy}"
         low = staleness.oldest_allowed_policy(slot, self.params.max_lag)
@@ -287,10 +298,10 @@ class BatchMaker:
             if excess <= 0:
                 break
             idx = np.flatnonzero(c.alive)[:excess]
-            mask = np.zeros(len(c.alive), dtype=bool)
-            mask[idx] = True
+            # whole episodes: the episodes of the oldest rows go with all their segments
+            mask = c.alive & np.isin(c.episode, c.episode[idx])
             self._kill(c, mask, "evicted", f"reservoir over capacity {self.params.replay_buffer_capacity}")
-            excess -= len(idx)
+            excess -= int(mask.sum())
         self._compact()
 
     def _compact(self) -> None:
@@ -340,9 +351,23 @@ class BatchMaker:
         rng = np.random.default_rng([params.seed, slot])
         u = rng.random(n)
         key = np.log(np.maximum(u, 1e-300)) / weight  # Efraimidis-Spirakis: larger key first
-        order = np.lexsort((-key, pstep))
+        episode = np.concatenate([c.episode for _, c in cands])[ok] + (c_idx << 32)
+        _, ep_first, ep_code = np.unique(episode, return_index=True, return_inverse=True)
+        whole = len(ep_first) == n  # every candidate is an episode of its own (no split episodes)
+        if whole:
+            order = np.lexsort((-key, pstep))
+        else:
+            # an episode is one candidate: its segments share its first segment's key and stay adjacent, in file order
+            ep_code = ep_code.reshape(-1)
+            key = key[ep_first][ep_code]
+            order = np.lexsort((r_idx, ep_code, -key, pstep))
         rows_of, offs_of = place(length[order], params.batch_size, params.seq_len, params.pack)
+        if not whole:
+            keep_whole_episodes(length[order], episode[order], rows_of, offs_of, params.batch_size, params.seq_len,
+                                params.pack)  # fmt: skip
         placed = rows_of >= 0
+        if not placed.any():
+            return None
         chosen = order[placed]
         result = build_batch(slot, cands, c_idx[chosen], r_idx[chosen], rows_of[placed], offs_of[placed], params)
         self._compact()

@@ -85,6 +85,58 @@ def _top_up(lens: np.ndarray, start: int, room: list[int], rows: np.ndarray, off
                 break
 
 
+def keep_whole_episodes(
+    lengths: np.ndarray, episode: np.ndarray, rows: np.ndarray, offs: np.ndarray, B: int, S: int, pack: bool
+) -> None:
+    """Make a `place` result whole-episode, in place: an episode (candidates sharing `episode`, adjacent in
+    priority order) is in the batch with all its segments or not at all.
+
+    An episode `place` took only part of is taken out; then the room left (free rows unpacked; leftover tokens per
+    row packed) is topped up first-fit with episodes not placed, in priority order, each only if all its segments
+    fit (at most TOP_UP_FACTOR * B episodes are tried). Segments of one episode may sit in different rows.
+    """
+    placed = rows >= 0
+    _, first, inv, n_seg = np.unique(episode, return_index=True, return_inverse=True, return_counts=True)
+    inv = inv.reshape(-1)
+    n_placed = np.bincount(inv, weights=placed.astype(np.float64), minlength=len(first)).astype(np.int64)
+    partial = (n_placed > 0) & (n_placed < n_seg)
+    if partial.any():
+        cut = partial[inv]
+        rows[cut] = -1
+        offs[cut] = 0
+        placed &= ~cut
+    lens = lengths.astype(np.int64)
+    if pack:
+        room = S - np.bincount(rows[placed], weights=lens[placed], minlength=B).astype(np.int64)
+        end = np.zeros(B, dtype=np.int64)
+        np.maximum.at(end, rows[placed], offs[placed] + lens[placed])
+    else:
+        room = 1 - np.bincount(rows[placed], minlength=B).astype(np.int64)  # one segment per row
+        end = np.zeros(B, dtype=np.int64)
+    size = lens if pack else np.ones_like(lens)
+    todo = [int(e) for e in np.argsort(first, kind="stable") if n_placed[e] == 0 or partial[e]]
+    for e in todo[: TOP_UP_FACTOR * B]:
+        if not (room > 0).any():
+            break
+        segs = np.arange(first[e], first[e] + n_seg[e])  # adjacent in priority order
+        trial = room.copy()
+        where = []
+        for c in segs.tolist():
+            fits = np.flatnonzero(trial >= size[c])
+            if fits.size == 0:
+                break
+            r = int(fits[0])
+            trial[r] -= size[c]
+            where.append((c, r))
+        if len(where) < len(segs):
+            continue
+        for c, r in where:
+            rows[c] = r
+            offs[c] = end[r]
+            end[r] += lens[c]
+        room = trial
+
+
 @dataclasses.dataclass
 class _Segments:
     """The batch's segments in (row, offset) order: per-segment values and the concatenated token content."""

@@ -6,6 +6,10 @@ from typing import Any
 
 from pipeline.batch_maker import BatchResult
 
+WASTE_REASONS = ("stale", "zero_variance", "superseded", "zero_advantage")
+"""Drop reasons that are waste: rows generated (sampler compute spent) that trained nothing because of pacing or a
+saturated task, not because they were broken (too_long, malformed and future_policy are not counted)."""
+
 METRICS = {
     "slot": "batch slot T",
     "n_rollouts": "rollout rows in the batch (segments)",
@@ -16,6 +20,8 @@ METRICS = {
     "tokens / loss_tokens": "non-padding tokens / tokens with loss_mask 1",
     "padding_fraction": "1 - tokens / (batch_size * seq_len)",
     "dropped_<reason>": "rollout rows dropped while building this slot, per reason",
+    "rows_wasted": "rows dropped this slot for a `WASTE_REASONS` reason (stale, zero-variance, superseded, zero-adv.)",
+    "waste_per_trained_row": "rows_wasted / n_rollouts: generated rows thrown away per row trained, this slot",
     "groups_filtered_zero_variance": "groups dropped because all their rewards were equal",
     "rows_filled_no_signal": "rows admitted with advantage 0 (train.no_signal_fill_after)",
     "files_ingested": "rollout files first read for this slot",
@@ -59,4 +65,12 @@ def batch_metrics(batch: BatchResult, log: dict[str, Any]) -> dict[str, Any]:
     }
     for reason, n in log["dropped"].items():
         rec[f"dropped_{reason}"] = n
+    rec["rows_wasted"] = waste = sum(int(log["dropped"].get(r, 0)) for r in WASTE_REASONS)
+    rec["waste_per_trained_row"] = waste / s["n_rollouts"] if s["n_rollouts"] else None
     return rec
+
+
+def waste_ratio(dropped_by_reason: dict[str, int], trained_rows: int) -> float | None:
+    """Generated rows dropped for a `WASTE_REASONS` reason per row trained (None when nothing was trained)."""
+    wasted = sum(int(dropped_by_reason.get(r, 0)) for r in WASTE_REASONS)
+    return wasted / trained_rows if trained_rows > 0 else None

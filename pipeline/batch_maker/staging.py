@@ -109,24 +109,94 @@ def _check_rows(table: pa.Table, v: _Verdicts, dir_policy_step: int | None) -> _
     return _Columns(p_vals, p_off, r_vals, r_off, lp_vals, m_vals, reward, policy, temperature, rollout_ids, group_keys)
 
 
+def episode_codes(table: pa.Table) -> np.ndarray:
+    """Per row, its episode's code within the file: rows sharing a non-empty `episode_id` (the segments of one
+    episode) share a code; every other row is an episode of its own."""
+    n = table.num_rows
+    if "episode_id" not in table.column_names:
+        return np.arange(n, dtype=np.int64)
+    ids = table.column("episode_id").to_pylist()
+    if not any(ids):
+        return np.arange(n, dtype=np.int64)
+    # '\x00' + row number cannot collide with a real id's key ('\x01' + id)
+    keys = [f"\x01{e}" if e else f"\x00{i}" for i, e in enumerate(ids)]
+    _, codes = np.unique(np.asarray(keys, dtype=object), return_inverse=True)
+    return np.asarray(codes, dtype=np.int64).reshape(-1)
+
+
+def spread_over_episodes(reason: np.ndarray, detail: np.ndarray, episode: np.ndarray) -> None:
+    """Whole episodes only: a row still admissible ('') whose episode has a dropped segment gets that segment's
+    reason (the first such segment's), its detail saying so. In place."""
+    dropped = reason != ""
+    if not dropped.any() or dropped.all():
+        return
+    n_ep = int(episode.max()) + 1
+    hit = np.zeros(n_ep, dtype=bool)
+    hit[episode[dropped]] = True
+    fix = ~dropped & hit[episode]
+    if not fix.any():
+        return
+    d_idx = np.flatnonzero(dropped)
+    eps, first = np.unique(episode[d_idx], return_index=True)
+    src_of = np.full(n_ep, -1, dtype=np.int64)
+    src_of[eps] = d_idx[first]
+    for i in np.flatnonzero(fix).tolist():
+        j = int(src_of[episode[i]])
+        reason[i] = reason[j]
+        detail[i] = f"another segment (row {j}) of its episode was dropped: {detail[j]}"
+
+
+def _check_episodes(table: pa.Table, cols: _Columns, v: _Verdicts, episode: np.ndarray) -> None:
+    """Segments of one episode must agree on `group_key` and `episode_reward` (else the episode is malformed);
+    then a segment dropped so far takes its whole episode with it."""
+    n = len(episode)
+    if n and len(np.unique(episode)) < n:
+        reward = cols.reward
+        gk = np.asarray(cols.group_keys.dictionary_encode().indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+        _, first = np.unique(episode, return_index=True)
+        rep = np.zeros(int(episode.max()) + 1, dtype=np.int64)
+        rep[episode[first]] = first
+        r0 = rep[episode]
+        v.malformed(gk != gk[r0], "segments of its episode disagree on group_key")
+        same_reward = (reward == reward[r0]) | (~np.isfinite(reward) & ~np.isfinite(reward[r0]))
+        v.malformed(~same_reward, "segments of its episode disagree on episode_reward")
+    spread_over_episodes(v.reason, v.detail, episode)
+
+
 def _score_groups(
-    cols: _Columns, v: _Verdicts, estimator: Estimator, filter_no_signal: bool
+    cols: _Columns, v: _Verdicts, estimator: Estimator, filter_no_signal: bool, episode: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Group codes ((group_key, policy_step) among well-formed rows; -1 elsewhere) and advantages; with
-    `filter_no_signal`, zero-variance groups and zero-advantage rows are marked."""
+    """Group codes ((group_key, episode policy step) among well-formed rows; -1 elsewhere) and advantages; with
+    `filter_no_signal`, zero-variance groups and zero-advantage rows are marked.
+
+    The group's samples are episodes, not rows: the segments of one episode (`episode`, whole by now: see
+    `_check_episodes`) are one sample whose reward is the episode's, the estimator sees one reward per episode,
+    and every segment gets its episode's advantage. An episode's policy step is its oldest segment's.
+    """
     n = len(v.reason)
     ok = v.ok()
     codes = np.full(n, -1, dtype=np.int64)
     advantage = np.zeros(n, dtype=np.float64)
     if not ok.any():
         return codes, advantage
-    reward, policy = cols.reward, cols.policy
+    reward = cols.reward
+    # one representative row per episode (its first well-formed segment), the episode's oldest policy step
+    ok_idx = np.flatnonzero(ok)
+    eps, first = np.unique(episode[ok_idx], return_index=True)
+    n_ep = int(episode.max()) + 1
+    ep_policy = np.full(n_ep, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(ep_policy, episode[ok_idx], cols.policy[ok_idx])
+    policy = np.where(ok, ep_policy[episode], 0)
     gk = np.asarray(cols.group_keys.dictionary_encode().indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-    p_rel = np.where(ok, policy, 0) - int(policy[ok].min())
+    p_rel = policy - int(policy[ok].min())
+    p_rel = np.where(ok, p_rel, 0)
     _, codes_all = np.unique(gk * (int(p_rel.max()) + 1) + p_rel, return_inverse=True)
     codes_all = codes_all.reshape(-1).astype(np.int64)
     codes[ok] = codes_all[ok]
-    advantage[ok] = estimator(reward[ok], codes[ok])
+    reps = ok_idx[first]
+    ep_adv = np.zeros(n_ep, dtype=np.float64)
+    ep_adv[eps] = estimator(reward[reps], codes[reps])
+    advantage[ok] = ep_adv[episode[ok]]
     if filter_no_signal:
         n_codes = int(codes_all.max()) + 1
         gmax = np.full(n_codes, -np.inf)
@@ -178,9 +248,12 @@ def stage(
     n = table.num_rows
     v = _Verdicts(n)
     cols = _check_rows(table, v, dir_policy_step)
-    codes, advantage = _score_groups(cols, v, estimator, params.filter_zero_variance and filter_no_signal)
+    episode = episode_codes(table)
+    _check_episodes(table, cols, v, episode)
+    codes, advantage = _score_groups(cols, v, estimator, params.filter_zero_variance and filter_no_signal, episode)
     p_len = np.diff(cols.p_off)
     r_len, cut = _apply_overlong(p_len, np.diff(cols.r_off), v, params)
+    spread_over_episodes(v.reason, v.detail, episode)  # a segment too long for seq_len takes its episode along
     truncated = np.asarray(table.column("truncated").to_numpy(), dtype=bool) | cut
     policy = cols.policy
     chunk = Chunk(
@@ -191,6 +264,7 @@ def stage(
         rollout_ids=cols.rollout_ids,
         problems=_problem_keys(table),
         group=codes,
+        episode=episode,
         reward=cols.reward,
         advantage=advantage.astype(np.float32),
         temperature=cols.temperature,

@@ -196,6 +196,11 @@ class DenseInferenceConfig(InferenceConfig):
     compute_dtype: str | None = None
     """Sampler weights, activations and KV cache dtype: float32, bfloat16, float16, or auto (float32 on CPU,
     bfloat16 on an accelerator). None: `model.compute_dtype` (float32 unless set)."""
+    continuous_batching: bool = False
+    """Continuous batching: `max_seqs` decode slots, a finished sequence's slot refilled from the call's queue at
+    the next decode step, and the n samples of a prompt sharing one prefill (its KV copied into their slots). The
+    same samples as static batches (which run each batch until its longest sequence ends); faster when completion
+    lengths vary widely (docs/benchmarks.md, "Continuous batching"), slower on short equal-length calls."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

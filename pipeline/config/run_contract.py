@@ -8,6 +8,7 @@ holds the new values and its `history` lists what changed, when and by which ste
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -107,6 +108,15 @@ def check_run_config(store: Any, c: RLJobConfig, *, allow_change: bool = False, 
         logger.info("wrote %s", layout.RUN_CONFIG)
         return
     _check_against_run(store, record["config"], CONTRACT_FIELDS, allow_change=allow_change, by=by)
+
+
+def with_step_contract(c: RLJobConfig, step_config: Any) -> RLJobConfig:
+    """The job config `c` with the contract fields `step_config` has (model, train, optimizer, loss, curriculum)
+    taken from the step config: what a step started with step-level overrides (`steps.run step learn
+    --train.num_train_steps 3`) records in run.json and is then checked against, so a fresh run root records the
+    values the step runs with instead of refusing its own overrides."""
+    fields = {f: getattr(step_config, f) for f in CONTRACT_FIELDS if getattr(step_config, f, None) is not None}
+    return dataclasses.replace(c, **fields) if fields else c
 
 
 def check_step_config(store: Any, step_config: Any, *, by: str, allow_change: bool = False) -> None:

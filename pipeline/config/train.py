@@ -148,6 +148,7 @@ class OptimizerSpec:
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token", "sequence")
+RATIO_LEVELS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
@@ -192,12 +193,39 @@ class RLOOLossConfig(LossConfig):
     the slot's first update, and clipping acts."""
     overlong_filter: bool = False
     """Zero the loss of truncated responses (overlong filtering)."""
+    tis_level: str = "token"
+    """Level of the TIS weight (with tis_cap): 'token' weighs each token by its own capped ratio; 'sequence'
+    weighs every token of a response by min(Π_t π_learner_old/π_sampler, cap) over the response's loss tokens
+    (sequence-level TIS, rollout correction)."""
+    mis_level: str | None = None
+    """Masked importance sampling (rollout correction by rejection): 'token' drops every token whose ratio
+    π_learner_old/π_sampler lies outside [mis_low, mis_high] from the loss, 'sequence' drops every response whose
+    sequence ratio Π_t π_learner_old/π_sampler does; dropped tokens leave the denominator too. None: off."""
+    mis_low: float = 0.5
+    """Lower ratio bound of masked IS (0: no lower bound)."""
+    mis_high: float = 2.0
+    """Upper ratio bound of masked IS."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 <= self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in [0, 1)")
         require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
         require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap", self.tis_cap, "must be >= 1 or null")
+        require(self.tis_level in RATIO_LEVELS, "loss.tis_level", self.tis_level, f"one of {RATIO_LEVELS}")
+        require(
+            self.tis_level == "token" or self.tis_cap is not None,
+            "loss.tis_level",
+            self.tis_level,
+            "'sequence' needs loss.tis_cap",
+        )
+        require(
+            self.mis_level is None or self.mis_level in RATIO_LEVELS,
+            "loss.mis_level",
+            self.mis_level,
+            f"one of {RATIO_LEVELS} or null",
+        )
+        require(0 <= self.mis_low <= 1, "loss.mis_low", self.mis_low, "must be in [0, 1]")
+        require(self.mis_high >= 1, "loss.mis_high", self.mis_high, "must be >= 1")
 
 
 @LossConfig.register_subclass("ppo")

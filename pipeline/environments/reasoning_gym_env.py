@@ -33,6 +33,11 @@ set. One lesson per level, with dependencies between them, makes a difficulty cu
 library's prompts ask for `<answer>` tags); `boxed` the contents of the last `\\boxed{…}`; `last_number` the last
 number in the response; `first_line` the first non-empty line; `full` the whole response. Each is stripped of
 surrounding whitespace; nothing found (or an empty answer) hands None to the scorer, which scores it 0.
+With `strict_format` (a format requirement, as the format rewards of DeepSeek-AI 2025, "DeepSeek-R1",
+arXiv:2501.12948) the whole response, surrounding whitespace aside, must be the answer in its format and nothing else
+(`<answer_tag>N</answer_tag>` for `tag`, `\\boxed{N}` for `boxed`, one number for `last_number`, one line for
+`first_line`): anything before or after it (such as text a policy keeps writing past `</answer>` instead of ending
+its response) extracts None, a parse failure that scores 0.
 
 **Reward** = `score_answer(extracted, entry)` of the task (a float in [0, 1], partial credit as the task defines it);
 success iff reward >= 1. A scorer that raises scores 0.0 (`score_error` info 1). The rollout keeps the response text,
@@ -120,6 +125,27 @@ def extract(text: str, answer_format: str = "tag", answer_tag: str = "answer") -
         return None
     out = out.strip()
     return out or None
+
+
+def extract_strict(text: str, answer_format: str = "tag", answer_tag: str = "answer") -> str | None:
+    """`extract(text, ...)` when the whole of `text` (surrounding whitespace aside) is that answer in its format and
+    nothing else (module docstring, `strict_format`); else None."""
+    answer = extract(text, answer_format, answer_tag)
+    if answer is None:
+        return None
+    body = text.strip()
+    if answer_format == "tag":
+        whole = re.fullmatch(rf"<{re.escape(answer_tag)}>\s*(.*?)\s*</{re.escape(answer_tag)}>", body, re.DOTALL)
+        ok = whole is not None and whole.group(1) == answer
+    elif answer_format == "boxed":
+        ok = body == f"\\boxed{{{last_boxed(body)}}}"
+    elif answer_format == "last_number":
+        ok = _NUMBER.fullmatch(body) is not None
+    elif answer_format == "first_line":
+        ok = "\n" not in body
+    else:
+        ok = True
+    return answer if ok else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,11 +269,15 @@ class ReasoningGymEnv(SingleTurnEnvironment):
     @classmethod
     def check_args(cls, env_args: Mapping[str, Any]) -> None:
         """Refuse (ConfigError naming the argument) an unknown task, a config the task's dataset refuses, a level
-        its curriculum does not have, a bad mix, an unknown `answer_format`, `n_eval` < 1 or a `prompt_template`
-        without `{question}`. Arguments the constructor does not take are left to its signature check."""
+        its curriculum does not have, a bad mix, an unknown `answer_format`, a `strict_format` that is not a bool,
+        `n_eval` < 1 or a `prompt_template` without `{question}`. Arguments the constructor does not take are left
+        to its signature check."""
         fmt = env_args.get("answer_format", "tag")
         if fmt not in ANSWER_FORMATS:
             raise ConfigError("answer_format", fmt, f"must be one of {ANSWER_FORMATS}")
+        strict = env_args.get("strict_format", False)
+        if not isinstance(strict, bool):
+            raise ConfigError("strict_format", strict, "must be true or false")
         n_eval = env_args.get("n_eval", 256)
         if not isinstance(n_eval, int) or isinstance(n_eval, bool) or n_eval < 1:
             raise ConfigError("n_eval", n_eval, "must be an integer >= 1")
@@ -284,6 +314,7 @@ class ReasoningGymEnv(SingleTurnEnvironment):
         dedupe_eval: bool = True,
         answer_format: str = "tag",
         answer_tag: str = "answer",
+        strict_format: bool = False,
         prompt_template: str = "{question}",
         name: str | None = None,
         max_prompt_tokens: int | None = None,
@@ -300,6 +331,7 @@ class ReasoningGymEnv(SingleTurnEnvironment):
                 "seed": seed,
                 "n_eval": n_eval,
                 "answer_format": answer_format,
+                "strict_format": strict_format,
                 "prompt_template": prompt_template,
             }
         )
@@ -308,6 +340,7 @@ class ReasoningGymEnv(SingleTurnEnvironment):
         self.n_eval = n_eval
         self.answer_format = answer_format
         self.answer_tag = answer_tag
+        self.strict_format = strict_format
         self.prompt_template = prompt_template
         self.dedupe_eval = dedupe_eval
         self.name = name or ("reasoning_gym-" + "+".join(s.task for s in self.specs))
@@ -376,7 +409,8 @@ class ReasoningGymEnv(SingleTurnEnvironment):
 
     def score(self, example: Example, text: str) -> Score:
         entry, ds, overlap = example.target
-        answer = extract(text, self.answer_format, self.answer_tag)
+        read = extract_strict if self.strict_format else extract
+        answer = read(text, self.answer_format, self.answer_tag)
         info = {"parse_failure": float(answer is None), "eval_overlap": float(overlap)}
         try:
             reward = float(ds.score_answer(answer, entry))

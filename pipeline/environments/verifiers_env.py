@@ -1,56 +1,69 @@
 """verifiers environments as rlpipe lessons: `VerifiersEnv` runs a verifiers (0.4.0, `verifiers.v1`) taskset's
-tasks against the policy through the generate endpoint, and scores them with the tasks' own rubric.
+tasks through verifiers' own rollout loop, its model calls served by the generate endpoint over the worker's sampler.
 
 Config (`EnvConfig`): `env_class: pipeline.environments.verifiers_env.VerifiersEnv` and `env_args`:
 - `env`: what to load, one of `package.module:function` or `path/to/file.py:function` (a function returning a
-  `vf.Env` or a `vf.Taskset`; called with `env_kwargs`), or an installed taskset id (`vf.load_taskset`, e.g.
-  `textarena`); `env_kwargs`: its keyword arguments (for an id: the taskset config's fields).
+  `vf.Env` -- its taskset is used -- or a `vf.Taskset`; called with `env_kwargs`), or an installed taskset id
+  (`vf.load_taskset`, e.g. `textarena`); `env_kwargs`: its keyword arguments (for an id: the taskset config's fields).
 - `eval_env` / `eval_env_kwargs`: the same for the eval split (default: the train taskset, minus `eval_holdout`).
 - `eval_holdout`: the last N tasks of the train taskset are the eval split and never drawn in train mode.
 - `max_tasks`: how many tasks to read from an infinite taskset (bounded ones are read whole).
-- `max_turns`: model calls per episode; `tool_parser`: the `renderers` tool parser that reads tool calls out of
-  sampled text (default `rlpipe-text`: `<tool_call>{json}</tool_call>` blocks in the decoded text, the built-in
-  tiny tokenizer's chat-template format; `qwen3` where `<tool_call>` is one token);
-  `max_seq_len`: the endpoint's bound on prompt + completion tokens; `capture_log`: a local file the endpoint
-  appends each sampled choice to (a debug record; tests compare rows with it).
+- `harness` / `harness_config`: the verifiers harness that plays each task (default `null`: verifiers' chat program,
+  tool calls through the task's MCP tool servers; `bash` adds a shell on this machine) and its config fields.
+- `max_turns`: model calls per episode (verifiers' `AgentConfig.max_turns`); `episode_timeout_s`: its rollout
+  timeout; `tool_parser`: the `renderers` tool parser verifiers' client reads tool calls with (default `rlpipe-text`:
+  `<tool_call>{json}</tool_call>` blocks in the decoded text, the built-in tiny tokenizer's chat-template format;
+  `qwen3` where `<tool_call>` is one token); `max_seq_len`: the endpoint's bound on prompt + completion tokens;
+  `capture_log`: a local file the endpoint appends each sampled choice to (a debug record; tests compare rows with it).
 
 Examples are tasks: an example id is the task's durable `data.id` when it has one, else `key:` plus the task's
 content key (stable across processes and runs). Each example runs `n_generations` episodes (an RLOO group).
 
-An episode (at most `max_turns` model calls): the task's messages (system prompt, prompt) go, through verifiers'
-own training client (`TrainClient`, `TrainClientConfig` pointed at the episode's capture URL of a
-`pipeline.rollout.endpoint.GenerateEndpoint` over the worker's sampler), to `/inference/v1/generate`; the client
-renders them with the policy tokenizer's chat template and parses tool calls. Tool calls run the tasks' Python
-tools (the `@vf.tool` methods of the task's and the taskset's `Toolset`s, called in this process), each result
-goes back as a `tool` message, and the loop goes on; a reply without tool calls ends the episode. The finished
-conversation becomes a verifiers `Trace` that the task scores (`Task.score`: its `@vf.reward` functions and
-judges); the episode reward is the trace's weighted sum (`Trace.reward`) and each reward function's weighted value
-is its own entry of `reward_components`.
+An episode is `vf.Agent(config).run(task)`, exactly as verifiers runs a single-agent rollout: it starts the harness
+program (a subprocess runtime on this machine), verifiers' interception server between the program and the model,
+and the task's tool servers (the taskset's shared ones start once per environment); the interception answers each
+model call through verifiers' training client (`TrainClient`, `TrainClientConfig` pointed at the episode's capture
+URL of a `pipeline.rollout.endpoint.GenerateEndpoint`), which renders the prompt to token ids with the policy
+tokenizer's chat template and calls `/inference/v1/generate`; the finished trace is scored by the task
+(`@vf.reward` functions, judges) and the harness (`@vf.metric`). The episode reward is `Trace.reward` (the weighted
+sum) and each reward function's weighted value is its own entry of `reward_components` (and, averaged per episode, the
+rollout metric `env/reward/<name>` in the metrics file, the trackers and the report).
+
+Offline: verifiers prepares its chat program with `uv sync --script` (installing uv from the network when missing);
+`prepare_local_chat_program` instead records this interpreter, whose environment holds every package the script
+declares, as the script's prepared interpreter, so the program runs unchanged without uv or a network. Tool servers
+start as `python -m <toolset module>`: the environment's folder goes on `PYTHONPATH` (`expose_env_module`), and a
+module defining a `Toolset` must run it as `__main__` (see configs/envs/verifiers_sum.py).
 
 Rows come from the endpoint's capture of the episode's calls (`rollouts_from_calls`), never from re-tokenised
 text: sampled tokens mask 1 with the sampler's logprobs, tool/template tokens between calls mask 0; a call whose
-prompt does not extend the transcript starts a new segment of the same episode. Any error of an episode (the
-client, a tool raising is not one: the model sees `error: ...`; scoring raising; an episode the endpoint captured
-nothing of) fails the whole example with the reason (`ExampleFailure`).
+prompt does not extend the transcript starts a new segment of the same episode; a row's `policy_step` is the step
+the endpoint sampled with (the worker's `ctx.policy_step`). verifiers' own record of the sampled tokens (its
+`TurnTokens`, committed to the trace's message graph) must equal the capture, or the example fails. A trace that is
+not `ok` (the harness, a tool server, the client, or scoring failed: verifiers records each on the trace), an
+episode the endpoint captured nothing of, or a reward function without a score fails the whole example with the
+reason (`ExampleFailure`).
 
-Not run: verifiers' harness programs (the `bash`/`null` chat programs launched through `uv` in a runtime,
-sandboxes, MCP servers, multi-agent `Env.run`). This module plays the single-agent chat loop itself, in-process.
+Not run: multi-agent `Env.run` (a `vf.Env` contributes its taskset; its agents are not played), container and
+sandbox runtimes. verifiers' `PolicySpan` is not filled: verifiers 0.4.0's client ignores the endpoint's
+`policy_step` and the span is stamped by the trainer on an `Episode`; rlpipe's rows carry the step instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
-import inspect
+import importlib.util
 import json
 import logging
+import os
 import shutil
 import tempfile
 import threading
-import typing
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +134,15 @@ def _tasks_of(taskset: Any, max_tasks: int) -> list[Any]:
     return list(view)
 
 
+def env_name(ref: str) -> str:
+    """The default lesson name of an environment reference: its module's last name (`configs/envs/x.py:f` -> `x`,
+    `pkg.mod:f` -> `mod`), or the taskset id."""
+    module_ref = ref.rpartition(":")[0]
+    if not module_ref:
+        return ref
+    return Path(module_ref).stem if module_ref.endswith(".py") else module_ref.rpartition(".")[2]
+
+
 def example_id_of(task: Any) -> str:
     """A task's stable example id: its durable `data.id`, else `key:` + its content key (first 16 hex digits)."""
     if task.data.id:
@@ -129,72 +151,8 @@ def example_id_of(task: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# tools
+# the client's tool parser
 # ---------------------------------------------------------------------------------------
-
-
-_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
-
-
-@dataclass
-class PythonTool:
-    """One `@vf.tool` method offered to the model: its OpenAI function spec and the bound method to call."""
-
-    name: str
-    description: str
-    parameters: dict[str, Any]
-    fn: Callable[..., Any]
-
-    def wire(self) -> dict[str, Any]:
-        """The OpenAI `tools` entry."""
-        return {
-            "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
-        }
-
-    async def call(self, arguments: str) -> str:
-        """Run the tool on JSON `arguments`; its result as text, or `error: WHY` (bad JSON, a raise)."""
-        try:
-            args = json.loads(arguments or "{}")
-            if not isinstance(args, dict):
-                return "error: arguments must be a JSON object"
-            result = self.fn(**args)
-            if inspect.isawaitable(result):
-                result = await result
-        except Exception as e:  # the model sees its tool's failure, as verifiers' chat programs do
-            return f"error: {type(e).__name__}: {e}"
-        return result if isinstance(result, str) else json.dumps(result)
-
-
-def python_tools(toolsets: list[Any]) -> list[PythonTool]:
-    """The `@vf.tool` methods of `toolsets`, named as the tool (or the method) is named, parameters from the
-    method's signature (annotated int/float/str/bool/list/dict; others untyped)."""
-    from verifiers.v1.utils.decorators import discover_decorated
-
-    tools = []
-    for toolset in toolsets:
-        for fn in discover_decorated(toolset, "tool"):
-            props: dict[str, Any] = {}
-            required = []
-            try:
-                hints = typing.get_type_hints(fn)
-            except Exception:  # unresolvable annotations: the parameters go untyped
-                hints = {}
-            for pname, param in inspect.signature(fn).parameters.items():
-                hint = hints.get(pname)
-                kind = _JSON_TYPES.get(hint) if isinstance(hint, type) else None
-                props[pname] = {"type": kind} if kind else {}
-                if param.default is inspect.Parameter.empty:
-                    required.append(pname)
-            tools.append(
-                PythonTool(
-                    name=getattr(fn, "tool_name", None) or fn.__name__,
-                    description=(fn.__doc__ or "").strip(),
-                    parameters={"type": "object", "properties": props, "required": required},
-                    fn=fn,
-                )
-            )
-    return tools
 
 
 TEXT_TOOL_PARSER = "rlpipe-text"
@@ -244,110 +202,84 @@ def register_tool_parser() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# one episode
+# verifiers' own rollout loop, offline
 # ---------------------------------------------------------------------------------------
+
+CHAT_PROGRAM_DEPENDENCIES = ("openai", "mcp", "httpx", "httpx2", "tenacity", "certifi")
+"""What verifiers' bundled chat program (the `null`/`bash` harnesses' PEP 723 script) imports; verifiers 0.4.0 pins
+`mcp==2.0.0` in the script, and rlpipe's lock installs the same."""
+
+_prepared = threading.Lock()
+
+
+def prepare_local_chat_program() -> str:
+    """Make verifiers' subprocess runtime run its chat program with this interpreter, offline; returns the script's
+    path.
+
+    verifiers' `null`/`bash` harnesses run a PEP 723 script (`CHAT_PROGRAM_SOURCE`) that `Runtime.prepare_uv_script`
+    prepares with `uv sync --script` (installing uv with pip or curl first when it is missing): network, every time
+    a fresh machine runs it. The subprocess runtime remembers each prepared script's interpreter in a class-level
+    cache keyed by the script's path; this writes the script where that runtime looks for it and records this
+    interpreter (whose environment has every dependency the script declares, checked here) as its prepared one, so
+    the harness runs verifiers' own program, unchanged, without uv. Raises RuntimeError naming a missing
+    dependency."""
+    import hashlib
+    import importlib.metadata
+    import sys
+
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    for dep in CHAT_PROGRAM_DEPENDENCIES:
+        if importlib.util.find_spec(dep) is None:
+            raise RuntimeError(f"verifiers' chat program needs {dep!r}, which this environment lacks (run make setup)")
+    if f'"mcp=={importlib.metadata.version("mcp")}"' not in CHAT_PROGRAM_SOURCE:
+        logger.warning(
+            "verifiers' chat program pins another mcp than the installed %s", importlib.metadata.version("mcp")
+        )
+    data = CHAT_PROGRAM_SOURCE.encode()
+    path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
+    with _prepared:
+        if str(path) not in SubprocessRuntime._interpreters:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.is_file() or path.read_bytes() != data:
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_bytes(data)
+                tmp.replace(path)
+            SubprocessRuntime._interpreters[str(path)] = sys.executable
+    return str(path)
+
+
+def expose_env_module(ref: str) -> None:
+    """Let verifiers' tool servers import the environment's module: it starts each `Toolset` as
+    `python -m <the toolset's module>` in a subprocess, so the folder of a `path/to/file.py:function` environment
+    (and the working directory, for a `package.module:function` one) goes on this process's `PYTHONPATH`."""
+    module_ref = ref.rpartition(":")[0]
+    folders = [str(Path(module_ref).resolve().parent)] if module_ref.endswith(".py") else []
+    folders.append(os.getcwd())
+    with _prepared:
+        current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        missing = [f for f in folders if f not in current]
+        if missing:
+            os.environ["PYTHONPATH"] = os.pathsep.join([*current, *missing])
 
 
 @dataclass
 class EpisodeResult:
-    """What one episode left: the verifiers trace (scored), the client's per-turn tokens, or the error."""
+    """One episode as verifiers' rollout loop left it: its scored trace, or why there is none."""
 
     trace: Any = None
-    turn_tokens: list[Any] = field(default_factory=list)
     error: str | None = None
 
 
-def initial_messages(data: Any) -> list[Any]:
-    """A task's opening messages: its system prompt, then its prompt (text as one user message, or messages)."""
-    import verifiers.v1 as vf
-
-    messages: list[Any] = []
-    if data.system_prompt:
-        messages.append(vf.SystemMessage(content=data.system_prompt))
-    if isinstance(data.prompt, str):
-        messages.append(vf.UserMessage(content=data.prompt))
-    elif data.prompt:
-        messages.extend(data.prompt)
-    return messages
-
-
-def build_trace(task: Any, messages: list[Any], sampled: list[bool], tools: list[PythonTool]) -> Any:
-    """A verifiers `Trace` of one linear conversation (`sampled[i]`: message i came from the model)."""
-    import verifiers.v1 as vf
-    from verifiers.v1.trace import AgentInfo
-
-    nodes = [
-        vf.MessageNode(parent=i - 1 if i else None, message=m, sampled=s)
-        for i, (m, s) in enumerate(zip(messages, sampled, strict=True))
-    ]
-    trace = vf.Trace(
-        task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-        agent=AgentInfo(config=vf.AgentConfig()),
-        tools=[vf.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in tools],
-        nodes=nodes,
-    )
-    return trace
-
-
-async def run_episode(
-    task: Any,
-    base_url: str,
-    *,
-    tokenizer_dir: str,
-    tool_parser: str | None,
-    tools: list[PythonTool],
-    max_turns: int,
-    temperature: float,
-    max_tokens: int,
-) -> EpisodeResult:
-    """One episode of `task` through verifiers' `TrainClient` at `base_url` (the episode's capture URL), scored by
-    the task. Never raises: an error is the result's `error`."""
-    import verifiers.v1 as vf
-    from renderers import DefaultRendererConfig
-    from verifiers.v1.clients.train import TrainClient
-    from verifiers.v1.dialects.chat import ChatDialect, message_to_wire
-
-    register_tool_parser()
-    result = EpisodeResult()
-    client = TrainClient(
-        vf.TrainClientConfig(
-            base_url=f"{base_url}/v1",
-            api_key_var="RLPIPE_ENDPOINT_TOKEN",
-            renderer=DefaultRendererConfig(tool_parser=tool_parser) if tool_parser else DefaultRendererConfig(),
-            renderer_model_name=tokenizer_dir,
-        )
-    )
-    by_name = {t.name: t for t in tools}
-    messages = initial_messages(task.data)
-    sampled = [False] * len(messages)
-    sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
-    try:
-        for _ in range(max_turns):
-            body: dict[str, Any] = {"model": MODEL_NAME, "messages": [message_to_wire(m) for m in messages]}
-            if tools:
-                body["tools"] = [t.wire() for t in tools]
-            response = await client.get_response(ChatDialect(), body, sampling)
-            result.turn_tokens.append(response.tokens)
-            messages.append(response.message)
-            sampled.append(True)
-            calls = response.message.tool_calls or []
-            if not calls:
-                break
-            for call in calls:
-                tool = by_name.get(call.name)
-                text = await tool.call(call.arguments) if tool else f"error: unknown tool {call.name!r}"
-                messages.append(vf.ToolMessage(tool_call_id=call.id, content=text, name=call.name))
-                sampled.append(False)
-        trace = build_trace(task, messages, sampled, tools)
-        await task.score(trace)
-        trace.is_completed = True
-        trace.ok = True
-        result.trace = trace
-    except Exception as e:  # per-episode failure: recorded with its reason, the example fails
-        result.error = f"{type(e).__name__}: {e}"
-    finally:
-        await client.close()
-    return result
+def trace_error(trace: Any) -> str | None:
+    """Why a finished trace is not a usable result (`trace.ok` false: its last error), else None."""
+    if trace.ok:
+        return None
+    last = trace.errors[-1] if trace.errors else None
+    if last is None:
+        return f"the rollout did not complete (stop: {trace.stop_condition})"
+    return f"{last.type}: {last.message.strip()[-1000:]}"
 
 
 def reward_components(trace: Any) -> dict[str, float]:
@@ -360,18 +292,29 @@ def reward_components(trace: Any) -> dict[str, float]:
     return out
 
 
-def tokens_disagree(turn_tokens: list[Any], calls: list[Any]) -> str | None:
-    """Where verifiers' per-turn `TurnTokens` (what its client received) differ from the endpoint's captured calls
-    (what the sampler produced), or None when every turn has the same prompt ids, sampled ids and logprobs."""
-    if len(turn_tokens) != len(calls):
-        return f"{len(turn_tokens)} turns but {len(calls)} captured calls"
-    for k, (tt, call) in enumerate(zip(turn_tokens, calls, strict=True)):
-        if list(tt.prompt_ids) != list(call.prompt_ids):
-            return f"turn {k}: prompt ids"
-        if list(tt.completion_ids) != list(call.completion_ids):
-            return f"turn {k}: sampled ids"
-        if [float(x) for x in tt.completion_logprobs] != [float(x) for x in call.logprobs]:
-            return f"turn {k}: logprobs"
+def sampled_tokens(trace: Any) -> tuple[list[int], list[float]]:
+    """The sampled token ids and their logprobs verifiers recorded (its `TurnTokens`, committed to the trace's
+    message graph), in sampling order: each sampled node's ids where its mask is set."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for node in trace.nodes:
+        if not node.sampled:
+            continue
+        ids.extend(t for t, m in zip(node.token_ids, node.mask, strict=True) if m)
+        logprobs.extend(float(x) for x in node.logprobs)
+    return ids, logprobs
+
+
+def tokens_disagree(trace: Any, calls: list[Any]) -> str | None:
+    """Where verifiers' record of the sampled tokens (ids and logprobs, from its client's `TurnTokens`) differs from
+    the endpoint's capture of the episode's calls (what the sampler produced), or None when they agree."""
+    ids, logprobs = sampled_tokens(trace)
+    captured_ids = [t for c in calls for t in c.completion_ids]
+    captured_lps = [float(x) for c in calls for x in c.logprobs]
+    if ids != captured_ids:
+        return f"sampled ids ({len(ids)} recorded by verifiers, {len(captured_ids)} captured)"
+    if logprobs != captured_lps:
+        return "logprobs"
     return None
 
 
@@ -394,6 +337,9 @@ class VerifiersEnv(Environment):
         eval_holdout: int = 0,
         max_tasks: int = 10_000,
         max_turns: int = 1,
+        harness: str = "null",
+        harness_config: dict[str, Any] | None = None,
+        episode_timeout_s: float = 600.0,
         tool_parser: str | None = TEXT_TOOL_PARSER,
         max_seq_len: int = 4096,
         name: str | None = None,
@@ -403,33 +349,46 @@ class VerifiersEnv(Environment):
             raise ValueError(f"max_turns={max_turns}: must be >= 1")
         if eval_holdout < 0:
             raise ValueError(f"eval_holdout={eval_holdout}: must be >= 0")
-        self.name = name or env.rpartition(":")[2] or env
+        if episode_timeout_s <= 0:
+            raise ValueError(f"episode_timeout_s={episode_timeout_s}: must be > 0")
+        from verifiers.v1.utils.loaders import harness_config_type
+
+        self.name = name or env_name(env)
         self.max_turns = max_turns
+        self.harness = harness_config_type(harness).model_validate({**(harness_config or {}), "id": harness})
+        self.episode_timeout_s = float(episode_timeout_s)
         self.tool_parser = tool_parser
         self.max_seq_len = max_seq_len
         self.capture_log = capture_log
+        for ref in (env, eval_env):
+            if ref is not None and ":" in ref:
+                expose_env_module(ref)
+        prepare_local_chat_program()
         taskset = load_taskset(env, env_kwargs or {})
         tasks = _tasks_of(taskset, max_tasks)
         if eval_env is not None:
             eval_taskset = load_taskset(eval_env, eval_env_kwargs or {})
             self.tasks = {"train": tasks, "eval": _tasks_of(eval_taskset, max_tasks)}
-            self._toolset_sources = {"train": taskset, "eval": eval_taskset}
+            self._tasksets = {"train": taskset, "eval": eval_taskset}
         else:
             if eval_holdout >= len(tasks) and eval_holdout:
                 raise ValueError(f"eval_holdout={eval_holdout} leaves no train task of {len(tasks)}")
             split = len(tasks) - eval_holdout
             self.tasks = {"train": tasks[:split], "eval": tasks[split:] if eval_holdout else tasks}
-            self._toolset_sources = {"train": taskset, "eval": taskset}
+            self._tasksets = {"train": taskset, "eval": taskset}
         for mode, ts in self.tasks.items():
             if not ts:
                 raise ValueError(f"the {mode} taskset of {env!r} has no task")
         self._tokenizer_dir: str | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._shared: dict[str, Any] = {}
+        self._stacks: list[contextlib.AsyncExitStack] = []
 
     @classmethod
     def check_args(cls, env_args: Mapping[str, Any]) -> None:
-        """The named environment must be loadable (module/file and function, or an installed taskset id)."""
+        """The named environment must be loadable (module/file and function, or an installed taskset id), and the
+        harness an installed verifiers harness."""
         for key in ("env", "eval_env"):
             ref = env_args.get(key)
             if ref is None:
@@ -447,6 +406,13 @@ class VerifiersEnv(Environment):
                     taskset_class(ref)
             except Exception as e:
                 raise ConfigError(key, ref, f"cannot load it: {type(e).__name__}: {e}") from None
+        harness = env_args.get("harness", "null")
+        try:
+            from verifiers.v1.utils.loaders import harness_config_type
+
+            harness_config_type(harness).model_validate({**(env_args.get("harness_config") or {}), "id": harness})
+        except Exception as e:
+            raise ConfigError("harness", harness, f"not a usable verifiers harness: {type(e).__name__}: {e}") from None
 
     def _tokenizer_path(self, tokenizer: Any) -> str:
         """A folder holding the policy tokenizer, for the client's renderer (built once per environment)."""
@@ -470,18 +436,63 @@ class VerifiersEnv(Environment):
                 self._loop = loop
             return self._loop
 
-    def _tools_for(self, mode: str, task: Any) -> list[PythonTool]:
-        taskset = self._toolset_sources[mode]
-        toolsets = [*type(task).toolsets(task.config), *type(taskset).toolsets(taskset.config)]
-        return python_tools(toolsets)
+    async def _shared_tools(self, mode: str) -> Any:
+        """The taskset's shared (taskset-scoped) tool servers, started once for the environment's life (verifiers'
+        `serve_shared`, as its `Env.serving` does for an eval); task-scoped ones start per rollout."""
+        from verifiers.v1.mcp.launch import serve_shared
+
+        taskset = self._tasksets[mode]
+        key = str(id(taskset))
+        if key not in self._shared:
+            stack = contextlib.AsyncExitStack()
+            self._shared[key] = await stack.enter_async_context(serve_shared(taskset.toolsets(taskset.config)))
+            self._stacks.append(stack)
+        return self._shared[key]
+
+    async def _run_episode(self, task: Any, mode: str, base_url: str, tokenizer_dir: str, spec: SampleSpec) -> Any:
+        """One episode of `task`: a verifiers `Agent` (the configured harness in a subprocess runtime, its client
+        verifiers' `TrainClient` on the episode's capture URL) runs it and returns its scored trace."""
+        import verifiers.v1 as vf
+        from renderers import DefaultRendererConfig
+        from verifiers.v1.configs.agent import TimeoutConfig
+
+        config = vf.AgentConfig(
+            model=MODEL_NAME,
+            harness=self.harness,
+            runtime=vf.SubprocessConfig(),
+            client=vf.TrainClientConfig(
+                base_url=f"{base_url}/v1",
+                api_key_var="RLPIPE_ENDPOINT_TOKEN",
+                renderer=DefaultRendererConfig(tool_parser=self.tool_parser)
+                if self.tool_parser
+                else DefaultRendererConfig(),
+                renderer_model_name=tokenizer_dir,
+            ),
+            sampling=vf.SamplingConfig(temperature=spec.temperature, max_tokens=spec.max_tokens),
+            max_turns=self.max_turns,
+            timeout=TimeoutConfig(rollout=self.episode_timeout_s),
+        )
+        return await vf.Agent(config).run(task, tools=await self._shared_tools(mode))
+
+    async def _run_all(self, jobs: list[tuple[Any, str, str]], tokenizer_dir: str, spec: SampleSpec) -> list[Any]:
+        async def one(task: Any, mode: str, url: str) -> EpisodeResult:
+            try:
+                return EpisodeResult(trace=await self._run_episode(task, mode, url, tokenizer_dir, spec))
+            except Exception as e:  # verifiers raising outside its own error capture: this episode fails
+                return EpisodeResult(error=f"{type(e).__name__}: {e}")
+
+        return await asyncio.gather(*(one(t, m, u) for t, m, u in jobs))
 
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
         """Run `n_generations` episodes of each of `n_examples` tasks (drawn with rng in train mode; the eval
-        split's tasks in order in eval mode) concurrently against the endpoint; one group or failure per task."""
+        split's tasks in order in eval mode) concurrently through verifiers' rollout loop against the endpoint;
+        one group or failure per task."""
         from pipeline.environments.episodes import rollouts_from_calls
+        from pipeline.environments.generation import SamplingControls
         from pipeline.rollout.endpoint import GenerateEndpoint
 
         check_mode(spec.mode)
+        register_tool_parser()
         pool = self.tasks[spec.mode]
         if spec.mode == "train":
             picks = [pool[int(i)] for i in rng.integers(0, len(pool), size=spec.n_examples)]
@@ -489,65 +500,61 @@ class VerifiersEnv(Environment):
             picks = [pool[i % len(pool)] for i in range(spec.n_examples)]
         tokenizer_dir = self._tokenizer_path(ctx.tokenizer)
         run_id = f"{int(rng.integers(0, 2**63 - 1)):016x}"
-
-        with GenerateEndpoint(ctx, max_seq_len=self.max_seq_len, capture_log=self.capture_log) as endpoint:
-            jobs = []
-            for i, task in enumerate(picks):
-                tools = self._tools_for(spec.mode, task)
+        step = getattr(ctx, "policy_step", None)
+        controls = getattr(ctx, "controls", None)
+        endpoint = GenerateEndpoint(
+            ctx,
+            max_seq_len=min(self.max_seq_len, getattr(ctx, "max_seq_len", None) or self.max_seq_len),
+            policy_step=(lambda: int(step)) if step is not None else None,
+            temperature=spec.temperature,
+            controls=controls if isinstance(controls, SamplingControls) else None,
+            max_tokens=spec.max_tokens,
+            seed=int(rng.integers(0, 2**31 - 1)),
+            capture_log=self.capture_log,
+        )
+        with endpoint:
+            episodes = []
+            for i in range(len(picks)):
                 for g in range(spec.n_generations):
                     episode_id = f"{self.name}-{run_id}-{i}-{g}"
-                    jobs.append((i, episode_id, endpoint.open_episode(episode_id), task, tools))
-
-            async def run_all() -> list[EpisodeResult]:
-                return await asyncio.gather(
-                    *(
-                        run_episode(
-                            task,
-                            capture.base_url,
-                            tokenizer_dir=tokenizer_dir,
-                            tool_parser=self.tool_parser,
-                            tools=tools,
-                            max_turns=self.max_turns,
-                            temperature=spec.temperature,
-                            max_tokens=spec.max_tokens,
-                        )
-                        for (_, _, capture, task, tools) in jobs
-                    )
-                )
-
+                    episodes.append((i, episode_id, endpoint.open_episode(episode_id)))
+            jobs = [(picks[i], spec.mode, capture.base_url) for i, _, capture in episodes]
             # One event loop for the environment's life, in its own thread: verifiers/renderers keep asyncio locks
-            # at module level, which bind to the first loop that waits on them.
-            done: Future[list[EpisodeResult]] = asyncio.run_coroutine_threadsafe(run_all(), self._event_loop())
+            # and the shared tool servers bound to it.
+            done: Future[list[EpisodeResult]] = asyncio.run_coroutine_threadsafe(
+                self._run_all(jobs, tokenizer_dir, spec), self._event_loop()
+            )
             endpoint.serve_until(done)
             results = done.result()
-            captured = {episode_id: endpoint.close_episode(episode_id) for (_, episode_id, _, _, _) in jobs}
+            captured = {episode_id: endpoint.close_episode(episode_id) for _, episode_id, _ in episodes}
 
         groups: list[EnvGroup] = []
         failures: list[ExampleFailure] = []
-        metrics: dict[str, float] = {}
+        sums: dict[str, float] = {}
         by_example: dict[int, list[tuple[str, EpisodeResult]]] = {}
-        for (i, episode_id, _, _, _), res in zip(jobs, results, strict=True):
+        for (i, episode_id, _), res in zip(episodes, results, strict=True):
             by_example.setdefault(i, []).append((episode_id, res))
         for i, task in enumerate(picks):
             example_id = example_id_of(task)
             rollouts: list[EnvRollout] = []
             reason = None
+            example_sums: dict[str, float] = {}
             for episode_id, res in by_example.get(i, []):
-                if res.error is not None:
-                    reason = f"episode {episode_id}: {res.error}"
-                    break
+                reason = res.error if res.error is not None else trace_error(res.trace)
                 calls = captured[episode_id]
-                if not calls:
-                    reason = f"episode {episode_id}: the endpoint captured no model call"
-                    break
-                disagree = tokens_disagree(res.turn_tokens, calls)
-                if disagree:
-                    reason = f"episode {episode_id}: verifiers' client and the endpoint's capture disagree: {disagree}"
-                    break
-                try:
-                    components = reward_components(res.trace)
-                except ValueError as e:
-                    reason = f"episode {episode_id}: {e}"
+                if reason is None and not calls:
+                    reason = "the endpoint captured no model call"
+                if reason is None:
+                    disagree = tokens_disagree(res.trace, calls)
+                    if disagree:
+                        reason = f"verifiers' recorded tokens and the endpoint's capture disagree: {disagree}"
+                if reason is None:
+                    try:
+                        components = reward_components(res.trace)
+                    except ValueError as e:
+                        reason = str(e)
+                if reason is not None:
+                    reason = f"episode {episode_id}: {reason}"
                     break
                 rows = rollouts_from_calls(
                     calls,
@@ -561,15 +568,16 @@ class VerifiersEnv(Environment):
                     row.response_text = ctx.tokenizer.decode(row.response_tokens)
                     row.extracted_answer = res.trace.last_reply or None
                 for name, value in components.items():
-                    metrics[f"reward/{name}"] = metrics.get(f"reward/{name}", 0.0) + value
+                    example_sums[f"reward/{name}"] = example_sums.get(f"reward/{name}", 0.0) + value
                 rollouts.extend(rows)
             if reason is not None:
                 failures.append(ExampleFailure(example_id, reason))
                 continue
+            for k, v in example_sums.items():
+                sums[k] = sums.get(k, 0.0) + v
             groups.append(EnvGroup(group_key(self.name, example_id, rng), rollouts))
         n_episodes = sum(len({r.episode_id for r in g.rollouts}) for g in groups)
-        if n_episodes:
-            metrics = {k: v / n_episodes for k, v in metrics.items()}
+        metrics = {k: v / n_episodes for k, v in sums.items()} if n_episodes else {}
         metrics["episodes"] = float(n_episodes)
         metrics["failures"] = float(len(failures))
         return SampleResult(groups, failures, metrics)

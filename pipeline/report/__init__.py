@@ -19,7 +19,8 @@ report), and the same PNGs as `<out>/plots/<name>.png` for use elsewhere. The de
 `<run_root>/report`, on a local run root and a remote one alike (uploaded there with the run root's storage
 options; `--out` writes elsewhere, e.g. a local folder when the reader of a gs:// run may not write to it).
 
-Sections, in page order (`SECTION_TITLES`): the curves first — reward per lesson, evaluation, the learner
+Sections, in page order (`SECTION_TITLES`): the curves first — reward per lesson, scorers (per reward function,
+LLM judge or reward model: values, latency, failures, and why sampling calls committed nothing), evaluation, the learner
 (one plot per term of its metrics record: loss, KL, entropy, clip fraction, ratio, grad norm, mismatch KL,
 clamped fraction, skipped non-finite updates), staleness, throughput, learner idle time — then sample
 completions (latest policy and recent ones), the summary table, rollout fates, curriculum events, and the run

@@ -107,6 +107,9 @@ class RunData:
     """The `samples` metrics records of rollout workers (one per policy step and worker), by time."""
     answers: list[AnswerSample] = dataclasses.field(default_factory=list)
     """Right and wrong samples per lesson from eval and rollout rows (`pipeline.report.answers`)."""
+    empty_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The rollout workers' `empty` records, by time: sampling calls that committed nothing because every example
+    failed (their `env/` scorer metrics and `failure_reasons`; `pipeline.report.scorers`)."""
 
 
 QUARANTINE_KINDS = (
@@ -323,6 +326,10 @@ def _decoder(data: RunData) -> Any:
         return None
 
 
+_EMPTY_EVENT = "rollout_empty"
+"""Where `_normalise_metrics` sets the rollout workers' `empty` records aside (then `RunData.empty_records`)."""
+
+
 def _normalise_metrics(metrics: dict[str, list[dict[str, Any]]]) -> None:
     """Fill canonical field names from known aliases and keep only rollout-write records.
 
@@ -336,6 +343,7 @@ def _normalise_metrics(metrics: dict[str, list[dict[str, Any]]]) -> None:
     if StepKind.ROLLOUT in metrics:
         samples = [r for r in metrics[StepKind.ROLLOUT] if r.get("event") == SAMPLES_EVENT]
         metrics[SAMPLES_EVENT] = samples
+        metrics[_EMPTY_EVENT] = [r for r in metrics[StepKind.ROLLOUT] if r.get("event") == "empty"]
         metrics[StepKind.ROLLOUT] = [r for r in metrics[StepKind.ROLLOUT] if r.get("event", "write") == "write"]
 
 
@@ -351,6 +359,7 @@ def load_run(run_root: str, storage_options: dict[str, Any] | None = None) -> Ru
         data.metrics[kind] = read_metrics(store, kind)
     _normalise_metrics(data.metrics)
     data.sample_records = data.metrics.pop(SAMPLES_EVENT, [])
+    data.empty_records = data.metrics.pop(_EMPTY_EVENT, [])
     _read_eval_summaries(store, data, bad)
     data_files, dropped_files, attempts = _read_batch_log(store, data)
     covered, indexed_uses = used_through(store)  # slots 1..covered: the lineage index, not the batch files

@@ -20,6 +20,9 @@ LEARNER_TERMS: tuple[tuple[str, str, str], ...] = (
     ("ratio", "ratio_mean", "Importance ratio π_θ / π_old (mean)"),
     ("grad_norm", "grad_norm", "Gradient norm (before clipping)"),
     ("mismatch_kl", "mismatch_kl", "Mismatch KL, learner vs sampler logprobs"),
+    ("mismatch_seq_max", "mismatch_seq_abs_logp_max", "Mismatch per sequence: max |log π_θ − log π_sampler| (mean)"),
+    ("mismatch_seq_ratio", "mismatch_seq_abs_log_ratio", "Mismatch per sequence: |Σ log π_θ/π_sampler| (mean)"),
+    ("mis_masked_fraction", "mis_masked_fraction", "Masked IS: share of loss tokens rejected"),
     ("clamped_fraction", "clamped_fraction", "Clamped fraction (log-ratio clamp)"),
     ("skipped_nonfinite", "skipped_nonfinite", "Skipped non-finite updates (1 = skipped)"),
 )

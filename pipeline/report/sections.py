@@ -13,15 +13,19 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.ticker import AutoLocator
 
+from pipeline.batch_maker.slot_metrics import WASTE_REASONS, waste_ratio
 from pipeline.process.step_kind import StepKind
 from pipeline.report.data import RunData, last_per, num, series, start_time
 from pipeline.report.latency import latency_section
 from pipeline.report.learner import learner_section
 from pipeline.report.plots import Plot, Section, add_legend, fmt, html_table, new_figure, to_png
+from pipeline.report.scorers import TITLE as SCORERS_TITLE
+from pipeline.report.scorers import scorers_section
 from pipeline.report.text import answers_section, config_section, samples_section
 
 SECTION_TITLES = (
     "Reward per lesson",
+    SCORERS_TITLE,
     "Evaluation",
     "Learner",
     "Staleness",
@@ -37,9 +41,12 @@ SECTION_TITLES = (
 )
 """Every section of the report, in page order (each appears as an <h2>)."""
 
+WASTE_LABEL = f"waste: rows dropped ({', '.join(WASTE_REASONS)}) per row trained"
+"""The summary row of the waste metric (`pipeline.batch_maker.slot_metrics.waste_ratio`)."""
 _MAX_EVENT_ROWS = 500
 _GROUPS_FILTERED_PREFIX = "groups_filtered_"
 _LESSON_REWARD_PREFIX = "reward/"
+_FUNCTION_REWARD_PREFIX = "env/reward/"
 
 
 def summary_section(data: RunData) -> Section:
@@ -65,6 +72,7 @@ def summary_section(data: RunData) -> Section:
     rows.append(("rollouts used (distinct)", data.rollouts_used))
     dropped = sum(data.dropped_by_reason.values())
     rows.append(("rollouts dropped", dropped if data.dropped_by_reason else None))
+    rows.append((WASTE_LABEL, waste_ratio(data.dropped_by_reason, data.rollouts_used or 0)))
     rows.append(("quarantined files", data.quarantined))
     kinds: dict[str, int] = defaultdict(int)
     for rec in data.quarantine:
@@ -110,13 +118,20 @@ def reward_section(data: RunData) -> Section:
     lessons = sorted({k for rec in bm.values() for k in rec if k.startswith(_LESSON_REWARD_PREFIX)})
     has_bm = bool(series(bm, "mean_reward")[0]) or bool(lessons)
     by_lesson: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    # each reward function's mean per episode (`env/reward/<name>`, e.g. a verifiers rubric's functions)
+    by_function: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for rec in data.metrics.get(StepKind.ROLLOUT, []):
         step, reward = num(rec, "policy_step"), num(rec, "mean_reward")
         if step is not None and reward is not None:
             by_lesson[str(rec.get("lesson_id", "all"))][int(step)].append(reward)
+        for key in rec:
+            value = num(rec, key) if key.startswith(_FUNCTION_REWARD_PREFIX) else None
+            if step is not None and value is not None:
+                name = f"{rec.get('lesson_id', 'all')}: {key[len(_FUNCTION_REWARD_PREFIX) :]}"
+                by_function[name][int(step)].append(value)
     if not has_bm and not by_lesson:
         return sec.no_data("mean_reward in batchmaker or rollout metrics")
-    fig, axes = new_figure(int(has_bm) + int(bool(by_lesson)))
+    fig, axes = new_figure(int(has_bm) + int(bool(by_lesson)) + int(bool(by_function)))
     i = 0
     if has_bm:
         ax = axes[i]
@@ -136,7 +151,16 @@ def reward_section(data: RunData) -> Section:
             ax.plot(steps, [sum(per_step[s]) / len(per_step[s]) for s in steps], marker=".", label=lesson)
         ax.set(title="Rollout mean reward (rollout workers)", xlabel="policy step", ylabel="mean reward")
         add_legend(ax)
-    sec.plots.append(Plot("reward", to_png(fig), "Mean episode reward per lesson."))
+        i += 1
+    if by_function:
+        ax = axes[i]
+        for name, per_step in sorted(by_function.items()):
+            steps = sorted(per_step)
+            ax.plot(steps, [sum(per_step[s]) / len(per_step[s]) for s in steps], marker=".", label=name)
+        ax.set(title="Reward per function (rollout workers)", xlabel="policy step", ylabel="mean weighted value")
+        add_legend(ax)
+    caption = "Mean episode reward per lesson" + ("; each reward function's mean value." if by_function else ".")
+    sec.plots.append(Plot("reward", to_png(fig), caption))
     return sec
 
 
@@ -413,6 +437,7 @@ def curriculum_section(data: RunData) -> Section:
 
 SECTIONS: tuple[Callable[[RunData], Section], ...] = (
     reward_section,
+    scorers_section,
     eval_section,
     learner_section,
     staleness_section,

@@ -26,7 +26,7 @@ from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_
 from pipeline.environments.tokenizer import check_chat_lessons, load_tokenizer
 from pipeline.jobs.step_logs import run_root_of, server_log
 from pipeline.process.backoff import Backoff
-from pipeline.process.exits import Exit, NoProgressError
+from pipeline.process.exits import DamagedInputError, Exit, NoProgressError
 from pipeline.process.step_kind import StepKind
 from pipeline.process.watchdog import watchdog
 from pipeline.rollout.pacing import PacingDecision, PacingView, count_unconsumed_rows, pacing_decision, signal_rows
@@ -161,6 +161,8 @@ class RolloutWorker:
         """When the current run of pacing pauses began (None: producing)."""
         self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
         self._noticed_at: dict[int, float] = {}
+        self._damaged: dict[int, str] = {}
+        """policy step -> why this worker set it aside (damaged on read; quarantined): never loaded again."""
         """policy step -> unix time this worker first saw it committed (recorded in its ready markers)."""
         self._waker = waker_for(self.store)
         self._mark = 0
@@ -196,7 +198,45 @@ class RolloutWorker:
     # -- reading the run root ----------------------------------------------------------------------
 
     def _latest_policy(self) -> int | None:
-        return run_state.latest_policy_step(self.store)
+        """The newest committed policy this worker has not set aside as damaged (None: none yet)."""
+        if not self._damaged:
+            return run_state.latest_policy_step(self.store)
+        for s in reversed(run_state.step_folders(self.store, layout.POLICIES)):
+            if s not in self._damaged and self.store.exists(layout.policy_marker(s)):
+                return s
+        return None
+
+    def _set_aside(self, step: int, error: DamagedInputError) -> None:
+        """Quarantine damaged policy `step`'s file with the reason; this worker never loads it again."""
+        self._damaged[step] = str(error)
+        if not self.store.is_quarantined(error.path):
+            self.store.quarantine(error.path, error.reason)
+
+    def _newest_intact(self, step: int, load: Callable[[int], Any], floor: int | None = None) -> tuple[int, Any]:
+        """`(s, load(s))` for the newest policy `s <= step` that loads, setting aside (quarantining) each damaged
+        one on the way, one warning line each (the documented recovery, as the learner's checkpoint fallback).
+
+        `(-1, None)` when every intact policy is `<= floor` (the worker keeps the one it holds); the last
+        `DamagedInputError` (exit 7) when no intact policy is left at all.
+        """
+        while True:
+            try:
+                return step, load(step)
+            except DamagedInputError as e:
+                self._set_aside(step, e)
+                older = self._latest_policy()
+                if older is None or older >= step:
+                    raise
+                keep = floor is not None and older <= floor
+                logger.warning(
+                    "policy %d is damaged and set aside (%s); %s",
+                    step,
+                    e,
+                    f"keeping policy {floor}" if keep else f"falling back to policy {older}",
+                )
+                if keep:
+                    return -1, None
+                step = older
 
     def _last_batch_slot(self) -> int:
         return run_state.last_committed_slot(self.store)
@@ -213,7 +253,7 @@ class RolloutWorker:
             self.stop(f"max_seconds={c.max_seconds} reached")
         elif not c.follow and c.max_rollouts is None and c.max_seconds is None and self.summary.files:
             self.stop("one write done (not follow mode and no bounds)")
-        elif (self._latest_policy() or -1) >= c.train.num_train_steps:
+        elif (run_state.latest_policy_step(self.store) or -1) >= c.train.num_train_steps:
             self.stop(f"learner finished (policy {c.train.num_train_steps} published)")
         return self._stop.is_set()
 
@@ -291,9 +331,12 @@ class RolloutWorker:
             return False
         self._noticed_at.setdefault(latest, time.time())
         if managed:
-            self._serve_step(latest)
+            latest, _ = self._newest_intact(latest, self._serve_step, floor=self._current_step)
         else:
-            model = self._load_step(latest)
+            latest, model = self._newest_intact(latest, self._load_step, floor=self._current_step)
+        if latest < 0:  # the newer policies are damaged: keep the one held
+            return False
+        if not managed:
             t0 = time.monotonic()
             with watchdog(f"model update (policy {latest})", self.config.weight_load_timeout_s):
                 self.manager.update_model(model)
@@ -317,16 +360,19 @@ class RolloutWorker:
         step = self.wait_for_policy()
         managed = self._require_runtime().manages_weights if self._manager is None else None
         if self._manager is None:
-            model = None if managed else self._load_step(step)
+            model = None
+            if not managed:
+                step, model = self._newest_intact(step, self._load_step)
             self._manager = self._require_runtime().build_manager(model)
         if self._manager.manages_weights:
             if self._server_log is None:
                 self._server_log = server_log(self.store, self.config.worker_id)
             log = self._server_log  # written locally, kept (uploaded) at its location: errors name the latter
             self._manager.attach_run(run_root_of(self.store), str(log.local_path), log.location)
-            self._serve_step(step)
+            step, _ = self._newest_intact(step, self._serve_step)
         elif managed is None:
-            self._manager.update_model(self._load_step(step))
+            step, model = self._newest_intact(step, self._load_step)
+            self._manager.update_model(model)
         self._current_step = step
         self.metrics.log({"event": "weights", "from_step": None, "policy_step": step})
 
@@ -514,7 +560,12 @@ class RolloutWorker:
             )
         self.summary.failures += int(m["failures"])
         if batch is None:
-            self.metrics.log({"event": "empty", "lesson_id": lesson_id, **m})
+            failed = getattr(self.manager, "last_failures", None) or []
+            # the reasons go into the record the report reads (its Scorers section), not only into this log
+            reasons = list(dict.fromkeys(str(f.reason) for f in failed))[:5]
+            self.metrics.log(
+                {"event": "empty", "lesson_id": lesson_id, "policy_step": policy, "failure_reasons": reasons, **m}
+            )
             self._no_progress(lesson_id, getattr(self.manager, "last_failures", None) or [])
             return False
         self._fruitless = None

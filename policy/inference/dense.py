@@ -12,6 +12,10 @@ None: the model's) caps prompt + completion, so a row's KV cache holds at most `
 slots; `compute_dtype` picks the sampler's dtype (weights, activations and KV cache): float32, bfloat16, float16 or
 auto (float32 on CPU, bfloat16 on an accelerator); None: the dtype `make_backend` was given (`model.compute_dtype`),
 or auto when none was. `kv_cache_bytes` says what a batch's cache costs.
+
+`continuous_batching: true` serves a call through `policy.inference.continuous` instead: `max_seqs` slots, a
+finished sequence's slot refilled from the call's queue at the next decode step, and the n samples of a prompt
+sharing one prefill. Same samples (same PRNG streams); faster when completion lengths vary (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any
 
 from pipeline.config import DenseInferenceConfig
 from pipeline.environments.base import Completion
-from policy.inference.base import BackendBuild, GenerationRequest
+from policy.inference.base import NO_CONTROLS, BackendBuild, GenerationRequest, SamplingControls
+from policy.inference.continuous import ContinuousSampler, SeqRequest
 from policy.inference.dense_sampler import DenseSampler, bucket
 from policy.inference.dtypes import default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
@@ -45,12 +50,15 @@ class DenseBackend(LocalBackend):
         max_seqs: int,
         compute_dtype: str,
         fast_compile: bool = False,
+        continuous_batching: bool = False,
     ):
         super().__init__(tokenizer, max_seq_len, model.Vocab.size)
         self.max_seqs = int(max_seqs)
         self.compute_dtype = compute_dtype
         self.fast_compile = fast_compile
+        self.continuous_batching = bool(continuous_batching)
         self.sampler: DenseSampler | None = DenseSampler(model, compute_dtype, fast_compile=fast_compile)
+        self._continuous: ContinuousSampler | None = None
 
     @classmethod
     def from_config(cls, config: Any, build: BackendBuild) -> DenseBackend:
@@ -69,6 +77,7 @@ class DenseBackend(LocalBackend):
             max_seqs=config.max_seqs,
             compute_dtype=dtype,
             fast_compile=build.fast_compile,
+            continuous_batching=bool(getattr(config, "continuous_batching", False)),
         )
 
     def kv_cache_bytes(self, batch_size: int, prompt_bucket: int, token_bucket: int) -> int:
@@ -85,7 +94,24 @@ class DenseBackend(LocalBackend):
     @property
     def trace_count(self) -> int:
         """How many times the sampler was traced (each new shape traces, and compiles, once)."""
-        return 0 if self.sampler is None else self.sampler.trace_count
+        if self.sampler is None:
+            return 0
+        return self.sampler.trace_count + (0 if self._continuous is None else self._continuous.trace_count)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens run through prefill so far by either path, padding included."""
+        if self.sampler is None:
+            return 0
+        return self.sampler.prefill_tokens + (0 if self._continuous is None else self._continuous.prefill_tokens)
+
+    def continuous_sampler(self) -> ContinuousSampler:
+        """The continuous-batching sampler over the current dense sampler (built on first use)."""
+        if self.sampler is None:
+            raise RuntimeError("dense backend was shut down")
+        if self._continuous is None or self._continuous.dense is not self.sampler:
+            self._continuous = ContinuousSampler(self.sampler)
+        return self._continuous
 
     def update_model(self, model: Any) -> None:
         """Swap in `model`'s weights; a model of another structure gets a new sampler (and compiles)."""
@@ -99,13 +125,50 @@ class DenseBackend(LocalBackend):
     def shutdown(self) -> None:
         """Drop the sampler and its device buffers."""
         self.sampler = None
+        self._continuous = None
 
     def _generate_rows(
         self, rows: list[SampleRow], request: GenerationRequest, stops: list[int]
     ) -> list[Completion | None]:
-        temperature, seed, controls = float(request.temperature), int(request.seed), request.controls
+        return self.generate_rows(
+            rows, temperature=request.temperature, seed=request.seed, stops=stops, controls=request.controls
+        )
+
+    def generate_rows(
+        self,
+        rows: list[SampleRow],
+        *,
+        temperature: float,
+        seed: int,
+        stops: list[int],
+        controls: SamplingControls = NO_CONTROLS,
+        continuous: bool | None = None,
+    ) -> list[Completion | None]:
+        """One completion per row (each row with its own prompt, budget and PRNG id): through continuous batching
+        when `continuous` (None: the backend's `continuous_batching`), else static batches. Same samples either way."""
         if self.sampler is None:
             raise RuntimeError("dense backend was shut down")
+        use_continuous = self.continuous_batching if continuous is None else continuous
+        if use_continuous:
+            return self._continuous_rows(rows, float(temperature), int(seed), stops, controls)
+        return self._static_rows(rows, float(temperature), int(seed), stops, controls)
+
+    def _continuous_rows(
+        self, rows: list[SampleRow], temperature: float, seed: int, stops: list[int], controls: SamplingControls
+    ) -> list[Completion | None]:
+        out = self.continuous_sampler().run(
+            [SeqRequest(r.prompt, r.max_tokens, r.sample_id, seed) for r in rows],
+            slots=self.max_seqs,
+            stop_tokens=stops,
+            temperature=temperature,
+            controls=controls,
+        )
+        return [self._completion(o.tokens, o.logprobs, stops) if len(o.tokens) else None for o in out]
+
+    def _static_rows(
+        self, rows: list[SampleRow], temperature: float, seed: int, stops: list[int], controls: SamplingControls
+    ) -> list[Completion | None]:
+        assert self.sampler is not None
         results: list[Completion | None] = [None] * len(rows)
         T = bucket(max(r.max_tokens for r in rows), minimum=16)
         for idx in self._chunks_by_prompt_bucket(rows):

@@ -272,6 +272,8 @@ class DenseSampler:
         self._m = _Model(self.arch, rotary_module(model), activation(model))
         self.params = extract_params(model, compute_dtype)
         self.trace_count = 0
+        self.prefill_tokens = 0
+        """Prompt-slot tokens run through prefill so far, padding included (batch bucket × prompt bucket per call)."""
         self.fast_compile = fast_compile
         options = {"xla_backend_optimization_level": 0} if fast_compile else None
         self._jitted = jax.jit(self._generate_impl, static_argnames=("max_new",), compiler_options=options)
@@ -394,5 +396,6 @@ class DenseSampler:
         host = (tokens, lens, limits, active, jax.random.PRNGKey(seed), ids, stops, np.float32(temperature))
         controls_host = (np.float32(controls.top_p), np.int32(controls.top_k), np.float32(controls.min_p))
         out = self._jitted(self.params, *jax.device_put(host), jax.device_put(controls_host), max_new=max_new_bucket)
+        self.prefill_tokens += batch_size * P
         out_tok, out_lp, n_gen, stopped = jax.device_get(out)
         return DenseOutput(np.asarray(out_tok), np.asarray(out_lp), np.asarray(n_gen), np.asarray(stopped))

@@ -19,6 +19,10 @@ RLOOLoss (`type: rloo`): L = −agg( min(r·A, clip(r, 1−ε_low, 1+ε_high)·A
   `old_logprobs`), so r' moves away from 1 and the clip acts. This is the decoupled form of TIS (the clip is
   to the proximal policy, the weight to the sampler); clipping against the sampler as well would correct the
   mismatch twice.
+  Rollout correction (RLOO only; off unless set): `tis_level: sequence` weighs every token of response i by
+  min(Π_{t∈i} π_old/π_sampler, C) instead of its own token weight; `mis_level: token | sequence` (masked IS)
+  drops the tokens whose ratio π_old/π_sampler, or the responses whose product of ratios, lies outside
+  [`mis_low`, `mis_high`] from the whole loss (policy term and KL), denominator included (`rejection`).
 PPOClipLoss (`type: ppo`): the same with a symmetric clip ε, no TIS, no overlong filter.
 GSPOLoss (`type: gspo`): sequence-level ratio s_i = (π_θ(y_i|x)/π_sampler(y_i|x))^{1/|y_i|}, clipped per
   sequence: L = −(1/N) Σ_i min(s_i·A_i, clip(s_i, 1−ε_low, 1+ε_high)·A_i) over the N sequences with loss
@@ -46,6 +50,9 @@ References:
         Weighted Actor-Learner Architectures", arXiv:1802.01561; for the sampler/learner mismatch of LLM RL, Yao et
         al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog post,
         fengyao.notion.site).
+    sequence-level IS and masked IS (rollout correction): Liu et al. 2025, "When Speed Kills Stability: Demystifying
+        RL Collapse from the Training-Inference Mismatch" (blog post, yingru.notion.site); verl (github.com/volcengine
+        /verl pull 3915) and slime (github.com/THUDM/slime pull 657).
 """
 
 from __future__ import annotations
@@ -109,10 +116,45 @@ class _LossModuleBase:
     eps_high: float = 0.2
     tis_cap: float | None = None
     overlong_filter: bool = False
+    tis_level: str = "token"
+    mis_level: str | None = None
+    mis_low: float = 0.5
+    mis_high: float = 2.0
 
     @property
     def needs_reference(self) -> bool:
         return self.config.kl_coef > 0
+
+    @property
+    def uses_old_logprobs(self) -> bool:
+        """Whether the slot's pre-update learner logprobs (`Batch.old_logprobs`) are needed once the policy moves
+        within a slot: TIS weights and rejection masks are to the learner's pre-update policy."""
+        return self.tis_cap is not None or self.mis_level is not None
+
+    @property
+    def sequence_aggregation(self) -> bool:
+        return self.config.aggregation == "sequence"
+
+    def metric_normaliser(self, name: str) -> str:
+        """How metric `name` of microbatches combines into the slot's: "sum" (a count), "max", or the name of the
+        count metric that is its mean's denominator (each microbatch's value weighted by its own count).
+
+        `loss`, `pg_loss` and `kl` are means over the loss's own denominator (kept tokens or sequences); the
+        policy term's token metrics over the tokens it kept; the rest over all loss tokens or sequences."""
+        if name in _SUMMED:
+            return "sum"
+        if name in _MAXED:
+            return "max"
+        kept = self.mis_level is not None
+        if name in _LOSS_MEANS:
+            if self.sequence_aggregation:
+                return "kept_sequences" if kept else "loss_sequences"
+            return "kept_tokens" if kept else "loss_tokens"
+        if name in _SEQUENCE_MEANS:
+            return "loss_sequences"
+        if name in _POLICY_MEANS:
+            return "kept_tokens" if kept else "loss_tokens"
+        return "loss_tokens"
 
     @property
     def max_log_ratio(self) -> float:
@@ -131,6 +173,35 @@ class _LossModuleBase:
         """(pg_loss, metrics) of this module's policy-gradient term."""
         raise NotImplementedError
 
+    def rejection(self, logp: Array, batch: Batch, loss_mask: Array) -> tuple[Array, dict[str, Array]]:
+        """(mask, metrics): the loss mask with the tokens / sequences that masked IS rejects set to 0, and the
+        counts and fractions of what it kept; `loss_mask` and no metrics when `mis_level` is None.
+
+        The ratio is π_old/π_sampler, π_old the learner's pre-update policy (as for TIS). Rejected tokens leave
+        the whole loss, denominator included (kept_tokens / kept_sequences), so a rejection does not scale the
+        gradient of the kept ones down (the normalisation of verl and slime, slime pull 657)."""
+        if self.mis_level is None:
+            return loss_mask, {}
+        logp_old = jax.lax.stop_gradient(logp if batch.old_logprobs is None else batch.old_logprobs)
+        seq_index, n = batch.seq_index, batch.seq_index.size + 1
+        if self.mis_level == "sequence":
+            keep = T.sequence_rejection_mask(
+                logp_old, batch.generator_logprobs, loss_mask, seq_index, n, self.mis_low, self.mis_high
+            )
+        else:
+            keep = T.token_rejection_mask(logp_old, batch.generator_logprobs, self.mis_low, self.mis_high)
+        mask = loss_mask * keep
+        kept_counts = T.segment_sums(jnp.ones_like(mask), mask, seq_index, n)
+        _, counts = T.segment_means(jnp.ones_like(mask), loss_mask, seq_index, n)
+        has = counts > 0
+        any_rejected = has & (kept_counts < counts)
+        return mask, {
+            "kept_tokens": jnp.sum(mask),
+            "kept_sequences": jnp.sum((kept_counts > 0).astype(jnp.float32)),
+            "mis_masked_fraction": T.token_mean(1.0 - keep, loss_mask),
+            "mis_masked_seq_fraction": T.mean_over_sequences(any_rejected.astype(jnp.float32), counts),
+        }
+
     def objective(
         self,
         logp: Array,
@@ -139,29 +210,44 @@ class _LossModuleBase:
         entropy: Array | None = None,
     ) -> tuple[Array, dict[str, Array]]:
         """Loss and metrics from per-token policy logprobs (pure; used by the tests directly)."""
-        mask = batch.loss_mask.astype(jnp.float32)
+        loss_mask = batch.loss_mask.astype(jnp.float32)
         if self.overlong_filter:
-            mask = mask * (1.0 - batch.truncated.astype(jnp.float32))
+            loss_mask = loss_mask * (1.0 - batch.truncated.astype(jnp.float32))
+        seq_index, n = batch.seq_index, batch.seq_index.size + 1
+        mask, rejection = self.rejection(logp, batch, loss_mask)
         pg_loss, metrics = self.policy_term(logp, batch, mask)
         # sampler mismatch of the current (pre-update) policy, per token, clamped like every ratio
-        logp_old = jax.lax.stop_gradient(logp)
-        mismatch, _ = T.clamp_log_ratio(logp_old - batch.generator_logprobs, self.max_log_ratio)
+        mismatch, _ = T.clamp_log_ratio(jax.lax.stop_gradient(logp) - batch.generator_logprobs, self.max_log_ratio)
+        abs_mismatch = jnp.abs(mismatch)
+        seq_abs_mean, counts = T.segment_means(abs_mismatch, loss_mask, seq_index, n)
         metrics.update(
             pg_loss=pg_loss,
-            mismatch_abs_logp=T.token_mean(jnp.abs(mismatch), mask),
+            mismatch_abs_logp=T.token_mean(abs_mismatch, loss_mask),
             # k3 estimate of KL(π_sampler‖π_θ), i.e. kl_k3(logp_gen, logp_old), on the clamped log-ratio
-            mismatch_kl=T.token_mean(T.k3(mismatch), mask),
-            advantage_mean=T.token_mean(batch.advantages, mask),
-            loss_tokens=jnp.sum(mask),
+            mismatch_kl=T.token_mean(T.k3(mismatch), loss_mask),
+            # per sequence: mean and max |log π_θ/π_sampler| over its tokens, |Σ log-ratio| (the log of the
+            # sequence ratio that sequence-level TIS / rejection use), each averaged over sequences
+            mismatch_seq_abs_logp_mean=T.mean_over_sequences(seq_abs_mean, counts),
+            mismatch_seq_abs_logp_max=T.mean_over_sequences(
+                T.segment_max_abs(mismatch, loss_mask, seq_index, n), counts
+            ),
+            mismatch_seq_abs_log_ratio=T.mean_over_sequences(
+                jnp.abs(T.segment_sums(mismatch, loss_mask, seq_index, n)), counts
+            ),
+            mismatch_abs_logp_max=jnp.max(abs_mismatch * (loss_mask > 0)),
+            advantage_mean=T.token_mean(batch.advantages, loss_mask),
+            loss_tokens=jnp.sum(loss_mask),
+            loss_sequences=jnp.sum((counts > 0).astype(jnp.float32)),
+            **rejection,
         )
         loss = pg_loss
         if logp_ref is not None and self.needs_reference:
-            kl = T.KL_ESTIMATORS[self.config.kl_estimator](logp, logp_ref)
-            kl_term = self.aggregate(kl, mask, batch.seq_index)
+            kl = T.KL_ESTIMATORS[self.config.kl_estimator](logp, logp_ref, self.max_log_ratio)
+            kl_term = self.aggregate(kl, mask, seq_index)
             loss = loss + self.config.kl_coef * kl_term
             metrics["kl"] = kl_term
         if entropy is not None:
-            metrics["entropy"] = T.token_mean(entropy, mask)
+            metrics["entropy"] = T.token_mean(entropy, loss_mask)
         metrics["loss"] = loss
         return loss, metrics
 
@@ -178,6 +264,55 @@ class _LossModuleBase:
             return self.objective(logp, batch, logp_ref, jax.lax.stop_gradient(entropy))
 
         return loss_fn
+
+
+_SUMMED = frozenset({"loss_tokens", "loss_sequences", "kept_tokens", "kept_sequences", "clamped_count"})
+"""Counts: summed over microbatches."""
+_MAXED = frozenset({"mismatch_abs_logp_max"})
+"""Maxima: the largest over microbatches."""
+_LOSS_MEANS = frozenset({"loss", "pg_loss", "kl"})
+"""Means with the loss's aggregation denominator."""
+_SEQUENCE_MEANS = frozenset(
+    {"mismatch_seq_abs_logp_mean", "mismatch_seq_abs_logp_max", "mismatch_seq_abs_log_ratio", "mis_masked_seq_fraction"}
+)
+"""Means over sequences with loss tokens."""
+_POLICY_MEANS = frozenset({"ratio_mean", "clip_fraction", "tis_weight_mean", "is_weight_mean", "clamped_fraction"})
+"""The policy term's means: over the tokens it kept (over sequences for GSPO)."""
+
+
+def metric_normaliser(module: Any, name: str) -> str:
+    """`module.metric_normaliser(name)`; for a module without one (SFT: token means only), "sum" for the counts
+    and "loss_tokens" for the rest."""
+    fn = getattr(module, "metric_normaliser", None)
+    if fn is not None:
+        return str(fn(name))
+    return "sum" if name in _SUMMED else "loss_tokens"
+
+
+def loss_weight(module: Any, metrics: dict[str, Array]) -> Array:
+    """The denominator of the loss of one microbatch, read from its metrics (the count named by
+    `metric_normaliser(module, "loss")`): the microbatch's share of the slot's loss is this over the sum."""
+    return metrics[metric_normaliser(module, "loss")]
+
+
+def combine_microbatch_metrics(module: Any, pieces: list[dict[str, Array]]) -> dict[str, Array]:
+    """The slot's metrics from its microbatches': counts summed, maxima maximised, every mean weighted by its own
+    denominator (`metric_normaliser`), so each metric equals the unsplit slot's for any microbatch size."""
+    out: dict[str, Array] = {}
+    for name in pieces[0]:
+        kind = metric_normaliser(module, name)
+        values = [m[name] for m in pieces]
+        if kind == "sum":
+            out[name] = sum(values[1:], values[0])
+        elif kind == "max":
+            out[name] = jnp.max(jnp.stack(values))
+        else:
+            weights = [m[kind] for m in pieces]
+            total = sum(weights[1:], weights[0])
+            out[name] = sum((v * w for v, w in zip(values, weights, strict=True)), jnp.zeros(())) / jnp.maximum(
+                total, 1.0
+            )
+    return out
 
 
 def _clamp_metrics(clamped: Array, weights: Array) -> dict[str, Array]:
@@ -200,7 +335,18 @@ class _ClipLossBase(_LossModuleBase):
             weight = jnp.ones_like(logp)
         else:
             ratio, _ = T.importance_ratio(logp, logp_old, self.max_log_ratio)  # see the module docstring
-            weight = T.truncated_is_weight(logp_old, logp_gen, self.tis_cap, self.max_log_ratio)
+            if self.tis_level == "sequence":
+                weight = T.sequence_truncated_is_weight(
+                    logp_old,
+                    logp_gen,
+                    mask,
+                    batch.seq_index,
+                    batch.seq_index.size + 1,
+                    self.tis_cap,
+                    self.max_log_ratio,
+                )
+            else:
+                weight = T.truncated_is_weight(logp_old, logp_gen, self.tis_cap, self.max_log_ratio)
         surrogate = weight * T.clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
         pg_loss = -self.aggregate(surrogate, mask, batch.seq_index)
         metrics = {
@@ -229,7 +375,17 @@ class RLOOLoss(_ClipLossBase):
 
     @classmethod
     def from_config(cls, config: RLOOLossConfig) -> RLOOLoss:
-        return cls(config, config.clip_low, config.clip_high, config.tis_cap, config.overlong_filter)
+        return cls(
+            config,
+            config.clip_low,
+            config.clip_high,
+            config.tis_cap,
+            config.overlong_filter,
+            config.tis_level,
+            config.mis_level,
+            config.mis_low,
+            config.mis_high,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +414,15 @@ class GSPOLoss(_LossModuleBase):
     @classmethod
     def from_config(cls, config: GSPOLossConfig) -> GSPOLoss:
         return cls(config, config.clip_low, config.clip_high, None, config.overlong_filter)
+
+    @property
+    def sequence_aggregation(self) -> bool:
+        return True
+
+    def metric_normaliser(self, name: str) -> str:
+        if name in _POLICY_MEANS:  # GSPO's ratio and clip metrics are per sequence
+            return "loss_sequences"
+        return super().metric_normaliser(name)
 
     def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
         seq_index = batch.seq_index

@@ -10,6 +10,7 @@ overflow can reach the loss: exp(20) ≈ 4.9e8 is finite, exp(100) is inf and in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -118,8 +119,11 @@ def k3(log_ratio: Array) -> Array:
     return jnp.expm1(log_ratio) - log_ratio
 
 
-def kl_k1(logp: Array, logp_ref: Array) -> Array:
+def kl_k1(logp: Array, logp_ref: Array, max_log_ratio: float = 20.0) -> Array:
     """k1 = log(π_θ/π_ref) = logp − logp_ref (unbiased for KL(π_θ‖π_ref) under π_θ; can be negative).
+
+    No exp: finite for every finite log-ratio, so `max_log_ratio` is accepted (uniform estimator signature) and
+    unused.
 
     References:
         Schulman 2020, "Approximating KL Divergence", blog post (http://joschu.net/blog/kl-approx.html).
@@ -127,8 +131,10 @@ def kl_k1(logp: Array, logp_ref: Array) -> Array:
     return logp - logp_ref
 
 
-def kl_k2(logp: Array, logp_ref: Array) -> Array:
+def kl_k2(logp: Array, logp_ref: Array, max_log_ratio: float = 20.0) -> Array:
     """k2 = ½ (logp − logp_ref)² (low variance, biased, ≥ 0).
+
+    No exp: finite for every finite log-ratio (½·100² = 5000), so `max_log_ratio` is accepted and unused.
 
     References:
         Schulman 2020, "Approximating KL Divergence", blog post (http://joschu.net/blog/kl-approx.html).
@@ -136,8 +142,14 @@ def kl_k2(logp: Array, logp_ref: Array) -> Array:
     return 0.5 * jnp.square(logp - logp_ref)
 
 
-def kl_k3(logp: Array, logp_ref: Array) -> Array:
-    """k3 = π_ref/π_θ − 1 − log(π_ref/π_θ) = exp(δ) − 1 − δ with δ = logp_ref − logp (unbiased, ≥ 0).
+def kl_k3(logp: Array, logp_ref: Array, max_log_ratio: float = 20.0) -> Array:
+    """k3 = π_ref/π_θ − 1 − log(π_ref/π_θ) = exp(δ̂) − 1 − δ̂ with δ̂ = clip(logp_ref − logp, −M, M) (≥ 0).
+
+    The log-ratio is clamped like every ratio (`clamp_log_ratio`, M = `max_log_ratio`, 20 by default): exp(δ)
+    overflows float32 past δ ≈ 88.7 (loss inf, gradient −inf, and the update guard would drop the whole slot for
+    one token), while exp(20) ≈ 4.9e8 stays finite even summed over 10⁶ tokens (≈ 4.9e14 ≪ 3.4e38). A clamped
+    token contributes the constant k3(±M) and no gradient, as a clamped policy ratio does; unclamped (|δ| ≤ M)
+    it is the unbiased estimator, gradient ∂k3/∂logp = 1 − exp(δ).
 
     With logp = log π_sampler and logp_ref = log π_learner it estimates KL(π_sampler‖π_learner) from sampler
     draws (the learner's `mismatch_kl` metric).
@@ -146,10 +158,11 @@ def kl_k3(logp: Array, logp_ref: Array) -> Array:
         Schulman 2020, "Approximating KL Divergence", blog post (http://joschu.net/blog/kl-approx.html); used as the
             KL penalty of GRPO, Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300.
     """
-    return k3(logp_ref - logp)
+    return k3(clamp_log_ratio(logp_ref - logp, max_log_ratio)[0])
 
 
-KL_ESTIMATORS: dict[str, Callable[[Array, Array], Array]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+KL_ESTIMATORS: dict[str, Callable[[Array, Array, float], Array]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+"""name -> estimator(logp, logp_ref, max_log_ratio)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +183,18 @@ def segment_means(x: Array, mask: Array, seq_index: Array, num_segments: int) ->
     sums = jax.ops.segment_sum((x * mask).reshape(-1), flat_idx, num_segments=num_segments)
     counts = jax.ops.segment_sum(mask.reshape(-1), flat_idx, num_segments=num_segments)
     return jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), 0.0), counts
+
+
+def segment_sums(x: Array, mask: Array, seq_index: Array, num_segments: int) -> Array:
+    """[N]: per sequence i, Σ_{t∈i} x·m (0 for a sequence without loss tokens)."""
+    return jax.ops.segment_sum((x * mask).reshape(-1), seq_index.reshape(-1), num_segments=num_segments)
+
+
+def segment_max_abs(x: Array, mask: Array, seq_index: Array, num_segments: int) -> Array:
+    """[N]: per sequence i, max_{t∈i, m_t>0} |x_t| (0 for a sequence without loss tokens)."""
+    flat = (jnp.abs(x) * (mask > 0)).reshape(-1)
+    out = jax.ops.segment_max(flat, seq_index.reshape(-1), num_segments=num_segments)
+    return jnp.maximum(out, 0.0)  # an empty segment's max is −inf
 
 
 def mean_over_sequences(per_seq: Array, counts: Array) -> Array:
@@ -204,3 +229,107 @@ def sequence_log_ratio(
 def sequence_advantage(advantages: Array, mask: Array, seq_index: Array, num_segments: int) -> Array:
     """A_i [N] = mean of A over the loss tokens of sequence i (the sequence's advantage when A is constant on it)."""
     return segment_means(advantages, mask, seq_index, num_segments)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout correction: sequence-level TIS and masked IS (rejection) against the sampler
+# ---------------------------------------------------------------------------------------------
+
+
+def sequence_truncated_is_weight(
+    logp_old: Array,
+    logp_gen: Array,
+    mask: Array,
+    seq_index: Array,
+    num_segments: int,
+    cap: float,
+    max_log_ratio: float = 20.0,
+) -> Array:
+    """[B, S] per token: w_i = min(Π_{t∈i} π_old(y_t)/π_sampler(y_t), C) of the token's sequence i, no gradient.
+
+    The product is formed as exp(clip(Σ_{t∈i} m_t (logp_old − logp_gen), −M, M)) over the loss tokens of i
+    (finite in float32, see the module docstring); a sequence without loss tokens gets w = 1 (its tokens carry no
+    loss). Sequence-level TIS: unbiased for the sequence-level objective up to the truncation at C, where the
+    token-level weight is the per-token (biased, lower-variance) approximation.
+
+    References:
+        Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog post,
+            fengyao.notion.site); Liu et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the
+            Training-Inference Mismatch" (blog post, yingru.notion.site) (sequence-level IS); rollout correction in verl
+            (github.com/volcengine/verl pull 3915) and slime (github.com/THUDM/slime pull 657).
+    """
+    log_ratio = segment_sums(logp_old - logp_gen, mask, seq_index, num_segments)
+    log_ratio, _ = clamp_log_ratio(log_ratio, max_log_ratio)
+    per_seq = jnp.minimum(jnp.exp(log_ratio), cap)
+    return jax.lax.stop_gradient(per_seq[seq_index])
+
+
+def _within(log_ratio: Array, low: float, high: float) -> Array:
+    """1.0 where low ≤ exp(log_ratio) ≤ high, compared in log space (no exp, no overflow); low = 0: no lower bound."""
+    keep = log_ratio <= math.log(high)
+    if low > 0:
+        keep = keep & (log_ratio >= math.log(low))
+    return keep.astype(jnp.float32)
+
+
+def token_rejection_mask(logp_old: Array, logp_gen: Array, low: float, high: float) -> Array:
+    """[B, S] keep_t = 1[low ≤ π_old(y_t)/π_sampler(y_t) ≤ high], no gradient (token-level masked IS).
+
+    References:
+        Liu et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference
+            Mismatch" (blog post, yingru.notion.site) (masked importance sampling); rollout correction in verl
+            (github.com/volcengine/verl pull 3915) and slime (github.com/THUDM/slime pull 657).
+    """
+    return jax.lax.stop_gradient(_within(logp_old - logp_gen, low, high))
+
+
+def sequence_rejection_mask(
+    logp_old: Array,
+    logp_gen: Array,
+    mask: Array,
+    seq_index: Array,
+    num_segments: int,
+    low: float,
+    high: float,
+) -> Array:
+    """[B, S] keep of the token's sequence i: 1[low ≤ Π_{t∈i} π_old/π_sampler ≤ high] over the loss tokens of i
+    (compared as Σ log-ratio against log bounds: no overflow), no gradient (sequence-level masked IS).
+
+    References:
+        Liu et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference
+            Mismatch" (blog post, yingru.notion.site); rollout correction in verl
+            (github.com/volcengine/verl pull 3915) and slime (github.com/THUDM/slime pull 657).
+    """
+    log_ratio = segment_sums(logp_old - logp_gen, mask, seq_index, num_segments)
+    return jax.lax.stop_gradient(_within(log_ratio, low, high)[seq_index])
+
+
+# ---------------------------------------------------------------------------------------------
+# on-policy distillation (math only: no teacher model is wired to the learner yet)
+# ---------------------------------------------------------------------------------------------
+
+
+def reverse_kl_advantage(
+    logp_teacher: Array,
+    logp_student: Array,
+    mask: Array,
+    rl_advantages: Array | None = None,
+    coef: float = 1.0,
+) -> Array:
+    """[B, S] per-token on-policy distillation advantage A_t = coef · (log π_teacher(y_t) − log π_student(y_t)),
+    plus the RL (e.g. RLOO) advantage when `rl_advantages` is given; 0 where m = 0; no gradient.
+
+    For tokens sampled from the student, −(log π_student − log π_teacher) is the one-sample estimate of the
+    negative per-token reverse KL(π_student‖π_teacher): a policy gradient with this advantage descends the
+    reverse KL (mode seeking), token by token, with no reward needed. Both logprobs must be at the sampling
+    temperature of the token.
+
+    References:
+        Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes"
+            (GKD), arXiv:2306.13649; Lu and Thinking Machines Lab 2025, "On-Policy Distillation" (blog post,
+            thinkingmachines.ai) (per-token reverse-KL advantage, mixed with RL rewards).
+    """
+    adv = coef * (logp_teacher - logp_student)
+    if rl_advantages is not None:
+        adv = adv + rl_advantages
+    return jax.lax.stop_gradient(adv * mask)
