@@ -13,10 +13,17 @@ difference of every differing tensor and exits 1. A from/to step that is not com
 field and the value, exit code 2.
 
 Replay runs on the learner's recorded mesh (`recorded_topology`): the job's `learner.mesh` and
-`learner.num_processes` (run.json), with an axis of -1 resolved from checkpoint S's blocks (one per device that
-holds a distinct piece of a sharded tensor). On CPU the simulated devices are made before JAX starts
-(`jax_num_cpu_devices`); on accelerators the devices present must match. A run whose learner ran on several
-processes is refused (one line, exit 2) naming what replay needs: replay runs as one process.
+`learner.num_processes` (run.json; also the shard files of checkpoint S), with an axis of -1 resolved from
+checkpoint S's blocks (one per device that holds a distinct piece of a sharded tensor). On CPU the simulated
+devices are made before JAX starts (`jax_num_cpu_devices`); on accelerators the devices present must match.
+A run whose learner ran as N > 1 processes is replayed by N processes (`run_group`): this process starts N copies
+of itself on this host, wired to one coordinator on loopback through `RLPIPE_COORDINATOR`,
+`RLPIPE_NUM_PROCESSES` and `RLPIPE_PROCESS_ID` (as the job runners start a learner group; each with the recorded
+devices per process, simulated on CPU through XLA_FLAGS) and sharing one scratch run root. Each starts
+`jax.distributed`, reads its own rows of every batch and takes part in the policy's gather; process 0 alone writes
+the policy, compares and prints, and its exit code is replay's. A process that fails stops the group: one line
+names it, and the exit code is non-zero. A process started with those variables already set (by replay, or by a
+cluster launcher on each host) is one member of such a group.
 
     python -m steps.replay --store.run_root runs/demo --from_step 4 --to_step 6
     make replay RUN=runs/demo FROM=4 TO=6
@@ -32,7 +39,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ConfigError, LearnerStepConfig, StoreConfig
+from pipeline.config import ConfigError, DistributedConfig, LearnerStepConfig, StoreConfig
 from pipeline.jobs.job import recorded_step_config
 from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
@@ -59,25 +66,36 @@ class ReplayConfig:
 def main(config: ReplayConfig) -> int:
     """Replay and compare (see the module docstring); 0 when bitwise equal, 1 when not."""
     from policy import learner as L
+    from policy import mesh as mesh_lib
     from policy import policy_format as pf
 
     store = RunStore(config.store.run_root, config.store.storage_options or None)
     require_run(store)
     learner_config = recorded_learner_config(store)
     to_step = check_steps(store, config.from_step, config.to_step)
+    member = group_member()
+    if member is not None:  # one process of a replay group: jax.distributed before any device is touched
+        mesh_lib.initialize_distributed(member)
     topology = recorded_topology(store, learner_config, config.from_step)
+    if member is None and topology.processes > 1:
+        return run_group(config, store, topology)
     refusal = use_recorded_devices(topology)
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
     replayed = replay(store, learner_config, config.from_step, to_step)  # 1 + 2
+    writer = mesh_lib.is_writer()  # process 0 of a group (or the only process) writes, reads back and compares
     scratch = RunStore(scratch_root(config, store), config.store.storage_options or None)
     temporary = config.scratch is None and not config.keep_scratch  # made here: removed once compared
-    print(f"scratch run root: {scratch.url}" + (" (temporary: removed at the end; --keep_scratch true keeps it)"
-          if temporary else ""), flush=True)  # fmt: skip
+    if writer and (member is None or temporary):  # in a group replay started, its starter named the scratch root
+        print(f"scratch run root: {scratch.url}" + (" (temporary: removed at the end; --keep_scratch true keeps it)"
+              if temporary else ""), flush=True)  # fmt: skip
     try:
-        copy_lora_base(store, scratch, learner_config)
-        L.publish_policy(scratch, replayed, learner_config)  # 3
+        if writer:
+            copy_lora_base(store, scratch, learner_config)
+        L.publish_policy(scratch, replayed, learner_config)  # 3: every process gathers, process 0 writes
+        if not writer:
+            return 0
         vocab = int(replayed.model.Vocab.size)
         ours = pf.read_policy(scratch, to_step, learner_config.model, vocab)
         theirs = pf.read_policy(store, to_step, learner_config.model, vocab)
@@ -86,7 +104,8 @@ def main(config: ReplayConfig) -> int:
         if temporary:
             shutil.rmtree(scratch.root, ignore_errors=True)
     where = f"{scratch.url} (removed)" if temporary else scratch.url
-    print(f"replayed slots {config.from_step + 1}..{to_step} from checkpoint {config.from_step} into {where}")
+    procs = f" on {topology.processes} processes" if topology.processes > 1 else ""
+    print(f"replayed slots {config.from_step + 1}..{to_step} from checkpoint {config.from_step}{procs} into {where}")
     if not diffs:
         print(f"bitwise equal: every parameter of the replay equals the run's committed policy {to_step}")
         return 0
@@ -94,6 +113,95 @@ def main(config: ReplayConfig) -> int:
     for name, diff in diffs.items():
         print(f"  {name}: {diff}")
     return 1
+
+
+GROUP_EXIT_GRACE_S = 60.0
+"""How long the other processes of a replay group may take to end once process 0 has ended (they only leave
+`jax.distributed`); past it they are killed and replay fails."""
+
+
+def group_member() -> DistributedConfig | None:
+    """This process's place in a replay group when `RLPIPE_PROCESS_ID` and `RLPIPE_NUM_PROCESSES` > 1 say it is
+    one (set by `run_group`, or by a launcher on each host); else None (replay starts the group itself)."""
+    pid, num = os.environ.get("RLPIPE_PROCESS_ID"), os.environ.get("RLPIPE_NUM_PROCESSES")
+    if pid is None or num is None or int(num) <= 1:
+        return None
+    return DistributedConfig(
+        coordinator_address=os.environ.get("RLPIPE_COORDINATOR"), num_processes=int(num), process_id=int(pid)
+    )
+
+
+def run_group(config: ReplayConfig, store: RunStore, topology: Topology) -> int:
+    """Replay as `topology.processes` copies of this program on this host (see the module docstring); process
+    0's exit code, or (one line on stderr naming the process) a non-zero one when another process failed or
+    did not end within GROUP_EXIT_GRACE_S of process 0."""
+    import dataclasses
+    import subprocess
+
+    import draccus
+
+    from pipeline.jobs.launchers.local import free_port
+
+    n = topology.processes
+    root = scratch_root(config, store)
+    temporary = config.scratch is None and not config.keep_scratch
+    print(f"scratch run root: {RunStore(root, config.store.storage_options or None).url}"
+          + (" (temporary: removed at the end; --keep_scratch true keeps it)" if temporary else "")
+          + f"; replaying as {n} processes ({topology.describe()})", flush=True)  # fmt: skip
+    folder = tempfile.mkdtemp(prefix="rlpipe-replay-group-")
+    path = os.path.join(folder, "replay.yaml")
+    with open(path, "w", encoding="utf-8") as f:  # every process: the same config and the same scratch root
+        draccus.dump(dataclasses.replace(config, scratch=root), f)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={topology.devices_per_process}")  # CPU only
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(n):
+            env = {**os.environ, "XLA_FLAGS": " ".join(flags), "RLPIPE_COORDINATOR": coordinator,
+                   "RLPIPE_NUM_PROCESSES": str(n), "RLPIPE_PROCESS_ID": str(i)}  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-m", "steps.replay", "--config_path", path], env=env))
+        return wait_group(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+        if temporary:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def wait_group(procs: list[Any]) -> int:
+    """Process 0's exit code once every process of the group has ended; a failing process (any, before process 0
+    ends) stops the group at once, since the others would wait for it in a collective."""
+    import time
+
+    n = len(procs)
+    while procs[0].poll() is None:
+        failed = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed:
+            i, code = failed[0]
+            print(f"replay process {i} of {n} failed (exit code {code}); the other processes were stopped",
+                  file=sys.stderr)  # fmt: skip
+            return code if code > 0 else 1
+        time.sleep(0.1)
+    code = int(procs[0].returncode)
+    if code != 0:  # the others may wait for it in a collective: stop them now
+        return code if code > 0 else 1
+    deadline = time.monotonic() + GROUP_EXIT_GRACE_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for i, p in enumerate(procs):
+        if p.poll() is None or p.returncode != 0:
+            why = (
+                f"exit code {p.returncode}"
+                if p.poll() is not None
+                else f"still running {GROUP_EXIT_GRACE_S:.0f} s after process 0"
+            )
+            print(f"replay process {i} of {n} failed ({why})", file=sys.stderr)
+            return p.returncode if p.poll() is not None and p.returncode > 0 else 1
+    return code
 
 
 @dataclass(frozen=True)
@@ -136,26 +244,29 @@ def recorded_topology(store: RunStore, config: LearnerStepConfig, step: int) -> 
         devices = mesh.data * mesh.fsdp * mesh.model
     elif mesh.data != -1 and blocks is not None:  # fsdp or model is -1: each sharded tensor has fsdp × model blocks
         devices = mesh.data * blocks
-    else:  # data replicas leave no trace in the blocks: the devices present decide
+    else:  # data replicas leave no trace in the blocks: the devices present decide (each process's, N processes)
         import jax
 
-        devices = jax.device_count()
+        devices = jax.device_count() * max(processes // jax.process_count(), 1)
     return Topology(processes=processes, devices=max(devices, 1), mesh=mesh)
 
 
 def use_recorded_devices(topology: Topology) -> str | None:
-    """Make the recorded number of devices where that is still possible (CPU, before JAX's backend starts);
-    None when this process now has the recorded mesh's devices, else the one-line refusal saying what is needed."""
+    """Make the recorded number of devices where that is still possible (one process on CPU, before JAX's backend
+    starts); None when this process (with the other processes of its group) now has the recorded mesh's devices
+    and process count, else the one-line refusal saying what is needed."""
     import jax
     from jax._src import xla_bridge
 
     needs = f"this run's learner ran on {topology.describe()}; replay needs the same"
-    if topology.processes > 1:
-        return (
-            f"{needs}: replay runs as one process, so it cannot replay a run of {topology.processes} learner "
-            "processes bitwise (compare on the same hosts by resuming the learner from the checkpoint instead)"
-        )
-    if not xla_bridge.backends_are_initialized():
+    if topology.processes > 1:  # a member of a replay group: jax.distributed is started, the devices are made
+        running = jax.process_count()
+        if running != topology.processes:
+            return (
+                f"{needs}: {topology.processes} processes, this replay has {running} (RLPIPE_NUM_PROCESSES; "
+                "unset, replay starts the recorded processes itself)"
+            )
+    elif not xla_bridge.backends_are_initialized():
         jax.config.update("jax_num_cpu_devices", topology.devices)  # CPU only; accelerators have what they have
     have = jax.device_count()
     if have != topology.devices:
@@ -211,7 +322,8 @@ def replay(store: RunStore, config: LearnerStepConfig, from_step: int, to_step: 
     optimizer = L.build_optimizer(config.optimizer, config.train.num_train_steps)
     lm = mesh_lib.build_mesh(config.mesh)
     # the learner's own slot step (epochs, minibatches, microbatches) on the same mesh: bitwise the same updates
-    state = L.shard_state(pf.read_checkpoint(store, from_step, config.model, vocab, optimizer), lm)
+    # restored onto the mesh as the learner resumes (each process reads what its devices hold)
+    state = L.shard_state(pf.read_checkpoint(store, from_step, config.model, vocab, optimizer, lm), lm)
     reference = L.load_reference(store, config, vocab, loss_module_from_config(config.loss))
     if reference is not None:
         reference = mesh_lib.shard_params(reference, lm)
