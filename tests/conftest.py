@@ -78,7 +78,12 @@ SHARED_SESSION_JOBS = ("default_job",)
 # by node-id prefix (the longest prefix that matches wins) or shared job fixture. Only their order matters: they
 # are scheduled longest first, so no long test starts last while the other worker sits idle.
 EXPECTED_SECONDS = {
-    "tests/test_recipe.py": 112,  # SFT, then 50 RL steps of 512 rollouts (measured 2026-11-26, -n 0)
+    "tests/test_recipe.py": 217,  # SFT, then 50 RL steps of 512 rollouts (clean-clone make test, 2026-11-26)
+    "tests/test_judge_job.py": 106,  # a job plus a judge server process, killed and restarted
+    "tests/test_verifiers_env.py::test_whole_job_trains_on_verifiers_envs": 81,  # each episode a verifiers program
+    "tests/test_replay_multiprocess.py": 84,  # a two-process learner job, then two two-process replays
+    "tests/test_eval_passk.py": 42,
+    "tests/test_agent_env.py": 40,
     "tests/test_job_crash_learner_group.py": 68,
     "tests/test_mesh.py": 64,
     "tests/test_job_crash.py": 57,
@@ -88,7 +93,6 @@ EXPECTED_SECONDS = {
     "tests/test_readme_gcs.py": 41,
     "default_job": 40,
     "tests/test_server_job.py": 38,
-    "tests/test_judge_job.py": 60,  # a job plus a judge server process, killed and restarted
     "tests/test_lora.py::test_lora_learns_cats": 37,
     "tests/test_learn_crash.py": 34,
     "tests/test_loss_learning.py": 34,
