@@ -29,8 +29,8 @@ from pipeline.process.exits import Exit
 from pipeline.process.step_kind import StepKind
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT: dict[str, list[int]] = {}
-"""Step kind -> exit codes of its next starts (the last one repeats)."""
+SCRIPT: dict[str, list[int | None]] = {}
+"""Step kind -> exit codes of its next starts (the last one repeats); None: the start runs until it is stopped."""
 LOG_TEXT: dict[str, str] = {}
 """Step kind -> what each start of it writes into its log before exiting."""
 
@@ -55,10 +55,13 @@ class ScriptedLauncher:
             path = Path(log.location)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(LOG_TEXT[spec.kind])
-        return subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({code})"])
+        program = "import time; time.sleep(120)" if code is None else f"import sys; sys.exit({code})"
+        return subprocess.Popen([sys.executable, "-c", program])
 
 
-def run_scripted(tmp_path: Path, script: dict[str, list[int]], log_text: dict[str, str] | None = None) -> JobRunner:
+def run_scripted(
+    tmp_path: Path, script: dict[str, list[int | None]], log_text: dict[str, str] | None = None
+) -> JobRunner:
     SCRIPT.clear()
     LOG_TEXT.clear()
     LOG_TEXT.update(log_text or {})
@@ -100,7 +103,8 @@ def test_a_refused_config_stops_the_job_at_once_printing_its_one_line(
     reason = "curriculum.lessons.qa.env.env_args.path='/no/such.jsonl': no such file"
     log = f"2025 INFO steps.rollout: starting\nerror: invalid config: {reason}\n"
     with caplog.at_level("ERROR", logger="pipeline.jobs.runner"):
-        runner = run_scripted(tmp_path, {"rollout": [Exit.CONFIG, Exit.OK], "learner": [Exit.OK]}, {"rollout": log})
+        # the learner runs until stopped: a learner done at once would end the job before the rollout's exit is read
+        runner = run_scripted(tmp_path, {"rollout": [Exit.CONFIG, Exit.OK], "learner": [None]}, {"rollout": log})
     assert runner.returncode == Exit.CONFIG  # type: ignore[attr-defined]
     rollout = next(s for s in runner.steps if s.kind == StepKind.ROLLOUT)
     assert rollout.exit_codes == [Exit.CONFIG] and rollout.restarts == 0

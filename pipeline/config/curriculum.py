@@ -55,6 +55,7 @@ ENV_TYPES: dict[str, str] = {
     "cats": "pipeline.environments.cats.CatsEnv",
     "agent": "pipeline.environments.agent.AgentEnv",
     "judged": "pipeline.environments.judged.JudgedEnv",
+    "verifiers": "pipeline.environments.verifiers_env.VerifiersEnv",
 }
 """Short names accepted in `env_class` for the built-in environments (the value is the class path)."""
 
@@ -65,7 +66,8 @@ class EnvConfig:
 
     env_class: str = "pipeline.environments.cats.CatsEnv"
     """Dotted path `package.module.Class` of an `Environment` subclass, or a short name of `ENV_TYPES`
-    (`reasoning_gym`, `exact_answer`, `arithmetic`, `cats`, `agent`, `judged`), replaced by its class path."""
+    (`reasoning_gym`, `exact_answer`, `arithmetic`, `cats`, `agent`, `judged`, `verifiers`), replaced by its class
+    path."""
     env_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the class."""
 
