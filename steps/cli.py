@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import draccus
@@ -127,11 +127,7 @@ def check_against_run(config: object, program: str, allow_change: bool) -> None:
 
 def one_line(error: BaseException) -> str:
     """The most specific message of a config error chain, on one line (a `ConfigError` if there is one)."""
-    chain: list[BaseException] = []
-    e: BaseException | None = error
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
+    chain = list(error_chain(error))
     config_errors = [c for c in chain if isinstance(c, ConfigError)]
     if config_errors:
         chosen: BaseException = config_errors[0]
@@ -219,10 +215,7 @@ def expected_failure(error: BaseException) -> tuple[int, str] | None:
     cause/context chain (a step's thread may wrap it) that is an `ExpectedFailure`, a `StorageUnavailableError`, an
     `EXIT_TABLE` class, or an `OSError` the storage refused for good (`pipeline.store.faults.FAULT_ERRNOS`, with a
     file name); None for anything else (a bug: a traceback is the right report)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in error_chain(error):
         if isinstance(current, ExpectedFailure):
             return current.exit_code, str(current)
         if isinstance(current, StorageUnavailableError):
@@ -234,7 +227,6 @@ def expected_failure(error: BaseException) -> tuple[int, str] | None:
             fault = storage_fault(str(current.filename), current)
             if fault is not None:
                 return fault.exit_code, str(fault)
-        current = current.__cause__ or current.__context__
     return None
 
 
@@ -296,14 +288,17 @@ def run_command(
 
 def config_error(error: BaseException) -> ConfigError | None:
     """The ConfigError `error` was caused by (its cause/context chain), else None."""
+    return next((e for e in error_chain(error) if isinstance(e, ConfigError)), None)
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then what caused it (`__cause__`, else `__context__`), and so on, each once."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
-        if isinstance(current, ConfigError):
-            return current
         seen.add(id(current))
+        yield current
         current = current.__cause__ or current.__context__
-    return None
 
 
 def reason_path() -> str | None:
@@ -312,18 +307,6 @@ def reason_path() -> str | None:
 
     step, attempt = os.environ.get("RLPIPE_STEP"), os.environ.get("RLPIPE_ATTEMPT")
     return path_of(step, attempt) if step and attempt else None
-
-
-def storage_unavailable(error: BaseException) -> StorageUnavailableError | None:
-    """The StorageUnavailableError `error` is or was caused by (a step's thread may wrap it), else None."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, StorageUnavailableError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
 
 
 def run_program(
