@@ -58,6 +58,12 @@ class JudgeServer:
                 try:
                     status, obj, wait = owner.reply(body)
                     time.sleep(wait)
+                finally:
+                    # counted out before the reply is sent: once the client has it, it may send its next request
+                    # before this thread runs again (a loaded machine), which is not a request beyond the bound
+                    with lock:
+                        owner.in_flight -= 1
+                try:
                     data = json.dumps(obj).encode()
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -66,9 +72,6 @@ class JudgeServer:
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
                     pass
-                finally:
-                    with lock:
-                        owner.in_flight -= 1
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
