@@ -20,7 +20,7 @@ export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup demo test test-fast test-slow lint format typecheck docs bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc rescore clean sft recipe
+.PHONY: help setup demo test test-fast test-slow lint format typecheck docs bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc rescore serve clean sft recipe
 
 help: ## List every target with a one-line description
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -122,6 +122,9 @@ gc: setup ## Garbage-collect RUN under its retention settings (lineage index fir
 
 rescore: setup ## Re-score RUN's committed rollout files into rescored/<name>/ (ARGS="--name N --config_path F"); sources untouched
 	$(PY) -m steps.rescore --store.run_root $(RUN) $(ARGS)
+
+serve: setup ## Serve a committed policy of RUN over rlpipe's generate endpoint (ARGS="--policy_step N --port P"), e.g. as a judge
+	$(PY) -m steps.serve --run_root $(RUN) $(ARGS)
 
 report: setup ## Write the HTML report of RUN (RUN=runs/demo) from the run root alone
 	$(PY) -m pipeline.report $(RUN) $(ARGS)

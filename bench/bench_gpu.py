@@ -32,6 +32,16 @@ JAX needs a driver shim can provide a `device_compat` module with an `install()`
 `--device-compat` (`make bench-gpu DEVICE_COMPAT=1`).
 
 CPU smoke test: `JAX_PLATFORMS=cpu python -m bench.bench_gpu --tiny`.
+
+Decode efficiency (issue 29; `--decode-only` runs just the bandwidth measures and this part; `bench/gpu_decode.sh`
+is the one command for the GPU machine): for each batch of `--decode-batches` the static sampler with the legacy
+decode loop (`dense_sampler.LEGACY_DECODE`), with the fast one (`DecodeOptions()`, the default) and continuous
+batching (`policy.inference.continuous`), then one-change ablations at `--ablation-batch` and the max |logprob
+difference| of bf16 and f32 samples against float32 teacher-forced logprobs. Per case: whole-call tokens/s
+(prefill included) and its share of the roofline (as above, with the larger of the read + write and read-only
+bandwidth measures), and for static variants the decode step alone: (call - 1-token call of the same program) /
+(new tokens - 1). `--decode-impl legacy|fast` picks the loop of the rollout row above. Cases left when
+`--time-budget` seconds have passed are listed as skipped.
 """
 
 from __future__ import annotations
@@ -71,6 +81,18 @@ def measure_bandwidth(nbytes: int, repeats: int = 10) -> float:
     f(x).block_until_ready()
     t = _timeit(lambda: f(x).block_until_ready(), repeats)
     return 2 * nbytes / t
+
+
+def measure_read_bandwidth(nbytes: int, repeats: int = 10) -> float:
+    """Device memory read bandwidth in bytes/s: a jitted sum over `nbytes` of bfloat16 (read only, as the weights
+    and KV cache are in a decode step)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    f(x).block_until_ready()
+    return nbytes / _timeit(lambda: f(x).block_until_ready(), repeats)
 
 
 def measure_matmul(n: int, repeats: int = 10) -> float:
@@ -151,6 +173,10 @@ def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
         be = make_backend(
             InferenceConfig.get_choice_class(name)(max_seqs=B), model, None, P + T, compute_dtype=args.dtype
         )
+        if name == "dense":  # --decode-impl: the decode loop of the static sampler
+            from policy.inference.dense_sampler import DenseSampler
+
+            be.sampler = DenseSampler(model, args.dtype, decode=decode_options(args.decode_impl))  # type: ignore[attr-defined]
         kwargs: dict[str, Any] = dict(n=1, temperature=1.0, max_tokens=T, stop_tokens=[])
         t0 = time.perf_counter()
         be.generate(GenerationRequest(prompts, seed=0, **kwargs))
@@ -189,6 +215,223 @@ def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
 
 
 # ---------------------------------------------------------------------------------------------
+# decode efficiency (issue 29): legacy vs fast decode loop vs continuous batching, per batch size
+# ---------------------------------------------------------------------------------------------
+
+DECODE_VARIANTS = ("legacy", "fast", "continuous")
+"""The decode bench's main variants, run at every `--decode-batches` size."""
+DECODE_ABLATIONS = ("sampling-only", "layout-only", "fast-no-phases", "fast-reduce-attn")
+"""One change at a time (at `--ablation-batch` only): the fast sampling alone, the head-major cache alone, the
+fast path without length phases, and the fast path with multiply-and-sum attention."""
+
+
+def decode_options(variant: str) -> Any:
+    """The `DecodeOptions` of a static decode variant (`continuous` runs on the default fast sampler)."""
+    from policy.inference.dense_sampler import LEGACY_DECODE, DecodeOptions
+
+    return {
+        "legacy": LEGACY_DECODE,
+        "fast": DecodeOptions(),
+        "continuous": DecodeOptions(),
+        "sampling-only": DecodeOptions(head_major_cache=False, length_bucket=0),
+        "layout-only": DecodeOptions(fast_sampling=False, length_bucket=0),
+        "fast-no-phases": DecodeOptions(length_bucket=0),
+        "fast-reduce-attn": DecodeOptions(reduce_attention=True),
+    }[variant]
+
+
+def decode_roofline(sampler: Any, B: int, P: int, T: int, bandwidth: float) -> tuple[float, float, float]:
+    """(roofline tokens/s, weight bytes, mean KV bytes) of decoding B sequences from P to P + T tokens: each step
+    reads the weights once (an untied input embedding is only gathered) and the valid KV cache (mean over steps)."""
+    import jax
+    import numpy as np
+
+    params = sampler.params
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    if params["lm_head"] is not None:
+        weight_bytes -= params["embed"].size * params["embed"].dtype.itemsize
+    a = sampler.arch
+    kv_per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * np.dtype(a.compute_dtype).itemsize
+    kv_mean = B * kv_per_token * (P + (T + 1) / 2)
+    return B / ((weight_bytes + kv_mean) / bandwidth), weight_bytes, kv_mean
+
+
+def _decode_case(model: Any, variant: str, B: int, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    """One (variant, batch) measurement: B random prompts of `--prompt-len` tokens, `--new-tokens` each,
+    temperature 1, no stop token. Static variants also time a 1-token call of the same program (prefill + one
+    step), so decode step = (full call - 1-token call) / (new tokens - 1)."""
+    import numpy as np
+
+    from policy.inference.continuous import ContinuousSampler, SeqRequest
+    from policy.inference.dense_sampler import DenseSampler
+
+    P, T = args.prompt_len, args.new_tokens
+    vocab = model.Vocab.size
+    rng = np.random.default_rng(B)
+    prompts = [rng.integers(0, vocab, P).tolist() for _ in range(B)]
+    sampler = DenseSampler(model, args.dtype, decode=decode_options(variant))
+    row: dict[str, Any] = {"variant": variant, "batch": B, "prompt_len": P, "new_tokens": T}
+    if variant == "continuous":
+        cont = ContinuousSampler(sampler)
+
+        def call(seed: int, budget: int) -> int:
+            reqs = [SeqRequest(p, budget, i, seed) for i, p in enumerate(prompts)]
+            out = cont.run(reqs, slots=B, stop_tokens=[], temperature=1.0)
+            return sum(len(o.tokens) for o in out)
+    else:
+
+        def call(seed: int, budget: int) -> int:
+            out = sampler.generate(
+                prompts,
+                list(range(B)),
+                batch_size=B,
+                max_tokens=[budget] * B,
+                max_new_bucket=T,
+                stop_tokens=[],
+                temperature=1.0,
+                seed=seed,
+            )
+            return int(out.lengths.sum())
+
+    t0 = time.perf_counter()
+    call(0, T)
+    row["first_call_s"] = time.perf_counter() - t0
+    times, toks = [], 0
+    for r in range(args.repeats):
+        t0 = time.perf_counter()
+        toks = call(r + 1, T)
+        times.append(time.perf_counter() - t0)
+    full = statistics.median(times)
+    roof, weight_bytes, kv_mean = decode_roofline(sampler, B, P, T, bandwidth)
+    row.update(
+        call_s=full,
+        tokens=toks,
+        tokens_per_s=toks / full,
+        roofline_tokens_per_s=roof,
+        roofline_ratio=toks / full / roof,
+        weight_gb=weight_bytes / 1e9,
+        kv_mean_gb=kv_mean / 1e9,
+    )
+    if variant != "continuous" and T > 1:
+        one = _timeit(lambda: call(args.repeats + 1, 1), max(1, args.repeats))
+        step = max(full - one, 1e-9) / (T - 1)
+        row.update(
+            prefill_call_s=one,
+            decode_step_ms=step * 1e3,
+            decode_tokens_per_s=B / step,
+            decode_roofline_ratio=B / step / roof,
+        )
+    return row
+
+
+def logprob_mismatch(model: Any, args: argparse.Namespace) -> dict[str, float]:
+    """max |sampled logprob - float32 teacher-forced logprob| over 4 sequences (`--prompt-len` prompts, 32 new
+    tokens, T = 1) for the fast sampler in bfloat16 and float32 and the legacy one in bfloat16."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from policy.inference.dense_sampler import DenseSampler
+    from policy.model import teacher_forced_logprobs
+
+    P, T, B = args.prompt_len, 32, 4
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, model.Vocab.size, P).tolist() for _ in range(B)]
+    out: dict[str, float] = {}
+    for name, variant, dtype in (
+        ("fast_bf16", "fast", "bfloat16"),
+        ("fast_f32", "fast", "float32"),
+        ("legacy_bf16", "legacy", "bfloat16"),
+    ):
+        sampler = DenseSampler(model, dtype, decode=decode_options(variant))
+        got = sampler.generate(
+            prompts,
+            list(range(B)),
+            batch_size=B,
+            max_tokens=[T] * B,
+            max_new_bucket=T,
+            stop_tokens=[],
+            temperature=1.0,
+            seed=11,
+        )
+        rows = np.array([p + got.tokens[i].tolist() for i, p in enumerate(prompts)], np.int32)
+        tf = np.asarray(teacher_forced_logprobs(model, jnp.asarray(rows), temperature=1.0))[:, P:]
+        out[f"max_abs_dlogprob_{name}"] = float(np.abs(got.logprobs - tf).max())
+        del sampler
+    return out
+
+
+def bench_decode(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    """Decode tokens/s and share of the roofline for every variant x batch (the main variants at
+    `--ablation-batch`, the logprob mismatch, the main variants at the other batches, the ablations), stopping
+    once `--time-budget` seconds have passed since the benchmark started (what was not run is listed under
+    `skipped`)."""
+    import haliax as hax
+    import jax
+
+    P, T = args.prompt_len, args.new_tokens
+    config, vocab = model_config(shape, seq_len=max(P + T, 256))
+    model = config.build(hax.Axis("vocab", vocab), key=jax.random.PRNGKey(0))
+    batches = [int(b) for b in str(args.decode_batches).split(",") if b]
+    variants = [v for v in str(args.decode_variants).split(",") if v]
+    ablations = [v for v in str(args.ablations).split(",") if v]
+    # the headline batch first, then the logprob check, the other batches and the one-change ablations: a time
+    # budget that cuts the tail keeps what matters most
+    head = args.ablation_batch if args.ablation_batch in batches else batches[0]
+    cases: list[tuple[str, int]] = [(v, head) for v in variants] + [("mismatch", 0)] * bool(args.mismatch)
+    cases += [(v, b) for b in sorted(batches, reverse=True) if b != head for v in variants]
+    cases += [(v, args.ablation_batch) for v in ablations]
+    result: dict[str, Any] = {"shape": shape, "runs": [], "skipped": []}
+    for variant, B in cases:
+        if time.perf_counter() - args.started > args.time_budget:
+            result["skipped"].append(variant if variant == "mismatch" else f"{variant}@{B}")
+            continue
+        if variant == "mismatch":
+            result.update(logprob_mismatch(model, args))
+            print({k: v for k, v in result.items() if k.startswith("max_abs")}, flush=True)
+            continue
+        try:
+            result["runs"].append(_decode_case(model, variant, B, args, bandwidth))
+        except Exception as e:  # one case out of memory must not lose the others
+            result["runs"].append({"variant": variant, "batch": B, "error": repr(e)[:300]})
+        print(_decode_line(result["runs"][-1]), flush=True)
+    del model
+    return result
+
+
+def _decode_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['variant']:<16} {r['batch']:>5}  error: {r['error']}"
+    dec = (
+        f"{r['decode_step_ms']:>8.3f} {r['decode_tokens_per_s']:>10.0f} {r['decode_roofline_ratio']:>6.1%}"
+        if "decode_step_ms" in r
+        else f"{'-':>8} {'-':>10} {'-':>6}"
+    )
+    return (
+        f"{r['variant']:<16} {r['batch']:>5} {r['tokens_per_s']:>10.0f} {r['roofline_tokens_per_s']:>10.0f} "
+        f"{r['roofline_ratio']:>6.1%} {dec} {r['first_call_s']:>6.1f}"
+    )
+
+
+def print_decode_table(result: dict[str, Any]) -> None:
+    """The decode bench as a table: whole-call tokens/s (prefill included) and its share of the roofline, the
+    decode step alone (static variants) and its share, and the first call (compile)."""
+    print(f"\ndecode efficiency, shape {result['shape']} (call = prefill + decode; step = decode only)")
+    hdr = (
+        f"{'variant':<16} {'batch':>5} {'call tok/s':>10} {'roofline':>10} {'share':>6} "
+        f"{'step ms':>8} {'step tok/s':>10} {'share':>6} {'1st s':>6}"
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for r in sorted(result["runs"], key=lambda r: (r["batch"], r["variant"])):
+        print(_decode_line(r))
+    for k, v in result.items():
+        if k.startswith("max_abs_dlogprob"):
+            print(f"{k}: {v:.2e} (vs float32 teacher-forced)")
+    if result["skipped"]:
+        print(f"skipped (time budget): {', '.join(result['skipped'])}")
+
+
+# ---------------------------------------------------------------------------------------------
 # learner
 # ---------------------------------------------------------------------------------------------
 
@@ -202,7 +445,20 @@ def install_cudnn_attention(implementation: str = "cudnn") -> None:
 
     original = A.dot_product_attention
 
-    def patched(QPos, KPos, Key, query, key, value, mask=None, bias=None, *a: Any, **kw: Any):
+    impl: Any = implementation  # "cudnn" | "xla" (jax's overloads want a Literal)
+
+    def patched(
+        QPos: Any,
+        KPos: Any,
+        Key: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        mask: Any = None,
+        bias: Any = None,
+        *a: Any,
+        **kw: Any,
+    ) -> Any:
         simple = (
             isinstance(mask, A.AttentionMask)
             and mask.is_causal
@@ -230,7 +486,7 @@ def install_cudnn_attention(implementation: str = "cudnn") -> None:
             v.astype(dtype),
             is_causal=True,
             scale=kw.get("scaling_factor"),
-            implementation=implementation,
+            implementation=impl,
         )
         return hax.named(out.reshape(Bs, S, K, G, H).astype(q.dtype), q.axes)
 
@@ -426,11 +682,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-learner", action="store_true")
     ap.add_argument("--bandwidth-mb", type=int, default=2048)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--decode-impl", default="fast", choices=("fast", "legacy"), help="rollout row: decode loop")
+    ap.add_argument("--skip-decode", action="store_true", help="skip the decode-efficiency variants")
+    ap.add_argument("--decode-only", action="store_true", help="only the bandwidth and the decode variants")
+    ap.add_argument("--decode-batches", default="1,64,128,256", help="decode bench batch sizes (list)")
+    ap.add_argument("--decode-variants", default=",".join(DECODE_VARIANTS), help="legacy, fast, continuous (list)")
+    ap.add_argument("--ablations", default=",".join(DECODE_ABLATIONS), help="one-change variants (list; '' none)")
+    ap.add_argument("--ablation-batch", type=int, default=128)
+    ap.add_argument("--no-mismatch", dest="mismatch", action="store_false", help="skip the bf16 logprob check")
+    ap.add_argument("--time-budget", type=float, default=1e9, help="decode bench: skip cases after this many s")
     args = ap.parse_args(argv)
+    args.started = time.perf_counter()
+    if args.decode_only:
+        args.skip_rollout = args.skip_learner = args.skip_rl = True
     if args.tiny:
         args.shapes, args.batch, args.prompt_len, args.new_tokens = "tiny", 8, 16, 16
         args.learner_batch, args.seq_len, args.learner_steps, args.repeats = 2, 128, 2, 2
         args.bandwidth_mb = min(args.bandwidth_mb, 64)
+        args.decode_batches, args.ablation_batch = "1,8", 8
         if args.attn == "cudnn":
             args.attn = "xla"  # the same code path with XLA's implementation (no cuDNN on CPU)
     return args
@@ -447,7 +716,8 @@ def main(argv: list[str] | None = None) -> None:
     dev = jax.devices()[0]
     device = f"{dev.device_kind} ({dev.platform}) x{jax.device_count()}"
     bandwidth = measure_bandwidth(args.bandwidth_mb << 20)
-    matmul = measure_matmul(512 if args.tiny else 8192)
+    read_bandwidth = 0.0 if args.skip_decode else measure_read_bandwidth(args.bandwidth_mb << 20)
+    matmul = 0.0 if args.decode_only else measure_matmul(512 if args.tiny else 8192)
     rows: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):
         row: dict[str, Any] = {"shape": shape}
@@ -457,14 +727,22 @@ def main(argv: list[str] | None = None) -> None:
             row.update(bench_learner(shape, args))
         if not args.skip_rl:
             row["rl_runs"] = bench_rlpipe_learner(shape, args)
+        if not args.skip_decode:
+            # the decode roofline takes the faster of the two measures (a higher floor: the honest share)
+            row["decode"] = bench_decode(shape, args, max(bandwidth, read_bandwidth))
         rows.append(row)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\nbench_gpu  {when}  device: {device}  jax {jax.__version__}")
     print(
-        f"measured bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
+        f"measured bandwidth {bandwidth / 1e9:.0f} GB/s (read + write), {read_bandwidth / 1e9:.0f} GB/s (read; the "
+        f"decode table's roofline uses the larger), bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
         f"MFU against {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s"
     )
-    print_table(rows)
+    if not args.decode_only:
+        print_table(rows)
+    for row in rows:
+        if "decode" in row:
+            print_decode_table(row["decode"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -472,8 +750,9 @@ def main(argv: list[str] | None = None) -> None:
                     "date": when,
                     "device": device,
                     "bandwidth_Bps": bandwidth,
+                    "read_bandwidth_Bps": read_bandwidth,
                     "matmul_flops": matmul,
-                    "args": vars(args),
+                    "args": {k: v for k, v in vars(args).items() if k != "started"},
                     "rows": rows,
                 },
                 f,

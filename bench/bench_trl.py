@@ -22,11 +22,16 @@ Per size: learner steps to 3x the start reward and to 0.5 (start = mean of the f
 the first step whose 5-step trailing mean reaches it), wall seconds per learner step at steady state
 (median of step-to-step intervals after the first 3 steps; of all intervals in a run of 4 steps or fewer),
 wall time to each milestone from process start, peak memory (RSS summed over the run's process tree, sampled
-every 0.2 s), CPU seconds per learner step (user + system of the whole process tree over the whole run, start-up
-and compilation included, divided by the steps: the load-independent cost of a step) and the ratio rlpipe / TRL
-of each.
+every 0.2 s), CPU seconds per learner step and the ratio rlpipe / TRL of each. CPU per learner step comes twice:
+over the whole run (user + system of the whole process tree, start-up and compilation included, from the reaped
+tree's rusage, divided by the steps: the load-independent cost of a step, as issue 30 counts it) and at steady
+state (the tree's CPU between the third learner step and the last, divided by the steps between them); both are
+also split by process (runner, fork server, learner, BatchMaker, rollout workers, evaluator: `bench.common.
+TreeCpu`). Without `trl`, rlpipe's CPU is compared with TRL's last recorded figure (`TRL_RECORDED_CPU_S_PER_STEP`),
+and the printout says so. rlpipe runs without its evaluator (`evaluator: false`): TRL evaluates nothing, and both
+systems' rewards are read from their training batches.
 
-    python -m bench.bench_trl --sizes tiny,50m --steps 50 --steps_50m 10 --json out.json
+    python -m bench.bench_trl --sizes tiny,50m --steps 50 --steps_50m 10 --json out.json [--work_dir DIR]
 TRL runs in the interpreter named by --trl_python (default: this one); without `trl` there, the TRL column is
 skipped with a note.
 """
@@ -41,12 +46,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_name
+from bench.common import TreeCpu, machine_name
 
 # name -> (hidden, intermediate, layers, heads, kv heads)
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
@@ -60,13 +64,16 @@ and a second one only races it for them (and for the same rows, which then go st
 
 
 def seq_len_for_task() -> int:
-    """rlpipe's batch row length: the longest cats prompt plus MAX_TOKENS, the most TRL trains on per
-    sequence (it pads each batch to its longest prompt + completion); longer rows would only add padding."""
+    """rlpipe's batch row length: the longest cats prompt as rlpipe's rollouts encode it (BOS first,
+    `encode_prompt`) plus MAX_TOKENS, what TRL trains on per sequence (it pads each batch to its longest prompt +
+    completion; its prompts carry no BOS, so rlpipe's rows are one token longer); longer rows would only add
+    padding, shorter ones would cut the longest prompt's completions (`train.overlong: truncate`)."""
+    from pipeline.environments.base import encode_prompt
     from pipeline.environments.cats import TRAIN_PROMPTS
     from pipeline.environments.tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    return max(len(tok(p)["input_ids"]) for p in TRAIN_PROMPTS) + MAX_TOKENS
+    return max(len(encode_prompt(tok, p)) for p in TRAIN_PROMPTS) + MAX_TOKENS
 
 
 # ----------------------------------------------------------------------------------------------- TRL (child)
@@ -117,58 +124,18 @@ def trl_child(size: str, steps: int, out: str, t_start: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ harness
-class PeakRss:
-    """Peak of the RSS summed over a process and its descendants, sampled in a thread; also the CPU seconds
-    (user + system) of every process of the tree, as last sampled (`cpu_s`: their sum)."""
+def _spawn(cmd: list[str], timeout_s: float, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run cmd to its end: its wall seconds, start time (epoch), peak RSS of its tree (bytes), the tree's exact CPU
+    seconds (`cpu_s`: the child's rusage once reaped, its reaped descendants included) and the sampled per-process
+    monitor (`tree`: a `TreeCpu`)."""
+    import resource
 
-    def __init__(self, pid: int, period_s: float = 0.2) -> None:
-        import psutil
-
-        self._proc = psutil.Process(pid)
-        self.peak = 0
-        self._cpu: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, args=(period_s,), daemon=True)
-        self._thread.start()
-
-    def _loop(self, period_s: float) -> None:
-        import psutil
-
-        while not self._stop.is_set():
-            try:
-                procs = [self._proc, *self._proc.children(recursive=True)]
-                total = 0
-                for p in procs:
-                    try:
-                        total += p.memory_info().rss
-                        t = p.cpu_times()
-                        self._cpu[p.pid] = t.user + t.system
-                    except psutil.Error:
-                        pass
-                self.peak = max(self.peak, total)
-            except psutil.Error:
-                return
-            self._stop.wait(period_s)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-    @property
-    def cpu_s(self) -> float:
-        return sum(self._cpu.values())
-
-
-def _spawn(
-    cmd: list[str], timeout_s: float, extra_env: dict[str, str] | None = None
-) -> tuple[float, int, float, float]:
-    """Run cmd; (wall seconds, peak RSS bytes of its tree, start time as epoch seconds, CPU seconds of its tree)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     env.update(extra_env or {})
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env)
-    mon = PeakRss(proc.pid)
+    mon = TreeCpu(proc.pid)
     try:
         rc = proc.wait(timeout=timeout_s)
     finally:
@@ -177,16 +144,46 @@ def _spawn(
             proc.kill()
     if rc != 0:
         raise RuntimeError(f"{cmd[:4]} exited with {rc}")
-    return time.time() - t0, peak, t0, mon.cpu_s
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": time.time() - t0, "t0": t0, "peak": peak, "cpu_s": cpu, "tree": mon}
+
+
+def cpu_breakdown(tree: TreeCpu, cpu_s: float, step_times: list[float], steps: int) -> dict[str, Any]:
+    """CPU per learner step of a run: whole run (`cpu_s` / `steps`, start-up and compilation included), per process
+    role over the whole run, and at steady state: CPU between the third learner step and the last (epoch times
+    `step_times`, ascending) divided by the steps in between, in total and per role. Steady-state figures are None
+    for a run of fewer than 4 steps."""
+    whole = {role: round(v, 2) for role, v in sorted(tree.by_role().items())}
+    out: dict[str, Any] = {
+        "cpu_s": cpu_s,
+        "cpu_s_per_step": cpu_s / max(steps, 1),
+        "cpu_s_by_process": whole,
+        "cpu_s_per_step_steady": None,
+        "cpu_s_per_step_steady_by_process": None,
+    }
+    if len(step_times) >= 4:
+        a, b = tree.cpu_at(step_times[2]), tree.cpu_at(step_times[-1])
+        n = len(step_times) - 3
+        per = {role: round((b.get(role, 0.0) - a.get(role, 0.0)) / n, 3) for role in sorted(b)}
+        out["cpu_s_per_step_steady"] = sum(per.values())
+        out["cpu_s_per_step_steady_by_process"] = per
+        out["steady_steps"] = n
+    return out
 
 
 def run_trl(python: str, size: str, steps: int, tmp: Path) -> dict[str, Any]:
     out = tmp / f"trl-{size}.json"
     cmd = [python, "-m", "bench.bench_trl", "--trl_child", size, "--steps", str(steps), "--child_out", str(out)]
     # TRL needs transformers' PyTorch classes: USE_TORCH=0 (set for step processes) must not reach it.
-    wall, peak, _, cpu = _spawn([*cmd, "--t_start", repr(time.time())], 3600, {"USE_TORCH": "1"})
+    t_start = time.time()
+    run = _spawn([*cmd, "--t_start", repr(t_start)], 3600, {"USE_TORCH": "1"})
     res = json.loads(out.read_text())
-    return {"rows": res["rows"], "params": res["params"], "wall_s": wall, "peak_rss_mib": peak / 2**20, "cpu_s": cpu}
+    times = sorted(t_start + r["t"] for r in res["rows"])
+    return {
+        "rows": res["rows"], "params": res["params"], "wall_s": run["wall_s"], "peak_rss_mib": run["peak"] / 2**20,
+        **cpu_breakdown(run["tree"], run["cpu_s"], times, steps),
+    }  # fmt: skip
 
 
 def rlpipe_overrides(size: str, steps: int, run_root: str) -> list[str]:
@@ -203,6 +200,10 @@ def rlpipe_overrides(size: str, steps: int, run_root: str) -> list[str]:
         "--cadence.checkpoint_interval", str(max(steps, 1)), "--curriculum.eval_frequency", str(10 * steps),
         "--train.seq_len", str(seq_len_for_task()), "--num_rollout_workers", str(ROLLOUT_WORKERS[size]),
         "--train.filter_zero_variance", "false",
+        # No evaluator: TRL evaluates nothing, and the rewards compared are the batches' own. The job's evaluator
+        # would score policy 0 and the final policy on held-out prompts (`eval_frequency` beyond the run still
+        # leaves those two): at ~50M ~20 CPU s of a 10-step run, work TRL's run does not have.
+        "--evaluator", "false",
     ]  # fmt: skip
 
 
@@ -210,7 +211,8 @@ def run_rlpipe(size: str, steps: int, tmp: Path) -> dict[str, Any]:
     from pipeline.report import load_run
 
     run_root = str(tmp / f"rlpipe-{size}")
-    wall, peak, t0, cpu = _spawn([sys.executable, "-m", "steps.run", *rlpipe_overrides(size, steps, run_root)], 3600)
+    run = _spawn([sys.executable, "-m", "steps.run", *rlpipe_overrides(size, steps, run_root)], 3600)
+    t0 = run["t0"]
     data = load_run(run_root)
     learner = {int(r["step"]): r for r in data.metrics.get("learner", []) if "step" in r and "train_s" in r}
     rewards = {
@@ -219,8 +221,11 @@ def run_rlpipe(size: str, steps: int, tmp: Path) -> dict[str, Any]:
     rows = [
         {"step": s, "reward": rewards[s], "t": float(learner[s]["time"]) - t0} for s in sorted(learner) if s in rewards
     ]
-    _hidden, _inter, _layers, _heads, _kv = SIZES[size]
-    return {"rows": rows, "wall_s": wall, "peak_rss_mib": peak / 2**20, "cpu_s": cpu}
+    times = sorted(float(learner[s]["time"]) for s in learner)
+    return {
+        "rows": rows, "wall_s": run["wall_s"], "peak_rss_mib": run["peak"] / 2**20,
+        **cpu_breakdown(run["tree"], run["cpu_s"], times, steps),
+    }  # fmt: skip
 
 
 def milestones(rows: list[dict[str, float]]) -> dict[str, Any]:
@@ -246,12 +251,16 @@ def _trl_available(python: str) -> bool:
     return probe.returncode == 0
 
 
-def compare(sizes: list[str], steps: dict[str, int], trl_python: str) -> list[dict[str, Any]]:
-    """One row per (size, system), with milestones, memory and ratios rlpipe / TRL."""
+def compare(
+    sizes: list[str], steps: dict[str, int], trl_python: str, work_dir: str | None = None
+) -> list[dict[str, Any]]:
+    """One row per (size, system), with milestones, memory, CPU and ratios rlpipe / TRL. The runs' files (rlpipe's
+    run roots, with their step logs) go to `work_dir` when given (kept), else to a temporary folder (removed)."""
     have_trl = _trl_available(trl_python)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rlpipe-trl-") as d:
-        tmp = Path(d)
+        tmp = Path(work_dir or d)
+        tmp.mkdir(parents=True, exist_ok=True)
         for i, size in enumerate(sizes):
             order = ["trl", "rlpipe"] if i % 2 == 0 else ["rlpipe", "trl"]
             got: dict[str, dict[str, Any]] = {}
@@ -267,7 +276,7 @@ def compare(sizes: list[str], steps: dict[str, int], trl_python: str) -> list[di
                     **milestones(res["rows"]),
                     "wall_s": res["wall_s"],
                     "peak_rss_mib": res["peak_rss_mib"],
-                    "cpu_s_per_step": res["cpu_s"] / max(steps[size], 1),
+                    **{k: v for k, v in res.items() if k.startswith("cpu_s")},
                 }
                 got[system]["rewards"] = [round(r["reward"], 4) for r in sorted(res["rows"], key=lambda r: r["step"])]
             for system, figs in got.items():
@@ -276,12 +285,28 @@ def compare(sizes: list[str], steps: dict[str, int], trl_python: str) -> list[di
                     row["ratio"] = {
                         k: (figs[k] / got["trl"][k] if figs.get(k) and got["trl"].get(k) else None)
                         for k in ("steps_to_3x_start", "steps_to_0.5", "s_per_step", "s_to_3x_start", "s_to_0.5",
-                                  "peak_rss_mib", "cpu_s_per_step")
+                                  "peak_rss_mib", "cpu_s_per_step", "cpu_s_per_step_steady")
+                    }  # fmt: skip
+                elif system == "rlpipe" and TRL_RECORDED_CPU_S_PER_STEP.get(size, (None,))[0] == steps[size]:
+                    _, recorded, where = TRL_RECORDED_CPU_S_PER_STEP[size]
+                    row["vs_recorded_trl"] = {
+                        "trl_cpu_s_per_step": recorded, "source": where,
+                        "cpu_s_per_step": figs["cpu_s_per_step"] / recorded,
+                        "cpu_s_per_step_steady": (figs["cpu_s_per_step_steady"] or 0) / recorded or None,
                     }  # fmt: skip
                 results.append(row)
             if not have_trl:
                 print(f"note: `trl` not importable by {trl_python}; TRL column skipped", file=sys.stderr)
     return results
+
+
+TRL_RECORDED_CPU_S_PER_STEP: dict[str, tuple[int, float, str]] = {
+    "tiny": (50, 0.36, "docs/benchmarks.md, TRL 1.16, 2026-11-25 01:11-01:13 UTC, 2-core VM, load 1.4-1.9"),
+    "50m": (10, 2.92, "docs/benchmarks.md, TRL 1.16, 2026-11-25 01:11-01:13 UTC, 2-core VM, load 1.4-1.9 (2.96, 2.87)"),
+}
+"""size -> (learner steps of that run, TRL's CPU seconds per learner step over it, where it was recorded): what rlpipe
+is compared with when `trl` cannot be imported here, for a run of the same steps only (start-up is part of the
+whole-run figure); the comparison then says so. A TRL steady-state figure was not recorded."""
 
 
 def _f(x: Any, fmt: str = ".3g") -> str:
@@ -309,6 +334,23 @@ def print_table(rows: list[dict[str, Any]], machine: str) -> None:
         if "ratio" in r:
             rat = ["", "rlpipe/TRL", "", "", "", *(_f(r["ratio"][c], ".2f") for c in cols)]
             print("  ".join(f"{v!s:>17}" for v in rat))
+    print("\nCPU s per learner step: whole run (start-up and compilation included) | steady state (third step to last)")
+    for r in rows:
+        line = (
+            f"  {r['size']:>5} {r['system']:>7}: {_f(r.get('cpu_s_per_step'))} | {_f(r.get('cpu_s_per_step_steady'))}"
+        )
+        if "ratio" in r:
+            line += (f"   rlpipe/TRL {_f(r['ratio'].get('cpu_s_per_step'), '.2f')} | "
+                     f"{_f(r['ratio'].get('cpu_s_per_step_steady'), '.2f')}")  # fmt: skip
+        elif "vs_recorded_trl" in r:
+            v = r["vs_recorded_trl"]
+            line += (f"   vs TRL's recorded {v['trl_cpu_s_per_step']} (TRL not run here; {v['source']}): "
+                     f"{_f(v['cpu_s_per_step'], '.2f')} | {_f(v['cpu_s_per_step_steady'], '.2f')} "
+                     "(steady against TRL's whole run: a lower bound)")  # fmt: skip
+        print(line)
+        whole, steady = r.get("cpu_s_by_process") or {}, r.get("cpu_s_per_step_steady_by_process") or {}
+        for role in sorted(set(whole) | set(steady), key=lambda k: -whole.get(k, 0.0)):
+            print(f"      {role:>12}: {_f(whole.get(role))} CPU s whole run | {_f(steady.get(role))} per step steady")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps_50m", type=int, default=10, help="learner steps for the 50m size (both systems)")
     ap.add_argument("--trl_python", default=os.environ.get("TRL_PYTHON", sys.executable))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--work_dir", default=None, help="keep the runs' files (rlpipe run roots, step logs) here")
     ap.add_argument("--trl_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child_out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t_start", type=float, default=None, help=argparse.SUPPRESS)
@@ -331,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
     steps = {s: (args.steps_50m if s == "50m" else args.steps) for s in sizes}
     machine = machine_name()
-    rows = compare(sizes, steps, args.trl_python)
+    rows = compare(sizes, steps, args.trl_python, args.work_dir)
     print_table(rows, machine)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))

@@ -51,3 +51,102 @@ def synthetic_learner_batch(batch: int, seq: int, vocab: int, sampler_logprob: f
         "truncated": np.zeros(shape, bool),
         "seq_index": np.broadcast_to(rows * seq, shape).astype(np.int32),
     }
+
+
+STEP_ROLES = (
+    ("steps.forkserver", "fork server"),
+    ("steps.learn", "learner"),
+    ("steps.make_batches", "batchmaker"),
+    ("steps.rollout", "rollout"),
+    ("steps.evaluate", "evaluator"),
+    ("steps.run", "runner"),
+)
+"""(module in a process's command line, role): the processes of an rlpipe job. A step forked by the job's fork
+server carries its own `python -m steps.<name>` title (`steps.forkserver` sets it), so it is told apart from the
+server that forked it."""
+
+
+def process_role(cmdline: list[str]) -> str:
+    """The role of a process of a benchmarked tree by its command line: an rlpipe step (`STEP_ROLES`), else `other`
+    (e.g. a TRL child, the fork server's short-lived intermediate forks)."""
+    words = " ".join(cmdline).split()  # a title set by setproctitle may come back as one string
+    modules = {words[i + 1] for i, w in enumerate(words[:-1]) if w == "-m"}
+    return next((role for module, role in STEP_ROLES if module in modules), "other")
+
+
+class TreeCpu:
+    """CPU seconds (user + system) of a process and all its descendants, by process, sampled every `period_s` in a
+    thread; also the peak of their summed RSS. Samples are kept as (epoch time, {pid: cpu}) so that the CPU of any
+    interval of the run can be read back (`cpu_at`), and each pid's role (`process_role`) is recorded once.
+
+    A process's CPU after its last sample (at most `period_s` before it exits) is not seen; the whole tree's exact
+    figure is the root's rusage once it is reaped (`_spawn` in `bench.bench_trl` reads it with `os.wait4`)."""
+
+    def __init__(self, pid: int, period_s: float = 0.2) -> None:
+        import threading
+
+        import psutil
+
+        self._proc = psutil.Process(pid)
+        self.peak = 0
+        self.roles: dict[int, str] = {}
+        self.samples: list[tuple[float, dict[int, float]]] = []
+        self._last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def _loop(self, period_s: float) -> None:
+        import time
+
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                procs = [self._proc, *self._proc.children(recursive=True)]
+            except psutil.Error:
+                return
+            total = 0
+            for p in procs:
+                try:
+                    total += p.memory_info().rss
+                    t = p.cpu_times()
+                    # read again at every sample: a step forked by the fork server shows the server's command line
+                    # until it sets its own title
+                    self.roles[p.pid] = process_role(p.cmdline())
+                    self._last[p.pid] = t.user + t.system
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            self.samples.append((time.time(), dict(self._last)))
+            self._stop.wait(period_s)
+
+    def stop(self) -> int:
+        """Stop sampling; the peak RSS in bytes."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+    @property
+    def cpu_s(self) -> float:
+        """The tree's CPU seconds as last sampled."""
+        return sum(self._last.values())
+
+    def cpu_at(self, t: float) -> dict[str, float]:
+        """CPU seconds by role up to epoch time `t` (the last sample at or before it; the first if none is)."""
+        if not self.samples:
+            return {}
+        at = self.samples[0][1]
+        for ts, cpu in self.samples:
+            if ts > t:
+                break
+            at = cpu
+        out: dict[str, float] = {}
+        for pid, s in at.items():
+            role = self.roles.get(pid, "other")
+            out[role] = out.get(role, 0.0) + s
+        return out
+
+    def by_role(self) -> dict[str, float]:
+        """CPU seconds by role over the whole run (as last sampled)."""
+        return self.cpu_at(float("inf"))

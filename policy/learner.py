@@ -36,9 +36,12 @@ from policy import lora
 from policy import mesh as mesh_lib
 from policy import model as M
 from policy import policy_format as pf
+from policy import value_head as VH
 from policy.attention import fused_attention
 from policy.losses import Batch, RLLossModule, loss_module_from_config
+from policy.losses.modules import frozen_models
 from policy.policy_format import LearnerState
+from policy.teacher import load_teacher
 from policy.update_guard import guarded_update
 from schemas.records import BatchLogEntry
 
@@ -109,11 +112,14 @@ def make_logprob_fn(compute_dtype: str, block_size: int | None = None, attention
     """(model, batch) -> (logprobs, entropy) [B, S] at the batch's per-token temperatures.
 
     With `block_size`, computed that many vocabulary entries at a time (`policy.model.blocked_logprobs_and_entropy`).
-    `attention` "cudnn": levanter's attention computed by JAX's fused attention (`policy.attention`)."""
+    `attention` "cudnn": levanter's attention computed by JAX's fused attention (`policy.attention`).
+    A `policy.value_head.PolicyWithValue` is scored by its policy; the function's `values_fn` attribute is the
+    one-pass (logprobs, entropy, values) of such a model (`policy.value_head.logprobs_entropy_and_values`), which
+    critic PPO uses."""
 
     def logprob_fn(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         with fused_attention(attention):
-            return _logprobs(model, batch)
+            return _logprobs(VH.policy_of(model), batch)
 
     def _logprobs(model: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         if block_size is not None:
@@ -130,6 +136,9 @@ def make_logprob_fn(compute_dtype: str, block_size: int | None = None, attention
         )
         return M.shifted_logprobs_and_entropy(logits, batch.tokens, batch.segment_ids, batch.temperature)
 
+    logprob_fn.values_fn = functools.partial(  # type: ignore[attr-defined]
+        VH.logprobs_entropy_and_values, compute_dtype=compute_dtype, block_size=block_size, attention=attention
+    )
     return logprob_fn
 
 
@@ -245,6 +254,7 @@ def host_batch_arrays(
         "temperature": np.ones((n, S), np.float32),
         "truncated": np.zeros((n, S), bool),
         "seq_index": np.full((n, S), B * S, np.int32),
+        "token_rewards": np.zeros((n, S), np.float32),
     }
     for b in range(start, stop):
         row, r = rows[b], b - start
@@ -263,6 +273,8 @@ def host_batch_arrays(
         out["loss_mask"][r] = row.loss_mask
         out["advantages"][r] = row.advantages
         out["generator_logprobs"][r] = row.generator_logprobs
+        if row.token_rewards is not None:  # None in batch files of version 1
+            out["token_rewards"][r] = row.token_rewards
         valid = seg >= 0
         temps = np.asarray(row.temperatures, np.float32)
         trunc = np.asarray(row.truncated, bool)
@@ -323,7 +335,9 @@ def resume_or_init(
     for s in reversed(mesh_lib.writer_ints(pf.committed_checkpoints(store))):
         newest = s if newest is None else newest
         try:
-            state: LearnerState | None = pf.read_checkpoint(store, s, config.model, vocab_size, optimizer, lm)
+            state: LearnerState | None = pf.read_checkpoint(
+                store, s, config.model, vocab_size, optimizer, lm, value_head=VH.needs_value_head(config.loss)
+            )
         except pf.CheckpointError as e:
             logger.error("checkpoint %d unusable, trying an older one: %s", s, e)
             if isinstance(e, pf.DamagedCommitError) and mesh_lib.is_writer():
@@ -353,6 +367,8 @@ def resume_or_init(
             model = M.cast_for_compute(model, config.model.param_dtype)
     if config.model.lora is not None:  # adapters with B = 0: the model still computes the base's outputs
         model = lora.loraize(model, config.model.lora, config.model.seed)
+    if VH.needs_value_head(config.loss):  # critic PPO: a deterministic fresh value head beside the policy
+        model = VH.attach(model)
     # jitted: one compiled program instead of one per distinct moment shape (the same zeros)
     opt_state = eqx.filter_jit(optimizer.init)(lora.trainable_params(model))
     return LearnerState(step=0, model=model, opt_state=opt_state, parent=None)
@@ -366,26 +382,37 @@ def shard_state(state: LearnerState, lm: mesh_lib.LearnerMesh) -> LearnerState:
 
 
 def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, module: RLLossModule) -> Any:
-    """The frozen reference model (policy 0, the initial weights) if the loss needs one; else None (never built)."""
+    """The frozen models the loss reads: the reference model (policy 0, the initial weights) if the loss needs
+    one, else None (never built); with `loss.distill`, `FrozenModels(reference, teacher)` holding the
+    distillation teacher too (`policy.teacher`), so the train step and replay receive both the same way."""
+    teacher = load_teacher(config, vocab_size) if getattr(module, "needs_teacher", False) else None
     if not module.needs_reference:
-        return None
+        return frozen_models(None, teacher)
     # policy 0 may be published in a lower dtype (model.publish_dtype): the reference computes in param_dtype
-    return module.build(M.cast_params(pf.read_policy(store, 0, config.model, vocab_size), config.model.param_dtype))
+    policy0 = pf.read_policy(store, 0, config.model, vocab_size)
+    return frozen_models(module.build(M.cast_params(policy0, config.model.param_dtype)), teacher)
 
 
 def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConfig) -> None:
     """Commit policy `state.step` unless it already is (markers record the batch slot, tokenizer, seq_len).
+    Every learner process must call it (`prepare_publish`, then `pf.commit_policy` on this thread)."""
+    pub = prepare_publish(state, config)
+    if pub is not None:
+        pf.commit_policy(store, pub)
 
-    The parameters (not the optimizer state) are gathered into host memory once per publish (an all-gather in
-    which every learner process must take part); process 0 alone serialises and writes them."""
-    model = mesh_lib.to_host(state.model)
+
+def prepare_publish(state: LearnerState, config: LearnerStepConfig) -> pf.PolicyPublish | None:
+    """Policy `state.step` ready for `pf.commit_policy`; every learner process calls it in step order (collectives).
+
+    Full weights: no gather; each process later writes the blocks it holds, on parallel threads, and process 0
+    commits once every process's are durable (`policy.policy_format.sharded`). LoRA policies (the adapters, or the
+    merged model and its adapters): gathered into host memory (an all-gather) and written by process 0 alone (None
+    on the others)."""
+    extra = {"batch_slot": state.step, "tokenizer": config.model.tokenizer, "seq_len": config.train.seq_len}
+    dtype = M.publish_dtype(config.model.publish_dtype)
+    if config.model.lora is None:  # the policy only: a critic's value head is never published
+        return pf.prepare_policy(state.step, VH.policy_of(state.model), extra, dtype)
+    model = mesh_lib.to_host(VH.policy_of(state.model))
     if not mesh_lib.is_writer():
-        return
-    pf.write_policy(
-        store,
-        state.step,
-        model,
-        {"batch_slot": state.step, "tokenizer": config.model.tokenizer, "seq_len": config.train.seq_len},
-        spec=config.model,
-        dtype=M.publish_dtype(config.model.publish_dtype),
-    )
+        return None
+    return pf.single_writer_policy(state.step, model, extra, dtype, config.model)

@@ -7,12 +7,11 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import jax
-
 from pipeline.config import LearnerStepConfig
 from pipeline.store.storage import RunStore
 from policy import mesh as mesh_lib
-from policy.learner import publish_policy
+from policy import policy_format as pf
+from policy.learner import prepare_publish
 from policy.policy_format import LearnerState
 from schemas.records import BatchLogEntry
 
@@ -23,6 +22,10 @@ class PolicyPublisher:
     """Commits policies on one background thread, in submission order, so the next step's compute overlaps.
 
     Contracts: policies are committed in step order (one FIFO thread), each exactly as `publish_policy` does;
+    every learner process runs one: `submit` (called in step order on every process) does the collectives on the
+    caller's thread, and each process's thread then writes the blocks that process holds, in parallel files, while
+    process 0's thread also commits the marker once every process's shards are durable (`policy.policy_format.
+    sharded`: no collective on this thread, so no ordering hazard with the next step's collectives);
     the state handed over is immutable (JAX arrays), so training the next step cannot change what is written;
     a failed publish is raised from the next `check`, `submit` or `drain` on the caller's thread (the learner
     checks before each step and while it waits for a batch, so a publish that failed stops it: no batch comes
@@ -39,10 +42,11 @@ class PolicyPublisher:
         self._pending: list[Future[None]] = []
         self._lock = threading.Lock()
 
-    def _publish(self, state: LearnerState) -> None:
-        publish_policy(self.store, state, self.config)
-        with self._lock:
-            self.published_at[state.step] = time.time()
+    def _publish(self, pub: pf.PolicyPublish) -> None:
+        pf.commit_policy(self.store, pub)
+        if mesh_lib.is_writer():
+            with self._lock:
+                self.published_at[pub.step] = time.time()
 
     def _reap(self, wait: bool) -> None:
         keep = []
@@ -58,15 +62,13 @@ class PolicyPublisher:
 
     def submit(self, state: LearnerState) -> None:
         """Queue policy `state.step` for commit (after every policy queued before it)."""
-        if jax.process_count() > 1:  # the gather is a collective: issued here, in step order on every process
-            host = mesh_lib.to_host(state.model)
-            if not mesh_lib.is_writer():
-                return
-            state = LearnerState(state.step, host, None, state.parent)
+        pub = prepare_publish(state, self.config)  # collectives: issued here, in step order on every process
+        if pub is None:  # a LoRA policy, gathered: process 0 writes it alone
+            return
         self._reap(wait=False)
         while len(self._pending) >= self.MAX_PENDING:
             self._pending.pop(0).result()
-        self._pending.append(self._pool.submit(self._publish, state))
+        self._pending.append(self._pool.submit(self._publish, pub))
 
     def check(self) -> None:
         """Raise the error of a queued publish that has failed (e.g. `StorageFaultError`: no space under

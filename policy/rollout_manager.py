@@ -9,6 +9,10 @@ no rollout mixes weights; every row carries the step the call started with. With
 backend) that reports a different policy step during one call, the whole call is re-rolled. An example that
 fails is retried (a fresh example of the same lesson is drawn, since environments choose examples by rng) up to
 `max_example_retries` more times; every failure is kept with its reason. Nothing is dropped silently.
+
+With partial rollouts (`inference.partial_rollouts`, dense backend with continuous batching) `stage_model` hands a
+newer policy to the sampler without waiting for the running call: it is swapped in between decode steps, every
+token records the policy that sampled it, and the call's rows carry the oldest of those steps as `policy_step`.
 """
 
 from __future__ import annotations
@@ -109,6 +113,19 @@ class RolloutManager:
         """The policy step an external server says it serves (None: in-process backend or not reported)."""
         return self._backend.served_policy_step()
 
+    def stage_model(self, model: Any, step: int) -> None:
+        """Partial rollouts: have the sampler switch to `model` (policy `step`) at its next decode-step boundary
+        (or the next call's start); never waits for a running call (the caller's thread converts the weights).
+        Raises RuntimeError when the backend cannot switch policies mid-call."""
+        stage = getattr(self._backend, "stage_model", None)
+        if stage is None or not getattr(self._backend, "partial_rollouts", False):
+            raise RuntimeError(
+                f"inference backend {type(self._backend).__name__} does not do partial rollouts "
+                "(inference.partial_rollouts needs type dense with continuous_batching: true)"
+            )
+        stage(model, step)
+        self._policy_model = model
+
     def update_model(self, model: Any) -> None:
         """Swap in new policy weights; waits for a running sampling call to finish first."""
         with self._lock:
@@ -175,6 +192,9 @@ class RolloutManager:
                 env, lesson_id, n_examples, n_generations, mode, gen, weight_step, sampling
             )
         generate_s = time.monotonic() - start
+        token_steps = [min(r.token_policy_steps) for _, r in rows_src if getattr(r, "token_policy_steps", None)]
+        if token_steps:  # partial rollouts: the call's policy step is its oldest token's
+            step = min(token_steps)
         self.last_failures = failures  # the worker reads them when nothing was generated (its no-progress check)
         now = time.time()
         rows = schema_rows(rows_src, lesson_id, batch_id, sampling, step, worker_id, now, eval_type)

@@ -44,9 +44,15 @@ class SFTLoss:
         return None
 
     def objective(
-        self, logp: Array, batch: Batch, logp_ref: Array | None, entropy: Array | None = None
+        self,
+        logp: Array,
+        batch: Batch,
+        logp_ref: Array | None,
+        entropy: Array | None = None,
+        logp_teacher: Array | None = None,
     ) -> tuple[Array, dict[str, Array]]:
-        """(mean NLL over loss tokens, metrics: loss, nll, loss_tokens and entropy)."""
+        """(mean NLL over loss tokens, metrics: loss, nll, loss_tokens and entropy); SFT has no reference or
+        teacher term, so `logp_ref` and `logp_teacher` are ignored."""
         mask = batch.loss_mask.astype(jnp.float32)
         nll = T.token_mean(-logp, mask)
         metrics = {"loss": nll, "nll": nll, "loss_tokens": jnp.sum(mask)}

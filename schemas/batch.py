@@ -34,6 +34,10 @@ class BatchRow:
     policy_steps: list[int]
     rollout_ids: list[str]
     source_files: list[str]
+    token_rewards: list[float] | None = None
+    """Per-token rewards of the segments' response tokens (the rollouts' `token_rewards`: the episode reward on
+    the last policy token plus any process rewards), 0 on prompt tokens and padding; read by critic PPO's GAE
+    (`loss.type: ppo_critic`). None in batch files of version 1, written before the column existed."""
 
 
 BATCH_ARROW = pa.schema(
@@ -50,8 +54,14 @@ BATCH_ARROW = pa.schema(
         pa.field("policy_steps", pa.list_(pa.int64()), nullable=False),
         pa.field("rollout_ids", pa.list_(pa.string()), nullable=False),
         pa.field("source_files", pa.list_(pa.string()), nullable=False),
+        pa.field("token_rewards", pa.list_(pa.float32()), nullable=True),
     ]
 )
+
+
+def _add_token_rewards(table: pa.Table) -> pa.Table:
+    """A version-1 batch table with the version-2 `token_rewards` column, null (not recorded)."""
+    return table.append_column("token_rewards", pa.nulls(table.num_rows, type=pa.list_(pa.float32())))
 
 
 def validate_batch_row(row: BatchRow) -> None:
@@ -69,6 +79,9 @@ def validate_batch_row(row: BatchRow) -> None:
     if row.reference_logprobs is not None:
         names.append("reference_logprobs")
         values.append(row.reference_logprobs)
+    if row.token_rewards is not None:
+        names.append("token_rewards")
+        values.append(row.token_rewards)
     check_same_length(names, values)
     n_seg = max(row.segment_ids, default=-1) + 1
     check_same_length(
@@ -82,8 +95,9 @@ def validate_batch_row(row: BatchRow) -> None:
 
 BATCH: TableSpec[BatchRow] = TableSpec(
     name="batch",
-    version=1,
+    version=2,
     schema=BATCH_ARROW,
     row_type=BatchRow,
     validate_row=validate_batch_row,
+    upgrades={1: _add_token_rewards},
 )

@@ -40,6 +40,8 @@ class LessonRecord:
     eval_count: evaluation summaries folded so far.
     last_eval_policy_step: policy step of the newest folded evaluation (-1: none).
     last_train_slot: batch slot of the newest folded training reward (-1: none).
+    recent_groups: the last `SATURATION_WINDOW` (`pipeline.curriculum.rules`) training groups folded, oldest first:
+        1 for a group whose rewards were all equal (no learning signal), 0 otherwise (absent in older files: ()).
     """
 
     status: str
@@ -50,6 +52,7 @@ class LessonRecord:
     eval_count: int = 0
     last_eval_policy_step: int = -1
     last_train_slot: int = -1
+    recent_groups: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +106,12 @@ def _opt_unit(v: Any, path: str, field: str) -> float | None:
     return None if v is None else _float(v, path, field, unit=True)
 
 
+def _groups(v: Any, path: str, field: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or any(x not in (0, 1) or isinstance(x, bool) for x in v):
+        raise _fail(path, field, f"must be a list of 0/1, got {v!r}")
+    return tuple(int(x) for x in v)
+
+
 def _str(v: Any, path: str, field: str) -> str:
     if not isinstance(v, str) or not v:
         raise _fail(path, field, f"must be a non-empty string, got {v!r}")
@@ -136,7 +145,12 @@ class JsonSpec:
             "config_fingerprint": rec.config_fingerprint,
             "rules": dict(rec.rules),
             "lessons": {
-                k: {**dataclasses.asdict(v), "recent_rewards": list(v.recent_rewards)} for k, v in rec.lessons.items()
+                k: {
+                    **dataclasses.asdict(v),
+                    "recent_rewards": list(v.recent_rewards),
+                    "recent_groups": list(v.recent_groups),
+                }
+                for k, v in rec.lessons.items()
             },
             "weights": dict(rec.weights),
             "events": [dataclasses.asdict(e) for e in rec.events],
@@ -199,6 +213,7 @@ class JsonSpec:
                 _get(v, "last_eval_policy_step", path, f"{where}."), path, f"{where}.last_eval_policy_step"
             ),
             last_train_slot=_int(_get(v, "last_train_slot", path, f"{where}."), path, f"{where}.last_train_slot"),
+            recent_groups=_groups(v.get("recent_groups", []), path, f"{where}.recent_groups"),
         )
         if rec.train_samples < 0 or rec.eval_count < 0:
             raise _fail(path, where, "sample counts must be >= 0")

@@ -7,7 +7,7 @@ import dataclasses
 import pyarrow as pa
 
 from schemas.base import TableSpec, ValidationError, check_finite, check_nonempty
-from schemas.rollout import ROLLOUT_ARROW, RolloutRow, add_text_columns, upgrade_from_v1, validate_rollout
+from schemas.rollout import ROLLOUT_ARROW, RolloutRow, upgrade_to_v4, validate_rollout
 
 
 @dataclasses.dataclass
@@ -29,14 +29,14 @@ def validate_eval_row(row: EvalRow) -> None:
 
 EVAL_ROW: TableSpec[EvalRow] = TableSpec(
     name="eval_rollout",
-    version=3,
+    version=4,
     schema=EVAL_ARROW,
     row_type=EvalRow,
     validate_row=validate_eval_row,
-    upgrades={1: upgrade_from_v1, 2: add_text_columns},
+    upgrades={1: upgrade_to_v4, 2: upgrade_to_v4, 3: upgrade_to_v4},
 )
-"""Versions 2 and 3 added the columns `schemas.ROLLOUT` versions 2 and 3 added; older files are read with them
-off or empty."""
+"""Versions 2, 3 and 4 added the columns `schemas.ROLLOUT` versions 2, 3 and 4 added; older files are read with
+them off or empty (version 4: every token at the row's policy step)."""
 
 
 @dataclasses.dataclass

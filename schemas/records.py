@@ -334,6 +334,9 @@ class BatchLogEntry(_Record):
     """Unix times for the learner's per-hop breakdown (`pipeline.telemetry.hops`): `batch_noticed_at`,
     `batch_committed_at`, `last_file` (the rollout file read last among the batch's sources) and
     `last_file_noticed_at`."""
+    no_signal_fill_from_start: bool = False
+    """The slot admitted groups without signal (advantage 0) from its first rollout file on, the run being saturated
+    (`pipeline.batch_maker.slot_metrics.fills_at_once`); a rebuild of the slot does the same."""
 
 
 # ---------------------------------------------------------------------------------------------- markers
@@ -410,7 +413,7 @@ class CommitMarker(_Record):
     loss: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     tensors: dict[str, TensorIndex] | None = None
-    """Sharded checkpoints (format `SHARDED_CHECKPOINT_FORMAT`): `<pytree>/<key path>` -> its blocks."""
+    """Sharded checkpoints and policies (format `SHARDED_CHECKPOINT_FORMAT`): `<pytree>/<key path>` -> its blocks."""
 
     def _check(self, path: str, prefix: str) -> None:
         if self.format not in (CHECKPOINT_FORMAT, SHARDED_CHECKPOINT_FORMAT):
@@ -419,8 +422,8 @@ class CommitMarker(_Record):
             )
         if self.kind not in ("policy", "checkpoint"):
             raise RecordError(path, "kind", f"must be 'policy' or 'checkpoint', got {self.kind!r}")
-        if self.format == SHARDED_CHECKPOINT_FORMAT and (self.kind != "checkpoint" or self.tensors is None):
-            raise RecordError(path, "tensors", "a sharded marker must be a checkpoint with a tensor index")
+        if self.format == SHARDED_CHECKPOINT_FORMAT and self.tensors is None:
+            raise RecordError(path, "tensors", "a sharded marker must have a tensor index")
         for name, t in (self.tensors or {}).items():
             for b in t.blocks:
                 if b.file not in self.files or len(b.start) != len(t.shape) or len(b.stop) != len(t.shape):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from schemas.base import (
     TableSpec,
@@ -41,6 +42,11 @@ class RolloutRow:
         (a multi-turn agent that rewrote its history) is written as several rows, one per segment, sharing it.
         "" means the row is a whole episode (its rollout_id names it).
     segment_index: this row's position among its episode's segments (0 for a whole episode).
+    token_policy_steps: the policy step that sampled each response token (version 4; partial rollouts switch
+        policies between decode steps, so one response can span several). Every entry is >= `policy_step`, which
+        is the oldest policy step of the row's sampling call; empty means every token is of `policy_step` (files of
+        versions 1-3 are read with it filled so). Entries on tokens the policy did not sample (loss mask 0) are
+        the step of the call that inserted them.
     """
 
     rollout_id: str
@@ -69,6 +75,7 @@ class RolloutRow:
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
     episode_id: str = ""
     segment_index: int = 0
+    token_policy_steps: list[int] = dataclasses.field(default_factory=list)
 
 
 ROLLOUT_ARROW = pa.schema(
@@ -99,6 +106,7 @@ ROLLOUT_ARROW = pa.schema(
         pa.field("reward_components", pa.map_(pa.string(), pa.float64()), nullable=False),
         pa.field("episode_id", pa.string(), nullable=False),
         pa.field("segment_index", pa.int32(), nullable=False),
+        pa.field("token_policy_steps", pa.list_(pa.int32()), nullable=False),
     ]
 )
 
@@ -139,6 +147,29 @@ def upgrade_from_v1(table: pa.Table) -> pa.Table:
     return add_text_columns(add_sampling_columns(table))
 
 
+def add_token_policy_steps(table: pa.Table) -> pa.Table:
+    """A version-3 rollout (or eval) table with the version-4 `token_policy_steps` column: every response token
+    of a row at the row's `policy_step` (before version 4 a row was sampled by one policy)."""
+    if "token_policy_steps" in table.column_names:
+        return table
+    lengths = pc.list_value_length(table.column("response_tokens")).to_pylist()
+    steps = table.column("policy_step").to_pylist()
+    values = [[int(s)] * int(n or 0) for s, n in zip(steps, lengths, strict=True)]
+    return table.append_column("token_policy_steps", pa.array(values, ROLLOUT_ARROW.field("token_policy_steps").type))
+
+
+def upgrade_to_v4(table: pa.Table) -> pa.Table:
+    """A version-1, -2 or -3 rollout (or eval) table with every column added since (each upgrade adds only what
+    is missing)."""
+    return add_token_policy_steps(upgrade_from_v1(table))
+
+
+def oldest_token_step(row: RolloutRow) -> int:
+    """The policy step of the row's oldest token (the lag rule's step): `min(token_policy_steps)`, or
+    `policy_step` when the row records none."""
+    return min(row.token_policy_steps) if row.token_policy_steps else row.policy_step
+
+
 def validate_rollout(row: RolloutRow) -> None:
     """Raise ValidationError naming the field when the row breaks the rollout contract."""
     for name in ("rollout_id", "env_name", "example_id", "lesson_id", "group_key", "worker_id"):
@@ -170,19 +201,27 @@ def validate_rollout(row: RolloutRow) -> None:
         check_finite(f"reward_components[{name!r}]", value)
     if row.segment_index < 0:
         raise ValidationError(f"segment_index must be >= 0, got {row.segment_index}")
+    if row.token_policy_steps:
+        check_int_list("token_policy_steps", row.token_policy_steps)
+        check_same_length(("response_tokens", "token_policy_steps"), (row.response_tokens, row.token_policy_steps))
+        if min(row.token_policy_steps) < row.policy_step:
+            raise ValidationError(
+                f"token_policy_steps holds step {min(row.token_policy_steps)}, older than policy_step {row.policy_step}"
+            )
 
 
 ROLLOUT: TableSpec[RolloutRow] = TableSpec(
     name="rollout",
-    version=3,
+    version=4,
     schema=ROLLOUT_ARROW,
     row_type=RolloutRow,
     validate_row=validate_rollout,
-    upgrades={1: upgrade_from_v1, 2: add_text_columns},
+    upgrades={1: upgrade_to_v4, 2: upgrade_to_v4, 3: upgrade_to_v4},
 )
 """Version 2 added top_p, top_k and min_p (version-1 files are read with those controls off); version 3 added
 response_text, extracted_answer, ground_truth, reward_components, episode_id and segment_index (older files are
-read with them empty)."""
+read with them empty); version 4 added token_policy_steps (older files are read with every token at the row's
+policy_step)."""
 
 
 def validate_group(rows: list[RolloutRow]) -> None:

@@ -183,6 +183,9 @@ class Evaluator:
         self._loaded_step: int | None = None
         self.skipped: dict[int, str] = {}
         """Policies whose files failed verification on read: {step: the one-line reason} (see `skip`)."""
+        self.done: set[int] = set()
+        """Policies this process evaluated (or found evaluated): `follow` never looks at them again, so a wake costs
+        no existence check per evaluated policy, and `--force` re-evaluates each policy once, not forever."""
 
     # -- model ----------------------------------------------------------------------------------
     def _manager_for(self, model: Any) -> Any:
@@ -226,6 +229,8 @@ class Evaluator:
         todo = self.missing_lessons(step, external)
         if not todo:
             logger.info("policy %d: every lesson already evaluated", step)
+            if external is None:
+                self.done.add(step)
             return 0
         if manager is None:
             if step in self.skipped:
@@ -237,6 +242,8 @@ class Evaluator:
                 return 0
         for lesson in todo:
             self.evaluate_lesson(manager, step, lesson, external)
+        if external is None:
+            self.done.add(step)
         return len(todo)
 
     def skip(self, step: int, error: DamagedInputError) -> None:
@@ -394,13 +401,15 @@ def follow(evaluator: Evaluator) -> None:
 
 def next_to_follow(evaluator: Evaluator, steps: list[int]) -> int | None:
     """The oldest of `steps` of interest (a multiple of eval_frequency, or the final one) with a lesson not yet
-    evaluated; None when there is none."""
+    evaluated (with `--force`: not yet evaluated by this process); None when there is none."""
     freq = max(1, evaluator.cfg.curriculum.eval_frequency)
     for s in steps:
-        if s in evaluator.skipped:  # damaged: set aside, never retried
+        if s in evaluator.skipped or s in evaluator.done:  # damaged: set aside, never retried
             continue
-        if (s % freq == 0 or s == evaluator.cfg.stop_after_step) and evaluator.missing_lessons(s):
-            return s
+        if s % freq == 0 or s == evaluator.cfg.stop_after_step:
+            if evaluator.missing_lessons(s):
+                return s
+            evaluator.done.add(s)  # evaluated by an earlier run of the evaluator: summaries are never taken back
     return None
 
 

@@ -58,6 +58,7 @@ from policy import model as M
 from policy import policy_format as pf
 from policy import publisher as P
 from policy.losses import Batch, RLLossModule, loss_module_from_config
+from policy.losses.modules import split_frozen
 from policy.trackers import make_run_tracker
 
 logger = logging.getLogger("steps.learn")
@@ -139,13 +140,15 @@ def resume(learner: Learner) -> pf.LearnerState:
     learner.reference = L.load_reference(store, config, learner.vocab_size, learner.loss_module)
     if learner.reference is not None:
         learner.reference = mesh_lib.shard_params(learner.reference, learner.mesh)
+    reference, teacher = split_frozen(learner.reference)  # a distillation teacher travels with the reference
     logger.info(
-        "learner at step %d of %d; %d parameters; loss %s; reference model %s",
+        "learner at step %d of %d; %d parameters; loss %s; reference model %s%s",
         state.step,
         learner.total,
         M.count_params(state.model),
         type(learner.loss_module).__name__,
-        "built" if learner.reference is not None else "not built (kl_coef=0)",
+        "built" if reference is not None else "not built (kl_coef=0)",
+        "; distillation teacher loaded" if teacher is not None else "",
     )
     return state
 

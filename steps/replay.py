@@ -317,13 +317,18 @@ def replay(store: RunStore, config: LearnerStepConfig, from_step: int, to_step: 
     from policy import model as M
     from policy import policy_format as pf
     from policy.losses import loss_module_from_config
+    from policy.value_head import needs_value_head
 
     vocab = M.model_vocab_size(load_tokenizer(config.model.tokenizer))
     optimizer = L.build_optimizer(config.optimizer, config.train.num_train_steps)
     lm = mesh_lib.build_mesh(config.mesh)
     # the learner's own slot step (epochs, minibatches, microbatches) on the same mesh: bitwise the same updates
     # restored onto the mesh as the learner resumes (each process reads what its devices hold)
-    state = L.shard_state(pf.read_checkpoint(store, from_step, config.model, vocab, optimizer, lm), lm)
+    # with critic PPO the checkpoint's value head too (it shapes the policy's updates through the shared trunk)
+    with_head = needs_value_head(config.loss)
+    state = L.shard_state(
+        pf.read_checkpoint(store, from_step, config.model, vocab, optimizer, lm, value_head=with_head), lm
+    )
     reference = L.load_reference(store, config, vocab, loss_module_from_config(config.loss))
     if reference is not None:
         reference = mesh_lib.shard_params(reference, lm)

@@ -5,7 +5,10 @@ What is checked, on a tiny levanter Llama with 4 slots (so slots refill within o
   with logprobs within 1e-4, and both within 1e-4 of the learner's teacher-forced logprobs;
 - rows with mixed budgets and stop tokens: each ends where the static path ends it (budget or stop token, included);
 - the n samples of a prompt prefill once (prefill work 1/n) with logprobs within 1e-5 of separate prefills;
-- after a warm-up, other prompts, budgets, seeds, temperatures, stop tokens and new weights compile nothing.
+- after a warm-up, other prompts, budgets, seeds, temperatures, stop tokens and new weights compile nothing;
+- the decode loop's variants agree with the static sampler: the head-major cache with the no-controls fast sampling
+  (the default), the slot-major cache with the truncation machinery (a `LEGACY_DECODE` dense sampler), and top-k
+  sampling; distinct prompts that start together prefill as one batch.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from pipeline.config import DenseInferenceConfig, ModelSpec
 from pipeline.environments.base import Completion
 from pipeline.environments.tokenizer import load_tokenizer
 from policy.inference import GenerationRequest, make_backend
-from policy.inference.continuous import SeqRequest
+from policy.inference.base import SamplingControls
+from policy.inference.continuous import ContinuousSampler, SeqRequest
 from policy.inference.dense import DenseBackend
+from policy.inference.dense_sampler import LEGACY_DECODE, DenseSampler
 from policy.inference.local import SampleRow
 from policy.model import build_model, teacher_forced_logprobs
 
@@ -179,3 +184,31 @@ def test_no_recompilation_after_warm_up(dense: DenseBackend, model: Any) -> None
         assert _tokens(swapped) != _tokens(first)
     finally:
         dense.update_model(model)
+
+
+def test_decode_variants_match_static_and_prompts_prefill_as_a_batch(model: Any) -> None:
+    fast = DenseSampler(model, "float32", fast_compile=True)
+    legacy = DenseSampler(model, "float32", fast_compile=True, decode=LEGACY_DECODE)
+    prompts = PROMPTS
+    budgets = [12, 5, 9]
+    reqs = [SeqRequest(p, b, i, 4) for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))]
+    for controls in (SamplingControls(), SamplingControls(top_k=5)):
+        static = fast.generate(
+            prompts,
+            list(range(3)),
+            batch_size=4,
+            max_tokens=budgets,
+            max_new_bucket=16,
+            stop_tokens=[],
+            temperature=1.0,
+            seed=4,
+            controls=controls,
+        )
+        for dense in (fast, legacy):
+            cont = ContinuousSampler(dense)
+            out = cont.run(reqs, slots=4, stop_tokens=[], temperature=1.0, controls=controls)
+            assert cont.head_major == (dense is fast)
+            assert cont.prefill_tokens == 4 * 8  # the 3 prompts in one [4, 8] prefill (one at a time: 3 * 8)
+            for i, r in enumerate(out):
+                assert r.tokens.tolist() == static.tokens[i, : budgets[i]].tolist()
+                np.testing.assert_allclose(r.logprobs, static.logprobs[i, : budgets[i]], atol=1e-4, rtol=0)

@@ -356,3 +356,23 @@ def test_evaluate_steps_forms() -> None:
     for given, want in (("3,5", "[3,5]"), ("3, 5", "[3,5]"), ("[3,5]", "[3,5]"), ("[3, 5]", "[3,5]"), ("7", "[7]")):
         assert steps_flag_as_list(["--steps", given, "--all", "false"]) == ["--steps", want, "--all", "false"]
         assert steps_flag_as_list([f"--steps={given}"]) == [f"--steps={want}"]
+
+
+@pytest.mark.slow
+def test_follow_evaluates_each_target_once_and_with_force_once_more(finished_run: FinishedRun, tmp_path: Path) -> None:
+    """Follow mode (the job's evaluator, `step evaluate` without targets) on a finished run evaluates each policy of
+    interest (eval_frequency multiples and the final one) once and stops; with `--force true` it evaluates each of
+    them once more and stops (it used to find the forced policies 'missing' again after every evaluation)."""
+    root = fresh_copy(finished_run, tmp_path / "run")
+    store = RunStore(str(root))
+    evaluate(finished_run, root, timeout=240)
+    first = sorted(r["policy_step"] for r in read_metrics(store, "evaluate"))
+    assert first and first[-1] >= NUM_STEPS and len(set(first)) == len(first), first
+    before = snapshot(root)
+
+    out = evaluate(finished_run, root, "--force", "true", timeout=240)
+    again = sorted(r["policy_step"] for r in read_metrics(store, "evaluate"))
+    assert again == sorted(first * 2), again
+    after = snapshot(root)
+    assert set(after) == set(before) and all(after[p][0] != before[p][0] for p in before), "not every file rewritten"
+    assert "evaluated; done" in out, out[-2000:]

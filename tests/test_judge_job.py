@@ -1,5 +1,5 @@
 """A whole job on CPU whose lesson is judged by an LLM: the cats lesson wrapped in `JudgedEnv`, its judge a policy
-of this very run (policy 0) served by levanter's `InferenceServer` (`policy.inference.adapters.levanter_server`) in
+of this very run (policy 0) served by rlpipe's own generate endpoint (`python -m steps.serve`, the dense sampler) in
 its own process on loopback, asked over `/v1/completions` by the judge's real httpx client.
 
 The judge is SIGKILLed once judged rows are committed: the examples it cannot score fail with the judge's reason
@@ -11,7 +11,6 @@ text (greedy), and the episode reward is their sum.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -33,8 +32,6 @@ from pipeline.store.storage import RunStore
 from pipeline.telemetry.metrics import read_metrics
 from schemas import ROLLOUT
 
-pytestmark = pytest.mark.slow
-
 PATTERN = "(?i)cat"
 STEPS = 3
 
@@ -45,10 +42,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_judge(run_root: str, model: dict[str, Any], port: int, log: Path, step: int | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "policy.inference.adapters.levanter_server", "--run_root", run_root,
-           "--host", "127.0.0.1", "--port", str(port), "--model_json", json.dumps(model), "--max_seqs", "16",
-           "--page_size", "8", *(["--step", str(step)] if step is not None else [])]  # fmt: skip
+def _start_judge(run_root: str, port: int, log: Path, step: int | None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "steps.serve", "--run_root", run_root, "--port", str(port), "--max_seqs", "16",
+           *(["--policy_step", str(step)] if step is not None else [])]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
@@ -77,6 +73,7 @@ def _judge_failures_logged(run_root: str) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_judged_lesson_with_a_served_policy_as_judge_survives_the_judge_dying(tmp_path: Path) -> None:
     run_root = str(tmp_path / "run")
     port = _free_port()
@@ -94,25 +91,24 @@ def test_judged_lesson_with_a_served_policy_as_judge_survives_the_judge_dying(tm
     }
     config_path = tmp_path / "job.yaml"
     config_path.write_text(yaml.safe_dump(cfg))
-    model = dict(cfg["model"])
-    model.pop("seed", None)
     job = subprocess.Popen([sys.executable, "-m", "steps.run", "--config_path", str(config_path)], cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     log = tmp_path / "judge.log"
-    judge_proc = _start_judge(run_root, model, port, log, step=None)  # serves policy 0, once the learner wrote it
+    judge_proc = _start_judge(run_root, port, log, step=None)  # serves policy 0, once the learner wrote it
     store = RunStore(run_root)
     try:
         _wait("a committed judged rollout file", lambda: _rollout_files(store), 240, job)
         judge_proc.send_signal(signal.SIGKILL)
         judge_proc.wait(10)
         _wait("a judge failure recorded by the worker", lambda: _judge_failures_logged(run_root), 120, job)
-        judge_proc = _start_judge(run_root, model, port, log, step=0)
+        judge_proc = _start_judge(run_root, port, log, step=0)
         out, _ = job.communicate(timeout=300)
         assert job.returncode == 0, out[-3000:]
         check_finished_run(store, STEPS, cfg["train"]["max_lag"], evaluated=False)
 
         # every row: both reward functions, the rule recomputed, reward = their sum
-        rows = [r for f in _rollout_files(store) for r in store.read_committed(f, ROLLOUT).to_pylist()]
+        tables = [store.read_committed(f, ROLLOUT) for f in _rollout_files(store)]
+        rows = [r for t in tables if t is not None for r in t.to_pylist()]
         assert rows
         cats = CatsEnv()
         for r in rows:
@@ -126,9 +122,11 @@ def test_judged_lesson_with_a_served_policy_as_judge_survives_the_judge_dying(tm
         with httpx.Client(timeout=120) as client:
             _wait("the judge back up", lambda: _healthy(client, port), 120)
             for r in rows[:6]:
-                reply = client.post(f"http://127.0.0.1:{port}/v1/completions",
-                                    json={"model": "policy", "prompt": r["response_text"], "max_tokens": 8,
-                                          "temperature": 0.0}).json()["choices"][0]["text"]  # fmt: skip
+                answer = client.post(f"http://127.0.0.1:{port}/v1/completions",
+                                     json={"model": "policy", "prompt": r["response_text"], "max_tokens": 8,
+                                           "temperature": 0.0}).json()  # fmt: skip
+                assert answer["policy_step"] == 0  # the endpoint names the policy that answered: policy 0 of this run
+                reply = answer["choices"][0]["text"]
                 assert dict(r["reward_components"])["judge"] == (1.0 if re.search(PATTERN, reply) else 0.0), reply
         # the failures were counted in the worker's metrics
         records = read_metrics(store, "rollout")
@@ -152,3 +150,18 @@ def _healthy(client: httpx.Client, port: int) -> bool:
         return client.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--host", "0.0.0.0"], "host='0.0.0.0': is not loopback: give --token or set RLPIPE_ENDPOINT_TOKEN"),
+        (["--wait_s", "0.3"], "no run.json after 0.3 s"),
+    ],
+)
+def test_serve_refuses_bad_arguments_and_a_missing_run_in_one_line(tmp_path: Path, args: list[str], line: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ENDPOINT_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "steps.serve", "--run_root", str(tmp_path / "none"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert line in proc.stderr.strip().splitlines()[-1]

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,6 +24,7 @@ from typing import Any
 import draccus
 import numpy as np
 import pytest
+from jobs import demo_job_rewards
 from test_learner import SEQ_LEN, VOCAB, tiny_config, write_batches
 
 from pipeline.config import (
@@ -272,29 +270,21 @@ DEMO_TARGETS = (*LoraSpec().target_modules, "lm_head")
 
 @pytest.mark.slow
 def test_lora_learns_cats(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "steps.demo", "--config_path", str(ROOT / "configs/demo_cats.yaml")),
-            *("--run_root", str(tmp_path / "run"), "--train.num_train_steps", str(DEMO_STEPS)),
-            *("--model.lora.r", "8", "--model.lora.alpha", "16", "--model.lora.publish", "adapters"),
-            *("--model.lora.target_modules", f"[{','.join(DEMO_TARGETS)}]"),
-            *("--optimizer.learning_rate", str(DEMO_LR)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    """The demo job (evaluator off: only its rollouts are read) with adapters only learns cats as `make demo`
+    measures it, sampling from published adapters, and its last checkpoint interval replays bitwise."""
+    run = demo_job_rewards(
+        tmp_path,
+        f"--train.num_train_steps={DEMO_STEPS}",
+        *("--model.lora.r=8", "--model.lora.alpha=16", "--model.lora.publish=adapters"),
+        f"--model.lora.target_modules=[{','.join(DEMO_TARGETS)}]",
+        f"--optimizer.learning_rate={DEMO_LR}",
     )
-    out = proc.stdout
-    assert proc.returncode in (0, 1), out[-3000:] + proc.stderr[-3000:]  # 1: the demo's probe check failed
-    m = re.search(r"start \(policies \[[\d, ]+\]\): ([\d.]+)\s+end \(policies \[([\d, ]+)\]\): ([\d.]+)", out)
-    assert m, out[-3000:] + proc.stderr[-3000:]
-    start, end = float(m.group(1)), float(m.group(3))
+    start, end = run.start, run.end
     print(f"lora: start {start:.3f} end {end:.3f}")
-    assert max(int(x) for x in m.group(2).split(",")) >= DEMO_STEPS - 2
-    store = RunStore(str(tmp_path / "run"))
+    assert max(run.last_policies) >= DEMO_STEPS - 2
+    store = RunStore(str(run.root))
     assert set(pf.policy_metadata(store, DEMO_STEPS).files) == {pf.ADAPTERS_BLOB}  # sampled from adapters
     # `make replay` of the last checkpoint interval gives the run's adapter policy bit for bit
-    config = replay_step.ReplayConfig(store=StoreConfig(run_root=str(tmp_path / "run")), from_step=10)
+    config = replay_step.ReplayConfig(store=StoreConfig(run_root=str(run.root)), from_step=10)
     assert replay_step.main(config) == 0
     assert end >= 3.0 * start and end - start >= 0.2, (start, end)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +143,85 @@ def test_rescore_refuses_a_bad_scorer_in_one_line(run: Any) -> None:
     out = _rescore(root, "--name", "x", "--scorer", '{"type": "judge", "base_url": "localhost:8000"}')
     assert out.returncode == 2
     assert "scorer.base_url='localhost:8000'" in out.stderr.splitlines()[-1] and not (root / "rescored").exists()
+
+
+KILLS = 4
+
+
+def _markers(root: Path, name: str) -> list[Path]:
+    return sorted((root / "rescored" / name).rglob(f"*{layout.READY_SUFFIX}"))
+
+
+@pytest.mark.slow
+def test_rescore_sigkilled_at_random_points_rescores_every_file_exactly_once(tmp_path: Path) -> None:
+    """The real `python -m steps.rescore` process SIGKILLed at random points (while starting, between files, while
+    its judge answers, between a data file and its marker), rerun each time, then run to the end: every source file
+    is re-scored exactly once (one committed file each, the first commit never rewritten), lineage from each new
+    file to its source, the sources byte-identical, and after every kill each committed file reads back verified (a
+    file cut by the kill is never visible as committed)."""
+    root = tmp_path / "run"
+    store = RunStore(str(root))
+    check_run_config(store, draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[]))
+    tok = load_tokenizer("builtin:tiny")
+    sources = []
+    for step in range(8):
+        for worker in ("w0", "w1"):
+            rel = layout.rollout_file(step, worker, 0)
+            assert store.commit_data(
+                rel, ROLLOUT.to_table(_rows(tok, step, step % 2 == 0)), ROLLOUT, extra={"policy_step": step}
+            )
+            sources.append(rel)
+    before = _hashes(root, "rollouts")
+    rng = random.Random(0)
+    delays = random.Random(1)  # the judge's answer times: each file takes a while, so kills land mid-file too
+    srv = JudgeServer(
+        lambda body: (
+            200,
+            completion(f"<score>{8 if 'cat' in body['prompt'] else 2}</score>"),
+            delays.uniform(0.05, 0.2),
+        )
+    )
+    spec = json.dumps(
+        {"type": "judge", "name": "judge", "base_url": srv.base_url, "chat": False, "prompt": "{response}"}
+    )
+    cmd = [sys.executable, "-m", "steps.rescore", "--store.run_root", str(root), "--name", "j", "--scorer", spec]
+    first_commit: dict[str, str] = {}
+    partial = 0
+    try:
+        for _ in range(KILLS):
+            n0 = len(_markers(root, "j"))
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if rng.random() < 0.25:  # anywhere in its start-up
+                time.sleep(rng.uniform(0.0, 3.0))
+            else:  # once it has committed a file: between files, mid-batch, between a data file and its marker
+                deadline = time.monotonic() + 120
+                while len(_markers(root, "j")) == n0 and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(rng.uniform(0.0, 0.4))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            committed = [f for s in sources if store.exists(layout.ready_marker(f := layout.rescored_file("j", s)))]
+            partial += 0 < len(committed) < len(sources)
+            for rel in committed:  # committed = complete: the data file matches its marker (read_committed verifies)
+                assert store.read_committed(rel, ROLLOUT) is not None, rel
+                attempt = store.read_marker(rel).attempt_id
+                assert first_commit.setdefault(rel, attempt) == attempt  # never rewritten by a later run
+        final = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert final.returncode == 0, final.stderr[-2000:]
+    finally:
+        srv.stop()
+    assert partial >= 2, "the kills never left a run half done"
+    assert _hashes(root, "rollouts") == before
+    rescored = [f for d in store.list("rescored/j") for f in store.list_committed(d)]
+    assert sorted(rescored) == sorted(layout.rescored_file("j", s) for s in sources)  # exactly one each
+    data = sorted(p for p in (root / "rescored/j").rglob("*.parquet"))
+    assert [str(p.relative_to(root)) for p in data] == sorted(rescored)  # no half file left behind
+    for src in sources:
+        rel = layout.rescored_file("j", src)
+        marker = store.read_marker(rel)
+        assert first_commit.get(rel, marker.attempt_id) == marker.attempt_id
+        assert marker.extra["source_file"] == src and marker.extra["source_sha256"] == store.read_marker(src).sha256
+        new, old = (store.read_parquet(f, ROLLOUT).to_pylist() for f in (rel, src))
+        assert [r["rollout_id"] for r in new] == [r["rollout_id"] for r in old]
+        for r, (resp, _) in zip(new, TEXTS, strict=True):
+            assert dict(r["reward_components"]) == {"original": 0.25, "judge": 0.8 if "cat" in resp else 0.2}

@@ -150,7 +150,7 @@ def test_group_members_must_share_prompt_and_key() -> None:
     ],
 )
 def test_batch_row_checks(change: dict[str, object], fragment: str) -> None:
-    with pytest.raises(ValidationError, match="batch@v1 row 0") as ei:
+    with pytest.raises(ValidationError, match="batch@v2 row 0") as ei:
         BATCH.to_table([batch_row(**change)])
     assert fragment in str(ei.value)
 
@@ -191,7 +191,11 @@ def test_version_1_rollout_files_stay_readable(tmp_path) -> None:
     from schemas.rollout import TEXT_COLUMNS_V3
 
     store = RunStore(str(tmp_path))
-    v3_names = [n for n, _ in TEXT_COLUMNS_V3]
+    v3_names = [n for n, _ in TEXT_COLUMNS_V3] + ["token_policy_steps"]  # with version 4's column
+
+    def derived(row: RolloutRow) -> RolloutRow:  # before version 4 every token is of the row's policy step
+        return dataclasses.replace(row, token_policy_steps=[row.policy_step] * len(row.response_tokens))
+
     v2_cols = [n for n in ROLLOUT.schema.names if n not in v3_names]
     v2 = dataclasses.replace(ROLLOUT, version=2, schema=pa.schema([ROLLOUT.schema.field(n) for n in v2_cols]))
     v2_row = rollout(top_k=7)
@@ -201,7 +205,7 @@ def test_version_1_rollout_files_stay_readable(tmp_path) -> None:
     v2_read = store.read_committed("rollouts/v2.parquet", ROLLOUT)
     assert v2_read is not None
     [v2_back] = ROLLOUT.from_table(v2_read)
-    assert v2_back == v2_row and v2_back.top_k == 7 and v2_back.reward_components == {}
+    assert v2_back == derived(v2_row) and v2_back.top_k == 7 and v2_back.reward_components == {}
     assert v2_back.extracted_answer is None and v2_back.response_text == ""
     v1_cols = [n for n in v2_cols if n not in ("top_p", "top_k", "min_p")]
     v1 = dataclasses.replace(ROLLOUT, version=1, schema=pa.schema([ROLLOUT.schema.field(n) for n in v1_cols]))
@@ -211,7 +215,7 @@ def test_version_1_rollout_files_stay_readable(tmp_path) -> None:
     store.commit_data("rollouts/new.parquet", ROLLOUT.to_table([new]), ROLLOUT)
     old = store.read_committed("rollouts/old.parquet", ROLLOUT)
     assert old is not None and old.schema.metadata[SCHEMA_VERSION_KEY] == str(ROLLOUT.version).encode()
-    assert ROLLOUT.from_table(old) == [rollout(), rollout()]  # v1 did not record the controls: read as off
+    assert ROLLOUT.from_table(old) == [derived(rollout())] * 2  # v1 did not record the controls: read as off
     read_new = store.read_committed("rollouts/new.parquet", ROLLOUT)
     assert read_new is not None
     [back] = ROLLOUT.from_table(read_new)
@@ -255,3 +259,29 @@ def test_version_3_columns_round_trip_and_are_validated() -> None:
     ):
         with pytest.raises(ValidationError, match=fragment):
             ROLLOUT.to_table([rollout(**change)])
+
+
+def test_version_4_token_policy_steps_round_trip_and_are_validated(tmp_path) -> None:
+    """Per-token policy steps survive a write and read; a version-3 file reads with every token at the row's
+    policy step; a list of another length, or with a step older than the row's policy_step, is refused."""
+    from pipeline.store.storage import RunStore
+    from schemas.rollout import oldest_token_step
+
+    row = rollout(policy_step=4, response_tokens=[5, 6, 7], response_logprobs=[-1.0] * 3, token_rewards=[0.0] * 3)
+    row = dataclasses.replace(row, response_loss_mask=[1, 1, 1], token_policy_steps=[4, 4, 5])
+    assert ROLLOUT.from_table(ROLLOUT.to_table([row])) == [row]
+    assert oldest_token_step(row) == 4 and oldest_token_step(dataclasses.replace(row, token_policy_steps=[])) == 4
+    assert oldest_token_step(dataclasses.replace(row, token_policy_steps=[5, 5, 6])) == 5
+    with pytest.raises(ValidationError, match="token_policy_steps"):
+        ROLLOUT.to_table([dataclasses.replace(row, token_policy_steps=[4, 5])])
+    with pytest.raises(ValidationError, match="older than policy_step 4"):
+        ROLLOUT.to_table([dataclasses.replace(row, token_policy_steps=[3, 4, 4])])
+    store = RunStore(str(tmp_path))
+    v3_cols = [n for n in ROLLOUT.schema.names if n != "token_policy_steps"]
+    v3 = dataclasses.replace(ROLLOUT, version=3, schema=pa.schema([ROLLOUT.schema.field(n) for n in v3_cols]))
+    table = ROLLOUT.to_table([row, rollout(policy_step=2)]).select(v3_cols).replace_schema_metadata(v3.metadata)
+    store.commit_data("rollouts/v3.parquet", table, v3)
+    back = store.read_committed("rollouts/v3.parquet", ROLLOUT)
+    assert back is not None and back.schema.metadata[SCHEMA_VERSION_KEY] == b"4"
+    a, b = ROLLOUT.from_table(back)
+    assert a.token_policy_steps == [4, 4, 4] and b.token_policy_steps == [2] * len(b.response_tokens)

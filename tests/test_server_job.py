@@ -43,8 +43,10 @@ def _server_pids(run_root: str) -> list[int]:
 
 def test_job_with_a_levanter_server_in_the_loop(tmp_path: Path) -> None:
     run_root = str(tmp_path / "run")
-    cfg = job_config(tmp_path, run_root, **{"inference.type": "server", "inference.command": COMMAND,
-                     "inference.port": "0", "num_rollout_workers": "1", "train.num_train_steps": "4"})  # fmt: skip
+    # no evaluator: it scores with its own dense sampler (never the rollout server), and nothing here reads it
+    cfg = job_config(tmp_path, run_root, None, **{"inference.type": "server", "inference.command": COMMAND,
+                     "inference.port": "0", "num_rollout_workers": "1", "train.num_train_steps": "4",
+                     "evaluator": "false"})  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "steps.run", "--config_path", str(cfg)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     store = RunStore(run_root)

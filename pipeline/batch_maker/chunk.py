@@ -34,6 +34,7 @@ class Chunk:
     prompt_vals: np.ndarray  # int32
     resp_vals: np.ndarray  # int32
     logprob_vals: np.ndarray  # float32
+    reward_vals: np.ndarray  # float32 per-token rewards (the rollouts' token_rewards), aligned with resp_vals
     mask_vals: np.ndarray  # int8
     uses: np.ndarray  # int64
     alive: np.ndarray  # bool
@@ -47,7 +48,8 @@ class Chunk:
         """Bytes held by this chunk's arrays."""
         arrays = (self.rows, self.group, self.episode, self.reward, self.advantage, self.temperature, self.truncated,
                   self.cut, self.prompt_len, self.resp_len, self.prompt_off, self.resp_off, self.prompt_vals,
-                  self.resp_vals, self.logprob_vals, self.mask_vals, self.uses, self.alive)  # fmt: skip
+                  self.resp_vals, self.logprob_vals, self.reward_vals, self.mask_vals, self.uses,
+                  self.alive)  # fmt: skip
         return sum(a.nbytes for a in arrays) + self.rollout_ids.nbytes + self.problems.nbytes
 
     def take(self, keep: np.ndarray) -> Chunk:
@@ -77,6 +79,7 @@ class Chunk:
             prompt_vals=np.ascontiguousarray(self.prompt_vals[p_idx]),
             resp_vals=np.ascontiguousarray(self.resp_vals[r_idx]),
             logprob_vals=np.ascontiguousarray(self.logprob_vals[r_idx]),
+            reward_vals=np.ascontiguousarray(self.reward_vals[r_idx]),
             mask_vals=np.ascontiguousarray(self.mask_vals[r_idx]),
             uses=self.uses[keep],
             alive=self.alive[keep],

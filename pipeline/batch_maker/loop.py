@@ -21,7 +21,7 @@ import pyarrow as pa
 from pipeline.batch_maker import BatchMaker, BatchResult
 from pipeline.batch_maker.loop_state import CURSOR_VERSION, LoopState, SlotLost, StopRequested, config_hash
 from pipeline.batch_maker.scan import ScanWindow
-from pipeline.batch_maker.slot_metrics import batch_metrics
+from pipeline.batch_maker.slot_metrics import batch_metrics, fills_at_once
 from pipeline.config import BatchMakerStepConfig
 from pipeline.curriculum import CurriculumWriter
 from pipeline.process.step_kind import StepKind
@@ -74,6 +74,9 @@ class BatchMakerLoop:
         # write-behind: one thread encodes and writes slot T's files and log entry while slot T+1 is gathered
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="batch-writer") if config.write_behind else None
         self._pending: PendingCommit | None = None
+        self.prev_filled: tuple[int, int, bool] = (0, 0, False)
+        """(slot, its `filled_no_signal`, `no_signal_fill_from_start`) of the newest slot committed or recovered:
+        `fills_at_once` for the next."""
         self.after_commit: Callable[[int, BatchResult, dict[str, Any]], None] = lambda slot, batch, log: None
         """Called (main thread) once slot T's log entry exists: curriculum, metrics, progress."""
         self.signalled: Callable[[], str | None] = lambda: None
@@ -169,8 +172,10 @@ class BatchMakerLoop:
         bm = BatchMaker(self.train)
         if last == 0:
             logger.info("no committed batch slot yet: starting at slot 1")
+            self.prev_filled = (0, 0, False)
             return LoopState(bm, 1, set(), 0)
         entry = self.store.read_log_entry(last)  # an unknown cursor version is refused here, by name
+        self.prev_filled = (last, entry.filled_no_signal, entry.no_signal_fill_from_start)
         if entry.config_hash != self.hash:
             logger.warning(
                 "slot %d was built with train config %s, this process has %s", last, entry.config_hash, self.hash
@@ -204,17 +209,25 @@ class BatchMakerLoop:
         """
         bm = st.bm
         window_low, window_high = staleness.window(slot, self.train.max_lag)
+        _, prev, prev_start = self.prev_filled if self.prev_filled[0] == slot - 1 else (0, 0, False)
+        t = self.train
+        if fills_at_once(prev, prev_start, t.batch_size, filter_zero_variance=t.filter_zero_variance,
+                         no_signal_fill_after=t.no_signal_fill_after):  # fmt: skip
+            log["no_signal_fill"] = log["no_signal_fill_from_start"] = True  # saturated: fill T from its start
+            logger.info("slot %d: slot %d was filled with %d rows without learning signal; admitting zero-variance "
+                        "groups with advantage 0 from the first file", slot, slot - 1, prev)  # fmt: skip
         latest = -1  # the newest published policy, as of the latest listing
         swept = False
 
         def one_round() -> bool | None:
             nonlocal latest, swept
-            folders = run_state.rollout_folders(self.store)
+            # only the folders from the scan window on (a start-offset listing: O(window), not O(run))
+            folders = run_state.rollout_folders(self.store, self.scan.scan_low(slot))
             files = self.scan.discover(slot, st.seen, folders)  # list rollouts BEFORE reading the learner step:
             latest = self.learner_now()  # every file listed was produced by a published policy
             if not swept:  # once per slot; every old folder at the final slot, so a finished run is complete
                 final = slot >= self.train.num_train_steps
-                self.sweep_late(st, slot, latest, folders, log, None if final else self.config.late_sweep_folders)
+                self.sweep_late(st, slot, latest, log, None if final else self.config.late_sweep_folders)
                 swept = True
             # Read (and verify) the next files while this one is being ingested; a file read ahead but not
             # needed stays unconsumed (reading has no effect but quarantining a corrupt file, which is final).
@@ -252,22 +265,26 @@ class BatchMakerLoop:
         log["wait_s"] += max(0.0, waited - (log["ingest_s"] - ingest_before))
         log["batch_noticed_at"] = time.time()
 
-    def sweep_late(
-        self, st: LoopState, slot: int, latest: int, folders: list[int], log: dict[str, Any], limit: int | None
-    ) -> None:
+    def sweep_late(self, st: LoopState, slot: int, latest: int, log: dict[str, Any], limit: int | None) -> None:
         """Record, as dropped, the rows of files committed into folders that already left the scan window.
 
-        Sweeps up to `limit` such folders (None: all), round robin from `st.sweep_next`. A file is late when
-        its folder's seal (the files seen when the folder left the window) does not name it and no earlier
-        sweep found it; its rows go through `ingest`, which drops them all as `stale`.
+        Sweeps up to `limit` policy folders P < scan_low (None: every existing one, found by listing rollouts/),
+        round robin from `st.sweep_next`: with a limit the folders are named (P = sweep_next, sweep_next + 1, …,
+        wrapping to 0), so a slot's sweep costs `limit` listings however long the run (an absent folder lists
+        empty). A file is late when its folder's seal (the files seen when the folder left the window) does not
+        name it and no earlier sweep found it; its rows go through `ingest`, which drops them all as `stale`.
         """
         low = self.scan.scan_low(slot)
-        old = [p for p in folders if p < low]
-        if not old or limit == 0:
+        if low == 0 or limit == 0:
             return
-        start = bisect.bisect_left(old, st.sweep_next)
-        picks = old[start:] + old[:start]
-        for p in picks if limit is None else picks[:limit]:
+        if limit is None:
+            old = [p for p in run_state.rollout_folders(self.store) if p < low]
+            start = bisect.bisect_left(old, st.sweep_next)
+            picks = old[start:] + old[:start]
+        else:
+            first = st.sweep_next if st.sweep_next < low else 0
+            picks = [(first + i) % low for i in range(min(limit, low))]
+        for p in picks:
             st.sweep_next = p + 1
             seal = self.scan.seal(p)
             if seal is None:
@@ -333,6 +350,7 @@ class BatchMakerLoop:
         sealed = self.scan.sealed_folders(slot, st.seen)
         seen = sorted(s for s in st.seen if layout.parse_step(s) >= low)
         entry = self.slot_entry(st, batch, log, learner, attempt, sealed, seen)
+        self.prev_filled = (slot, int(log["filled_no_signal"]), bool(log.get("no_signal_fill_from_start")))
         self.keep_lease()
         st.seen = set(seen)  # if the slot is lost, recover() replaces the whole state anyway
         self.scan.remember(sealed)
@@ -374,6 +392,7 @@ class BatchMakerLoop:
             "quarantined_files": list(log["quarantined_files"]),
             "late_files": list(log["late_files"]),
             "filled_no_signal": log["filled_no_signal"],
+            "no_signal_fill_from_start": bool(log.get("no_signal_fill_from_start")),
             "sealed": sealed,
             "lineage": {
                 "n_rollouts": s["n_rollouts"],

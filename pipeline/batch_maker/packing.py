@@ -149,6 +149,7 @@ class _Segments:
     tok: np.ndarray
     mask: np.ndarray
     logprob: np.ndarray
+    rewards: np.ndarray  # per-token rewards (token_rewards), 0 on prompt tokens
     adv: np.ndarray
     seg_adv: np.ndarray
     seg_reward: np.ndarray
@@ -172,6 +173,7 @@ def _empty_segments(row: np.ndarray, seg_id: np.ndarray, seg_count: np.ndarray, 
         tok=np.empty(n_content, dtype=np.int32),
         mask=np.zeros(n_content, dtype=np.int8),
         logprob=np.zeros(n_content, dtype=np.float32),
+        rewards=np.zeros(n_content, dtype=np.float32),
         adv=np.zeros(n_content, dtype=np.float32),
         seg_adv=np.empty(k, dtype=np.float32),
         seg_reward=np.empty(k, dtype=np.float64),
@@ -216,6 +218,7 @@ def _gather(
         s.tok[r_dst] = c.resp_vals[r_src]
         s.mask[r_dst] = c.mask_vals[r_src]
         s.logprob[r_dst] = c.logprob_vals[r_src]
+        s.rewards[r_dst] = c.reward_vals[r_src]
         s.adv[r_dst] = np.repeat(c.advantage[ri], rl)
         s.seg_adv[sel] = c.advantage[ri]
         s.seg_reward[sel] = c.reward[ri]
@@ -273,6 +276,7 @@ def _table(s: _Segments, B: int, L: int) -> pa.Table:
             per_seg(s.seg_pol, pa.int64()),
             pa.ListArray.from_arrays(seg_offsets, s.ids),
             per_seg(s.files, pa.string()),
+            fixed(spread(s.rewards, 0.0, np.float32), pa.float32()),
         ],
         schema=BATCH.arrow_schema(),
     )

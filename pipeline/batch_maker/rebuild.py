@@ -144,7 +144,8 @@ def rebuild_slot(store: RunStore, slot: int, train: TrainParams) -> tuple[BatchR
     # fed as `BatchMakerLoop.ingest` feeds them; every file was produced by a policy published before it was listed,
     # so the newest policy when the slot was committed refuses no row the live maker admitted
     after = train.no_signal_fill_after
-    no_signal_files, fill = 0, False
+    no_signal_files = 0
+    fill = entry.no_signal_fill_from_start  # saturated: the live maker filled from the first file (`fills_at_once`)
     for path in entry.ingested_files:
         table = _rollouts(store, path, slot)
         if train.filter_zero_variance and 0 < after <= no_signal_files:

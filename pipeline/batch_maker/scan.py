@@ -35,13 +35,21 @@ class ScanWindow:
     def discover(self, slot: int, seen: set[str], folders: list[int] | None = None) -> list[tuple[int, str]]:
         """Committed, unseen, unquarantined rollout files of scanned policy folders, as (P, path), sorted.
 
-        `folders`: the policy folders listed by the caller (None: list them now).
+        `folders`: the policy folders listed by the caller (None: list them now, `run_state.rollout_folders` from
+        `scan_low(slot)`: only the folders from the window on are returned, however many lie below it).
+        `quarantine/` is listed once per call, not once per folder. So a poll costs one listing of the folder
+        names from the window on, one per such folder and one of `quarantine/`, returning the window's files:
+        O(files in the window), not O(files or folders of the run).
         """
         low = self.scan_low(slot)
         out = []
+        bad: set[str] | None = None
         for p in run_state.rollout_folders(self.store, low) if folders is None else [f for f in folders if f >= low]:
-            for path in self.store.list_committed(layout.rollout_step_dir(p)):
-                if path not in seen:
+            markers = [m for m in self.store.list(layout.rollout_step_dir(p)) if m.endswith(layout.READY_SUFFIX)]
+            if markers and bad is None:
+                bad = self.store.quarantined()
+            for path in (layout.data_of_marker(m) for m in markers):
+                if path not in seen and path not in (bad or ()):
                     out.append((p, path))
         return sorted(out)
 

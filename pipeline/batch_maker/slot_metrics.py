@@ -74,3 +74,28 @@ def waste_ratio(dropped_by_reason: dict[str, int], trained_rows: int) -> float |
     """Generated rows dropped for a `WASTE_REASONS` reason per row trained (None when nothing was trained)."""
     wasted = sum(int(dropped_by_reason.get(r, 0)) for r in WASTE_REASONS)
     return wasted / trained_rows if trained_rows > 0 else None
+
+
+def fills_at_once(
+    prev_filled_no_signal: int | None,
+    prev_from_start: bool,
+    batch_size: int,
+    *,
+    filter_zero_variance: bool,
+    no_signal_fill_after: int,
+) -> bool:
+    """Whether batch slot T admits groups without signal (advantage 0) from its first rollout file on, from slot
+    T-1's log entry (`filled_no_signal`, `no_signal_fill_from_start`): the run is saturated.
+
+    - T-1 filtered as usual and still had to fill (`filled_no_signal > 0`: `no_signal_fill_after` files read for it
+      had no signal at all): every lesson sampled scores each group alike, so T fills at once instead of dropping
+      `no_signal_fill_after` more files first (slot after slot, that was most of the demo's waste).
+    - T-1 filled from its start: T does too while at least half of T-1's rows had no signal
+      (`2 × filled_no_signal >= batch_size`); fewer, and T filters as usual again (the lesson gives signal).
+    Off without zero-variance filtering or with `no_signal_fill_after` 0 (never fill). Recorded in T's entry
+    (`no_signal_fill_from_start`), which a rebuild of T follows.
+    """
+    if not filter_zero_variance or no_signal_fill_after <= 0:
+        return False
+    filled = prev_filled_no_signal or 0
+    return 2 * filled >= batch_size if prev_from_start else filled > 0

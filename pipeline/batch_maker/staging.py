@@ -64,6 +64,7 @@ class _Columns:
     r_off: np.ndarray
     lp_vals: np.ndarray
     m_vals: np.ndarray
+    tr_vals: np.ndarray
     reward: np.ndarray
     policy: np.ndarray
     temperature: np.ndarray
@@ -99,6 +100,8 @@ def _check_rows(table: pa.Table, v: _Verdicts, dir_policy_step: int | None) -> _
     v.malformed(policy < 0, "policy_step is negative")
     if dir_policy_step is not None:
         v.malformed(policy != dir_policy_step, f"policy_step differs from its folder's step {dir_policy_step}")
+    if "token_policy_steps" in table.column_names:
+        _check_token_policy_steps(table, v, policy, lens["response_tokens"])
     temperature = column(table, "temperature", np.float32)
     v.malformed(~np.isfinite(temperature) | (temperature < 0), "temperature is not a finite value >= 0")
     rollout_ids = table.column("rollout_id").combine_chunks()
@@ -106,7 +109,21 @@ def _check_rows(table: pa.Table, v: _Verdicts, dir_policy_step: int | None) -> _
     v.malformed(np.asarray(pc.equal(pc.utf8_length(rollout_ids), 0).to_numpy(zero_copy_only=False)), "empty rollout_id")
     v.malformed(np.asarray(pc.equal(pc.utf8_length(group_keys), 0).to_numpy(zero_copy_only=False)), "empty group_key")
     m_vals = parts["response_loss_mask"][0]
-    return _Columns(p_vals, p_off, r_vals, r_off, lp_vals, m_vals, reward, policy, temperature, rollout_ids, group_keys)
+    return _Columns(
+        p_vals, p_off, r_vals, r_off, lp_vals, m_vals, tr_vals, reward, policy, temperature, rollout_ids, group_keys
+    )
+
+
+def _check_token_policy_steps(table: pa.Table, v: _Verdicts, policy: np.ndarray, r_len: np.ndarray) -> None:
+    """Rollout schema v4 (partial rollouts): each token's policy step; empty means all at `policy_step`. The lag
+    rule applies to the oldest token (`pipeline.store.staleness`): the BatchMaker applies it to
+    `policy_step`, so a row whose tokens include one older than its `policy_step` (which would dodge the rule) is
+    malformed, as is a list of another length than the response."""
+    s_vals, s_off, s_null = list_parts(table.column("token_policy_steps"))
+    s_len = np.diff(s_off)
+    v.malformed(s_null | ((s_len != 0) & (s_len != r_len)), "token_policy_steps and response_tokens lengths disagree")
+    older = np.asarray(s_vals, dtype=np.int64) < np.repeat(policy, s_len)
+    v.malformed(segment_any(older, s_off), "token_policy_steps holds a step older than policy_step")
 
 
 def episode_codes(table: pa.Table) -> np.ndarray:
@@ -277,6 +294,7 @@ def stage(
         prompt_vals=np.asarray(cols.p_vals, dtype=np.int32),
         resp_vals=np.asarray(cols.r_vals, dtype=np.int32),
         logprob_vals=np.asarray(cols.lp_vals, dtype=np.float32),
+        reward_vals=np.asarray(cols.tr_vals, dtype=np.float32),
         mask_vals=np.asarray(cols.m_vals, dtype=np.int8),
         uses=np.zeros(n, dtype=np.int64),
         alive=np.zeros(n, dtype=bool),

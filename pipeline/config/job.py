@@ -15,7 +15,7 @@ from pipeline.config.base import require
 from pipeline.config.curriculum import CurriculumConfig, LessonConfig
 from pipeline.config.mesh import LearnerPlacement
 from pipeline.config.model import DenseInferenceConfig, InferenceConfig, ModelSpec
-from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing
+from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing, RolloutPoolConfig
 from pipeline.config.retention import RetentionConfig
 from pipeline.config.steps import NoTrackerConfig, StoreConfig, TrackerConfig
 from pipeline.config.train import LossConfig, OptimizerSpec, RLOOLossConfig, TrainParams
@@ -44,7 +44,10 @@ class RLJobConfig:
     tracker: TrackerConfig = field(default_factory=NoTrackerConfig)
     """Optional experiment tracker (levanter's json / tensorboard / wandb) for the learner's metrics."""
     num_rollout_workers: int = 2
-    """Rollout worker processes."""
+    """Rollout worker processes (at the start, with an elastic `rollout_pool`)."""
+    rollout_pool: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
+    """An elastic rollout pool: with `rollout_pool.enabled`, the job runner adds a worker while the learner waits
+    for batches and removes one while workers are paused by pacing or waste is high (`pipeline.jobs.pool`)."""
     evaluator: bool = True
     """Run the evaluate step alongside (follow mode): full evaluation per curriculum.eval_frequency."""
     cadence: LearnerCadence = field(default_factory=LearnerCadence)
@@ -72,5 +75,14 @@ class RLJobConfig:
 
     def __post_init__(self) -> None:
         require(self.num_rollout_workers >= 1, "num_rollout_workers", self.num_rollout_workers, "must be >= 1")
+        if self.rollout_pool.enabled:
+            pool = self.rollout_pool
+            require(
+                pool.min_workers <= self.num_rollout_workers <= pool.max_workers,
+                "num_rollout_workers",
+                self.num_rollout_workers,
+                f"must lie within rollout_pool.min_workers..max_workers ({pool.min_workers}..{pool.max_workers}): "
+                "the pool starts with num_rollout_workers",
+            )
         require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
         require(self.restart_backoff_s >= 0, "restart_backoff_s", self.restart_backoff_s, "must be >= 0")

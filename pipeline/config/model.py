@@ -167,9 +167,23 @@ class InferenceConfig(draccus.ChoiceRegistry):
 
     max_seqs: int = 64
     """Most sequences decoded at once."""
+    partial_rollouts: bool = False
+    """Partial rollouts: the rollout worker loads each new committed policy in a background thread and the sampler
+    switches to it between decode steps, sequences in flight continuing on the new weights (their KV cache as
+    computed); rollout rows record the policy step of every token (`token_policy_steps`) and the lag rule applies
+    to the oldest (docs/guides/partial-rollouts.md). Only `type: dense` with `continuous_batching: true`; refused
+    for any other backend."""
 
     def __post_init__(self) -> None:
         require(self.max_seqs >= 1, "inference.max_seqs", self.max_seqs, "must be >= 1")
+        require(
+            not self.partial_rollouts or self.backend == "dense",
+            "inference.partial_rollouts",
+            self.partial_rollouts,
+            f"not supported by inference type {self.backend!r}: only type dense (with continuous_batching: true) can "
+            "switch policies between decode steps and report each token's policy step (a server's completions "
+            "report one policy step per response, and it loads a new policy only between requests)",
+        )
 
     @classmethod
     def default_choice_name(cls) -> str | None:
@@ -215,6 +229,12 @@ class DenseInferenceConfig(InferenceConfig):
             "inference.compute_dtype",
             self.compute_dtype,
             f"one of {DENSE_DTYPES} or null",
+        )
+        require(
+            not self.partial_rollouts or self.continuous_batching,
+            "inference.partial_rollouts",
+            self.partial_rollouts,
+            "needs inference.continuous_batching: true (a static batch decodes to its end on one policy)",
         )
 
 

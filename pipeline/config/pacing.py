@@ -54,7 +54,64 @@ class RolloutPacing:
     """`pacing:` how far rollout workers may run ahead of the learner."""
 
     max_steps_ahead: int = 1
-    """A worker pauses while rollouts from the current policy already cover this many unconsumed batches."""
+    """A worker pauses while rollouts from the current policy already cover this many unconsumed batches: the
+    committed unconsumed rows (with zero-variance filtering, those with signal) plus, with `count_claims`, the rows
+    other workers are generating now."""
+    count_claims: bool = True
+    """Before generating, a worker announces an in-flight claim (one empty object under `pacing/claims/`, naming its
+    policy step and rows, expiring after 3× its last generate-and-commit cycle: 30 s at least, 120 s for a first
+    claim) and counts the standing claims of the workers that claimed before it against `max_steps_ahead`, so that
+    workers passing the pacing check at the same moment do not all generate rows for one slot (they would go stale:
+    waste). Costs one listing of that folder per check that would produce, and one put and one delete per rollout
+    file. Off: only committed rows count."""
+    fit_room: bool = True
+    """A worker generates only as many prompts as cover the rows still missing from the backlog (`max_steps_ahead`
+    batches minus the unconsumed and claimed rows; at most the lesson's `n_prompts`): a whole file for a backlog a
+    few rows short would mostly go stale. Off: always `n_prompts` prompts."""
 
     def __post_init__(self) -> None:
         require(self.max_steps_ahead >= 0, "pacing.max_steps_ahead", self.max_steps_ahead, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RolloutPoolConfig:
+    """`rollout_pool:` an elastic pool of rollout workers (job config only): with `enabled`, the job runner starts
+    `num_rollout_workers` and adds or removes one at a time from what the steps' metrics records say, between
+    `min_workers` and `max_workers` (`pipeline.jobs.pool`; every decision is recorded under `pool/` in the run
+    root)."""
+
+    enabled: bool = False
+    """Resize the pool while the job runs (off: `num_rollout_workers` workers throughout)."""
+    min_workers: int = 1
+    """Never fewer rollout workers than this."""
+    max_workers: int = 4
+    """Never more rollout workers than this (a Ray backend checks up front that the cluster can hold them all)."""
+    scale_up_learner_wait: float = 0.3
+    """Add a worker when the learner spent at least this fraction of its recent steps waiting for its batch
+    (`wait_s / (wait_s + train_s)` over the learner's records in the window) and the workers are not paused."""
+    scale_down_paused: float = 0.5
+    """Remove a worker when the workers spent at least this fraction of the window paused by pacing (ahead of the
+    learner, or waiting for a newer policy: `time/pause_s` of their write records) and the learner is not waiting."""
+    scale_down_waste: float = 0.5
+    """Remove a worker when the BatchMaker dropped at least this many generated rows (stale, zero-variance,
+    superseded, zero-advantage) per row trained over the window and the learner is not waiting."""
+    window_s: float = 60.0
+    """The signals are read over the records of the last this many seconds (and only those after the last change)."""
+    cooldown_s: float = 30.0
+    """Seconds after a change (and after the job starts) before the next one: a new worker needs time to load its
+    policy before the signals can show its effect."""
+
+    def __post_init__(self) -> None:
+        require(self.min_workers >= 1, "rollout_pool.min_workers", self.min_workers, "must be >= 1")
+        require(
+            self.max_workers >= self.min_workers,
+            "rollout_pool.max_workers",
+            self.max_workers,
+            f"must be >= rollout_pool.min_workers ({self.min_workers})",
+        )
+        for name in ("scale_up_learner_wait", "scale_down_paused"):
+            v = getattr(self, name)
+            require(0.0 < v <= 1.0, f"rollout_pool.{name}", v, "must be a fraction in (0, 1]")
+        require(self.scale_down_waste > 0, "rollout_pool.scale_down_waste", self.scale_down_waste, "must be > 0")
+        require(self.window_s > 0, "rollout_pool.window_s", self.window_s, "must be > 0")
+        require(self.cooldown_s >= 0, "rollout_pool.cooldown_s", self.cooldown_s, "must be >= 0")

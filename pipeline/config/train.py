@@ -152,8 +152,31 @@ RATIO_LEVELS = ("token", "sequence")
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """On-policy distillation (`loss.distill`): the learner scores every sampled token with a frozen teacher, as it
+    does with the KL reference, and trains on the per-token reverse-KL advantage
+    A_t = coef · (log π_teacher(y_t) − log π_student(y_t)) + rl_coef · A_rl (the batch's RL advantage), with any
+    loss type (docs/guides/distillation.md)."""
+
+    teacher: str = ""
+    """The teacher: a run root (local or gs://; its newest committed policy), one of its `policies/step-S` folders
+    (the student's shape and tokenizer), or a Hugging Face folder (one with a config.json: the student's family
+    and vocabulary, any size). Checked before anything starts."""
+    coef: float = 1.0
+    """Weight of the reverse-KL (distillation) advantage."""
+    rl_coef: float = 0.0
+    """Weight of the batch's RL advantage (RLOO, GRPO, ...) added to it: 0 is pure on-policy distillation (no
+    reward needed; set `train.filter_zero_variance: false` so groups of equal rewards still reach the learner)."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.teacher), "loss.distill.teacher", self.teacher, "must name a run root, policy or HF folder")
+        require(self.coef > 0, "loss.distill.coef", self.coef, "must be > 0")
+        require(self.rl_coef >= 0, "loss.distill.rl_coef", self.rl_coef, "must be >= 0")
+
+
+@dataclass(frozen=True)
 class LossConfig(draccus.ChoiceRegistry):
-    """A registered RL loss module, chosen once from config (`type:` rloo, ppo, gspo or cispo)."""
+    """A registered RL loss module, chosen once from config (`type:` rloo, ppo, gspo, cispo or ppo_critic)."""
 
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference model; 0 builds no reference model at all."""
@@ -164,52 +187,35 @@ class LossConfig(draccus.ChoiceRegistry):
     max_log_ratio: float = 20.0
     """Learner/sampler log-ratios are clamped to [-max_log_ratio, max_log_ratio] before exp (float32 overflows
     past ~88); clamped tokens get no gradient through the ratio and are counted (metric clamped_fraction)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (rollout correction): weight the policy term by min(π_learner_old/π_sampler,
+    cap); None: off. When set, the loss's own ratio (rloo/ppo: the clipped token ratio; gspo: the sequence ratio;
+    cispo: the clipped weight's ratio) is taken to the learner's pre-update policy (stop-gradient), not to the
+    sampler: with one optimizer update per batch slot it is exactly 1, so clipping never acts (clip_fraction 0);
+    with several (`train.ppo_epochs`, `train.minibatches_per_slot`) it is taken to the learner's policy before
+    the slot's first update, and clipping acts. Per loss: see docs/guides/distillation.md#rollout-correction."""
+    tis_level: str = "token"
+    """Level of the TIS weight (with tis_cap): 'token' weighs each token by its own capped ratio (gspo: each
+    response by its length-normalised ratio (Π_t π_learner_old/π_sampler)^(1/|y|), like its own ratio);
+    'sequence' weighs every token of a response by min(Π_t π_learner_old/π_sampler, cap) over the response's
+    loss tokens (sequence-level TIS)."""
+    mis_level: str | None = None
+    """Masked importance sampling (rollout correction by rejection): 'token' drops every token whose ratio
+    π_learner_old/π_sampler lies outside [mis_low, mis_high] from the loss, 'sequence' drops every response whose
+    sequence ratio Π_t π_learner_old/π_sampler does; dropped tokens leave the denominator too (gspo: a response's
+    sequence ratio is then over its kept tokens). None: off."""
+    mis_low: float = 0.5
+    """Lower ratio bound of masked IS (0: no lower bound)."""
+    mis_high: float = 2.0
+    """Upper ratio bound of masked IS."""
+    distill: DistillConfig | None = None
+    """On-policy distillation from a teacher policy (see `DistillConfig`, docs/guides/distillation.md); None: off."""
 
     def __post_init__(self) -> None:
         require(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0")
         require(self.max_log_ratio > 0, "loss.max_log_ratio", self.max_log_ratio, "must be > 0")
         require(self.kl_estimator in KL_ESTIMATORS, "loss.kl_estimator", self.kl_estimator, f"one of {KL_ESTIMATORS}")
         require(self.aggregation in AGGREGATIONS, "loss.aggregation", self.aggregation, f"one of {AGGREGATIONS}")
-
-    @classmethod
-    def default_choice_name(cls) -> str | None:
-        return "rloo"
-
-
-@LossConfig.register_subclass("rloo")
-@dataclass(frozen=True)
-class RLOOLossConfig(LossConfig):
-    """RLOO advantages with a PPO-style clipped importance ratio (clip-higher)."""
-
-    clip_low: float = 0.2
-    """ε_low: the ratio is clipped below at 1 - ε_low."""
-    clip_high: float = 0.28
-    """ε_high: the ratio is clipped above at 1 + ε_high (clip-higher)."""
-    tis_cap: float | None = None
-    """Truncated importance sampling: weight each token by min(π_learner_old/π_sampler, cap); None: off.
-    When set, the clipped ratio is taken to the learner's own pre-update policy (stop-gradient), not to the
-    sampler: with one optimizer update per batch slot it is exactly 1, so clipping never acts (clip_fraction 0);
-    with several (`train.ppo_epochs`, `train.minibatches_per_slot`) it is taken to the learner's policy before
-    the slot's first update, and clipping acts."""
-    overlong_filter: bool = False
-    """Zero the loss of truncated responses (overlong filtering)."""
-    tis_level: str = "token"
-    """Level of the TIS weight (with tis_cap): 'token' weighs each token by its own capped ratio; 'sequence'
-    weighs every token of a response by min(Π_t π_learner_old/π_sampler, cap) over the response's loss tokens
-    (sequence-level TIS, rollout correction)."""
-    mis_level: str | None = None
-    """Masked importance sampling (rollout correction by rejection): 'token' drops every token whose ratio
-    π_learner_old/π_sampler lies outside [mis_low, mis_high] from the loss, 'sequence' drops every response whose
-    sequence ratio Π_t π_learner_old/π_sampler does; dropped tokens leave the denominator too. None: off."""
-    mis_low: float = 0.5
-    """Lower ratio bound of masked IS (0: no lower bound)."""
-    mis_high: float = 2.0
-    """Upper ratio bound of masked IS."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(0 <= self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in [0, 1)")
-        require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
         require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap", self.tis_cap, "must be >= 1 or null")
         require(self.tis_level in RATIO_LEVELS, "loss.tis_level", self.tis_level, f"one of {RATIO_LEVELS}")
         require(
@@ -226,6 +232,28 @@ class RLOOLossConfig(LossConfig):
         )
         require(0 <= self.mis_low <= 1, "loss.mis_low", self.mis_low, "must be in [0, 1]")
         require(self.mis_high >= 1, "loss.mis_high", self.mis_high, "must be >= 1")
+
+    @classmethod
+    def default_choice_name(cls) -> str | None:
+        return "rloo"
+
+
+@LossConfig.register_subclass("rloo")
+@dataclass(frozen=True)
+class RLOOLossConfig(LossConfig):
+    """RLOO advantages with a PPO-style clipped importance ratio (clip-higher)."""
+
+    clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 - ε_low."""
+    clip_high: float = 0.28
+    """ε_high: the ratio is clipped above at 1 + ε_high (clip-higher)."""
+    overlong_filter: bool = False
+    """Zero the loss of truncated responses (overlong filtering)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in [0, 1)")
+        require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
 
 
 @LossConfig.register_subclass("ppo")
@@ -245,7 +273,8 @@ class PPOClipLossConfig(LossConfig):
 @dataclass(frozen=True)
 class GSPOLossConfig(LossConfig):
     """GSPO: the sequence-level ratio s_i = (π_θ(y_i|x)/π_sampler(y_i|x))^(1/|y_i|), clipped per sequence,
-    averaged over sequences. No TIS (s_i is already taken to the sampler)."""
+    averaged over sequences. With `tis_cap`, s_i is taken to the learner's pre-update policy and the sampler
+    mismatch corrected by a per-response capped weight."""
 
     aggregation: str = "sequence"
     """Must be 'sequence': GSPO's objective is a mean over sequences (the KL term, if any, follows it)."""
@@ -267,7 +296,8 @@ class GSPOLossConfig(LossConfig):
 @dataclass(frozen=True)
 class CISPOLossConfig(LossConfig):
     """CISPO: every token's A·log π_θ weighted by sg(clip(π_θ/π_sampler, 1 - ε_low, 1 + ε_high)); token-level
-    aggregation by default. No TIS (the clipped weight is itself a truncated importance weight)."""
+    aggregation by default. With `tis_cap`, the clipped weight's ratio is to the learner's pre-update policy and
+    the sampler mismatch corrected by a capped TIS weight on top."""
 
     clip_low: float = 1.0
     """ε_low: the weight is clipped below at 1 - ε_low; 1.0 (the default) sets no lower bound."""
@@ -280,3 +310,37 @@ class CISPOLossConfig(LossConfig):
         super().__post_init__()
         require(0 <= self.clip_low <= 1, "loss.clip_low", self.clip_low, "must be in [0, 1]")
         require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
+
+
+@LossConfig.register_subclass("ppo_critic")
+@dataclass(frozen=True)
+class CriticPPOLossConfig(LossConfig):
+    """Critic PPO (actor-critic, as NeMo-RL / AReaL / SkyRL / verl's `gae` estimator): a value head on the
+    policy's final hidden states, GAE(γ, λ) advantages computed by the learner from the rollouts' per-token rewards
+    (`token_rewards`, which carry the episode reward on the last policy token plus any process rewards of the
+    environment), the PPO clip with a symmetric ε to the sampler, and a clipped value loss weighted by `vf_coef`.
+    The batch's RLOO/GRPO advantage is not used (docs/guides/critic-ppo.md)."""
+
+    clip_epsilon: float = 0.2
+    """ε: the policy ratio is clipped to [1 - ε, 1 + ε]."""
+    gamma: float = 1.0
+    """γ: discount per policy (loss) token; tool and environment tokens are not steps of the MDP."""
+    lam: float = 0.95
+    """λ of GAE: 1 gives Monte-Carlo returns minus V (high variance), 0 one-step TD errors (high bias)."""
+    value_clip: float | None = 0.2
+    """ε_v: the new value is clipped to V_old ± ε_v and the larger of the two squared errors taken (the PPO
+    reference implementation's value clipping); None: the plain squared error."""
+    vf_coef: float = 0.1
+    """Weight of the value loss in the total loss (the value head shares the policy's trunk)."""
+    whiten_advantages: bool = True
+    """Normalise the GAE advantages to mean 0 and standard deviation 1 over the loss tokens of the slot (of each
+    microbatch when `train.microbatch_size` is set), as verl and TRL do; the value targets stay unwhitened."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 < self.clip_epsilon < 1, "loss.clip_epsilon", self.clip_epsilon, "must be in (0, 1)")
+        require(0 <= self.gamma <= 1, "loss.gamma", self.gamma, "must be in [0, 1]")
+        require(0 <= self.lam <= 1, "loss.lam", self.lam, "must be in [0, 1]")
+        require(self.value_clip is None or self.value_clip > 0, "loss.value_clip", self.value_clip, "must be > 0")
+        require(self.vf_coef > 0, "loss.vf_coef", self.vf_coef, "must be > 0")
+        require(self.mis_level is None, "loss.mis_level", self.mis_level, "is not supported by ppo_critic (null)")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.config.base import ConfigError
 from pipeline.config.mesh import MeshConfig
 from pipeline.config.model import ModelSpec
-from pipeline.config.train import TrainParams
+from pipeline.config.train import CriticPPOLossConfig, TrainParams
 
 if TYPE_CHECKING:
     from pipeline.config.curriculum import CurriculumConfig
@@ -66,12 +66,26 @@ def validate_train(train: TrainParams) -> None:
         )
 
 
+def check_critic(loss: Any, train: TrainParams, model: ModelSpec) -> None:
+    """Critic PPO (`loss.type: ppo_critic`) trains a value head beside the full policy with one optimizer update
+    per batch slot (its GAE and value clip are to the critic before the update): refuse LoRA and several updates."""
+    if not isinstance(loss, CriticPPOLossConfig):
+        return
+    if model.lora is not None:
+        raise ConfigError("model.lora", model.lora, "is not supported with loss.type ppo_critic (the value head)")
+    for name, value in (("ppo_epochs", train.ppo_epochs), ("minibatches_per_slot", train.minibatches_per_slot)):
+        if value != 1:
+            raise ConfigError(f"train.{name}", value, "must be 1 with loss.type ppo_critic (one update per slot)")
+
+
 def validate_learner(c: LearnerStepConfig) -> None:
     """Cross-field checks of the learner step's config (`steps.learn` at its start)."""
     validate_train(c.train)
+    check_critic(c.loss, c.train, c.model)
     check_seq_len_fits_model(c.train, c.model)
     check_learner_layout(c.train, c.model, c.mesh, "mesh")
     check_init_policy(c.model, c.store.storage_options)
+    check_teacher(c.loss, c.model, c.store.storage_options)
 
 
 def check_learner_layout(train: TrainParams, model: ModelSpec, mesh: MeshConfig, mesh_field: str) -> None:
@@ -148,6 +162,14 @@ def check_init_policy(model: ModelSpec, storage_options: dict[str, Any]) -> None
         check(model, storage_options)
 
 
+def check_teacher(loss: Any, model: ModelSpec, storage_options: dict[str, Any]) -> None:
+    """Refuse a `loss.distill.teacher` that names no HF folder or committed policy (or one of another tokenizer)."""
+    if getattr(loss, "distill", None) is not None:
+        from pipeline.store.teacher import check_teacher as check
+
+        check(loss, model.tokenizer, storage_options)
+
+
 def check_inference_fits_model(inference: Any, model: ModelSpec) -> None:
     """The dense sampler's `inference.max_seq_len` must not exceed `model.max_seq_len` (positions the model has)."""
     limit = getattr(inference, "max_seq_len", None)
@@ -170,6 +192,7 @@ def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
             f"must be in [0, restart_backoff_max_s={c.restart_backoff_max_s}]",
         )
     validate_train(c.train)
+    check_critic(c.loss, c.train, c.model)
     check_seq_len_fits_model(c.train, c.model)
     check_inference_fits_model(c.inference, c.model)
     check_learner_layout(c.train, c.model, c.learner.mesh, "learner.mesh")
@@ -177,6 +200,7 @@ def validate_job(c: RLJobConfig, *, check_environments: bool = True) -> None:
     for lesson_id in c.curriculum.lessons:
         _check_lesson_fits(c, lesson_id)
     check_init_policy(c.model, c.store.storage_options)
+    check_teacher(c.loss, c.model, c.store.storage_options)
     if check_environments:
         check_environment_classes(c.curriculum)
         check_environment_args(c.curriculum)

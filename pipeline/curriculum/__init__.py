@@ -29,8 +29,10 @@ Semantics (Marin's curriculum, with its weak spots fixed; the constants are in `
   raw_i = 4·s_i·(1 − s_i) + EXPLORATION_BONUS·exp(−n_i / EXPLORATION_SCALE)   (s unknown: 0.5; n_i training samples)
   p_i = f + (1 − K·f)·raw_i / Σ_active raw   (active),   p_g = f   (graduated),
   with f = minimum_sample_probability and K = #active + #graduated; if none is active, graduated lessons share
-  uniformly. Marin's weight was base·(1 + bonus), zero for lessons at 0% or 100% whatever the bonus, and its
-  floor was applied before renormalising, so the floor did not hold.
+  uniformly. A saturated active lesson (at least SATURATION_FRACTION of its last SATURATION_WINDOW training groups
+  had all rewards equal: zero-variance filtering drops nearly every row of it) gets p = f like a graduated one
+  while some active lesson is not saturated. Marin's weight was base·(1 + bonus), zero for lessons at 0% or 100%
+  whatever the bonus, and its floor was applied before renormalising, so the floor did not hold.
 
 Every status change appends a `CurriculumEvent` with a human reason, e.g.
 "`addition_medium` unlocked at step 40: `addition_easy` reached 0.82 ≥ 0.8 and plateaued over 50 samples".
@@ -58,6 +60,8 @@ from pipeline.curriculum.rules import (
     EXPLORATION_SCALE,
     PLATEAU_MIN_T,
     RULES,
+    SATURATION_FRACTION,
+    SATURATION_WINDOW,
     TRAIN_EMA_ALPHA,
     CurriculumError,
     CurriculumState,
@@ -71,9 +75,11 @@ from pipeline.curriculum.rules import (
     exploration_bonus,
     fit_trend,
     fold_eval,
+    fold_groups,
     fold_training,
     initial_state,
     is_plateaued,
+    is_saturated,
     sample_lesson,
     sampling_weights,
     success_rate,
@@ -88,6 +94,8 @@ __all__ = [
     "LESSON_STATUSES",
     "PLATEAU_MIN_T",
     "RULES",
+    "SATURATION_FRACTION",
+    "SATURATION_WINDOW",
     "TRAIN_EMA_ALPHA",
     "CurriculumError",
     "CurriculumEvent",
@@ -105,9 +113,11 @@ __all__ = [
     "exploration_bonus",
     "fit_trend",
     "fold_eval",
+    "fold_groups",
     "fold_training",
     "initial_state",
     "is_plateaued",
+    "is_saturated",
     "latest_curriculum_slot",
     "load_curriculum_state",
     "load_latest_curriculum",

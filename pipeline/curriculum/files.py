@@ -20,6 +20,7 @@ from pipeline.curriculum.rules import (
     CurriculumStateError,
     CurriculumSyncError,
     fold_eval,
+    fold_groups,
     fold_training,
     initial_state,
 )
@@ -261,9 +262,12 @@ class CurriculumWriter:
     def _fold_rollouts(self, state: CurriculumState, slot: int, path: str, table: pa.Table) -> CurriculumState:
         lessons = table.column("lesson_id").to_pylist()
         rewards = table.column("episode_reward").to_pylist()
+        groups = zip(table.column("group_key").to_pylist(), table.column("policy_step").to_pylist(), strict=True)
         by_lesson: dict[str, list[float]] = {}
-        for lid, r in zip(lessons, rewards, strict=True):
+        by_group: dict[str, dict[tuple[str, int], list[float]]] = {}  # per lesson, groups in order of first row
+        for lid, r, g in zip(lessons, rewards, groups, strict=True):
             by_lesson.setdefault(lid, []).append(r)
+            by_group.setdefault(lid, {}).setdefault(g, []).append(r)
         for lid in sorted(by_lesson):
             if lid not in state.lessons:
                 logger.warning(
@@ -271,6 +275,7 @@ class CurriculumWriter:
                 )
                 continue
             state = fold_training(state, lid, by_lesson[lid], slot)
+            state = fold_groups(state, lid, [max(v) == min(v) for v in by_group[lid].values()])
         return state
 
     def _fold_eval_file(

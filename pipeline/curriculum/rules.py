@@ -36,6 +36,12 @@ PLATEAU_MIN_T = 2.0
 """A fitted slope within this many standard errors of zero counts as flat (≈95% two-sided)."""
 UNKNOWN_SUCCESS = 0.5
 """Success rate assumed for weighting a lesson with no data yet (the peak: explore it)."""
+SATURATION_WINDOW = 16
+"""Training groups (rows of one (group_key, policy_step) in a folded rollout file) over which saturation is judged."""
+SATURATION_FRACTION = 0.9
+"""A lesson is saturated when at least this fraction of its last `SATURATION_WINDOW` groups had all rewards equal:
+with zero-variance filtering the BatchMaker drops (almost) every row sampled from it (with 8 samples per group a
+binary reward gets there at a success rate of about 0.99 or 0.01)."""
 EPS = 1e-9
 """Tolerance of threshold comparisons (a bias-corrected EMA of all-ones is 1 up to rounding)."""
 
@@ -145,6 +151,15 @@ def is_plateaued(rewards: Sequence[float], window: int, threshold: float, min_t:
     return trend.change < threshold or trend.t < min_t
 
 
+def is_saturated(recent_groups: Sequence[int], window: int = SATURATION_WINDOW,
+                 fraction: float = SATURATION_FRACTION) -> bool:  # fmt: skip
+    """Whether a lesson is saturated: its last `window` groups are known (the window is full) and at least
+    `fraction` of them had all rewards equal (`recent_groups`: 1 per such group, 0 per group with signal)."""
+    if len(recent_groups) < window:
+        return False
+    return sum(recent_groups[-window:]) >= fraction * window - EPS
+
+
 def bell_weight(s: float) -> float:
     """4·s·(1 − s): 1 at s = 0.5, 0 at s ∈ {0, 1} (most RLOO signal from groups that sometimes succeed)."""
     return max(0.0, 4.0 * s * (1.0 - s))
@@ -211,6 +226,10 @@ class CurriculumState:
     def success(self, lesson_id: str) -> float | None:
         """The combined success rate `success_rate` of a lesson (None without data)."""
         return success_rate(self._lesson(lesson_id))
+
+    def saturated(self, lesson_id: str) -> bool:
+        """Whether the lesson's recent training groups were (almost) all without signal (`is_saturated`)."""
+        return is_saturated(self._lesson(lesson_id).recent_groups)
 
     def plateaued(self, lesson_id: str) -> bool:
         """Whether the lesson's training rewards have plateaued (`is_plateaued` with its window and threshold)."""
@@ -359,6 +378,19 @@ def fold_training(state: CurriculumState, lesson_id: str, rewards: Sequence[floa
     return advance(dataclasses.replace(state, lessons={**state.lessons, lesson_id: new}), step)
 
 
+def fold_groups(state: CurriculumState, lesson_id: str, zero_variance: Sequence[bool]) -> CurriculumState:
+    """Fold one rollout file's training groups of one lesson, in order: `zero_variance[i]` says whether group i's
+    rewards were all equal. recent_groups keeps the last `SATURATION_WINDOW` (1: all equal, 0: signal). No status
+    changes: saturation only moves sampling weight (`sampling_weights`)."""
+    rec = state._lesson(lesson_id)
+    if len(zero_variance) == 0:
+        return state
+    recent = (rec.recent_groups + tuple(int(bool(z)) for z in zero_variance))[-SATURATION_WINDOW:]
+    return dataclasses.replace(
+        state, lessons={**state.lessons, lesson_id: dataclasses.replace(rec, recent_groups=recent)}
+    )
+
+
 def fold_eval(
     state: CurriculumState, lesson_id: str, success: float, step: int, *, policy_step: int | None = None
 ) -> CurriculumState:
@@ -385,10 +417,13 @@ def sampling_weights(state: CurriculumState, cfg: CurriculumConfig | None = None
 
     raw_i = bell_weight(s_i) + exploration_bonus(n_i)   (s_i unknown: UNKNOWN_SUCCESS)
     p_i = f + (1 − K·f)·raw_i / Σ_active raw   for active lessons,   p = f for graduated ones,   0 otherwise,
-    with f = minimum_sample_probability and K = #active + #graduated. No active lesson: graduated ones share
-    uniformly. `cfg` defaults to the state's own config. Raises CurriculumError if no lesson can be sampled
-    (impossible under a validated config: a lesson without dependencies and with start_threshold 0 is active
-    from step 0 and statuses only move forward).
+    with f = minimum_sample_probability and K = #active + #graduated. A saturated active lesson (`is_saturated`:
+    its recent groups (almost) all scored alike, so its rows are dropped as zero-variance) is weighted like a
+    graduated one (p = f) while some active lesson is not saturated; if every active lesson is saturated they share
+    as usual (the BatchMaker then fills slots without signal, `pipeline.batch_maker.slot_metrics.fills_at_once`).
+    No active lesson: graduated ones share uniformly. `cfg` defaults to the state's own config. Raises
+    CurriculumError if no lesson can be sampled (impossible under a validated config: a lesson without dependencies
+    and with start_threshold 0 is active from step 0 and statuses only move forward).
     """
     cfg = cfg or state.config
     floor = cfg.minimum_sample_probability
@@ -405,6 +440,10 @@ def sampling_weights(state: CurriculumState, cfg: CurriculumConfig | None = None
         for k in graduated:
             out[k] = 1.0 / len(graduated)
         return out
+    learning = [k for k in active if not is_saturated(state.lessons[k].recent_groups)]
+    if learning:  # saturated active lessons get the floor, like graduated ones
+        graduated = sorted(graduated + [k for k in active if k not in learning])
+        active = learning
     raw = {}
     for k in active:
         s = success_rate(state.lessons[k])

@@ -48,6 +48,9 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    policy_steps: list[int] | None = None
+    """The policy step that sampled each token (partial rollouts: a policy can change mid-sequence); None: every
+    token was sampled by the policy of the call."""
 
 
 class Tokenizer(Protocol):
@@ -121,6 +124,9 @@ class EnvRollout:
     policy_step: int | None = None
     """The oldest policy step that sampled any of this episode's tokens when the environment knows it (an episode
     served through the generate endpoint across a policy change); None: the step the worker sampled with."""
+    token_policy_steps: list[int] | None = None
+    """The policy step of each response token (partial rollouts; one per response token); None: every token's step
+    is the row's policy step."""
 
 
 @dataclass
@@ -281,6 +287,8 @@ def rollout_from_completion(
         raise ValueError(f"episode reward {reward!r} is not finite")
     if token_rewards is not None and len(token_rewards) != n:
         raise ValueError(f"completion has {n} tokens but {len(token_rewards)} token rewards")
+    if completion.policy_steps is not None and len(completion.policy_steps) != n:
+        raise ValueError(f"completion has {n} tokens but {len(completion.policy_steps)} policy steps")
     return EnvRollout(
         env_name=env_name,
         example_id=example_id,
@@ -293,6 +301,7 @@ def rollout_from_completion(
         truncated=completion.finish_reason == "length",
         finish_reason=completion.finish_reason,
         info=dict(info or {}),
+        token_policy_steps=None if completion.policy_steps is None else [int(x) for x in completion.policy_steps],
     )
 
 

@@ -31,6 +31,24 @@ class RLJob:
         """Accept (and record in run.json's history) contract fields that differ from run.json."""
         validate_job(config, check_environments=check_environments)
 
+    def rollout_config(self, index: int) -> RolloutStepConfig:
+        """The config of rollout worker `index`: id `worker<index>`, seed `seed × 1000 + index`. The elastic pool
+        (`pipeline.jobs.pool`) numbers the workers it adds on from `num_rollout_workers` and never reuses an
+        index (a worker's file names also carry a per-start nonce, so even a reused id could not collide)."""
+        c = self.config
+        return RolloutStepConfig(
+            store=c.store,
+            model=c.model,
+            inference=c.inference,
+            curriculum=c.curriculum,
+            train=c.train,
+            worker_id=f"worker{index}",
+            follow=True,
+            pacing=c.pacing,
+            polling=c.polling,
+            seed=c.seed * 1000 + index,
+        )
+
     def to_worker_configs(self) -> dict[str, Any]:
         """Per-step configs, keyed by each step kind's `job_name`: `learner`, `batches`, `rollout` (a list),
         `evaluate`."""
@@ -52,21 +70,7 @@ class RLJob:
         batches = BatchMakerStepConfig(
             store=c.store, train=c.train, curriculum=c.curriculum, follow=True, polling=c.polling
         )
-        rollouts = [
-            RolloutStepConfig(
-                store=c.store,
-                model=c.model,
-                inference=c.inference,
-                curriculum=c.curriculum,
-                train=c.train,
-                worker_id=f"worker{i}",
-                follow=True,
-                pacing=c.pacing,
-                polling=c.polling,
-                seed=c.seed * 1000 + i,
-            )
-            for i in range(c.num_rollout_workers)
-        ]
+        rollouts = [self.rollout_config(i) for i in range(c.num_rollout_workers)]
         evaluate = EvaluateStepConfig(
             store=c.store,
             model=c.model,

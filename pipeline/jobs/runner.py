@@ -1,7 +1,10 @@
 """The job runner: starts the learner, the BatchMaker, N rollout workers and the evaluator on the job's backend
 (`backend: {type: local}`: child processes; `{type: ray}`: Ray tasks; see `pipeline.jobs.launchers`), restarts a crashed
 one with bounded exponential backoff (`restart_backoff_s` doubling up to `restart_backoff_max_s`), shows live
-progress, and stops everything cleanly when the learner reaches `num_train_steps` or on Ctrl-C.
+progress, and stops everything cleanly when the learner reaches `num_train_steps` or on Ctrl-C. With
+`rollout_pool.enabled` it also resizes the pool of rollout workers while the job runs (`pipeline.jobs.pool`): a
+worker it adds gets the next unused id (`worker<N>`), a worker it removes is stopped like any step (SIGTERM: it
+commits nothing half-done, and what it committed stays for the BatchMaker; killed after `STOP_GRACE_S`).
 
 Restart rules, by the step's exit code (`pipeline.process.exits.Exit`): a code in `NEVER_RESTARTED` (`CONFIG` 2: a
 refused configuration, or an error the step hit starting up that fails the same way on every start; `DAMAGED_INPUT`
@@ -36,6 +39,7 @@ import draccus
 from pipeline.config import check_run_config
 from pipeline.jobs.job import RLJob
 from pipeline.jobs.launchers.base import STOP_GRACE_S, StepSpec, make_launcher
+from pipeline.jobs.pool import PoolController
 from pipeline.jobs.progress import JobProgress, RunProgress
 from pipeline.jobs.step_logs import LogTarget, location, log_target, read_reason
 from pipeline.process.backoff import backoff_delay
@@ -82,6 +86,13 @@ class JobRunner:
         self.failure: int = Exit.FAILED
         """The job's exit code if a step stops it: Exit.FAILED, or the step's code in NEVER_RESTARTED."""
         self.launcher = make_launcher(self.cfg.backend)
+        self._next_worker = self.cfg.num_rollout_workers
+        """The index of the next rollout worker the elastic pool adds (indices are never reused)."""
+        self._removed: set[str] = set()
+        """Rollout workers the elastic pool removed."""
+        self._removing: dict[str, float] = {}
+        """Rollout workers the pool removed that still run -> monotonic time to kill them by."""
+        self.pool: PoolController | None = None
         self.steps = self._build_specs()
 
     # phases ----------------------------------------------------------------------------
@@ -91,7 +102,7 @@ class JobRunner:
         if self.store.exists(layout.STOP_FILE):
             logger.warning("removing a stale %s left by an earlier run", layout.STOP_FILE)
             self.store.delete(layout.STOP_FILE)
-        self.launcher.prepare(self.steps)
+        self.launcher.prepare(self.steps + self._pool_headroom())
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         signal.signal(signal.SIGTERM, self._on_sigint)
         try:
@@ -131,6 +142,66 @@ class JobRunner:
             evaluate = StepKind.EVALUATE.job_name
             specs.append(StepSpec(evaluate, StepKind.EVALUATE, self._write_config(evaluate, configs[evaluate])))
         return specs
+
+    def _pool_headroom(self) -> list[StepSpec]:
+        """Specs of the rollout workers an elastic pool may add beyond those it starts with, for the launcher's
+        `prepare` only (a Ray cluster must be able to hold `rollout_pool.max_workers` workers at once)."""
+        pool = self.cfg.rollout_pool
+        if not pool.enabled:
+            return []
+        rollout = StepKind.ROLLOUT.job_name
+        return [
+            StepSpec(f"{rollout}-worker{i}", StepKind.ROLLOUT, "")
+            for i in range(self.cfg.num_rollout_workers, pool.max_workers)
+        ]
+
+    def live_rollout_workers(self) -> list[StepSpec]:
+        """The pool's rollout workers: running or due to (re)start, not finished and not being removed."""
+        return [s for s in self.steps if s.kind == StepKind.ROLLOUT and not s.finished and not s.terminated]
+
+    def _tend_pool(self) -> None:
+        """Apply the elastic pool's decision, if one is due; kill a removed worker that outlived STOP_GRACE_S."""
+        now = time.monotonic()
+        for spec in [s for s in self.steps if s.name in self._removing]:
+            if spec.finished or spec.process is None:
+                del self._removing[spec.name]
+            elif now > self._removing[spec.name] and spec.process.poll() is None:
+                logger.warning("%s did not stop in %.0f s; killing it", spec.name, STOP_GRACE_S)
+                spec.process.kill()
+                del self._removing[spec.name]
+        if self.pool is None:
+            return
+        live = self.live_rollout_workers()
+        decision = self.pool.tick(len(live))
+        if decision is None:
+            return
+        if decision.delta > 0:
+            self._add_rollout_worker()
+        else:
+            spec = live[-1]  # the newest: the workers the job started with are the last to go
+            spec.terminated = True
+            self._removed.add(spec.name)
+            if spec.process is not None:
+                spec.process.terminate()
+                self._removing[spec.name] = now + STOP_GRACE_S
+        size = len(self.live_rollout_workers())
+        what = "added" if decision.delta > 0 else "removing"
+        name = self.steps[-1].name if decision.delta > 0 else spec.name
+        logger.info("rollout pool: %s %s -> %d workers (%s; %s)", what, name, size, decision.reason,
+                    decision.signals.describe())  # fmt: skip
+        self.pool.record("up" if decision.delta > 0 else "down", size, step=name, reason=decision.reason,
+                         **{k: v for k, v in dataclasses.asdict(decision.signals).items()})  # fmt: skip
+
+    def _add_rollout_worker(self) -> StepSpec:
+        """Start rollout worker `worker<next index>` (a new step of the job, supervised like the others)."""
+        index = self._next_worker
+        self._next_worker += 1
+        rc = self.job.rollout_config(index)
+        spec = StepSpec(f"{StepKind.ROLLOUT.job_name}-{rc.worker_id}", StepKind.ROLLOUT,
+                        self._write_config(rc.worker_id, rc))  # fmt: skip
+        self.steps.append(spec)
+        self._start(spec)
+        return spec
 
     def _write_config(self, name: str, cfg: Any) -> str:
         path = Path(self._tmp.name) / f"{name}.yaml"
@@ -180,6 +251,9 @@ class JobRunner:
         progress = self._progress = JobProgress(self.store, self.cfg.train.num_train_steps, self._on_progress)
         gc = _Collections(self.store, self.cfg.retention)
         learner = self.steps[0]
+        if self.cfg.rollout_pool.enabled:
+            self.pool = PoolController(self.store, self.cfg.rollout_pool)
+            self.pool.record("start", len(self.live_rollout_workers()))
         drain_deadline: float | None = None
         try:
             while True:
@@ -189,11 +263,15 @@ class JobRunner:
                         return self.failure
                 self._unless_storage_unavailable(progress.update)
                 self._unless_storage_unavailable(gc.tick)
+                if drain_deadline is None and not self._stopping:
+                    self._unless_storage_unavailable(self._tend_pool)
                 if self._stopping:
                     logger.info("interrupted: stopping every step")
                     return Exit.INTERRUPTED
                 if learner.finished and drain_deadline is None:
                     drain_deadline = now + EVALUATOR_DRAIN_S
+                    if self.pool is not None:
+                        self.pool.record("end", len(self.live_rollout_workers()))
                     self._stop_producers()
                 if drain_deadline is not None and (
                     all(s.finished or s.process is None for s in self.steps) or now > drain_deadline
@@ -220,6 +298,10 @@ class JobRunner:
                 del self._outage[spec.name]
             return True
         spec.exit_codes.append(rc)
+        if spec.name in self._removed:  # the elastic pool stopped it: whatever its code, it is not restarted
+            spec.finished = True
+            logger.info("%s left the rollout pool (exit %d)", spec.name, rc)
+            return True
         # a refused config (drift, bad value), damaged input, a storage fault (full, read-only) or no progress fails
         # the same way on every restart: never restarted, and a failure even when the runner has asked the step to
         # stop since (it failed before it could stop cleanly)

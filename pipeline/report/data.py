@@ -107,6 +107,8 @@ class RunData:
     """The `samples` metrics records of rollout workers (one per policy step and worker), by time."""
     answers: list[AnswerSample] = dataclasses.field(default_factory=list)
     """Right and wrong samples per lesson from eval and rollout rows (`pipeline.report.answers`)."""
+    pool: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The elastic rollout pool's records (`pipeline.jobs.pool.read_pool_records`; [] without one), by time."""
     empty_records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The rollout workers' `empty` records, by time: sampling calls that committed nothing because every example
     failed (their `env/` scorer metrics and `failure_reasons`; `pipeline.report.scorers`)."""
@@ -366,6 +368,12 @@ def load_run(run_root: str, storage_options: dict[str, Any] | None = None) -> Ru
     _read_lineage(store, data, [f for f in data_files if f not in bad and layout.parse_step(f) > covered], indexed_uses)
     _read_dropped(store, data, [f for f in dropped_files if f not in bad], attempts)
     _read_curriculum(store, data)
+    try:
+        from pipeline.jobs.pool import read_pool_records
+
+        data.pool = read_pool_records(store)
+    except Exception as e:  # a view: an unreadable pool record must not cost the report
+        data.notes.append(f"cannot read the rollout pool's records: {type(e).__name__}: {e}")
     try:
         _read_samples(store, data)
     except Exception as e:  # samples are a view: a failure to read them must not cost the report

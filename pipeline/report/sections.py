@@ -73,6 +73,11 @@ def summary_section(data: RunData) -> Section:
     dropped = sum(data.dropped_by_reason.values())
     rows.append(("rollouts dropped", dropped if data.dropped_by_reason else None))
     rows.append((WASTE_LABEL, waste_ratio(data.dropped_by_reason, data.rollouts_used or 0)))
+    if data.pool:  # the elastic rollout pool: its size at the start and after each change (`pipeline.jobs.pool`)
+        t_pool = float(data.pool[0].get("time", 0.0))
+        sizes = [f"{r.get('workers')} ({fmt(float(r.get('time', 0.0)) - t_pool)} s)" for r in data.pool
+                 if r.get("event") in ("start", "up", "down")]  # fmt: skip
+        rows.append(("rollout workers over time (elastic pool; time since start)", " -> ".join(sizes)))
     rows.append(("quarantined files", data.quarantined))
     kinds: dict[str, int] = defaultdict(int)
     for rec in data.quarantine:

@@ -5,13 +5,22 @@ Pure functions, no I/O. A rollout from policy P is usable in batch slot T iff `0
 newest committed batch slot), and while the unconsumed rows usable by slot T or later already cover
 `max_steps_ahead` batches (`count_unconsumed_rows`; with zero-variance filtering a file counts its rows with
 signal, recorded as `signal_rows` in its ready marker, see `usable_rows`, and files without signal count once they
-would let the BatchMaker fill a slot, see `fill_credit`).
+would let the BatchMaker fill a slot, see `fill_credit`; all of them once the run is saturated, see
+`count_unconsumed_rows`).
+
+In-flight claims (`pacing.count_claims`): a worker about to generate counts, on top of the committed rows, the rows
+of other workers' standing claims (`claimed_rows`); if there is room it announces its own `Claim` (one empty object
+under `pacing/claims/`, its fields in its name), reads the claims again and pauses, withdrawing it, if they now fill
+the backlog. Workers that pass the committed-rows check at the same moment therefore do not all generate rows for
+one slot, the extra rows going stale. A claim is withdrawn once its file is committed (its rows then count from
+the file) and expires after `claim_ttl` (a SIGKILLed worker's), so no committed data depends on it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import random
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +40,9 @@ class PacingDecision:
     reason: str
     next_slot: int
     slot_lag: int
+    room: int = 0
+    """When producing: rows still missing from the backlog (max_steps_ahead × batch_size minus the unconsumed and
+    claimed rows); a worker with `pacing.fit_room` generates no more prompts than cover it."""
 
 
 def estimate_unconsumed_rows(rows_by_policy: dict[int, int], last_slot: int, max_lag: int, batch_size: int) -> int:
@@ -96,6 +108,7 @@ def count_unconsumed_rows(
     *,
     no_signal: dict[str, int] | None = None,
     no_signal_fill_after: int = 0,
+    saturated: bool = False,
 ) -> int:
     """Rollout rows usable by slot B+1 or later (policies P >= B - max_lag) that no committed slot consumed.
 
@@ -107,7 +120,8 @@ def count_unconsumed_rows(
       (which no slot <= B can hold);
     - otherwise `estimate_unconsumed_rows`.
     `no_signal` (path -> rows) names the files without any signal (zero-variance filtering): the unconsumed ones
-    add `fill_credit` with `no_signal_fill_after`.
+    add `fill_credit` with `no_signal_fill_after`, or all their rows when the run is `saturated` (slot B's entry says
+    the BatchMaker fills slot B+1 from its first file: `pipeline.batch_maker.slot_metrics.fills_at_once`).
     """
     lo = staleness.oldest_allowed_policy(last_slot + 1, max_lag)  # usable by the next slot B+1
     usable = {path: v for path, v in files.items() if v[0] >= lo}
@@ -131,7 +145,8 @@ def count_unconsumed_rows(
             by_policy[p] = by_policy.get(p, 0) + n
         return estimate_unconsumed_rows(by_policy, last_slot, max_lag, batch_size)
     zero = [no_signal[path] for path in sorted(fresh) if no_signal and path in no_signal]
-    return live + sum(usable[path][1] for path in fresh) + fill_credit(zero, no_signal_fill_after)
+    credit = sum(zero) if saturated else fill_credit(zero, no_signal_fill_after)
+    return live + sum(usable[path][1] for path in fresh) + credit
 
 
 def pacing_decision(
@@ -142,11 +157,13 @@ def pacing_decision(
     max_lag: int,
     batch_size: int,
     max_steps_ahead: int,
+    claimed_rows: int = 0,
 ) -> PacingDecision:
     """Produce iff rollouts from `policy_step` are usable by the next slot and we are not too far ahead.
 
     next slot T = last_slot + 1. Pause "stale" when (T-1) - P > max_lag; pause "ahead" when
-    unconsumed_rows >= max_steps_ahead × batch_size.
+    unconsumed_rows + claimed_rows >= max_steps_ahead × batch_size (`claimed_rows`: rows other workers are
+    generating now, from their standing claims). Producing, `room` is the rows still missing.
     """
     nxt = last_slot + 1
     lag = staleness.lag(nxt, policy_step)
@@ -159,11 +176,15 @@ def pacing_decision(
             lag,
         )
     limit = max_steps_ahead * batch_size
-    if unconsumed_rows >= limit:
+    if unconsumed_rows + claimed_rows >= limit:
+        claimed = f" + {claimed_rows} being generated" if claimed_rows else ""
         return PacingDecision(
-            False, f"ahead: ~{unconsumed_rows} unconsumed rows >= max_steps_ahead×batch_size={limit}", nxt, lag
+            False,
+            f"ahead: ~{unconsumed_rows} unconsumed rows{claimed} >= max_steps_ahead×batch_size={limit}",
+            nxt,
+            lag,
         )
-    return PacingDecision(True, "ok", nxt, lag)
+    return PacingDecision(True, "ok", nxt, lag, room=limit - unconsumed_rows - claimed_rows)
 
 
 class PacingView:
@@ -221,3 +242,146 @@ class PacingView:
                 entry = None
             self._entry_cache = (slot, entry)
         return self._entry_cache[1]
+
+
+# -- in-flight claims ------------------------------------------------------------------------------------------
+
+CLAIMS_DIR = layout.PACING_CLAIMS
+"""Run-root folder of the in-flight claims: one empty object per worker generating now, its fields in its name."""
+CLAIM_MIN_TTL_S = 30.0
+"""A claim lives at least this long (a first claim, before the worker has timed a generation, lives
+`CLAIM_FIRST_TTL_S`)."""
+CLAIM_FIRST_TTL_S = 120.0
+CLAIM_TTL_FACTOR = 3.0
+"""A claim expires after this many times the worker's last generate-and-commit cycle (at least `CLAIM_MIN_TTL_S`,
+at most the generation and write timeouts): a SIGKILLed worker's claim stops holding others back that soon."""
+_SEP = "+"
+
+
+@dataclass(frozen=True, order=True)
+class Claim:
+    """A worker's announcement that it is generating `rows` rows from policy `policy_step` now, to be committed as
+    its rollout file number `seq`; ordered by (time, worker) so that every reader agrees who claimed first.
+
+    Stored as the empty object `pacing/claims/<worker>+<seq>+<policy_step>+<rows>+<time ms>+<expires ms>`: one
+    listing of the folder reads every claim (no object reads), O(workers) names."""
+
+    time: float
+    worker: str
+    seq: int
+    policy_step: int
+    rows: int
+    expires_at: float
+
+    @property
+    def name(self) -> str:
+        """The object name that stores this claim."""
+        parts = (
+            self.worker,
+            self.seq,
+            self.policy_step,
+            self.rows,
+            round(self.time * 1000),
+            round(self.expires_at * 1000),
+        )
+        return _SEP.join(str(p) for p in parts)
+
+    @staticmethod
+    def parse(name: str) -> Claim | None:
+        """The claim an object name stores (None: not a claim name)."""
+        parts = name.rsplit("/", 1)[-1].rsplit(_SEP, 5)
+        if len(parts) != 6:
+            return None
+        try:
+            seq, policy, rows, t_ms, exp_ms = (int(x) for x in parts[1:])
+        except ValueError:
+            return None
+        return Claim(t_ms / 1000.0, parts[0], seq, policy, rows, exp_ms / 1000.0)
+
+
+def standing_claims(
+    claims: Sequence[Claim], *, now: float, oldest_usable: int, committed: Container[str], exclude: str = ""
+) -> list[Claim]:
+    """The claims that still count: not expired (`expires_at > now`), from a policy usable by the next slot
+    (`>= oldest_usable`), whose rollout file is not committed yet (then its rows are counted from the file), and
+    not `exclude`'s (the asking worker's own)."""
+    out = []
+    for c in claims:
+        if c.worker == exclude or c.expires_at <= now or c.policy_step < oldest_usable:
+            continue
+        if layout.rollout_file(c.policy_step, c.worker, c.seq) in committed:
+            continue
+        out.append(c)
+    return out
+
+
+def claimed_rows(claims: Sequence[Claim]) -> int:
+    """Rows of the standing `claims` of other workers: counted on top of the committed rows, before announcing and
+    again after. Every claim seen counts, whatever its time: a claim's time is taken before its object is written,
+    so of two workers announcing together, the one with the earlier time may be the only one to see the other's
+    claim; yielding to every claim seen makes at least one of them pause (both, if both see each other: they
+    retry after a random part of a poll interval, `ClaimBoard.collision_pause_s`)."""
+    return sum(c.rows for c in claims)
+
+
+def prompts_for_room(room: int, n_prompts: int, n_generations: int) -> int:
+    """Prompts to generate for `room` missing rows: enough groups to cover it (ceil(room / n_generations)), at least
+    1, at most the lesson's `n_prompts`. A full file for a backlog short of a few rows would leave most of its rows
+    unconsumed until they go stale (files of one batch each, with a zero-advantage row or two missing, made
+    half of the demo's remaining waste)."""
+    return max(1, min(n_prompts, -(-room // max(1, n_generations))))
+
+
+def claim_ttl(last_cycle_s: float | None, timeout_s: float) -> float:
+    """Seconds a new claim lives: `CLAIM_TTL_FACTOR` × the last generate-and-commit cycle, at least
+    `CLAIM_MIN_TTL_S` (`CLAIM_FIRST_TTL_S` before any cycle), at most `timeout_s` (generation + write timeouts)."""
+    ttl = CLAIM_FIRST_TTL_S if last_cycle_s is None else max(CLAIM_MIN_TTL_S, CLAIM_TTL_FACTOR * last_cycle_s)
+    return min(ttl, timeout_s)
+
+
+class ClaimBoard:
+    """One worker's view of `pacing/claims/`: read every claim (one listing), announce its own, withdraw it.
+
+    Crash-safe: a claim is only a hint to other workers' pacing; a SIGKILLed worker's claim expires (and is then
+    deleted by whichever worker lists it), and no committed data depends on it."""
+
+    def __init__(self, store: Any, worker: str) -> None:
+        self.store = store
+        self.worker = worker
+        self.mine: Claim | None = None
+        self._jitter = random.Random(worker)
+
+    def read(self, now: float) -> list[Claim]:
+        """Every claim in the folder; expired ones of other workers are deleted on the way (best effort)."""
+        out = []
+        for path in self.store.list(CLAIMS_DIR):
+            c = Claim.parse(path)
+            if c is None:
+                continue
+            if c.expires_at <= now and c != self.mine:
+                try:
+                    self.store.delete(path)
+                except (OSError, StorageError) as e:  # another worker deleted it first, or a storage hiccup
+                    logger.debug("pacing: could not delete expired claim %s (%s)", path, e)
+                continue
+            out.append(c)
+        return out
+
+    def announce(self, seq: int, policy_step: int, rows: int, ttl_s: float, now: float) -> Claim:
+        """Write this worker's claim (replacing its previous one)."""
+        self.withdraw()
+        claim = Claim(now, self.worker, seq, policy_step, rows, now + ttl_s)
+        self.store.put_unique(f"{CLAIMS_DIR}/{claim.name}", b"")
+        self.mine = claim
+        return claim
+
+    def collision_pause_s(self, interval_s: float) -> float:
+        """A random part of `interval_s` to wait after withdrawing a claim because of another one announced at the
+        same moment: workers woken by the same commit would otherwise collide again and again."""
+        return self._jitter.uniform(0.0, interval_s)
+
+    def withdraw(self) -> None:
+        """Delete this worker's claim, if any (after its file is committed, or when it will not generate)."""
+        if self.mine is not None:
+            self.store.delete(f"{CLAIMS_DIR}/{self.mine.name}")
+            self.mine = None

@@ -152,9 +152,12 @@ def schema_rows(
     `rollout_id` is `<batch_id>-<i>` and `group_key` `<lesson>/<env group key>/<batch_id>`; every row records the
     temperature and top-p / top-k / min-p of `sampling` (what every backend applied or refused), and the
     episode's text, answer, ground truth, reward components and segment as the environment gave them.
+    `token_policy_steps`: the episode's own (partial rollouts), else every token at the row's policy step.
     """
     rows: list[RolloutRow] = []
     for i, (gkey, r) in enumerate(rows_src):
+        row_step = int(step if r.policy_step is None else r.policy_step)
+        token_steps = getattr(r, "token_policy_steps", None)
         common: dict[str, Any] = dict(
             rollout_id=f"{batch_id}-{i}",
             env_name=r.env_name,
@@ -170,7 +173,7 @@ def schema_rows(
             truncated=bool(r.truncated),
             finish_reason=r.finish_reason,
             temperature=float(sampling.temperature),
-            policy_step=int(step if r.policy_step is None else r.policy_step),
+            policy_step=row_step,
             worker_id=worker_id,
             timestamp=timestamp,
             top_p=float(sampling.top_p),
@@ -182,6 +185,9 @@ def schema_rows(
             reward_components={str(k): float(v) for k, v in r.reward_components.items()},
             episode_id=r.episode_id,
             segment_index=int(r.segment_index),
+            token_policy_steps=(
+                [int(x) for x in token_steps] if token_steps is not None else [row_step] * len(r.response_tokens)
+            ),
         )
         rows.append(EvalRow(**common, eval_type=eval_type) if eval_type else RolloutRow(**common))
     return rows

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.batch_maker.slot_metrics import fills_at_once
 from pipeline.config import RolloutStepConfig
 from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_weights
 from pipeline.environments.tokenizer import check_chat_lessons, load_tokenizer
@@ -29,11 +30,22 @@ from pipeline.process.backoff import Backoff
 from pipeline.process.exits import DamagedInputError, Exit, NoProgressError
 from pipeline.process.step_kind import StepKind
 from pipeline.process.watchdog import watchdog
-from pipeline.rollout.pacing import PacingDecision, PacingView, count_unconsumed_rows, pacing_decision, signal_rows
+from pipeline.rollout.pacing import (
+    ClaimBoard,
+    PacingDecision,
+    PacingView,
+    claim_ttl,
+    claimed_rows,
+    count_unconsumed_rows,
+    pacing_decision,
+    prompts_for_room,
+    signal_rows,
+    standing_claims,
+)
 from pipeline.rollout.rollout_batch import RolloutBatch, batch_stats
 from pipeline.rollout.samples import samples_record, to_samples
 from pipeline.rollout.worker_records import METRICS, WorkerSummary, incarnation_nonce, write_record  # noqa: F401
-from pipeline.store import layout, run_state
+from pipeline.store import layout, run_state, staleness
 from pipeline.store.notify import waker_for
 from pipeline.store.poll import WaitTimeout, poll_until
 from pipeline.store.storage import RunStore
@@ -59,6 +71,9 @@ class PolicyRuntime:
 
 
 NO_PROGRESS_AFTER = 20
+PAUSE_RECORD_S = 2.0
+"""A paused worker logs a `pause` metrics record (`paused_s`, `reason`: ahead or stale) per this many seconds of
+pausing, and one when a run of pauses ends: the job runner's elastic pool reads them (`pipeline.jobs.pool`)."""
 """Consecutive sampling calls that generate nothing, every example failing with the same error type, after which a
 worker stops with NoProgressError (exit 9, never restarted) instead of spinning: each call already re-draws a
 failed example `max_example_retries` times."""
@@ -154,9 +169,16 @@ class RolloutWorker:
         self._rng = np.random.default_rng([config.seed, int(time.time_ns() % (1 << 62))])
         self._current_step: int | None = None
         self._view = PacingView(self.store, self.config.train)
+        self._claims = ClaimBoard(self.store, self.name)
+        """This worker's in-flight claim (`pipeline.rollout.pacing`): others count its rows while it generates."""
+        self._last_cycle_s: float | None = None
+        self._room: int | None = None
+        """Rows the backlog still missed at the last pacing check that let this worker produce (`pacing.fit_room`)."""
         self._stall_grace_s = stall_grace_s if stall_grace_s is not None else max(2.0, 25 * config.polling.interval_s)
         self._weight_load_s = 0.0
         self._pause_s = 0.0
+        self._unreported_pause: tuple[float, str] = (0.0, "")
+        """Pause seconds not yet in a `pause` record, and the kind of the pause (see `PAUSE_RECORD_S`)."""
         self._paused_since: float | None = None
         """When the current run of pacing pauses began (None: producing)."""
         self._progress: tuple[int, int | None, float] = (0, None, time.monotonic())
@@ -170,6 +192,12 @@ class RolloutWorker:
         self.summary = WorkerSummary()
         self._fruitless: tuple[str, str, int] | None = None
         """(failure kind, last reason, consecutive sampling calls) while every call fails the same way."""
+        self._partial = bool(getattr(config.inference, "partial_rollouts", False))
+        """Partial rollouts: a prefetch thread loads new policies and stages them into the running sampler."""
+        self._staged: int | None = None
+        """The newest policy step handed to the sampler (partial rollouts)."""
+        self._prefetch: threading.Thread | None = None
+        self._prefetch_error: BaseException | None = None
 
     # -- control ------------------------------------------------------------------------------------
 
@@ -239,7 +267,9 @@ class RolloutWorker:
                 step = older
 
     def _last_batch_slot(self) -> int:
-        return run_state.last_committed_slot(self.store)
+        # batch slots are never uncommitted: list only the log entries after the newest one seen (O(new slots))
+        self._slot_floor = run_state.newest_slot_after(self.store, getattr(self, "_slot_floor", 0))
+        return self._slot_floor
 
     def _should_stop(self, started: float) -> bool:
         c = self.config
@@ -315,7 +345,11 @@ class RolloutWorker:
             self._weight_load_s += self.manager.load_policy(step)
 
     def sync_weights(self) -> bool:
-        """Load the newest committed policy if it is newer than the one held (never older). True if changed."""
+        """Load the newest committed policy if it is newer than the one held (never older). True if changed.
+
+        Partial rollouts: the prefetch thread loads it (`_prefetch_loop`); this adopts the newest one it staged."""
+        if self._partial:
+            return self._adopt_staged()
         managed = self._manager is not None and self._manager.manages_weights
         if self._manager is not None and self._manager.external_weights and not managed:
             return False
@@ -346,6 +380,45 @@ class RolloutWorker:
         self.metrics.flush()  # once per policy: the previous policy's writes reach trackers by the next learner step
         return True
 
+    # -- partial rollouts: the prefetch thread ---------------------------------------------------------
+
+    def _prefetch_loop(self) -> None:
+        """Until stopped: load each newer committed policy (setting damaged ones aside, as `sync_weights`) and
+        stage it into the sampler, which swaps it in between decode steps of the running call; an error stops
+        the loop and is raised by the main loop (`_adopt_staged`)."""
+        try:
+            while not self._stop.is_set():
+                latest = self._latest_policy()
+                if latest is not None and (self._staged is None or latest > self._staged):
+                    self._noticed_at.setdefault(latest, time.time())
+                    step, model = self._newest_intact(latest, self._load_step, floor=self._staged)
+                    if step >= 0:
+                        self.manager.stage_model(model, step)
+                        self._staged = step
+                        self._waker.poke()  # a paused main loop adopts it now
+                self._stop.wait(self.config.polling.interval_s)
+        except BaseException as e:  # raised on the main thread
+            self._prefetch_error = e
+            self._waker.poke()
+
+    def _adopt_staged(self) -> bool:
+        """The main loop's view of the prefetch thread: raise its error, else take the newest staged policy as the
+        held one (pacing, metrics). True if it changed."""
+        if self._prefetch_error is not None:
+            raise self._prefetch_error
+        staged = self._staged
+        if staged is None or (self._current_step is not None and staged <= self._current_step):
+            return False
+        old, self._current_step = self._current_step, staged
+        self.metrics.log({"event": "weights", "from_step": old, "policy_step": staged})
+        self.metrics.flush()
+        return True
+
+    def _start_prefetch(self) -> None:
+        if self._partial and self._prefetch is None and self._manager is not None:
+            self._prefetch = threading.Thread(target=self._prefetch_loop, name="policy-prefetch", daemon=True)
+            self._prefetch.start()
+
     @property
     def manager(self) -> Any:
         """The RolloutManager (built on first use from the config and the newest policy)."""
@@ -358,6 +431,7 @@ class RolloutWorker:
         if self._manager is not None and self._manager.external_weights and not self._manager.manages_weights:
             return
         step = self.wait_for_policy()
+        model: Any = None
         managed = self._require_runtime().manages_weights if self._manager is None else None
         if self._manager is None:
             model = None
@@ -374,6 +448,9 @@ class RolloutWorker:
             step, model = self._newest_intact(step, self._load_step)
             self._manager.update_model(model)
         self._current_step = step
+        if self._partial and model is not None:  # the sampler learns which policy its weights are
+            self._manager.stage_model(model, step)
+            self._staged = step
         self.metrics.log({"event": "weights", "from_step": None, "policy_step": step})
 
     def _policy_for_pacing(self) -> int:
@@ -394,16 +471,26 @@ class RolloutWorker:
         policy = self._policy_for_pacing()
         last_slot = self._last_batch_slot()
         files = self._view.committed_rollouts(last_slot - c.train.max_lag, max(policy, last_slot))
+        entry = self._view.log_entry(last_slot)
+        t = c.train
+        saturated = entry is not None and fills_at_once(
+            entry.get("filled_no_signal"),
+            bool(entry.get("no_signal_fill_from_start")),
+            t.batch_size,
+            filter_zero_variance=t.filter_zero_variance,
+            no_signal_fill_after=t.no_signal_fill_after,
+        )
         unconsumed = count_unconsumed_rows(
             files,
-            self._view.log_entry(last_slot),
+            entry,
             last_slot,
             c.train.max_lag,
             c.train.batch_size,
             no_signal=self._view.no_signal,
             no_signal_fill_after=c.train.no_signal_fill_after,
+            saturated=saturated,
         )
-        return pacing_decision(
+        decision = pacing_decision(
             policy_step=policy,
             last_slot=last_slot,
             unconsumed_rows=unconsumed,
@@ -411,6 +498,50 @@ class RolloutWorker:
             batch_size=c.train.batch_size,
             max_steps_ahead=c.pacing.max_steps_ahead,
         )
+        if decision.produce and c.pacing.count_claims:
+            decision = self._claim(policy, last_slot, unconsumed, files)
+        self._room = decision.room if decision.produce and c.pacing.fit_room else None
+        return decision
+
+    def _claim(self, policy: int, last_slot: int, unconsumed: int, files: dict[str, Any]) -> PacingDecision:
+        """Pacing with the rows other workers are generating now: pause if their standing claims fill the backlog;
+        else announce this worker's claim, read the claims again and pause (withdrawing it, after a random part of
+        a poll interval) if the claims now seen fill it (`claimed_rows`), so that workers passing the check together
+        do not all generate."""
+        c = self.config
+        sp = c.curriculum.default_sampling
+        lo = staleness.oldest_allowed_policy(last_slot + 1, c.train.max_lag)
+
+        def decide(claimed: int) -> PacingDecision:
+            return pacing_decision(
+                policy_step=policy,
+                last_slot=last_slot,
+                unconsumed_rows=unconsumed,
+                max_lag=c.train.max_lag,
+                batch_size=c.train.batch_size,
+                max_steps_ahead=c.pacing.max_steps_ahead,
+                claimed_rows=claimed,
+            )
+
+        def standing() -> list[Any]:
+            now = time.time()
+            return standing_claims(
+                self._claims.read(now), now=now, oldest_usable=lo, committed=files, exclude=self.name
+            )
+
+        decision = decide(claimed_rows(standing()))
+        if not decision.produce:
+            return decision
+        ttl = claim_ttl(self._last_cycle_s, c.generation_timeout_s + c.write_timeout_s)
+        prompts = prompts_for_room(decision.room, sp.n_prompts, sp.n_generations_per_prompt)
+        if not c.pacing.fit_room:
+            prompts = sp.n_prompts
+        self._claims.announce(self._seq, policy, prompts * sp.n_generations_per_prompt, ttl, time.time())
+        decision = decide(claimed_rows(standing()))
+        if not decision.produce:
+            self._claims.withdraw()
+            self._stop.wait(self._claims.collision_pause_s(c.polling.interval_s))
+        return decision
 
     def _choose_lesson(self) -> str:
         state = load_latest_curriculum(self.store, self.config.curriculum)
@@ -456,15 +587,24 @@ class RolloutWorker:
             self.stop(f"nothing to do: no committed policy yet ({e})")  # not follow mode: exit 0 saying why
         self._progress = (self._last_batch_slot(), self._latest_policy(), time.monotonic())
         writes = 0
+        self._start_prefetch()
         try:
             while not self._should_stop(started):
                 self._mark = self._waker.mark()  # before reading the root: a change from now on ends a pause
                 self.sync_weights()
                 if self._paused(self.pace()):
                     continue
-                if self._produce_one(writes):
-                    writes += 1
+                t_cycle = time.monotonic()
+                try:
+                    if self._produce_one(writes):
+                        writes += 1
+                finally:
+                    self._claims.withdraw()  # committed (its rows now count from the file) or nothing to count
+                self._last_cycle_s = time.monotonic() - t_cycle
         finally:
+            if self._prefetch is not None:
+                self._stop.set()  # the prefetch thread ends after its current load
+                self._prefetch.join(timeout=self.config.weight_load_timeout_s)
             self.summary.stop_reason = self._stop_reason or "error"
             self.metrics.log(
                 {
@@ -501,11 +641,15 @@ class RolloutWorker:
         if decision.produce:
             self._backoff.reset()
             self._paused_since = None
+            self._report_pause(0.0, "", end=True)
             return False
         stalled = time.monotonic() - self._progress[2]
         if self._paused_since is None:
             self._paused_since = time.monotonic()
         paused = time.monotonic() - self._paused_since
+        # the stall clock runs only while paused: the time this worker spent generating its last file (a first
+        # generation compiles for seconds) is no stall, and letting a write through then only makes stale rows
+        stalled = min(stalled, paused)
         if not self.config.follow and paused >= self.config.polling.bounded_wait_s:  # scheduled: nothing to do now
             self.stop(f"nothing more to do: paused by pacing for {paused:.0f}s ({decision.reason})")
             return True
@@ -515,6 +659,7 @@ class RolloutWorker:
             if self._waker.sleep(self._backoff.next(self._waker.event_driven), self._mark):
                 self._backoff.reset()
             self._pause_s += time.monotonic() - t0
+            self._report_pause(time.monotonic() - t0, decision.reason)
             return True
         logger.info(
             "pacing: no batch/policy progress for %.1fs while paused (%s); producing one write anyway",
@@ -523,6 +668,17 @@ class RolloutWorker:
         )
         self._progress = (*state, time.monotonic())
         return False
+
+    def _report_pause(self, dt: float, reason: str, *, end: bool = False) -> None:
+        """Count `dt` more seconds paused for `reason`; log a `pause` record of the seconds not yet logged once
+        they reach `PAUSE_RECORD_S`, or at the `end` of a run of pauses."""
+        unreported, kind = self._unreported_pause
+        unreported += dt
+        kind = reason.split(":", 1)[0] if reason else kind
+        if unreported > 0 and (end or unreported >= PAUSE_RECORD_S):
+            self.metrics.log({"event": "pause", "reason": kind, "paused_s": unreported})
+            unreported = 0.0
+        self._unreported_pause = (unreported, kind)
 
     def _batchmaker_waits_for_learner(self, last_slot: int, latest_policy: int | None) -> bool:
         """True while the BatchMaker may not write the next slot yet (slot B+1 > newest policy +
@@ -541,6 +697,8 @@ class RolloutWorker:
         if c.max_rollouts is not None:
             left = c.max_rollouts - self.summary.rows
             n_examples = max(1, min(n_examples, math.ceil(left / sp.n_generations_per_prompt)))
+        if self._room is not None:  # pacing.fit_room: no more prompts than the backlog is missing
+            n_examples = min(n_examples, prompts_for_room(self._room, sp.n_prompts, sp.n_generations_per_prompt))
         if c.curriculum.micro_eval_frequency and writes and writes % c.curriculum.micro_eval_frequency == 0:
             self._micro_eval(lesson_id)
         policy = self._policy_for_pacing()

@@ -24,17 +24,19 @@ def split_init_policy(ref: str) -> tuple[str, int | None]:
     return m.group("root") or ".", int(m.group("step"))
 
 
-def resolve_init_policy(ref: str, storage_options: Mapping[str, Any] | None = None) -> tuple[RunStore, int]:
-    """(the run root's store, the committed policy step) `ref` names; ConfigError naming `model.init_policy` when
-    no committed policy is there."""
+def resolve_init_policy(
+    ref: str, storage_options: Mapping[str, Any] | None = None, field: str = FIELD
+) -> tuple[RunStore, int]:
+    """(the run root's store, the committed policy step) `ref` names; ConfigError naming `field` (default
+    `model.init_policy`) when no committed policy is there."""
     root, step = split_init_policy(ref)
     store = RunStore(root, storage_options or None)
     if step is None:
         step = run_state.latest_policy_step(store)
         if step is None:
-            raise ConfigError(FIELD, ref, f"no committed policy under {store.full_path(layout.POLICIES)}")
+            raise ConfigError(field, ref, f"no committed policy under {store.full_path(layout.POLICIES)}")
     elif not store.exists(layout.policy_marker(step)):
-        raise ConfigError(FIELD, ref, f"policy {step} is not committed ({store.full_path(layout.policy_marker(step))})")
+        raise ConfigError(field, ref, f"policy {step} is not committed ({store.full_path(layout.policy_marker(step))})")
     return store, step
 
 

@@ -205,6 +205,8 @@ def eval_summary_file(policy_step: int, lesson_id: str, *, external: str | None 
 METRICS = "metrics"
 QUARANTINE = "quarantine"
 LEASES = "leases"
+PACING_CLAIMS = "pacing/claims"
+"""Rollout workers' in-flight claims (`pipeline.rollout.pacing.Claim`): hints to pacing, never committed data."""
 
 
 def metrics_dir(step_kind: StepKind | str) -> str:

@@ -7,8 +7,10 @@ Listing plus marker existence is the truth; pointers such as `policies/LATEST` a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import re
 import threading
 from typing import Any
 
@@ -73,11 +75,56 @@ def committed_steps(store: Any, root: str) -> list[int]:
 
 
 def latest_policy_step(store: Any) -> int | None:
-    """The newest committed policy step, or None before policy 0 is published."""
+    """The newest committed policy step, or None before policy 0 is published.
+
+    O(new policies) per call, however many the run kept: from a floor (the newest this store object found before,
+    else the `policies/LATEST` hint once its marker is checked) it lists only `policies/` entries from the floor
+    on (`RunStore.list_after`: one GCS listing with a start offset) and heads the markers of those, newest first.
+    Without a usable floor (a fresh store and no LATEST, or the floor's folder is gone) the whole of `policies/`
+    is listed and the markers are checked, as before: listing plus marker existence stays the truth.
+    """
+    floor = None
+    if hasattr(store, "list_after"):  # a RunStore (another store type: the full listing)
+        floor = getattr(store, "_policy_floor", None)
+        if floor is None:
+            floor = _latest_hint(store)
+    if floor is not None:
+        after = f"step-{floor - 1:0{layout.STEP_WIDTH}d}" if floor > 0 else "step-"
+        for s in reversed(_steps_of(store.list_after(layout.POLICIES, after))):
+            if s >= floor and store.exists(layout.policy_marker(s)):
+                _remember_floor(store, s)
+                return s
     for s in reversed(step_folders(store, layout.POLICIES)):
         if store.exists(layout.policy_marker(s)):
+            _remember_floor(store, s)
             return s
     return None
+
+
+def _latest_hint(store: Any) -> int | None:
+    """The step `policies/LATEST` names (None: absent or unreadable); a hint, never trusted without its marker."""
+    try:
+        step = json.loads(store.get(layout.POLICY_LATEST)).get("step")
+    except (FileNotFoundError, ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def _remember_floor(store: Any, step: int) -> None:
+    """Keep the newest committed policy found on the store object (committed policies are never uncommitted;
+    retention keeps the newest), so the next call lists only what came after it."""
+    with contextlib.suppress(AttributeError):
+        store._policy_floor = step
+
+
+def _steps_of(paths: list[str]) -> list[int]:
+    """The step numbers of `.../step-S` entries among `paths`, ascending (temp and other names skipped)."""
+    steps: set[int] = set()
+    for rel in paths:
+        name = rel.rstrip("/").rsplit("/", 1)[-1]
+        if re.fullmatch(r"step-\d{8}", name):
+            steps.add(layout.parse_step(name))
+    return sorted(steps)
 
 
 _GAPS_LOGGED: set[tuple[str, tuple[int, ...]]] = set()
@@ -105,6 +152,20 @@ def last_committed_slot(store: Any) -> int:
     return slots[-1] if slots else 0
 
 
+def newest_slot_after(store: Any, floor: int) -> int:
+    """The highest committed batch slot, knowing slot `floor` (0: none) is committed: lists only `batches/log`
+    entries after slot `floor`'s (`RunStore.list_after`), so a poll costs O(new slots), not O(slots of the run).
+    Without `list_after` (another store type) it is `last_committed_slot`."""
+    if floor <= 0 or not hasattr(store, "list_after"):
+        return last_committed_slot(store)
+    after = layout.batch_log_entry(floor).rsplit("/", 1)[-1]
+    slots = [layout.parse_step(p) for p in store.list_after(layout.BATCH_LOG, after) if p.endswith(".json")]
+    return max([floor, *slots])
+
+
 def rollout_folders(store: Any, low: int = 0) -> list[int]:
-    """Policy steps P >= `low` that have a `rollouts/step-P` folder, ascending."""
+    """Policy steps P >= `low` that have a `rollouts/step-P` folder, ascending. With `low` > 0 only the folder
+    names from `low` on are listed (`RunStore.list_after`), so the cost does not grow with the folders below it."""
+    if low > 0 and hasattr(store, "list_after"):
+        return [s for s in _steps_of(store.list_after(layout.ROLLOUTS, layout.step_name(low - 1))) if s >= low]
     return [s for s in step_folders(store, layout.ROLLOUTS) if s >= low]

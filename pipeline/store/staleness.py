@@ -4,6 +4,12 @@ The learner turns policy S into S+1 using batch slot S+1, so batch slot T is tra
 sampled from policy P, used in batch slot T, has lag `(T-1) - P`; it is allowed iff `0 <= lag <= max_lag`
 (`max_lag = 0`: strictly on-policy). A negative lag means the rollout comes from a policy newer than the one
 being trained (impossible unless files are foreign) and is refused.
+
+Partial rollouts (rollout schema v4): one response can be sampled by several policies, `token_policy_steps`
+recording each token's. The rule applies to the oldest token: a row is as stale as the
+oldest policy that sampled any of its tokens. The worker writes a sampling call's oldest token step as every
+row's `policy_step` (rows of one file and group share it), and the BatchMaker refuses a row with a token older
+than its `policy_step`, so applying the rule to `policy_step` never lets a row count fresher than its oldest token.
 """
 
 from __future__ import annotations

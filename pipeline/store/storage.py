@@ -47,6 +47,7 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -500,6 +501,35 @@ class RunStore(CommittedData):
             names = [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
         prefix = f"{rel_dir}/" if rel_dir else ""
         return sorted(prefix + n for n in names if n and not n.startswith(TMP_PREFIX))
+
+    def list_after(self, rel_dir: str, start_after: str) -> builtins.list[str]:
+        """`list(rel_dir)` restricted to the children whose name sorts after `start_after` (a name, not a path).
+
+        On GCS one listing with `startOffset`, so the objects returned (and the pages paid for) are only the ones
+        after `start_after`, however many come before; elsewhere (local disk: a directory read is free) the full
+        listing, filtered.
+        """
+        rel_dir = rel_dir.strip("/")
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        if self.protocol not in ("gs", "gcs"):
+            return [p for p in self.list(rel_dir) if p[len(prefix) :] > start_after]
+        from fsspec.asyn import sync  # gcsfs is async underneath; its `ls` has no start offset
+
+        bucket, _, key = f"{self.root}/{prefix}".partition("/")
+        names: set[str] = set()
+        token: str | None = None
+        while True:
+            kw = {"pageToken": token} if token else {}
+            page = _retry(f"ls {bucket}/{key} after {start_after}", lambda kw=kw: sync(  # type: ignore[misc]
+                self.fs.loop, self.fs._call, "GET", "b/{}/o", bucket, delimiter="/", prefix=key,
+                startOffset=key + start_after, maxResults=1000, json_out=True, **kw))  # fmt: skip
+            for obj in page.get("items", []):
+                names.add(str(obj["name"])[len(key) :])
+            names.update(str(p)[len(key) :].rstrip("/") for p in page.get("prefixes", []))
+            token = page.get("nextPageToken")
+            if not token:
+                break
+        return sorted(prefix + n for n in names if n and n > start_after and not n.startswith(TMP_PREFIX))
 
     def delete(self, rel: str) -> None:
         """Remove `rel` (garbage collection only; commit objects are never deleted). Missing is fine."""

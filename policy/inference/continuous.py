@@ -6,34 +6,53 @@ returns each sequence's tokens and logprobs as numpy arrays.
 
 Algorithm (a host scheduler over three compiled programs of fixed shapes):
 
-- State on the device: `slots` sequences, each with its own KV cache rows `[L, kv_heads, head_dim]` per layer
-  (left-aligned: cache index = rotary position), its next position, tokens generated, token budget, stop tokens,
-  temperature and PRNG stream, plus the logits it samples its next token from.
-- `prefill` (one program per prompt-length bucket Pb): the prompt right-aligned in `[1, Pb]` exactly as the static
-  sampler lays it out, giving its KV (rolled so that cache index = position) and the logits of its last token.
-- `insert` (one program per Pb): copies one prefilled prompt's KV and logits into any subset of the free slots
-  (a scatter whose unused indices are dropped). The n samples of a prompt share one prefill: the prompt's KV is
-  prefilled once and copied into each sample's slot (`prefill_tokens` counts the prompt tokens prefilled).
+- State on the device: `slots` sequences, each with its own KV cache rows per layer (left-aligned: cache index =
+  rotary position), its next position, tokens generated, token budget, stop tokens, temperature and PRNG stream,
+  plus the logits it samples its next token from. The caches follow the dense sampler's `DecodeOptions`: head-major
+  `[slots, kv_heads, L, head_dim]` by default (what the grouped-query products read without a transposed copy),
+  `[slots, L, kv_heads, head_dim]` with `head_major_cache=False` (the legacy layout, for benchmarks).
+- `prefill` (one program per (Bp, Pb), Bp = bucket(prompts), Pb = bucket(longest prompt)): the distinct prompts
+  that start together, right-aligned in `[Bp, Pb]` exactly as the static sampler lays them out, giving their KV
+  (rolled per row so that cache index = position) and the logits of their last tokens.
+- `insert` (one program per (Bp, Pb)): copies the prefilled prompts' KV and logits into any subset of the free
+  slots, each slot naming its prompt's row (a scatter whose unused indices are dropped). The n samples of a prompt
+  share one prefill: the prompt's KV is prefilled once and copied into each sample's slot (`prefill_tokens` counts
+  the prompt tokens prefilled, padding included).
 - `decode` (one program): a `while_loop` of decode steps over all slots (token t of a sequence is sampled from
-  its carried logits with key `fold_in(fold_in(PRNGKey(seed), sample_id), t)`, the static sampler's stream, then
-  fed at its own position) that returns to the host as soon as a sequence finishes while others wait in the queue
-  (else when all are done). The host then reads the finished sequences and refills their slots from the queue.
+  its carried logits with key `fold_in(fold_in(PRNGKey(seed), sample_id), t)`, the static sampler's stream, by
+  the static sampler's own function: `sample_tokens_fast` when no top-p/top-k/min-p is set, a static flag, else
+  `sample_tokens`; then fed at its own position, its keys/values written into the loop-carried cache by one
+  in-place scatter per layer) that returns to the host as soon as a sequence finishes while others wait in the
+  queue (else when all are done). The host then reads the finished sequences and refills their slots from the
+  queue. Attention reads the whole cache length L every step (masked past each slot's position).
 
 So a finished sequence's slot is refilled at the next decode step instead of idling until the longest sequence of
 its batch ends. Samples are those of the static sampler: the same per-sequence PRNG streams and the same math
 (greedy tokens identical; logprobs equal within float rounding, since only the cache layout differs).
 
-Shapes compiled: prefill per Pb; insert per (Pb, slots, L, K); decode per (slots, L, T, K); L = bucket(longest prompt) +
-T, T = bucket(largest budget) >= 16 and K = bucket(stop tokens) >= 4, as the static path buckets them. Refilling
-slots never compiles; `trace_count` counts traces.
+Partial rollouts (`inference.partial_rollouts: true`, `partial=True` here): `stage(params, step)` (any thread)
+hands in the weights of a newer policy; the host swaps them in at the next decode-program boundary (the decode
+program then returns to the host at least every `swap_check_steps` steps, so a staged policy waits at most that
+many steps; the weights are an argument of the compiled programs, so nothing recompiles). Sequences in flight
+continue on the new weights; their KV cache stays as computed under the older policy (not recomputed, as in AReaL
+and slime). Token t of a sequence is sampled from logits computed when token t-1 was fed (or at prefill for t = 0),
+so its policy step is the step of the weights that computed those logits: after a swap at a boundary, the next
+token still belongs to the old policy and the ones after it to the new one. `SeqResult.policy_steps` records that
+step per token, and its logprob is that policy's.
+
+Shapes compiled: prefill per (Bp, Pb); insert per (Bp, Pb, slots, L, K); decode per (slots, L, T, K) and whether
+controls are set; L = bucket(longest prompt) + T, T = bucket(largest budget) >= 16 and K = bucket(stop tokens) >= 4,
+as the static path buckets them (Bp takes at most log2(slots) + 1 values per Pb). Refilling slots compiles nothing
+beyond those buckets; `trace_count` counts traces.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -41,7 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from policy.inference.base import NO_CONTROLS, SamplingControls
-from policy.inference.dense_sampler import DenseSampler, bucket, rms_norm, truncate_logits
+from policy.inference.dense_params import extract_params
+from policy.inference.dense_sampler import DenseSampler, bucket, rms_norm, sample_tokens, sample_tokens_fast
 
 logger = logging.getLogger(__name__)
 
@@ -58,32 +78,22 @@ class SeqRequest:
 
 @dataclasses.dataclass(frozen=True)
 class SeqResult:
-    """Tokens and their logprobs (float32) of one sequence, and whether it ended on a stop token."""
+    """Tokens and their logprobs (float32) of one sequence, whether it ended on a stop token, and the policy step
+    that sampled each token (int64 per token; None when the sampler's policy step is unknown)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     stopped: bool
+    policy_steps: np.ndarray | None = None
 
 
-def _sample(
-    logits: jax.Array,
-    temperature: jax.Array,
-    seq_keys: jax.Array,
-    t: jax.Array,
-    controls: tuple[jax.Array, jax.Array, jax.Array],
-) -> tuple[jax.Array, jax.Array]:
-    """`dense_sampler.sample_tokens` with a per-sequence temperature [S] and token index t [S] (so each slot
-    follows its own sequence's PRNG stream): the same keys, truncation and logprob convention."""
-    safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)[:, None]
-    z = logits / safe_t
-    step_keys = jax.vmap(jax.random.fold_in)(seq_keys, t)
-    top_p, top_k, min_p = controls
-    active = (top_p < 1.0) | (top_k > 0) | (min_p > 0.0)
-    zs = jax.lax.cond(active, lambda: truncate_logits(z, top_p, top_k, min_p), lambda: z)
-    sampled = jax.vmap(jax.random.categorical)(step_keys, zs)
-    tok = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
-    chosen = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0]
-    return tok, chosen - jax.nn.logsumexp(z, axis=-1)
+SWAP_CHECK_STEPS = 8
+"""With partial rollouts, the most decode steps the decode program runs before it returns to the host, which then
+swaps in a staged policy (a host round trip per this many steps, small against 8 decode steps of a real model;
+none without partial rollouts)."""
+
+NO_STEP_LIMIT = 1 << 30
+"""The decode program's step limit without partial rollouts (it returns only when a sequence finishes)."""
 
 
 class ContinuousSampler:
@@ -95,36 +105,99 @@ class ContinuousSampler:
     once (`prefill_tokens` counts padded prompt tokens through prefill, `decode_steps` counts decode steps).
     """
 
-    def __init__(self, dense: DenseSampler):
+    def __init__(
+        self,
+        dense: DenseSampler,
+        *,
+        partial: bool = False,
+        swap_check_steps: int = SWAP_CHECK_STEPS,
+        policy_step: int | None = None,
+    ):
+        """Over `dense`'s model and weights; `partial`: partial rollouts (see the module docstring), the weights
+        of `dense` being those of `policy_step` (None: unknown until a policy is staged)."""
+        if swap_check_steps < 1:
+            raise ValueError(f"swap_check_steps={swap_check_steps}: must be >= 1")
         self.dense = dense
         self._m = dense._m
         self.trace_count = 0
         self.prefill_tokens = 0
         self.decode_steps = 0
+        self.partial = partial
+        self.swap_check_steps = swap_check_steps
+        self.policy_step = policy_step
+        """The policy step of the weights in use (None: unknown)."""
+        self.swaps = 0
+        """Staged policies swapped in so far (at a call's start or between its decode steps)."""
+        self._pending: tuple[dict[str, Any], int] | None = None
+        self._pending_lock = threading.Lock()
         options = {"xla_backend_optimization_level": 0} if dense.fast_compile else None
         self._prefill = jax.jit(self._prefill_impl, compiler_options=options)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), compiler_options=options)
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1,), compiler_options=options)
+        self._decode = jax.jit(
+            self._decode_impl, donate_argnums=(1,), static_argnames=("truncate",), compiler_options=options
+        )
+        self.head_major = dense.decode.head_major_cache
+        """KV cache layout [S, kv_heads, L, head_dim] (else [S, L, kv_heads, head_dim]), from `dense.decode`."""
+
+    # -- policy swaps (partial rollouts) ----------------------------------------------------------
+
+    def stage(self, params: dict[str, Any], step: int) -> None:
+        """Use `params` (the weights of policy `step`, structured as `dense.params`) from the next decode-program
+        boundary on, or from the next call's start when none runs. Thread-safe, never blocks on a running call;
+        a newer staged policy replaces an older one not yet swapped in; an older one than in use is ignored."""
+        with self._pending_lock:
+            current = self._pending[1] if self._pending is not None else self.policy_step
+            if current is not None and step < current:
+                logger.warning("continuous sampler: policy %d staged after %d; ignored", step, current)
+                return
+            self._pending = (params, int(step))
+
+    def stage_model(self, model: Any, step: int) -> None:
+        """`stage` the weights of `model` (policy `step`), converted on the calling thread (a worker's prefetch
+        thread, so the sampling thread only swaps a reference). Raises ValueError for a model of another structure
+        (its weights cannot go into the compiled programs)."""
+        if not self.dense.compatible(model):
+            raise ValueError(f"policy {step} has another model structure than the sampler's: cannot swap it in")
+        self.stage(extract_params(model, self.dense.arch.compute_dtype), step)
+
+    def _swap_in_staged(self) -> bool:
+        """Swap in the staged policy, if any (on the sampling thread, between decode programs). True if swapped."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        params, step = pending
+        self.dense.params = params
+        old, self.policy_step = self.policy_step, step
+        self.swaps += 1
+        logger.info("continuous sampler: policy %s -> %d between decode steps", old, step)
+        return True
 
     # -- the compiled programs ---------------------------------------------------------------
 
     def _prefill_impl(
         self, params: dict[str, Any], tokens: jax.Array, plen: jax.Array
     ) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
-        """KV [Pb, K, h] per layer with cache index = position (junk past plen) and the last token's logits [V]."""
+        """Prompts `tokens` [Bp, Pb] right-aligned (row b's length plen[b]) -> KV per layer with cache index =
+        position (junk past plen), [Bp, K, Pb, h] head-major (else [Bp, Pb, K, h]), and last-token logits [Bp, V]."""
         self.trace_count += 1
-        P = tokens.shape[1]
-        logger.info("continuous sampler: tracing prefill prompt=%d", P)
-        pad = P - plen
+        B, P = tokens.shape
+        logger.info("continuous sampler: tracing prefill prompts=%d prompt=%d", B, P)
+        pad = P - plen  # [Bp]
         slots = jnp.arange(P, dtype=jnp.int32)
-        pos = jnp.maximum(slots - pad, 0)[None, :]
-        key_valid = (slots >= pad)[None, :]
+        pos = jnp.maximum(slots[None, :] - pad[:, None], 0)
+        key_valid = slots[None, :] >= pad[:, None]
         causal = slots[:, None] >= slots[None, :]
         mask = (causal[None] & key_valid[:, None, :]) | jnp.eye(P, dtype=bool)[None]
         h, ks, vs = self._m.prefill(params, tokens, pos, mask, P)
-        ks = [jnp.roll(k[0], -pad, axis=0) for k in ks]
-        vs = [jnp.roll(v[0], -pad, axis=0) for v in vs]
-        return ks, vs, self._m.logits(params, h)[0]
+        # left-align: cache index i of row b holds slot (i + pad_b) mod P (a per-row roll by -pad_b)
+        src = ((slots[None, :] + pad[:, None]) % P)[:, :, None, None]
+        ks = [jnp.take_along_axis(k, src, axis=1) for k in ks]
+        vs = [jnp.take_along_axis(v, src, axis=1) for v in vs]
+        if self.head_major:
+            ks = [k.transpose(0, 2, 1, 3) for k in ks]
+            vs = [v.transpose(0, 2, 1, 3) for v in vs]
+        return ks, vs, self._m.logits(params, h)
 
     def _insert_impl(
         self,
@@ -133,6 +206,7 @@ class ContinuousSampler:
         vs: list[jax.Array],
         logits: jax.Array,
         plen: jax.Array,
+        src: jax.Array,
         slot_idx: jax.Array,
         limits: jax.Array,
         seeds: jax.Array,
@@ -140,29 +214,31 @@ class ContinuousSampler:
         temperature: jax.Array,
         stops: jax.Array,
     ) -> dict[str, Any]:
-        """Start one sequence of this prompt in each slot named by `slot_idx` [S] (index S: unused, dropped);
-        `limits`, `seeds`, `sample_ids` are [S] aligned with `slot_idx`, `temperature` and `stops` [K] shared."""
+        """Start a sequence of prefilled prompt `src[j]` (a row of `ks`, `vs`, `logits`, `plen`) in slot
+        `slot_idx[j]` (index S: unused, dropped); `src`, `limits`, `seeds`, `sample_ids` are [S] aligned with
+        `slot_idx`, `temperature` and `stops` [K] shared."""
         self.trace_count += 1
         S = state["pos"].shape[0]
-        P = ks[0].shape[0]
-        logger.info("continuous sampler: tracing insert slots=%d prompt=%d", S, P)
+        B, P = ks[0].shape[0], ks[0].shape[2 if self.head_major else 1]
+        logger.info("continuous sampler: tracing insert slots=%d prompts=%d prompt=%d", S, B, P)
 
         def put(a: jax.Array, v: jax.Array) -> jax.Array:
             return a.at[slot_idx].set(v, mode="drop")
 
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, sample_ids)
         n = slot_idx.shape[0]
+
+        def put_kv(cache: jax.Array, kv: jax.Array) -> jax.Array:
+            new = jnp.take(kv, src, axis=0)
+            if self.head_major:
+                return cache.at[slot_idx, :, :P].set(new, mode="drop")
+            return cache.at[slot_idx, :P].set(new, mode="drop")
+
         return {
-            "k": [
-                kc.at[slot_idx, :P].set(jnp.broadcast_to(k, (n, *k.shape)), mode="drop")
-                for kc, k in zip(state["k"], ks, strict=True)
-            ],
-            "v": [
-                vc.at[slot_idx, :P].set(jnp.broadcast_to(v, (n, *v.shape)), mode="drop")
-                for vc, v in zip(state["v"], vs, strict=True)
-            ],
-            "logits": put(state["logits"], jnp.broadcast_to(logits, (n, logits.shape[0]))),
-            "pos": put(state["pos"], jnp.broadcast_to(plen, (n,))),
+            "k": [put_kv(kc, k) for kc, k in zip(state["k"], ks, strict=True)],
+            "v": [put_kv(vc, v) for vc, v in zip(state["v"], vs, strict=True)],
+            "logits": put(state["logits"], jnp.take(logits, src, axis=0)),
+            "pos": put(state["pos"], jnp.take(plen, src)),
             "n_gen": put(state["n_gen"], jnp.zeros((n,), jnp.int32)),
             "limits": put(state["limits"], limits),
             "done": put(state["done"], jnp.zeros((n,), bool)),
@@ -180,24 +256,33 @@ class ContinuousSampler:
         state: dict[str, Any],
         stop_on_finish: jax.Array,
         controls: tuple[jax.Array, jax.Array, jax.Array],
+        max_steps: jax.Array,
+        *,
+        truncate: bool = True,
     ) -> tuple[dict[str, Any], jax.Array]:
-        """Decode steps over all slots until a sequence finishes (when `stop_on_finish`) or all are done."""
+        """Decode steps over all slots until a sequence finishes (when `stop_on_finish`), all are done, or
+        `max_steps` steps ran (a traced scalar: partial rollouts return to the host to swap weights).
+        `truncate` (static): sample through the top-p/top-k/min-p machinery (`sample_tokens`), else with
+        `sample_tokens_fast` (the controls are then off; the same tokens and logprobs within float rounding)."""
         self.trace_count += 1
         S, T = state["out_tok"].shape
-        L = state["k"][0].shape[1]
+        L = state["k"][0].shape[2 if self.head_major else 1]
         logger.info("continuous sampler: tracing decode slots=%d cache=%d new=%d", S, L, T)
         m = self._m
         rows = jnp.arange(S, dtype=jnp.int32)
         cache_idx = jnp.arange(L, dtype=jnp.int32)
 
         def cond(carry: tuple[dict[str, Any], jax.Array, jax.Array]) -> jax.Array:
-            st, finished, _ = carry
-            return jnp.any(~st["done"]) & ~(stop_on_finish & finished)
+            st, finished, steps = carry
+            return jnp.any(~st["done"]) & ~(stop_on_finish & finished) & (steps < max_steps)
 
         def body(carry: tuple[dict[str, Any], jax.Array, jax.Array]) -> tuple[dict[str, Any], jax.Array, jax.Array]:
             st, finished, steps = carry
             live = ~st["done"]
-            tok, lp = _sample(st["logits"], st["temp"], st["keys"], st["n_gen"], controls)
+            if truncate:
+                tok, lp = sample_tokens(st["logits"], st["temp"], st["keys"], st["n_gen"], controls)
+            else:
+                tok, lp = sample_tokens_fast(st["logits"], st["temp"], st["keys"], st["n_gen"])
             at = jnp.where(live, st["n_gen"], T)  # index T: out of bounds, dropped
             out_tok = st["out_tok"].at[rows, at].set(tok, mode="drop")
             out_lp = st["out_lp"].at[rows, at].set(lp, mode="drop")
@@ -208,15 +293,23 @@ class ContinuousSampler:
             # overwrites or masks every cache entry before it reads it)
             pos = jnp.minimum(st["pos"], L - 1)
             x = m.embed(params, tok[:, None])
-            key_mask = (cache_idx[None, :] <= pos[:, None])[:, None, :]
+            key_mask = cache_idx[None, :] <= pos[:, None]  # [S, L]
             eps = m.arch.norm_eps
             new_k, new_v = [], []
             for lp_, kc, vc in zip(params["layers"], st["k"], st["v"], strict=True):
                 h = rms_norm(x, lp_["ln1"], eps)
                 q, k, v = m.qkv(lp_, h, pos[:, None])
-                kc = kc.at[rows, pos].set(k[:, 0].astype(kc.dtype))
-                vc = vc.at[rows, pos].set(v[:, 0].astype(vc.dtype))
-                o = m.attn_out(lp_, m.attend(q, kc, vc, key_mask))
+                if self.head_major:
+                    # one [K, h] row per slot at its own position: a scatter with unique indices, which XLA runs
+                    # in place on the loop-carried cache (no per-step copy; tests/test_decode_efficiency.py)
+                    kc = kc.at[rows, :, pos].set(k[:, 0].astype(kc.dtype), unique_indices=True)
+                    vc = vc.at[rows, :, pos].set(v[:, 0].astype(vc.dtype), unique_indices=True)
+                    att = m.attend_cache(q, kc, vc, key_mask, self.dense.decode.reduce_attention)
+                else:
+                    kc = kc.at[rows, pos].set(k[:, 0].astype(kc.dtype), unique_indices=True)
+                    vc = vc.at[rows, pos].set(v[:, 0].astype(vc.dtype), unique_indices=True)
+                    att = m.attend(q, kc, vc, key_mask[:, None, :])
+                o = m.attn_out(lp_, att)
                 x = x + rms_norm(o, lp_["post_attn_ln"], eps)
                 x = m.mlp_block(lp_, x)
                 new_k.append(kc)
@@ -243,7 +336,7 @@ class ContinuousSampler:
     def _empty_state(self, S: int, L: int, T: int, K: int) -> dict[str, Any]:
         a = self.dense.arch
         dtype = jnp.dtype(a.compute_dtype)
-        shape = (S, L, a.num_kv_heads, a.head_dim)
+        shape = (S, a.num_kv_heads, L, a.head_dim) if self.head_major else (S, L, a.num_kv_heads, a.head_dim)
         host = {
             "k": [np.zeros(shape, dtype) for _ in range(a.num_layers)],
             "v": [np.zeros(shape, dtype) for _ in range(a.num_layers)],
@@ -271,12 +364,16 @@ class ContinuousSampler:
         temperature: float,
         controls: SamplingControls = NO_CONTROLS,
         share_prefixes: bool = True,
+        before_decode: Callable[[int], None] | None = None,
     ) -> list[SeqResult]:
         """Sample every request with at most `slots` sequences in flight; one `SeqResult` per request, in order.
 
         Requests with the same prompt (the n samples of a group) share one prefill (`share_prefixes=False`: each
-        request is prefilled on its own, for comparison). Raises ValueError for an empty request list, an empty
-        prompt or a budget < 1.
+        request is prefilled on its own, for comparison). With partial rollouts a staged policy is swapped in at
+        the call's start and between decode programs; each result's `policy_steps` says which policy sampled each
+        token (None while the sampler's policy step is unknown). `before_decode(decode_steps)`, if given, is called
+        on this thread before each decode program (tests stage a policy at a chosen step with it). Raises
+        ValueError for an empty request list, an empty prompt or a budget < 1.
         """
         if not requests:
             raise ValueError("no requests")
@@ -288,8 +385,12 @@ class ContinuousSampler:
         K = bucket(len(stop_tokens), minimum=4)
         stops = np.full((K,), -1, np.int32)
         stops[: len(stop_tokens)] = list(stop_tokens)
+        if self.partial:
+            self._swap_in_staged()
         params = self.dense.params
+        max_steps = np.int32(self.swap_check_steps if self.partial else NO_STEP_LIMIT)
         ctrl = jax.device_put((np.float32(controls.top_p), np.int32(controls.top_k), np.float32(controls.min_p)))
+        truncate = not controls.is_default or not self.dense.decode.fast_sampling
         shared = jax.device_put((np.float32(temperature), stops))
 
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -300,50 +401,91 @@ class ContinuousSampler:
             if share_prefixes
             else deque((tuple(int(t) for t in r.prompt), [i]) for i, r in enumerate(requests))
         )
-        prefilled: tuple[Any, Any, Any, Any] | None = None  # (ks, vs, logits, plen) of queue[0]
+        # (ks, vs, logits, plen, row) of queue[0] when its prompt was prefilled but not all its members started
+        prefilled: tuple[Any, Any, Any, Any, int] | None = None
 
         state = self._empty_state(S, L, T, K)
         free = list(range(S))
         owner: dict[int, int] = {}  # slot -> request index
         results: list[SeqResult | None] = [None] * len(requests)
+        # per-token policy steps, kept on the host: a slot's generated-token count before the next decode program,
+        # the step of the weights that computed its carried logits (its next token's policy), its tokens' steps
+        host_ngen: dict[int, int] = {}
+        logit_step: dict[int, int] = {}
+        token_steps: dict[int, list[int]] = {}
+        step_now = -1 if self.policy_step is None else self.policy_step
         while queue or owner:
+            if before_decode is not None:
+                before_decode(self.decode_steps)
+            if self.partial and self._swap_in_staged():
+                params = self.dense.params
+                step_now = -1 if self.policy_step is None else self.policy_step
+                prefilled = None  # a prompt prefilled under the old weights is prefilled again under the new
             while free and queue:
-                prompt, members = queue[0]
-                if prefilled is None:
-                    Pb = bucket(len(prompt), minimum=8)
-                    toks = np.zeros((1, Pb), np.int32)
-                    toks[0, Pb - len(prompt) :] = prompt
-                    plen = np.int32(len(prompt))
-                    ks, vs, logits = self._prefill(params, *jax.device_put((toks, plen)))
-                    self.prefill_tokens += Pb
-                    prefilled = (ks, vs, logits, plen)
-                take, rest = members[: len(free)], members[len(free) :]
+                # the queue's front groups that get a slot now: their prompts prefill as one batch (unless the
+                # first was prefilled already), each group's members start from its row
+                if prefilled is not None:
+                    *out, row = prefilled
+                    starts: list[tuple[int, list[int]]] = [(row, queue[0][1][: len(free)])]
+                else:
+                    batch: list[tuple[int, ...]] = []
+                    starts, n_free = [], len(free)
+                    for prompt, members in queue:
+                        if n_free == 0:
+                            break
+                        starts.append((len(batch), members[:n_free]))
+                        batch.append(prompt)
+                        n_free -= len(starts[-1][1])
+                    Bp, Pb = bucket(len(batch)), bucket(max(len(p) for p in batch), minimum=8)
+                    toks = np.zeros((Bp, Pb), np.int32)
+                    plens = np.ones((Bp,), np.int32)  # padding rows: one (masked-out) token
+                    for b, prompt in enumerate(batch):
+                        toks[b, Pb - len(prompt) :] = prompt
+                        plens[b] = len(prompt)
+                    ks, vs, logits = self._prefill(params, *jax.device_put((toks, plens)))
+                    self.prefill_tokens += Bp * Pb
+                    out = [ks, vs, logits, plens]
                 idx = np.full((S,), S, np.int32)
+                src = np.zeros((S,), np.int32)
                 lim = np.ones((S,), np.int32)
                 seeds = np.zeros((S,), np.uint32)
                 ids = np.zeros((S,), np.uint32)
-                for j, req_i in enumerate(take):
-                    slot = free.pop()
-                    owner[slot] = req_i
-                    r = requests[req_i]
-                    idx[j], lim[j], seeds[j], ids[j] = slot, r.max_tokens, r.seed, r.sample_id
-                ks, vs, logits, plen = prefilled
-                host = jax.device_put((plen, idx, lim, seeds, ids))
+                j = 0
+                for row, take in starts:
+                    for req_i in take:
+                        slot = free.pop()
+                        owner[slot] = req_i
+                        host_ngen[slot], logit_step[slot], token_steps[slot] = 0, step_now, []
+                        r = requests[req_i]
+                        idx[j], src[j], lim[j], seeds[j], ids[j] = slot, row, r.max_tokens, r.seed, r.sample_id
+                        j += 1
+                    prompt, members = queue[0]
+                    if len(take) < len(members):  # out of slots: the rest start later from this prefill
+                        queue[0] = (prompt, members[len(take) :])
+                        prefilled = (*out, row)
+                    else:
+                        queue.popleft()
+                        prefilled = None
+                ks, vs, logits, plens = out
+                host = jax.device_put((plens, src, idx, lim, seeds, ids))
                 state = self._insert(state, ks, vs, logits, *host, *shared)
-                if rest:
-                    queue[0] = (prompt, rest)
-                else:
-                    queue.popleft()
-                    prefilled = None
-            state, steps = self._decode(params, state, np.bool_(bool(queue)), ctrl)
+            state, steps = self._decode(params, state, np.bool_(bool(queue)), ctrl, max_steps, truncate=truncate)
             done, n_gen, stopped, out_tok, out_lp, steps = jax.device_get(
                 (state["done"], state["n_gen"], state["stopped"], state["out_tok"], state["out_lp"], steps)
             )
             self.decode_steps += int(steps)
+            for slot in owner:
+                new = int(n_gen[slot]) - host_ngen[slot]
+                if new > 0:  # the first new token came from the carried logits, the rest from this program's
+                    token_steps[slot] += [logit_step[slot]] + [step_now] * (new - 1)
+                    logit_step[slot], host_ngen[slot] = step_now, int(n_gen[slot])
             for slot in [s for s in owner if done[s]]:
                 k = int(n_gen[slot])
+                steps_k: np.ndarray | None = np.asarray(token_steps.pop(slot), np.int64)
+                if steps_k is not None and (steps_k < 0).any():
+                    steps_k = None  # the weights' policy step was not known
                 results[owner.pop(slot)] = SeqResult(
-                    np.array(out_tok[slot, :k]), np.array(out_lp[slot, :k]), bool(stopped[slot])
+                    np.array(out_tok[slot, :k]), np.array(out_lp[slot, :k]), bool(stopped[slot]), steps_k
                 )
                 free.append(slot)
         return [r for r in results if r is not None]

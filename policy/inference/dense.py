@@ -27,7 +27,7 @@ from pipeline.config import DenseInferenceConfig
 from pipeline.environments.base import Completion
 from policy.inference.base import NO_CONTROLS, BackendBuild, GenerationRequest, SamplingControls
 from policy.inference.continuous import ContinuousSampler, SeqRequest
-from policy.inference.dense_sampler import DenseSampler, bucket
+from policy.inference.dense_sampler import DecodeOptions, DenseSampler, bucket
 from policy.inference.dtypes import default_compute_dtype
 from policy.inference.local import LocalBackend, SampleRow
 from policy.inference.registry import register_backend
@@ -51,13 +51,19 @@ class DenseBackend(LocalBackend):
         compute_dtype: str,
         fast_compile: bool = False,
         continuous_batching: bool = False,
+        partial_rollouts: bool = False,
+        decode: DecodeOptions | None = None,
     ):
+        """`decode`: how the static sampler's decode loop computes (None: `DecodeOptions()`, the fast path;
+        `dense_sampler.LEGACY_DECODE` reproduces the earlier loop for benchmarks)."""
         super().__init__(tokenizer, max_seq_len, model.Vocab.size)
         self.max_seqs = int(max_seqs)
         self.compute_dtype = compute_dtype
         self.fast_compile = fast_compile
         self.continuous_batching = bool(continuous_batching)
-        self.sampler: DenseSampler | None = DenseSampler(model, compute_dtype, fast_compile=fast_compile)
+        self.partial_rollouts = bool(partial_rollouts)  # needs continuous_batching (pipeline.config refuses otherwise)
+        self.decode = decode
+        self.sampler: DenseSampler | None = DenseSampler(model, compute_dtype, fast_compile=fast_compile, decode=decode)
         self._continuous: ContinuousSampler | None = None
 
     @classmethod
@@ -78,6 +84,7 @@ class DenseBackend(LocalBackend):
             compute_dtype=dtype,
             fast_compile=build.fast_compile,
             continuous_batching=bool(getattr(config, "continuous_batching", False)),
+            partial_rollouts=bool(getattr(config, "partial_rollouts", False)),
         )
 
     def kv_cache_bytes(self, batch_size: int, prompt_bucket: int, token_bucket: int) -> int:
@@ -110,8 +117,13 @@ class DenseBackend(LocalBackend):
         if self.sampler is None:
             raise RuntimeError("dense backend was shut down")
         if self._continuous is None or self._continuous.dense is not self.sampler:
-            self._continuous = ContinuousSampler(self.sampler)
+            self._continuous = ContinuousSampler(self.sampler, partial=self.partial_rollouts)
         return self._continuous
+
+    def stage_model(self, model: Any, step: int) -> None:
+        """Partial rollouts: `model`'s weights (policy `step`) are swapped in between decode steps of the running
+        call, or at the next call's start; never waits for a running call (`ContinuousSampler.stage_model`)."""
+        self.continuous_sampler().stage_model(model, step)
 
     def update_model(self, model: Any) -> None:
         """Swap in `model`'s weights; a model of another structure gets a new sampler (and compiles)."""
@@ -119,7 +131,7 @@ class DenseBackend(LocalBackend):
             self.sampler.update_params(model)
         else:
             logger.info("dense: new model structure, building a new sampler")
-            self.sampler = DenseSampler(model, self.compute_dtype, fast_compile=self.fast_compile)
+            self.sampler = DenseSampler(model, self.compute_dtype, fast_compile=self.fast_compile, decode=self.decode)
         self.vocab_size = model.Vocab.size
 
     def shutdown(self) -> None:
@@ -163,7 +175,11 @@ class DenseBackend(LocalBackend):
             temperature=temperature,
             controls=controls,
         )
-        return [self._completion(o.tokens, o.logprobs, stops) if len(o.tokens) else None for o in out]
+        done = [self._completion(o.tokens, o.logprobs, stops) if len(o.tokens) else None for o in out]
+        for c, o in zip(done, out, strict=True):  # partial rollouts: the policy step of every token
+            if c is not None and o.policy_steps is not None:
+                c.policy_steps = [int(x) for x in o.policy_steps]
+        return done
 
     def _static_rows(
         self, rows: list[SampleRow], temperature: float, seed: int, stops: list[int], controls: SamplingControls

@@ -14,8 +14,12 @@ Algorithm (one jitted call per batch, no per-token host round trip):
    `[B, P + T, kv_heads, head_dim]` per layer (layers unrolled, one buffer each, updated in place)
    and gives the logits of the last prompt slot.
 3. Decode: a `jax.lax.while_loop` feeds the last token of every sequence at slot `P + t` (position
-   `len_b + t`), attends over the whole cache with a key mask, samples the next token, and stops
-   when every sequence hit a stop token or its token budget.
+   `len_b + t`), attends over the cache with a key mask, samples the next token, and stops
+   when every sequence hit a stop token or its token budget. `DecodeOptions` (defaults): the cache is laid out
+   `[B, kv_heads, slots, head_dim]` (read by the grouped-query products without a per-step transposed copy) and
+   updated in place; the loop runs in length phases (cache lengths 128·2^k above P, then P + T), the cache grown
+   once per phase, so a step reads only its phase's slots; with no top-p/top-k/min-p the sampling is one argmax
+   and one log-sum-exp. `LEGACY_DECODE`: the earlier loop (whole cache every step), for benchmarks.
 4. Sampling: `z = logits / T`; token ~ categorical(z) (Gumbel-max with a per-sequence key
    `fold_in(fold_in(PRNGKey(seed), sample_id), t)`, so a sample does not depend on how the batch was
    chunked); logprob = `z[token] - logsumexp(z)`. `T = 0` is greedy (argmax) and then the logprob
@@ -70,6 +74,46 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """The smallest power of two >= max(n, minimum), capped at `maximum` (when given)."""
     b = _next_pow2(max(n, minimum))
     return min(b, maximum) if maximum is not None else b
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """How the static sampler's decode loop computes (static: part of the compile key). Every choice samples the
+    same tokens from the same PRNG streams; logprobs agree within float rounding.
+
+    The defaults are the fast path; `LEGACY_DECODE` reproduces the decode loop as it was before (for benchmarks).
+    """
+
+    fast_sampling: bool = True
+    """Sampling with no work for what is off: no top-p/top-k/min-p branch when the call's controls are off, the
+    Gumbel noise only when the temperature is > 0 (else one argmax), one log-sum-exp for the chosen token's logprob."""
+    head_major_cache: bool = True
+    """KV cache laid out [batch, kv_heads, slots, head_dim], the layout the grouped-query attention products
+    read without a transpose (False: [batch, slots, kv_heads, head_dim], the legacy layout)."""
+    reduce_attention: bool = False
+    """Head-major decode attention as fused multiply-and-sum reductions in float32 instead of two batched matrix
+    products (an ablation: which one streams the cache faster depends on the backend)."""
+    length_bucket: int = 128
+    """Attend over the filled part of the cache only: the decode loop runs in phases whose attention reads the
+    first L slots, L = the powers of two times this value that exceed the prompt bucket, capped at the cache
+    length (one loop per phase in the same program). 0: every step reads the whole cache."""
+
+
+LEGACY_DECODE = DecodeOptions(fast_sampling=False, head_major_cache=False, length_bucket=0)
+"""The decode loop before the decode-efficiency work (several float32 passes in sampling, whole-cache attention)."""
+
+
+def phase_lengths(prompt_bucket: int, total: int, length_bucket: int) -> list[int]:
+    """Cache lengths of the decode phases (ascending, the last = `total`): phase i runs the steps whose slot is
+    below its length. `length_bucket` 0: one phase over the whole cache."""
+    if length_bucket <= 0:
+        return [total]
+    out, n = [], length_bucket
+    while n < total:
+        if n > prompt_bucket:
+            out.append(n)
+        n *= 2
+    return [*out, total]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,6 +243,52 @@ class _Model:
             new_v.append(vc)
         return x[:, 0], new_k, new_v
 
+    def attend_cache(
+        self, q: jax.Array, kc: jax.Array, vc: jax.Array, mask: jax.Array, reduce: bool = False
+    ) -> jax.Array:
+        """`attend` for one query per sequence over a head-major cache: q [B,1,K,G,h], kc/vc [B,K,L,h], mask
+        [B,L] -> [B,1,K,G,h]. Grouped-query: the G query heads of a kv head read its keys once (no repeat).
+        `reduce`: the products as float32 multiply-and-sum reductions (see `DecodeOptions.reduce_attention`)."""
+        if reduce:
+            qf = q[:, 0].astype(jnp.float32)[:, :, :, None, :]  # [B,K,G,1,h]
+            s = jnp.sum(qf * kc.astype(jnp.float32)[:, :, None], axis=-1) * self.arch.attn_scale
+        else:
+            s = jnp.einsum("bkgh,bklh->bkgl", q[:, 0], kc, preferred_element_type=jnp.float32) * self.arch.attn_scale
+        s = jnp.where(mask[:, None, None, :], s, _NEG_INF)
+        w = jax.nn.softmax(s, axis=-1)
+        if reduce:
+            return jnp.sum(w[..., None] * vc.astype(jnp.float32)[:, :, None], axis=3).astype(vc.dtype)[:, None]
+        return jnp.einsum("bkgl,bklh->bkgh", w.astype(vc.dtype), vc)[:, None]
+
+    def decode_step_cached(
+        self,
+        params: dict[str, Any],
+        token: jax.Array,
+        pos: jax.Array,
+        slot: jax.Array,
+        key_mask: jax.Array,
+        k_caches: list[jax.Array],
+        v_caches: list[jax.Array],
+        reduce: bool = False,
+    ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+        """`decode_step` over head-major caches [B, K, L, h] (key_mask [B, L]): the new keys/values are written in
+        place at `slot` and attention reads the L slots of the cache as it is (no transposed copy)."""
+        eps = self.arch.norm_eps
+        x = self.embed(params, token[:, None])
+        pos2 = pos[:, None]
+        new_k, new_v = [], []
+        for lp, kc, vc in zip(params["layers"], k_caches, v_caches, strict=True):
+            h = rms_norm(x, lp["ln1"], eps)
+            q, k, v = self.qkv(lp, h, pos2)
+            kc = jax.lax.dynamic_update_slice_in_dim(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), slot, axis=2)
+            vc = jax.lax.dynamic_update_slice_in_dim(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), slot, axis=2)
+            o = self.attn_out(lp, self.attend_cache(q, kc, vc, key_mask, reduce))
+            x = x + rms_norm(o, lp["post_attn_ln"], eps)
+            x = self.mlp_block(lp, x)
+            new_k.append(kc)
+            new_v.append(vc)
+        return x[:, 0], new_k, new_v
+
 
 def truncate_logits(z: jax.Array, top_p: jax.Array, top_k: jax.Array, min_p: jax.Array) -> jax.Array:
     """`z` [B, V] with the tokens that top-k / top-p / min-p exclude set to -inf (the rules of
@@ -217,6 +307,35 @@ def truncate_logits(z: jax.Array, top_p: jax.Array, top_k: jax.Array, min_p: jax
     return jnp.where(keep, z, -jnp.inf)
 
 
+def _per_row(x: jax.Array) -> jax.Array:
+    """A per-row [B] value as a column [B, 1] (broadcasts against [B, V]); a scalar as it is."""
+    return x[:, None] if jnp.ndim(x) == 1 else x
+
+
+def _step_keys(seq_keys: jax.Array, t: jax.Array) -> jax.Array:
+    """Each row's key for token t: fold_in(seq_key, t), with t one index for all rows (scalar) or per row [B]."""
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None if jnp.ndim(t) == 0 else 0))(seq_keys, t)
+
+
+def sample_tokens_fast(
+    logits: jax.Array, temperature: jax.Array, seq_keys: jax.Array, t: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`sample_tokens` without controls, in fewer passes over the vocabulary: the same tokens (argmax of z plus the
+    Gumbel noise `jax.random.categorical` draws with the same keys; of z alone when T = 0, where z = logits) from
+    one argmax, no branch, and the same logprob z[token] - logsumexp(z) from one max and one sum of exponentials.
+    `temperature` and `t` are scalars or per row [B] (continuous batching: each slot its own sequence's)."""
+    temperature = _per_row(temperature)
+    safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
+    z = logits / safe_t
+    step_keys = _step_keys(seq_keys, t)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, z.shape[-1:], z.dtype))(step_keys)
+    tok = jnp.argmax(jnp.where(temperature > 0, z + noise, z), axis=-1).astype(jnp.int32)
+    top = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(z - top), axis=-1)) + top[:, 0]
+    chosen = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0]
+    return tok, chosen - lse
+
+
 def sample_tokens(
     logits: jax.Array,
     temperature: jax.Array,
@@ -226,10 +345,10 @@ def sample_tokens(
 ) -> tuple[jax.Array, jax.Array]:
     """(tokens [B], logprobs [B]): z = logits / T; token ~ categorical(z truncated by `controls` = (top_p,
     top_k, min_p), see `truncate_logits`) (argmax when T = 0); logprob = z[token] - logsumexp(z) of the
-    untruncated z, with T treated as 1 when T = 0."""
+    untruncated z, with T treated as 1 when T = 0. `temperature` and `t` are scalars or per row [B]."""
     safe_t = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-    z = logits / safe_t
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(seq_keys, t)
+    z = logits / _per_row(safe_t)
+    step_keys = _step_keys(seq_keys, t)
     if controls is None:
         zs = z
     else:
@@ -265,9 +384,18 @@ class DenseSampler:
     retraces; tokens are sampled and scored exactly as in the module docstring.
     """
 
-    def __init__(self, model: Any, compute_dtype: str = "float32", *, fast_compile: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        compute_dtype: str = "float32",
+        *,
+        fast_compile: bool = False,
+        decode: DecodeOptions | None = None,
+    ):
         """`fast_compile`: ask XLA for its lowest backend optimisation level (about half the CPU compile
-        time, slower execution; meant for tests)."""
+        time, slower execution; meant for tests). `decode`: how the decode loop computes (None: the defaults
+        of `DecodeOptions`, the fast path)."""
+        self.decode = decode or DecodeOptions()
         self.arch = dense_arch(model, compute_dtype)
         self._m = _Model(self.arch, rotary_module(model), activation(model))
         self.params = extract_params(model, compute_dtype)
@@ -276,7 +404,7 @@ class DenseSampler:
         """Prompt-slot tokens run through prefill so far, padding included (batch bucket × prompt bucket per call)."""
         self.fast_compile = fast_compile
         options = {"xla_backend_optimization_level": 0} if fast_compile else None
-        self._jitted = jax.jit(self._generate_impl, static_argnames=("max_new",), compiler_options=options)
+        self._jitted = jax.jit(self._generate_impl, static_argnames=("max_new", "truncate"), compiler_options=options)
 
     def compatible(self, model: Any) -> bool:
         """True if `model` has this sampler's structure (its weights can be swapped in without a recompile)."""
@@ -303,12 +431,17 @@ class DenseSampler:
         controls: tuple[jax.Array, jax.Array, jax.Array],
         *,
         max_new: int,
+        truncate: bool = True,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         self.trace_count += 1
         B, P = tokens.shape
         T = max_new
         S = P + T
         logger.info("dense sampler: tracing batch=%d prompt=%d new=%d stops=%d", B, P, T, stop_ids.shape[0])
+        if self.decode != LEGACY_DECODE:
+            return self._generate_fast(
+                params, tokens, lens, limits, active, base_key, sample_ids, stop_ids, temperature, controls, T, truncate
+            )
         m = self._m
         seq_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base_key, sample_ids)  # row i's PRNG stream
         pad = P - lens  # [B]
@@ -355,6 +488,96 @@ class DenseSampler:
         _, _, _, stopped, n_gen, out_tok, out_lp, _, _ = state
         return out_tok, out_lp, n_gen, stopped
 
+    def _generate_fast(
+        self,
+        params: dict[str, Any],
+        tokens: jax.Array,
+        lens: jax.Array,
+        limits: jax.Array,
+        active: jax.Array,
+        base_key: jax.Array,
+        sample_ids: jax.Array,
+        stop_ids: jax.Array,
+        temperature: jax.Array,
+        controls: tuple[jax.Array, jax.Array, jax.Array],
+        T: int,
+        truncate: bool,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The decode loop of `self.decode`: the legacy loop's samples with less memory traffic per step.
+
+        Length phases: the caches are allocated at the first phase length and grown (one copy per phase, not per
+        step) when the next slot would not fit, so a step reads only the slots of the current phase."""
+        opts = self.decode
+        m = self._m
+        B, P = tokens.shape
+        S = P + T
+        lengths = phase_lengths(P, S, opts.length_bucket)
+        seq_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base_key, sample_ids)
+        pad = P - lens
+        slots = jnp.arange(P, dtype=jnp.int32)
+        pos = jnp.maximum(slots[None, :] - pad[:, None], 0)
+        key_valid_p = slots[None, :] >= pad[:, None]  # [B, P]
+        causal = slots[:, None] >= slots[None, :]
+        mask = (causal[None] & key_valid_p[:, None, :]) | jnp.eye(P, dtype=bool)[None]
+        h, k_caches, v_caches = m.prefill(params, tokens, pos, mask, lengths[0])
+        slot_axis = 2 if opts.head_major_cache else 1
+        if opts.head_major_cache:
+            k_caches = [k.transpose(0, 2, 1, 3) for k in k_caches]
+            v_caches = [v.transpose(0, 2, 1, 3) for v in v_caches]
+        key_valid = jnp.concatenate([key_valid_p, jnp.zeros((B, T), bool)], axis=1)
+        all_slots = jnp.arange(S, dtype=jnp.int32)
+
+        def sample(logits: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+            if truncate or not opts.fast_sampling:
+                return sample_tokens(logits, temperature, seq_keys, t, controls)
+            return sample_tokens_fast(logits, temperature, seq_keys, t)
+
+        def phase(length: int, state: tuple) -> tuple:
+            # the steps whose slot P + t is below `length`, over caches of `length` slots
+            def cond(state: tuple) -> jax.Array:
+                t, _, done, *_ = state
+                return (t < length - P) & jnp.any(~done)
+
+            def body(state: tuple) -> tuple:
+                t, logits, done, stopped, n_gen, out_tok, out_lp, kcs, vcs = state
+                tok, lp = sample(logits, t)
+                live = ~done
+                out_tok = jax.lax.dynamic_update_slice_in_dim(out_tok, jnp.where(live, tok, -1)[:, None], t, 1)
+                out_lp = jax.lax.dynamic_update_slice_in_dim(out_lp, jnp.where(live, lp, 0.0)[:, None], t, 1)
+                n_gen = n_gen + live.astype(jnp.int32)
+                stopped = stopped | (live & jnp.any(tok[:, None] == stop_ids[None, :], axis=-1))
+                done = done | stopped | (n_gen >= limits)
+                slot = P + t
+                cols = all_slots[None, :length]
+                key_mask = key_valid[:, :length] | ((cols >= P) & (cols <= slot))
+                if opts.head_major_cache:
+                    h, kcs, vcs = m.decode_step_cached(
+                        params, tok, lens + t, slot, key_mask, kcs, vcs, opts.reduce_attention
+                    )
+                else:
+                    h, kcs, vcs = m.decode_step(params, tok, lens + t, slot, key_mask, kcs, vcs)
+                return t + 1, m.logits(params, h), done, stopped, n_gen, out_tok, out_lp, kcs, vcs
+
+            return jax.lax.while_loop(cond, body, state)  # type: ignore[no-any-return]
+
+        def grow(caches: list[jax.Array], length: int) -> list[jax.Array]:
+            widths = [(0, 0)] * 4
+            widths[slot_axis] = (0, length - caches[0].shape[slot_axis])
+            return [jnp.pad(c, widths) for c in caches]
+
+        out_tok = jnp.full((B, T), -1, jnp.int32)
+        out_lp = jnp.zeros((B, T), jnp.float32)
+        n_gen = jnp.zeros((B,), jnp.int32)
+        done = ~active | (limits <= 0)
+        stopped = jnp.zeros((B,), bool)
+        state: tuple = (jnp.int32(0), m.logits(params, h), done, stopped, n_gen, out_tok, out_lp, k_caches, v_caches)
+        for i, length in enumerate(lengths):
+            if i > 0:
+                state = (*state[:7], grow(state[7], length), grow(state[8], length))
+            state = phase(length, state)
+        _, _, _, stopped, n_gen, out_tok, out_lp, _, _ = state
+        return out_tok, out_lp, n_gen, stopped
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -395,7 +618,13 @@ class DenseSampler:
         # at each process start; the per-row keys are folded inside the compiled program for the same reason
         host = (tokens, lens, limits, active, jax.random.PRNGKey(seed), ids, stops, np.float32(temperature))
         controls_host = (np.float32(controls.top_p), np.int32(controls.top_k), np.float32(controls.min_p))
-        out = self._jitted(self.params, *jax.device_put(host), jax.device_put(controls_host), max_new=max_new_bucket)
+        out = self._jitted(
+            self.params,
+            *jax.device_put(host),
+            jax.device_put(controls_host),
+            max_new=max_new_bucket,
+            truncate=not controls.is_default or not self.decode.fast_sampling,
+        )
         self.prefill_tokens += batch_size * P
         out_tok, out_lp, n_gen, stopped = jax.device_get(out)
         return DenseOutput(np.asarray(out_tok), np.asarray(out_lp), np.asarray(n_gen), np.asarray(stopped))

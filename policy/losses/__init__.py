@@ -1,8 +1,9 @@
 """RL losses for the learner: pure terms (`terms.py`, one function per formula) and one registered module per
-`LossConfig` subclass (`modules.py`: rloo, ppo, gspo, cispo), on the typed learner batch (`batch.py`). See
-`modules.py` for the objectives."""
+`LossConfig` subclass (`modules.py`: rloo, ppo, gspo, cispo; `critic.py`: ppo_critic), on the typed learner batch
+(`batch.py`). See `modules.py` and `critic.py` for the objectives."""
 
 from policy.losses.batch import Batch
+from policy.losses.critic import CriticPPOLoss
 from policy.losses.modules import (
     LOSS_MODULES,
     CISPOLoss,
@@ -49,6 +50,7 @@ __all__ = [
     "Array",
     "Batch",
     "CISPOLoss",
+    "CriticPPOLoss",
     "GSPOLoss",
     "LogprobFn",
     "LossFn",

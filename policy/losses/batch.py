@@ -36,3 +36,7 @@ class Batch(eqx.Module):
     """int32 global sequence id b·S + segment_id; B·S for padding (the segment sums' extra bucket)."""
     old_logprobs: Array | None = None
     """float32 learner logprobs before the slot's first update; set only with several updates per slot and TIS."""
+    token_rewards: Array | None = None
+    """float32 per-token reward of the rollouts (episode reward on the last policy token plus any process rewards),
+    0 on prompt tokens and padding; read by critic PPO's GAE. The learner always sets it (zeros for batch files of
+    version 1); None only where a caller builds a `Batch` without it."""

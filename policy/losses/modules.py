@@ -19,17 +19,25 @@ RLOOLoss (`type: rloo`): L = −agg( min(r·A, clip(r, 1−ε_low, 1+ε_high)·A
   `old_logprobs`), so r' moves away from 1 and the clip acts. This is the decoupled form of TIS (the clip is
   to the proximal policy, the weight to the sampler); clipping against the sampler as well would correct the
   mismatch twice.
-  Rollout correction (RLOO only; off unless set): `tis_level: sequence` weighs every token of response i by
-  min(Π_{t∈i} π_old/π_sampler, C) instead of its own token weight; `mis_level: token | sequence` (masked IS)
+  Rollout correction (every loss type; off unless set): `tis_level: sequence` weighs every token of response i
+  by min(Π_{t∈i} π_old/π_sampler, C) instead of its own token weight; `mis_level: token | sequence` (masked IS)
   drops the tokens whose ratio π_old/π_sampler, or the responses whose product of ratios, lies outside
   [`mis_low`, `mis_high`] from the whole loss (policy term and KL), denominator included (`rejection`).
-PPOClipLoss (`type: ppo`): the same with a symmetric clip ε, no TIS, no overlong filter.
+PPOClipLoss (`type: ppo`): the same with a symmetric clip ε and no overlong filter (TIS and masked IS as RLOO).
 GSPOLoss (`type: gspo`): sequence-level ratio s_i = (π_θ(y_i|x)/π_sampler(y_i|x))^{1/|y_i|}, clipped per
   sequence: L = −(1/N) Σ_i min(s_i·A_i, clip(s_i, 1−ε_low, 1+ε_high)·A_i) over the N sequences with loss
-  tokens (always sequence-level aggregation, as in the GSPO paper). No TIS: s_i is already to the sampler.
+  tokens (always sequence-level aggregation, as in the GSPO paper). With `tis_cap` = C (decoupled, as RLOO):
+  s_i = (π_θ/π_old)^{1/|y_i|} and L = −(1/N) Σ_i w_i · min(s_i·A_i, clip(s_i)·A_i), w_i = min(ρ_i, C) with
+  ρ_i = (Π_t π_old/π_sampler)^{1/|y_i|} (`tis_level: token`, GSPO's own length normalisation) or
+  ρ_i = Π_t π_old/π_sampler (`tis_level: sequence`). Masked IS: token rejection removes tokens from s_i's mean.
 CISPOLoss (`type: cispo`): L = −agg( sg(clip(r_t, 1−ε_low, 1+ε_high)) · A_t · log π_θ(y_t) ), r_t = π_θ/π_sampler
   (token aggregation by default, as in MiniMax-M1). Every token keeps a gradient; only its weight is clipped.
-  No TIS: the clipped weight is itself a truncated IS weight.
+  With `tis_cap` (decoupled): r_t = π_θ/π_old and the weight is multiplied by the capped TIS weight (token or
+  sequence level, as RLOO).
+On-policy distillation (`loss.distill`, any type): before the policy term the batch advantage becomes
+  A_t = coef · (log π_teacher(y_t) − log π_old(y_t)) + rl_coef · A_rl,t (`terms.reverse_kl_advantage`), the
+  teacher's logprobs computed by the learner from a frozen teacher model (held with the reference in
+  `FrozenModels`), π_old the learner's pre-update policy (fixed over a slot's updates), no gradient.
 
 References:
     PPO clip: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
@@ -46,6 +54,9 @@ References:
         arXiv:2506.13585.
     KL estimators k1/k2/k3: Schulman 2020, "Approximating KL Divergence", blog post
         (http://joschu.net/blog/kl-approx.html).
+    on-policy distillation: Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+        Self-Generated Mistakes" (GKD), arXiv:2306.13649; Lu and Thinking Machines Lab 2025, "On-Policy
+        Distillation" (blog post, thinkingmachines.ai).
     truncated importance sampling: Espeholt et al. 2018, "IMPALA: Scalable Distributed Deep-RL with Importance
         Weighted Actor-Learner Architectures", arXiv:1802.01561; for the sampler/learner mismatch of LLM RL, Yao et
         al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog post,
@@ -61,6 +72,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -78,6 +90,27 @@ LossFn = Callable[[Any, Any, Batch], tuple[Array, dict[str, Array]]]
 so that a jitted step does not bake its weights in as constants."""
 
 
+class FrozenModels(eqx.Module):
+    """The frozen models a loss reads besides the policy: the KL reference and the distillation teacher (either
+    None). Passed as the loss function's `reference` argument only when a teacher exists (`frozen_models`), so
+    every caller that passes a bare reference model keeps working."""
+
+    reference: Any
+    teacher: Any
+
+
+def frozen_models(reference: Any, teacher: Any) -> Any:
+    """What the learner passes as `reference`: the bare reference without a teacher, else `FrozenModels`."""
+    return reference if teacher is None else FrozenModels(reference, teacher)
+
+
+def split_frozen(frozen: Any) -> tuple[Any, Any]:
+    """(reference, teacher) of a `frozen_models` value."""
+    if isinstance(frozen, FrozenModels):
+        return frozen.reference, frozen.teacher
+    return frozen, None
+
+
 class RLLossModule(Protocol):
     """What the learner needs from a loss module (chosen once from `LossConfig`)."""
 
@@ -93,9 +126,14 @@ class RLLossModule(Protocol):
         ...
 
     def objective(
-        self, logp: Array, batch: Batch, logp_ref: Array | None, entropy: Array | None = None
+        self,
+        logp: Array,
+        batch: Batch,
+        logp_ref: Array | None,
+        entropy: Array | None = None,
+        logp_teacher: Array | None = None,
     ) -> tuple[Array, dict[str, Array]]:
-        """Loss and metrics from per-token policy logprobs (pure)."""
+        """Loss and metrics from per-token policy logprobs (pure); `logp_teacher` with `loss.distill`."""
         ...
 
     def create_loss_fn(self, reference_model: Any | None, logprob_fn: LogprobFn) -> LossFn:
@@ -126,10 +164,16 @@ class _LossModuleBase:
         return self.config.kl_coef > 0
 
     @property
+    def needs_teacher(self) -> bool:
+        """Whether a distillation teacher must be loaded (`loss.distill` set)."""
+        return self.config.distill is not None
+
+    @property
     def uses_old_logprobs(self) -> bool:
         """Whether the slot's pre-update learner logprobs (`Batch.old_logprobs`) are needed once the policy moves
-        within a slot: TIS weights and rejection masks are to the learner's pre-update policy."""
-        return self.tis_cap is not None or self.mis_level is not None
+        within a slot: TIS weights, rejection masks and the distillation advantage are to the learner's pre-update
+        policy."""
+        return self.tis_cap is not None or self.mis_level is not None or self.needs_teacher
 
     @property
     def sequence_aggregation(self) -> bool:
@@ -202,14 +246,39 @@ class _LossModuleBase:
             "mis_masked_seq_fraction": T.mean_over_sequences(any_rejected.astype(jnp.float32), counts),
         }
 
+    def distill_advantages(self, logp: Array, batch: Batch, logp_teacher: Array) -> tuple[Batch, dict[str, Array]]:
+        """(batch with the on-policy distillation advantage, its metrics): A_t = coef · (log π_teacher −
+        log π_old) + rl_coef · A_rl on loss tokens (`terms.reverse_kl_advantage`), π_old the learner's pre-update
+        policy. Metrics: `teacher_kl` (token mean of log π_old − log π_teacher, the one-sample estimate of the
+        per-token reverse KL(π_student‖π_teacher)) and `opd_advantage_mean` (token mean of the distillation part)."""
+        distill = self.config.distill
+        assert distill is not None
+        logp_old = jax.lax.stop_gradient(logp if batch.old_logprobs is None else batch.old_logprobs)
+        logp_teacher = jax.lax.stop_gradient(logp_teacher)
+        mask = batch.loss_mask.astype(jnp.float32)
+        rl = batch.advantages * distill.rl_coef if distill.rl_coef else None
+        adv = T.reverse_kl_advantage(logp_teacher, logp_old, mask, rl, distill.coef)
+        metrics = {
+            "teacher_kl": T.token_mean(logp_old - logp_teacher, mask),
+            "opd_advantage_mean": T.token_mean(distill.coef * (logp_teacher - logp_old), mask),
+        }
+        return dataclasses.replace(batch, advantages=adv), metrics
+
     def objective(
         self,
         logp: Array,
         batch: Batch,
         logp_ref: Array | None,
         entropy: Array | None = None,
+        logp_teacher: Array | None = None,
     ) -> tuple[Array, dict[str, Array]]:
-        """Loss and metrics from per-token policy logprobs (pure; used by the tests directly)."""
+        """Loss and metrics from per-token policy logprobs (pure; used by the tests directly). With a distillation
+        config, `logp_teacher` (the teacher's logprobs of the batch tokens) is required."""
+        distill_metrics: dict[str, Array] = {}
+        if self.needs_teacher:
+            if logp_teacher is None:
+                raise ValueError("loss.distill is set: the objective needs the teacher's logprobs")
+            batch, distill_metrics = self.distill_advantages(logp, batch, logp_teacher)
         loss_mask = batch.loss_mask.astype(jnp.float32)
         if self.overlong_filter:
             loss_mask = loss_mask * (1.0 - batch.truncated.astype(jnp.float32))
@@ -239,6 +308,7 @@ class _LossModuleBase:
             loss_tokens=jnp.sum(loss_mask),
             loss_sequences=jnp.sum((counts > 0).astype(jnp.float32)),
             **rejection,
+            **distill_metrics,
         )
         loss = pg_loss
         if logp_ref is not None and self.needs_reference:
@@ -254,14 +324,19 @@ class _LossModuleBase:
     def create_loss_fn(self, reference_model: Any | None, logprob_fn: LogprobFn) -> LossFn:
         needs_reference = self.needs_reference
 
-        def loss_fn(model: Any, reference: Any, batch: Batch) -> tuple[Array, dict[str, Array]]:
+        def loss_fn(model: Any, frozen: Any, batch: Batch) -> tuple[Array, dict[str, Array]]:
+            reference, teacher = split_frozen(frozen)
             if needs_reference and reference is None:
                 raise ValueError(f"kl_coef={self.config.kl_coef} > 0 needs a reference model")
+            if self.needs_teacher and teacher is None:
+                raise ValueError("loss.distill is set: the loss needs a teacher model")
             logp, entropy = logprob_fn(model, batch)
             logp_ref = None
             if needs_reference:
                 logp_ref = jax.lax.stop_gradient(logprob_fn(reference, batch)[0])
-            return self.objective(logp, batch, logp_ref, jax.lax.stop_gradient(entropy))
+            # the teacher scores the same tokens at the same temperatures, as the reference does
+            logp_teacher = jax.lax.stop_gradient(logprob_fn(teacher, batch)[0]) if self.needs_teacher else None
+            return self.objective(logp, batch, logp_ref, jax.lax.stop_gradient(entropy), logp_teacher)
 
         return loss_fn
 
@@ -321,6 +396,28 @@ def _clamp_metrics(clamped: Array, weights: Array) -> dict[str, Array]:
     return {"clamped_count": count, "clamped_fraction": count / jnp.maximum(jnp.sum(weights), 1.0)}
 
 
+def _correction(config: LossConfig) -> dict[str, Any]:
+    """The rollout-correction fields of a loss config, as `_LossModuleBase` keyword arguments."""
+    return {
+        "tis_cap": config.tis_cap,
+        "tis_level": config.tis_level,
+        "mis_level": config.mis_level,
+        "mis_low": config.mis_low,
+        "mis_high": config.mis_high,
+    }
+
+
+def _tis_weight(module: _LossModuleBase, logp_old: Array, batch: Batch, mask: Array) -> Array:
+    """[B, S] the TIS weight of `module` per token (token or sequence level; `tis_cap` must be set)."""
+    assert module.tis_cap is not None
+    if module.tis_level == "sequence":
+        n = batch.seq_index.size + 1
+        return T.sequence_truncated_is_weight(
+            logp_old, batch.generator_logprobs, mask, batch.seq_index, n, module.tis_cap, module.max_log_ratio
+        )
+    return T.truncated_is_weight(logp_old, batch.generator_logprobs, module.tis_cap, module.max_log_ratio)
+
+
 @dataclasses.dataclass(frozen=True)
 class _ClipLossBase(_LossModuleBase):
     """Token-level PPO clip with an optional TIS weight (RLOO and PPO)."""
@@ -335,18 +432,7 @@ class _ClipLossBase(_LossModuleBase):
             weight = jnp.ones_like(logp)
         else:
             ratio, _ = T.importance_ratio(logp, logp_old, self.max_log_ratio)  # see the module docstring
-            if self.tis_level == "sequence":
-                weight = T.sequence_truncated_is_weight(
-                    logp_old,
-                    logp_gen,
-                    mask,
-                    batch.seq_index,
-                    batch.seq_index.size + 1,
-                    self.tis_cap,
-                    self.max_log_ratio,
-                )
-            else:
-                weight = T.truncated_is_weight(logp_old, logp_gen, self.tis_cap, self.max_log_ratio)
+            weight = _tis_weight(self, logp_old, batch, mask)
         surrogate = weight * T.clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
         pg_loss = -self.aggregate(surrogate, mask, batch.seq_index)
         metrics = {
@@ -398,7 +484,7 @@ class PPOClipLoss(_ClipLossBase):
 
     @classmethod
     def from_config(cls, config: PPOClipLossConfig) -> PPOClipLoss:
-        return cls(config, config.clip_epsilon, config.clip_epsilon, None, False)
+        return cls(config, config.clip_epsilon, config.clip_epsilon, overlong_filter=False, **_correction(config))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,29 +499,48 @@ class GSPOLoss(_LossModuleBase):
 
     @classmethod
     def from_config(cls, config: GSPOLossConfig) -> GSPOLoss:
-        return cls(config, config.clip_low, config.clip_high, None, config.overlong_filter)
+        return cls(
+            config, config.clip_low, config.clip_high, overlong_filter=config.overlong_filter, **_correction(config)
+        )
 
     @property
     def sequence_aggregation(self) -> bool:
         return True
 
     def metric_normaliser(self, name: str) -> str:
-        if name in _POLICY_MEANS:  # GSPO's ratio and clip metrics are per sequence
-            return "loss_sequences"
+        if name in _POLICY_MEANS:  # GSPO's ratio and clip metrics are per sequence (the kept ones under MIS)
+            return "kept_sequences" if self.mis_level is not None else "loss_sequences"
         return super().metric_normaliser(name)
 
     def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
         seq_index = batch.seq_index
         n = seq_index.size + 1
-        log_s, counts = T.sequence_log_ratio(logp, batch.generator_logprobs, mask, seq_index, n)
+        logp_gen = batch.generator_logprobs
+        weight = None
+        if self.tis_cap is None:
+            log_s, counts = T.sequence_log_ratio(logp, logp_gen, mask, seq_index, n)
+        else:  # decoupled: s_i to the learner's pre-update policy, the sampler mismatch in a capped weight
+            logp_old = jax.lax.stop_gradient(logp if batch.old_logprobs is None else batch.old_logprobs)
+            log_s, counts = T.sequence_log_ratio(logp, logp_old, mask, seq_index, n)
+            if self.tis_level == "sequence":
+                weight = T.sequence_truncated_is_weight(
+                    logp_old, logp_gen, mask, seq_index, n, self.tis_cap, self.max_log_ratio
+                )
+            else:  # GSPO's length-normalised sequence ratio (geometric mean of the token ratios), capped
+                log_rho, _ = T.sequence_log_ratio(logp_old, logp_gen, mask, seq_index, n)
+                log_rho, _ = T.clamp_log_ratio(log_rho, self.max_log_ratio)
+                weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_rho), self.tis_cap)[seq_index])
         log_s, clamped = T.clamp_log_ratio(log_s, self.max_log_ratio)
         s = jnp.exp(log_s)
         adv = T.sequence_advantage(batch.advantages, mask, seq_index, n)
-        pg_loss = -T.mean_over_sequences(T.clipped_surrogate(s, adv, self.eps_low, self.eps_high), counts)
+        surrogate = T.clipped_surrogate(s, adv, self.eps_low, self.eps_high)
+        w_seq = jnp.ones_like(s) if weight is None else T.segment_means(weight, mask, seq_index, n)[0]
+        pg_loss = -T.mean_over_sequences(w_seq * surrogate, counts)
         has = (counts > 0).astype(jnp.float32)
         metrics = {
             "ratio_mean": T.mean_over_sequences(jax.lax.stop_gradient(s), counts),
             "clip_fraction": T.mean_over_sequences(T.clip_indicator(s, adv, self.eps_low, self.eps_high), counts),
+            "tis_weight_mean": T.mean_over_sequences(w_seq, counts),
             **_clamp_metrics(clamped, has),
         }
         return pg_loss, metrics
@@ -454,17 +559,25 @@ class CISPOLoss(_LossModuleBase):
 
     @classmethod
     def from_config(cls, config: CISPOLossConfig) -> CISPOLoss:
-        return cls(config, config.clip_low, config.clip_high, None, config.overlong_filter)
+        return cls(
+            config, config.clip_low, config.clip_high, overlong_filter=config.overlong_filter, **_correction(config)
+        )
 
     def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
-        ratio, clamped = T.importance_ratio(jax.lax.stop_gradient(logp), batch.generator_logprobs, self.max_log_ratio)
-        weight = T.cispo_weight(ratio, self.eps_low, self.eps_high)
+        if self.tis_cap is None:
+            behaviour, tis = batch.generator_logprobs, jnp.ones_like(logp)
+        else:  # decoupled: the clipped weight's ratio to the learner's pre-update policy, times the capped TIS weight
+            behaviour = jax.lax.stop_gradient(logp if batch.old_logprobs is None else batch.old_logprobs)
+            tis = _tis_weight(self, behaviour, batch, mask)
+        ratio, clamped = T.importance_ratio(jax.lax.stop_gradient(logp), behaviour, self.max_log_ratio)
+        weight = T.cispo_weight(ratio, self.eps_low, self.eps_high) * tis
         surrogate = T.cispo_surrogate(weight, batch.advantages, logp)
         pg_loss = -self.aggregate(surrogate, mask, batch.seq_index)
         metrics = {
             "ratio_mean": T.token_mean(ratio, mask),
             "clip_fraction": T.token_mean(T.weight_clip_indicator(ratio, self.eps_low, self.eps_high), mask),
             "is_weight_mean": T.token_mean(weight, mask),
+            "tis_weight_mean": T.token_mean(tis, mask),
             **_clamp_metrics(clamped, mask),
         }
         return pg_loss, metrics

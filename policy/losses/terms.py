@@ -333,3 +333,90 @@ def reverse_kl_advantage(
     if rl_advantages is not None:
         adv = adv + rl_advantages
     return jax.lax.stop_gradient(adv * mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# critic PPO: GAE and the clipped value loss
+# ---------------------------------------------------------------------------------------------
+
+
+def gae_advantages(
+    rewards: Array, values: Array, mask: Array, segment_ids: Array, gamma: float, lam: float
+) -> tuple[Array, Array]:
+    """(A, R) [B, S]: generalised advantage estimates and value targets R = A + V per loss token (0 elsewhere).
+
+    Every packed segment of a row is one episode; its steps are its loss tokens (m = 1) only, in order (tool and
+    environment tokens, m = 0, are not actions of the policy). For consecutive steps t < t' of one segment,
+        δ_t = r_t + γ·V_{t'} − V_t,   A_t = δ_t + γλ·A_{t'},
+    and the segment's last step has V_{t'} = A_{t'} = 0 (the episode ends). r_t is the step's own reward plus
+    the rewards of the m = 0 tokens after it, up to the next step (what the environment returned for that
+    action); rewards before a segment's first step are not any action's. No gradient flows through `values`.
+
+    References:
+        Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation",
+            arXiv:1506.02438 (GAE(γ, λ), eq. 16, computed backwards).
+    """
+    values = jax.lax.stop_gradient(values)
+    step_mask = mask > 0
+
+    Carry = tuple[Array, Array, Array, Array]
+
+    def step(carry: Carry, xs: tuple[Array, ...]) -> tuple[Carry, Array]:
+        next_v, next_a, pending, next_seg = carry
+        r, v, m, seg = xs
+        boundary = seg != next_seg  # scanning backwards: the segment after this token ended here
+        next_v = jnp.where(boundary, 0.0, next_v)
+        next_a = jnp.where(boundary, 0.0, next_a)
+        reward = r + jnp.where(boundary, 0.0, pending)
+        a = reward + gamma * next_v - v + gamma * lam * next_a
+        carry = (
+            jnp.where(m, v, next_v),
+            jnp.where(m, a, next_a),
+            jnp.where(m, 0.0, reward),
+            seg,
+        )
+        return carry, jnp.where(m, a, 0.0)
+
+    B = rewards.shape[0]
+    zeros = jnp.zeros((B,), jnp.float32)
+    init = (zeros, zeros, zeros, jnp.full((B,), -2, segment_ids.dtype))
+    xs = tuple(x.T[::-1] for x in (rewards.astype(jnp.float32), values.astype(jnp.float32), step_mask, segment_ids))
+    _, adv_reversed = jax.lax.scan(step, init, xs)
+    adv = adv_reversed[::-1].T
+    returns = jnp.where(step_mask, adv + values, 0.0)
+    return jax.lax.stop_gradient(adv), jax.lax.stop_gradient(returns)
+
+
+def whiten(x: Array, mask: Array, eps: float = 1e-8) -> Array:
+    """(x − μ) / sqrt(σ² + eps) with μ, σ² the mean and (population) variance of x over the tokens with m > 0;
+    0 where m = 0; no gradient (advantage whitening, as verl's `masked_whiten`)."""
+    mu = token_mean(x, mask)
+    var = token_mean(jnp.square(x - mu), mask)
+    return jax.lax.stop_gradient(jnp.where(mask > 0, (x - mu) * jax.lax.rsqrt(var + eps), 0.0))
+
+
+def clipped_value_loss(values: Array, old_values: Array, returns: Array, clip: float | None) -> tuple[Array, Array]:
+    """(loss, clipped) per token: ½·max((V − R)², (V_clip − R)²) with V_clip = V_old + clip(V − V_old, −ε_v, ε_v),
+    and clipped = 1 where the clipped error is strictly the larger (V gets no gradient there). `clip` None:
+    ½·(V − R)², never clipped. The larger branch is selected explicitly (no tie split of the gradient).
+
+    References:
+        Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347 (value-function loss
+            of the PPO objective; the clipped form is that of its reference implementation, OpenAI baselines ppo2).
+    """
+    err = jnp.square(values - returns)
+    if clip is None:
+        return 0.5 * err, jnp.zeros_like(err, dtype=bool)
+    v_clip = old_values + jnp.clip(values - old_values, -clip, clip)
+    err_clip = jnp.square(v_clip - returns)
+    clipped = err_clip > err
+    return 0.5 * jnp.where(clipped, err_clip, err), clipped
+
+
+def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
+    """1 − Var(R − V) / Var(R) over the tokens with m > 0 (1: V predicts R exactly; ≤ 0: no better than the mean
+    of R); 0 when Var(R) = 0."""
+    var_r = token_mean(jnp.square(returns - token_mean(returns, mask)), mask)
+    diff = returns - values
+    var_d = token_mean(jnp.square(diff - token_mean(diff, mask)), mask)
+    return jnp.where(var_r > 0, 1.0 - var_d / jnp.where(var_r > 0, var_r, 1.0), 0.0)

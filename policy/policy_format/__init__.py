@@ -1,6 +1,9 @@
 """What a run root holds of policies and checkpoints, and the one writer and reader of it (no pickle anywhere).
 
-    policies/step-S/weights-<attempt>.safetensors     policy S (`write_policy`; float32 or `model.publish_dtype`)
+    policies/step-S/weights-<attempt>-p<i>-<k>.safetensors   learner process i's blocks of policy S (parallel
+                                                      writers: `prepare_policy` + `commit_policy`)
+    policies/step-S/manifest-<attempt>-p<i>.json      process i's files and blocks (process 0 commits after all)
+    policies/step-S/weights-<attempt>.safetensors     policy S by one writer (`write_policy`; f32 or `publish_dtype`)
     policies/step-S/adapters-<attempt>.safetensors    its LoRA adapters (LoRA runs)
     policies/step-S/COMMITTED                         written last, create-if-absent: a `schemas.records.CommitMarker`
     policies/step-S/hf/…, hf/COMMITTED                its HF folder, for `server` backends (`publish_hf_if_needed`)
@@ -11,6 +14,8 @@
 API:
 
     write_policy(store, step, model, extra=None, dtype=None, spec=None) -> bool   # commit policies/step-S
+    prepare_policy(step, model, extra, dtype) -> PolicyPublish     # every learner process, in step order
+    commit_policy(store, pub, wait_s) -> bool                      # every process, any thread: its own blocks
     read_policy(store, step, spec, vocab_size) -> LmHeadModel     # verified; adapters merged into their base
     policy_metadata(store, step) -> CommitMarker                   # its COMMITTED marker
     read_policy_adapters(store, step, base) -> loraized model      # a LoRA policy's adapters on `base`
@@ -50,9 +55,13 @@ from policy.policy_format.committed import (
 from policy.policy_format.hf import export_hf, hf_marker_path, publish_hf_if_needed, read_hf_marker
 from policy.policy_format.policies import (
     PolicyNotFoundError,
+    PolicyPublish,
+    commit_policy,
     policy_metadata,
+    prepare_policy,
     read_policy,
     read_policy_adapters,
+    single_writer_policy,
     write_policy,
 )
 
@@ -65,13 +74,16 @@ __all__ = [
     "DamagedCommitError",
     "LearnerState",
     "PolicyNotFoundError",
+    "PolicyPublish",
     "collect_old_checkpoints",
+    "commit_policy",
     "committed_checkpoints",
     "export_hf",
     "export_peft",
     "hf_marker_path",
     "marker_lora",
     "policy_metadata",
+    "prepare_policy",
     "publish_hf_if_needed",
     "read_blob",
     "read_checkpoint",
@@ -80,6 +92,7 @@ __all__ = [
     "read_policy",
     "read_policy_adapters",
     "sha256_hex",
+    "single_writer_policy",
     "st_load",
     "tree_from_safetensors",
     "tree_to_safetensors",

@@ -34,11 +34,16 @@ serialised in host memory before the write (one process's share at a time, not t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import math
+import os
+import socket
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import haliax as hax
@@ -47,12 +52,11 @@ import numpy as np
 from haliax.partitioning import pspec_for
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
-from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from pipeline.store import layout
 from policy import mesh as mesh_lib
-from policy.policy_format.committed import CheckpointError, DamagedCommitError, _Store, sha256_hex
+from policy.policy_format.committed import CheckpointError, DamagedCommitError, _Store, sha256_hex, st_load
 from schemas.records import SHARDED_CHECKPOINT_FORMAT, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,58 @@ def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[list[int], l
     return [b[0] for b in bounds], [b[1] for b in bounds]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """One block this process writes: tensor `full`'s box [start, stop), named `block` inside its file."""
+
+    full: str
+    block: str
+    start: list[int]
+    stop: list[int]
+    data: Any
+    """A device shard's data or a host array (copied to host only when its file is serialised)."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(b - a for a, b in zip(self.start, self.stop, strict=True)) * np.dtype(self.data.dtype).itemsize
+
+    def host(self) -> np.ndarray:
+        dims = [b - a for a, b in zip(self.start, self.stop, strict=True)]
+        return np.ascontiguousarray(np.asarray(self.data)).reshape(dims)
+
+
+def _local_pieces(trees: dict[str, Any]) -> tuple[list[_Piece], dict[str, Any]]:
+    """The blocks this process writes and the tensor index skeleton (shape, dtype, no blocks) of every tensor.
+
+    For an array spread over several processes: its addressable shards with `replica_id == 0` (each block is
+    written by exactly one process over all of them); host arrays and process-local device arrays (the same on
+    every process): process 0 alone."""
+    pieces: list[_Piece] = []
+    index: dict[str, Any] = {}
+    writer = mesh_lib.is_writer()
+    for blob, tree in trees.items():
+        for name, x, _ in _leaves(tree):
+            full = f"{blob}/{name}"
+            shape = tuple(int(n) for n in x.shape)
+            index[full] = {"shape": list(shape), "dtype": np.dtype(x.dtype).name, "blocks": []}
+            for idx, data in _owned_blocks(x, shape, writer):
+                start, stop = _box(idx, shape)
+                pieces.append(_Piece(full, f"{full}@{','.join(map(str, start))}", start, stop, data))
+    return pieces, index
+
+
+def _owned_blocks(x: Any, shape: tuple[int, ...], writer: bool) -> list[tuple[Any, Any]]:
+    """(index, data) of the blocks of `x` this process writes: its replica-0 shards of a global array; of a host
+    array or a process-local device array (the same on every process) all of it, on the writer process only."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return [(s.index, s.data) for s in x.addressable_shards if s.replica_id == 0]
+    if not writer:
+        return []
+    if isinstance(x, jax.Array):
+        return [(s.index, s.data) for s in x.addressable_shards if s.replica_id == 0]
+    return [(tuple(slice(None) for _ in shape), x)]
+
+
 def _local_blocks(trees: dict[str, Any], file_key: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """This process's blocks (tensor name in its file -> data) and its part of the tensor index."""
     tensors: dict[str, np.ndarray] = {}
@@ -86,17 +142,7 @@ def _local_blocks(trees: dict[str, Any], file_key: str) -> tuple[dict[str, np.nd
             full = f"{blob}/{name}"
             shape = tuple(int(n) for n in x.shape)
             entry = index.setdefault(full, {"shape": list(shape), "dtype": np.dtype(x.dtype).name, "blocks": []})
-            if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                pieces = [(s.index, s.data) for s in x.addressable_shards if s.replica_id == 0]
-            elif writer:  # host arrays and process-local device arrays (same on every process): process 0 writes
-                pieces = (
-                    [(s.index, s.data) for s in x.addressable_shards if s.replica_id == 0]
-                    if isinstance(x, jax.Array)
-                    else [(tuple(slice(None) for _ in shape), x)]
-                )
-            else:
-                pieces = []
-            for idx, data in pieces:
+            for idx, data in _owned_blocks(x, shape, writer):
                 start, stop = _box(idx, shape)
                 block = f"{full}@{','.join(map(str, start))}"
                 dims = [b - a for a, b in zip(start, stop, strict=True)]
@@ -184,12 +230,212 @@ def save_sharded(store: _Store, folder: str, trees: dict[str, Any], meta: dict[s
     return created
 
 
+# ---------------------------------------------------------------------------------------------
+# policies: every process writes its own blocks on parallel threads; no collective after the attempt id
+# ---------------------------------------------------------------------------------------------
+
+WRITE_THREADS = 8
+"""Threads (and at most as many files) per process writing its blocks of one policy."""
+READ_THREADS = 16
+"""Threads a reader fetches the files of one folder on (each file one stream)."""
+PART_BYTES = 64 << 20
+"""A process's blocks are split into files of about this size (up to `WRITE_THREADS` files)."""
+MANIFEST_WAIT_S = 600.0
+"""How long process 0 waits for every other process's shard manifest before it gives up on a policy."""
+PUBLISH_PAUSE_ENV = "RLPIPE_PUBLISH_PAUSE"
+"""Test hook: `<process>:<seconds>` makes that learner process sleep after its shard files are durable and before
+its manifest is written (a window for a SIGKILL mid-publish). Never set it outside tests."""
+
+
+class PublishTimeoutError(RuntimeError):
+    """Process 0 gave up waiting for another learner process's shards of a policy (it died or stalled)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedPublish:
+    """One policy to publish by every learner process: drawn on every process, in step order (`prepare_publish`),
+    then written from any thread (`commit_publish`)."""
+
+    folder: str
+    trees: dict[str, Any]
+    meta: dict[str, Any]
+    attempt: str
+    prefix: str
+    """File name prefix of the shard files (`weights`)."""
+
+
+def manifest_name(attempt: str, process: int) -> str:
+    """The name of process `process`'s shard manifest of attempt `attempt` inside the folder."""
+    return f"manifest-{attempt}-p{process:05d}.json"
+
+
+def prepare_publish(folder: str, trees: dict[str, Any], meta: dict[str, Any], prefix: str) -> ShardedPublish:
+    """Every learner process calls this for each policy, in the same order (it broadcasts process 0's attempt id).
+
+    `trees` are kept as they are (device arrays stay on device; `commit_publish` copies each block to host when its
+    file is serialised)."""
+    return ShardedPublish(folder, trees, meta, _shared_attempt(), prefix)
+
+
+def _parts(pieces: list[_Piece], threads: int, part_bytes: int) -> list[list[_Piece]]:
+    """`pieces` in at most `threads` groups of balanced size (about `part_bytes` each): largest first, each to the
+    lightest group."""
+    total = sum(p.nbytes for p in pieces)
+    n = max(1, min(threads, -(-total // max(part_bytes, 1)), len(pieces)))
+    groups: list[list[_Piece]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for p in sorted(pieces, key=lambda p: -p.nbytes):
+        i = sizes.index(min(sizes))
+        groups[i].append(p)
+        sizes[i] += p.nbytes
+    return [g for g in groups if g]
+
+
+def _pause_hook(pid: int, folder: str) -> None:
+    spec = os.environ.get(PUBLISH_PAUSE_ENV, "")
+    if not spec:
+        return
+    who, _, secs = spec.partition(":")
+    if who.strip() == str(pid):
+        logger.warning("%s: process %d wrote its shards of %s; pausing %s s", PUBLISH_PAUSE_ENV, pid, folder, secs)
+        time.sleep(float(secs or 0))
+
+
+def write_own_shards(
+    store: _Store, job: ShardedPublish, threads: int = WRITE_THREADS, part_bytes: int = PART_BYTES
+) -> dict[str, Any]:
+    """Write this process's blocks of `job` as files on `threads` parallel threads, then its manifest (last).
+
+    The manifest (`manifest_name`) names the writer (process index, host, OS pid), each file with size and sha256,
+    and the blocks of each tensor in them; it is written only once every file is durable. Returns it."""
+    pid = jax.process_index()
+    pieces, index = _local_pieces(job.trees)
+    groups = _parts(pieces, threads, part_bytes)
+
+    def write(k: int, group: list[_Piece]) -> tuple[str, dict[str, Any]]:
+        key = f"p{pid}.{k}"
+        data = st_save({p.block: p.host() for p in group}, metadata={"format": FORMAT})
+        fname = f"{job.prefix}-{job.attempt}-p{pid:05d}-{k:03d}.safetensors"
+        store.put_unique(layout.join(job.folder, fname), data)
+        for p in group:
+            index[p.full]["blocks"].append({"file": key, "name": p.block, "start": p.start, "stop": p.stop})
+        return key, {"path": fname, "size": len(data), "sha256": sha256_hex(data)}
+
+    if len(groups) > 1:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="shard-write") as pool:
+            files = dict(pool.map(lambda kg: write(*kg), enumerate(groups)))
+    else:
+        files = dict(write(k, g) for k, g in enumerate(groups))
+    _pause_hook(pid, job.folder)
+    manifest = {
+        "format": FORMAT,
+        "attempt_id": job.attempt,
+        "process": pid,
+        "process_count": jax.process_count(),
+        "writer": {"process": pid, "host": socket.gethostname(), "pid": os.getpid()},
+        "files": files,
+        "tensors": {k: v for k, v in index.items() if v["blocks"]},
+        "shapes": {k: {"shape": v["shape"], "dtype": v["dtype"]} for k, v in index.items()},
+    }
+    store.put_unique(layout.join(job.folder, manifest_name(job.attempt, pid)), json.dumps(manifest).encode())
+    return manifest
+
+
+def _wait_for_manifests(store: _Store, job: ShardedPublish, count: int, wait_s: float) -> list[dict[str, Any]]:
+    """Every process's manifest of `job`'s attempt, in process order; PublishTimeoutError after `wait_s`."""
+    got: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + wait_s
+    delay = 0.02
+    while True:
+        for i in range(count):
+            if i in got:
+                continue
+            rel = layout.join(job.folder, manifest_name(job.attempt, i))
+            try:
+                m = json.loads(store.get(rel))
+            except FileNotFoundError:
+                continue
+            if m.get("attempt_id") != job.attempt or m.get("process") != i:
+                raise CheckpointError(f"{rel}: manifest of attempt {m.get('attempt_id')!r} process {m.get('process')}")
+            got[i] = m
+        if len(got) == count:
+            return [got[i] for i in range(count)]
+        if time.monotonic() > deadline:
+            missing = [manifest_name(job.attempt, i) for i in range(count) if i not in got]
+            raise PublishTimeoutError(
+                f"{job.folder}: learner process(es) {[i for i in range(count) if i not in got]} did not commit their "
+                f"shards within {wait_s:.0f} s (missing {', '.join(missing)}): a process died or stalled mid-publish; "
+                "the policy stays invisible (no COMMITTED) and is published again when the learner restarts"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def commit_publish(
+    store: _Store,
+    job: ShardedPublish,
+    wait_s: float | None = None,
+    threads: int = WRITE_THREADS,
+    part_bytes: int = PART_BYTES,
+) -> bool:
+    """Every learner process calls this (from any thread: it holds no collective): write this process's shards,
+    then, on process 0, wait for every process's manifest and write COMMITTED (create-if-absent) naming every file.
+
+    True on process 0 when it committed the folder; False elsewhere and when the folder was already committed.
+    A process killed before process 0 writes the marker leaves files no marker names: the folder stays unread.
+    Raises PublishTimeoutError (process 0) when a manifest is still missing after `wait_s` (default
+    `MANIFEST_WAIT_S`)."""
+    marker = layout.join(job.folder, layout.COMMIT_MARKER)
+    if store.exists(marker):
+        logger.info("%s already committed; not rewriting", job.folder)
+        return False
+    t0 = time.monotonic()
+    mine = write_own_shards(store, job, threads, part_bytes)
+    if not mesh_lib.is_writer():
+        return False
+    everyone = _wait_for_manifests(store, job, jax.process_count(), MANIFEST_WAIT_S if wait_s is None else wait_s)
+    files: dict[str, Any] = {}
+    merged: dict[str, Any] = {k: {**v, "blocks": []} for k, v in mine["shapes"].items()}
+    for m in everyone:
+        files.update(m["files"])
+        for name, entry in m["tensors"].items():
+            if name not in merged:
+                raise CheckpointError(f"{job.folder}: process {m['process']} wrote tensor {name!r} process 0 has not")
+            merged[name]["blocks"].extend(entry["blocks"])
+    for name, entry in merged.items():
+        _check_tiling(name, entry)
+    fields = {**job.meta, "format": FORMAT, "attempt_id": job.attempt, "files": files, "tensors": merged}
+    record = CommitMarker.from_json(fields, path=marker)
+    created = store.put_if_absent(marker, record.to_json())
+    if not created:  # a lost acknowledgement: ours if the marker names our attempt
+        try:
+            created = CommitMarker.from_json(store.get(marker), path=marker).attempt_id == job.attempt
+        except (OSError, RecordError):
+            created = False
+    total = sum(f["size"] for f in files.values())
+    if created:
+        logger.info(
+            "committed %s (%d files from %d processes, %d B, %.2f s)",
+            job.folder, len(files), len(everyone), total, time.monotonic() - t0,
+        )  # fmt: skip
+    else:
+        logger.warning("%s was committed concurrently by another writer; ours is garbage", job.folder)
+    return created
+
+
 class _Reader:
     """Verified, lazily read shard files of one committed folder (each file read and checked once)."""
 
     def __init__(self, store: _Store, folder: str, record: CommitMarker) -> None:
         self.store, self.folder, self.record = store, folder, record
         self._files: dict[str, dict[str, np.ndarray]] = {}
+
+    def prefetch(self, keys: list[str], threads: int = READ_THREADS) -> None:
+        """Read and verify the files `keys` on up to `threads` parallel threads (one stream per file)."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self._files]
+        if len(todo) > 1 and threads > 1:
+            with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="shard-read") as pool:
+                list(pool.map(self.file, todo))
 
     def file(self, key: str) -> dict[str, np.ndarray]:
         if key not in self._files:
@@ -208,6 +454,17 @@ class _Reader:
         """The box `index` (None: all) of tensor `name`, pasted from every block that overlaps it."""
         t = self.record.tensors[name]  # type: ignore[index]
         shape = tuple(t.shape)
+        if (
+            index is None
+            and len(t.blocks) == 1
+            and list(t.blocks[0].stop) == list(shape)
+            and not any(t.blocks[0].start)
+        ):
+            blk = t.blocks[0]  # one block is the whole tensor: the verified bytes' view, no copy
+            data = self.file(blk.file).get(blk.name)
+            if data is None:
+                raise CheckpointError(f"{self.folder}: block {blk.name!r} missing from file {blk.file!r}")
+            return data.reshape(shape)
         start, stop = _box(index, shape) if index is not None else ([0] * len(shape), list(shape))
         out = np.empty([b - a for a, b in zip(start, stop, strict=True)], np.dtype(t.dtype))
         filled = 0
@@ -229,6 +486,14 @@ class _Reader:
         return out
 
 
+def load_host(store: _Store, folder: str, record: CommitMarker, threads: int = READ_THREADS) -> dict[str, np.ndarray]:
+    """Every tensor of a committed sharded folder whole in host memory (name -> array): its files fetched on up to
+    `threads` parallel threads, each verified against the marker (size, sha256) before a byte is used."""
+    reader = _Reader(store, folder, record)
+    reader.prefetch(list(record.files), threads)
+    return {name: reader.assemble(name, None) for name in record.tensors or {}}
+
+
 def load_sharded(
     store: _Store, folder: str, record: CommitMarker, templates: dict[str, Any], lm: mesh_lib.LearnerMesh | None
 ) -> dict[str, Any]:
@@ -240,6 +505,8 @@ def load_sharded(
     and naming the file on a size or checksum mismatch."""
     tensors = record.tensors or {}
     reader = _Reader(store, folder, record)
+    if lm is None:  # every tensor whole on this process: every file, fetched in parallel
+        reader.prefetch(list(record.files))
     out: dict[str, Any] = {}
     seen: set[str] = set()
     for blob, template in templates.items():
