@@ -19,7 +19,8 @@ Several optimizer updates per slot (`train.minibatches_per_slot` = k, `train.ppo
 are split into k minibatches the same strided way (minibatch j: rows j, j+k, …), and the slot step makes E
 passes over them, one optimizer update per minibatch (each accumulated over its own microbatches). The
 importance ratio stays to the pre-update policy of the slot: the sampler's logprobs, or with `loss.tis_cap` the
-learner's logprobs computed once before the slot's first update (`old_logprobs`). The slot's metrics are the
+learner's logprobs computed once before the slot's first update (`old_logprobs`); critic PPO's V_old, returns
+and advantages are likewise computed once before it (`CriticPPOLoss.slot_targets`). The slot's metrics are the
 means over its E·k updates; counts (`SUMMED_METRICS`) are per pass over the slot; `skipped_nonfinite` counts
 the updates skipped; `optimizer_updates` = E·k.
 """
@@ -100,6 +101,12 @@ def pre_update_logprobs(logprob_fn: Any, model: Any, batch: Batch, n: int) -> ja
     return jnp.stack(pieces, axis=1).reshape(B, S)  # row r of piece i is slot row r·n + i
 
 
+def pre_update_values(logprob_fn: Any, model: Any, batch: Batch, n: int) -> jax.Array:
+    """[B, S] critic values of `batch` under `model` (a `PolicyWithValue`; `logprob_fn.values_fn`), no gradient,
+    computed in `n` strided pieces (as `pre_update_logprobs`)."""
+    return pre_update_logprobs(lambda m, b: logprob_fn.values_fn(m, b)[2:], model, batch, n)
+
+
 def combine_update_metrics(per_update: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
     """The slot's metrics from its updates' (see the module docstring)."""
     if len(per_update) == 1:
@@ -138,6 +145,8 @@ def make_mesh_train_step(
     n, k = num_microbatches, minibatches
     # the decoupled ratio of TIS needs the slot's pre-update learner logprobs once the policy moves within it
     needs_old = epochs * k > 1 and getattr(loss_module, "uses_old_logprobs", False)
+    # critic PPO: V_old, and the GAE targets from it, fixed at the slot's first update (value clip to V_old)
+    needs_old_values = epochs * k > 1 and getattr(loss_module, "needs_value_head", False)
 
     def update(model: Any, opt_state: Any, reference: Any, batch: Batch, j: jax.Array) -> tuple[Any, Any, Any]:
         with hax.axis_mapping(lm.compute_mapping):
@@ -166,12 +175,21 @@ def make_mesh_train_step(
         out_axis_resources=lm.param_mapping,
         donate_args=(False, True, False, False, False),
     )
+
+    def slot_targets(model: Any, batch: Batch) -> dict[str, jax.Array]:
+        with hax.axis_mapping(lm.compute_mapping):
+            old_values = pre_update_values(logprob_fn, model, batch, n * k)
+            return loss_module.slot_targets(batch, old_values)  # type: ignore[attr-defined]
+
     jitted_old = hax.named_jit(old_logprobs, axis_resources=lm.param_mapping)
+    jitted_targets = hax.named_jit(slot_targets, axis_resources=lm.param_mapping)
 
     def step_on_mesh(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
         with lm.active():
             if needs_old:
                 batch = dataclasses.replace(batch, old_logprobs=jitted_old(model, batch))
+            if needs_old_values:
+                batch = dataclasses.replace(batch, **jitted_targets(model, batch))
             per_update = []
             for _ in range(epochs):
                 for j in range(k):

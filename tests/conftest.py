@@ -106,6 +106,7 @@ EXPECTED_SECONDS = {
     "tests/test_opd.py::test_opd_on_cats_reaches_the_teacher_reward_in_fewer_steps_than_rloo": 40,  # 2 in-process runs
     "tests/test_storage.py::test_an_outage_of_a_real_endpoint": 36,
     "tests/test_critic_ppo.py::test_value_head_checkpoint_resume_replay_bitwise_and_never_published": 30,
+    "tests/test_critic_ppo.py::test_several_updates_per_slot_replay_bitwise": 45,
     "tests/test_server_backend.py": 30,
     "tests/test_ray_learner_group.py": 49,
     "tests/test_job_ray.py": 26,

@@ -227,10 +227,83 @@ def test_bad_critic_configs_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"loss\.mis_level"):
         CriticPPOLossConfig(mis_level="token")
     critic = CriticPPOLossConfig()
-    with pytest.raises(ConfigError, match=r"train\.ppo_epochs=2: must be 1 with loss.type ppo_critic"):
-        validate_learner(LearnerStepConfig(train=TrainParams(ppo_epochs=2), loss=critic))
+    validate_learner(LearnerStepConfig(train=TrainParams(ppo_epochs=2, minibatches_per_slot=2), loss=critic))
     with pytest.raises(ConfigError, match=r"model\.lora"):
         validate_learner(LearnerStepConfig(model=ModelSpec(lora=LoraSpec()), loss=critic))
+
+
+# ---------------------------------------------------------------------------------------------
+# several updates per slot: V_old, R and Â fixed at the slot's first update
+# ---------------------------------------------------------------------------------------------
+
+
+def whiten_reference(x: np.ndarray, m: np.ndarray) -> np.ndarray:
+    mu = (x * m).sum() / m.sum()
+    var = ((x - mu) ** 2 * m).sum() / m.sum()
+    return np.where(m > 0, (x - mu) / np.sqrt(var + 1e-8), 0.0)
+
+
+def critic_slot_step(epochs: int, minibatches: int, cfg_loss: CriticPPOLossConfig) -> tuple[object, object, dict]:
+    """One learner slot (`policy.learner.mesh_train_step`) from a fixed tiny policy with a random value head:
+    (initial model, model after the slot, the slot's metrics)."""
+    import equinox as eqx
+
+    from policy import mesh as mesh_lib
+
+    train = TrainParams(num_train_steps=STEPS, batch_size=BATCH, seq_len=SEQ_LEN, replay_buffer_capacity=BATCH,
+                        ppo_epochs=epochs, minibatches_per_slot=minibatches)  # fmt: skip
+    cfg = tiny_config("unused", loss=cfg_loss, train=train)
+    lm = mesh_lib.build_mesh(cfg.mesh)
+    rng = np.random.default_rng(3)
+    head = VH.ValueHead(jnp.asarray(0.3 * rng.normal(size=64), jnp.float32), jnp.asarray(0.2, jnp.float32))
+    model0 = VH.attach(M.build_model(cfg.model, VOCAB, jax.random.PRNGKey(0)), head)
+    optimizer = learner.build_optimizer(cfg.optimizer, train.num_train_steps, learner.updates_per_slot(train))
+    state = learner.shard_state(learner.LearnerState(0, model0, optimizer.init(eqx.filter(model0, eqx.is_array)),
+                                                     None), lm)  # fmt: skip
+    model, _, metrics = learner.mesh_train_step(cfg, lm)(state.model, state.opt_state, None, critic_batch())
+    return model0, jax.device_get(model), {k: float(v) for k, v in metrics.items()}
+
+
+def test_several_updates_per_slot_clip_the_value_to_the_pre_update_critic() -> None:
+    """With 2 epochs (or 2 minibatches) the second update's value loss is clipped around V_old, the values before
+    the slot's first update (value_clip_fraction > 0; one update per slot gives 0), and that update's loss equals
+    a float64 numpy reference given V_old, with GAE targets and the slot-whitened Â from V_old."""
+    loss_cfg = CriticPPOLossConfig(gamma=0.95, lam=0.9, vf_coef=0.5, value_clip=0.02, whiten_advantages=True)
+    model0, model1, m1 = critic_slot_step(1, 1, loss_cfg)
+    _, _, m2 = critic_slot_step(2, 1, loss_cfg)
+    _, _, mb = critic_slot_step(1, 2, loss_cfg)
+    assert m1["value_clip_fraction"] == 0.0 and m1["value_loss"] > 0
+    assert m2["optimizer_updates"] == 2.0 and m2["value_clip_fraction"] > 0.05, m2
+    assert mb["optimizer_updates"] == 2.0 and mb["value_clip_fraction"] > 0.0, mb
+    assert m2["value_mean"] == pytest.approx(m1["value_mean"], rel=1e-5)  # V_old: the same in both updates
+
+    # the second update of the 2-epoch slot: its metrics are the slot's minus the first update's (= the 1-update
+    # slot's), its loss the numpy objective of the once-updated model against the slot's fixed targets
+    batch = critic_batch()
+    fn = learner.make_logprob_fn("float32")
+    v_old = np.asarray(jax.jit(fn.values_fn)(model0, batch)[2], np.float64)
+    logp1, _, v1 = (np.asarray(x, np.float64) for x in jax.jit(fn.values_fn)(model1, batch))
+    m = np.asarray(batch.loss_mask, np.float64)
+    adv, ret = gae_reference(np.asarray(batch.token_rewards, np.float64), v_old, m, np.asarray(batch.segment_ids),
+                             0.95, 0.9)  # fmt: skip
+    adv_w = whiten_reference(adv, m)
+    ratio = np.exp(logp1 - np.asarray(batch.generator_logprobs, np.float64))
+    pg = -(np.minimum(ratio * adv_w, np.clip(ratio, 0.8, 1.2) * adv_w) * m).sum() / m.sum()
+    vl = (value_loss_reference(v1, v_old, ret, 0.02) * m).sum() / m.sum()
+    v_clip = v_old + np.clip(v1 - v_old, -0.02, 0.02)
+    clip_fraction = (((v_clip - ret) ** 2 > (v1 - ret) ** 2) * m).sum() / m.sum()
+    second = {k: 2 * m2[k] - m1[k] for k in ("loss", "pg_loss", "value_loss", "value_clip_fraction")}
+    assert second["value_loss"] == pytest.approx(vl, rel=1e-3, abs=1e-5)
+    assert second["pg_loss"] == pytest.approx(pg, rel=1e-3, abs=1e-5)
+    assert second["loss"] == pytest.approx(pg + 0.5 * vl, rel=1e-3, abs=1e-5)
+    assert second["value_clip_fraction"] == pytest.approx(clip_fraction, abs=1.5 / m.sum())
+    assert clip_fraction > 0.1  # the reference itself clips: V moved by more than ε_v on many tokens
+
+    # the fixed targets: the module's slot_targets against numpy, V_old the pre-update values
+    module = loss_module_from_config(loss_cfg)
+    targets = module.slot_targets(batch, jnp.asarray(v_old, jnp.float32))  # type: ignore[attr-defined]
+    np.testing.assert_allclose(np.asarray(targets["returns"]) * m, ret, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(targets["advantages"]) * m, adv_w, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +380,29 @@ def test_value_head_checkpoint_resume_replay_bitwise_and_never_published(tmp_pat
     export_step.main(export_step.ExportConfig(store=StoreConfig(run_root=root), model=cfg.model, step=3, out=str(out)))
     names = {k for f in out.glob("*.safetensors") for k in st_load(f.read_bytes())}
     assert names and not [n for n in names if "value" in n or "v_head" in n], sorted(names)
+
+
+@pytest.mark.slow  # a three-slot learner run and a replay
+def test_several_updates_per_slot_replay_bitwise(tmp_path: Path) -> None:
+    """epochs 2 × minibatches 2 × microbatches of 1 row, TIS on: the value clip acts, and `steps.replay` from
+    checkpoint 2 gives policy 3 and the value head bit for bit (V_old and the targets recomputed per slot)."""
+    root = str(tmp_path / "run")
+    store = RunStore(root)
+    train = TrainParams(num_train_steps=STEPS, batch_size=BATCH, seq_len=SEQ_LEN, replay_buffer_capacity=BATCH,
+                        ppo_epochs=2, minibatches_per_slot=2, microbatch_size=1)  # fmt: skip
+    cfg = tiny_config(root, steps=STEPS, train=train, loss=CriticPPOLossConfig(kl_coef=0.05, tis_cap=2.0))
+    for t in range(1, STEPS + 1):
+        write_batch(store, t, critic_rows(t))
+    learn.main(cfg)
+    recs = [r for r in read_metrics(store, "learner") if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3] and all(r["optimizer_updates"] == 4.0 for r in recs)
+    assert all(r["value_clip_fraction"] > 0 for r in recs[1:]), recs  # step 1: the zero head moves from 0
+    optimizer = learner.build_optimizer(cfg.optimizer, STEPS, learner.updates_per_slot(train))
+    ck3 = pf.read_checkpoint(store, 3, cfg.model, VOCAB, optimizer, value_head=True)
+    p3 = params(pf.read_policy(store, 3, cfg.model, VOCAB))
+    host = jax.device_get(replay_step.replay(store, cfg, 2, 3).model)
+    assert all(np.array_equal(a, b) for a, b in zip(p3, params(VH.policy_of(host)), strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(head_arrays(ck3.model), head_arrays(host), strict=True))
 
 
 def test_microbatches_give_the_slot_loss_gradient_and_metrics() -> None:

@@ -67,8 +67,9 @@ class TrainParams:
     """Passes over each batch slot's minibatches: a slot makes ppo_epochs × minibatches_per_slot optimizer
     updates. After the first update the policy differs from the one that sampled, so the importance ratio
     (always to the pre-update policy: the sampler's logprobs, or with `loss.tis_cap` the learner's own logprobs
-    at the start of the slot) moves and clipping acts. The learning-rate schedule stays counted in slots: every
-    update of slot T uses the rate of step T."""
+    at the start of the slot) moves and clipping acts; `ppo_critic`'s values, GAE advantages and returns are
+    likewise fixed at the start of the slot, so its value clip acts too. The learning-rate schedule stays counted
+    in slots: every update of slot T uses the rate of step T."""
 
     def __post_init__(self) -> None:
         require(
@@ -329,12 +330,15 @@ class CriticPPOLossConfig(LossConfig):
     """λ of GAE: 1 gives Monte-Carlo returns minus V (high variance), 0 one-step TD errors (high bias)."""
     value_clip: float | None = 0.2
     """ε_v: the new value is clipped to V_old ± ε_v and the larger of the two squared errors taken (the PPO
-    reference implementation's value clipping); None: the plain squared error."""
+    reference implementation's value clipping); None: the plain squared error. V_old is the critic before the
+    slot's first update, so the clip acts only with several updates per slot (`train.ppo_epochs`,
+    `train.minibatches_per_slot`)."""
     vf_coef: float = 0.1
     """Weight of the value loss in the total loss (the value head shares the policy's trunk)."""
     whiten_advantages: bool = True
-    """Normalise the GAE advantages to mean 0 and standard deviation 1 over the loss tokens of the slot (of each
-    microbatch when `train.microbatch_size` is set), as verl and TRL do; the value targets stay unwhitened."""
+    """Normalise the GAE advantages to mean 0 and standard deviation 1 over the loss tokens of the slot (with one
+    update per slot and `train.microbatch_size` set: of each microbatch; with several updates per slot: of the
+    whole slot, once, before its first update), as verl and TRL do; the value targets stay unwhitened."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -67,15 +67,12 @@ def validate_train(train: TrainParams) -> None:
 
 
 def check_critic(loss: Any, train: TrainParams, model: ModelSpec) -> None:
-    """Critic PPO (`loss.type: ppo_critic`) trains a value head beside the full policy with one optimizer update
-    per batch slot (its GAE and value clip are to the critic before the update): refuse LoRA and several updates."""
+    """Critic PPO (`loss.type: ppo_critic`) trains a value head beside the full policy (any number of updates per
+    slot: its GAE targets and value clip are to the critic before the slot's first update): refuse LoRA."""
     if not isinstance(loss, CriticPPOLossConfig):
         return
     if model.lora is not None:
         raise ConfigError("model.lora", model.lora, "is not supported with loss.type ppo_critic (the value head)")
-    for name, value in (("ppo_epochs", train.ppo_epochs), ("minibatches_per_slot", train.minibatches_per_slot)):
-        if value != 1:
-            raise ConfigError(f"train.{name}", value, "must be 1 with loss.type ppo_critic (one update per slot)")
 
 
 def validate_learner(c: LearnerStepConfig) -> None:

@@ -40,3 +40,9 @@ class Batch(eqx.Module):
     """float32 per-token reward of the rollouts (episode reward on the last policy token plus any process rewards),
     0 on prompt tokens and padding; read by critic PPO's GAE. The learner always sets it (zeros for batch files of
     version 1); None only where a caller builds a `Batch` without it."""
+    old_values: Array | None = None
+    """float32 critic values V_old before the slot's first update; set only for critic PPO with several updates per
+    slot, together with `returns` (and then `advantages` holds the slot's fixed GAE advantage Â, whitened if
+    configured): `policy.losses.critic.CriticPPOLoss.slot_targets`."""
+    returns: Array | None = None
+    """float32 GAE value targets R = A + V_old, fixed for the slot (set with `old_values`)."""

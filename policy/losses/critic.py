@@ -1,8 +1,8 @@
 """Critic PPO (`loss.type: ppo_critic`): PPO clip with GAE advantages from a value head, plus a clipped value loss.
 
-With V = the value head on the policy's trunk (`policy.value_head`), V_old = sg(V) (the critic before this update:
-one optimizer update per batch slot), r_t the per-token rewards of the batch (`Batch.token_rewards`: the
-rollouts' `token_rewards`, i.e. the episode reward on the last policy token plus any process rewards):
+With V = the value head on the policy's trunk (`policy.value_head`), V_old the critic before the slot's first
+update, r_t the per-token rewards of the batch (`Batch.token_rewards`: the rollouts' `token_rewards`, i.e. the
+episode reward on the last policy token plus any process rewards):
 
     A, R  = GAE(γ, λ)(r, V_old) over each sequence's loss tokens      (`terms.gae_advantages`; R = A + V_old)
     Â     = whiten(A) over the slot's loss tokens if `whiten_advantages`, else A
@@ -14,8 +14,17 @@ on the learner, from the critic; the batch's sequence-level RLOO/GRPO advantage 
 families keep their meaning: RLOO/GRPO/GSPO/CISPO train on the episode reward (through the BatchMaker's
 advantage), critic PPO on the per-token rewards.
 
+Updates per slot. With one optimizer update per slot, V_old = sg(V) is computed inside the objective (the value
+clip cannot act) and whitening is over the objective's tokens (each microbatch's). With several
+(`train.ppo_epochs` × `train.minibatches_per_slot` > 1) the learner computes V_old once, before the slot's first
+update, over the whole slot (`slot_targets`, called by `policy.sharding.make_mesh_train_step`, as it records
+`old_logprobs`); V_old, R and Â (whitened over the slot's loss tokens) are then fixed for every minibatch and
+epoch of the slot (as PPO computes its advantages once per rollout batch), so V moves away from V_old and the
+value clip acts as the policy ratio's clip does.
+
 Metrics besides the PPO ones: value_loss, value_clip_fraction, explained_variance (1 − Var(R − V_old)/Var(R)),
-value_mean (V_old), return_mean (R), gae_advantage_mean (A before whitening); `advantage_mean` is that of Â.
+value_mean (V_old), return_mean (R), gae_advantage_mean (A before whitening; R − V_old with targets fixed per
+slot); `advantage_mean` is that of Â.
 
 References:
     Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation",
@@ -106,9 +115,14 @@ class CriticPPOLoss(_ClipLossBase):
         if batch.token_rewards is None:
             raise ValueError("loss.type ppo_critic: the batch has no token_rewards")
         mask = batch.loss_mask.astype(jnp.float32)
-        old_values = jax.lax.stop_gradient(values)  # one update per slot: the critic before it (no clip acts)
-        adv, returns = T.gae_advantages(batch.token_rewards, old_values, mask, batch.segment_ids, self.gamma, self.lam)
-        pg_adv = T.whiten(adv, mask) if self.whiten_advantages else adv
+        if batch.old_values is None:
+            old_values = jax.lax.stop_gradient(values)  # one update per slot: the critic before it (no clip acts)
+            adv, returns, pg_adv = self._gae(batch, old_values, mask)
+        else:  # several updates per slot: V_old, R and Â fixed at the slot's first update (`slot_targets`)
+            if batch.returns is None:
+                raise ValueError("loss.type ppo_critic: the batch has old_values but no returns")
+            old_values, returns, pg_adv = batch.old_values, batch.returns, batch.advantages
+            adv = returns - old_values
         extra = {} if logp_teacher is None else {"logp_teacher": logp_teacher}
         pg_batch = dataclasses.replace(batch, advantages=pg_adv)
         loss, metrics = super().objective(logp, pg_batch, logp_ref, entropy, **extra)
@@ -125,6 +139,24 @@ class CriticPPOLoss(_ClipLossBase):
             loss=loss,
         )
         return loss, metrics
+
+    def _gae(self, batch: Batch, old_values: Array, mask: Array) -> tuple[Array, Array, Array]:
+        """(A, R, Â) from the batch's token rewards and V_old (Â whitened over `mask`'s tokens if configured)."""
+        assert batch.token_rewards is not None
+        adv, returns = T.gae_advantages(batch.token_rewards, old_values, mask, batch.segment_ids, self.gamma, self.lam)
+        pg_adv = T.whiten(adv, mask) if self.whiten_advantages else adv
+        return adv, returns, pg_adv
+
+    def slot_targets(self, batch: Batch, old_values: Array) -> dict[str, Array]:
+        """The `Batch` fields fixed for a whole slot of several updates, from the slot's pre-update values V_old
+        [B, S] (the slot's rows): `old_values`, `returns` R = A + V_old and `advantages` Â (whitened over all the
+        slot's loss tokens if configured). GAE runs within each row, so a minibatch's rows of these equal what
+        the minibatch alone would give; the whitening statistics are the slot's."""
+        if batch.token_rewards is None:
+            raise ValueError("loss.type ppo_critic: the batch has no token_rewards")
+        old_values = jax.lax.stop_gradient(old_values)
+        _, returns, pg_adv = self._gae(batch, old_values, batch.loss_mask.astype(jnp.float32))
+        return {"old_values": old_values, "returns": returns, "advantages": pg_adv}
 
     def create_loss_fn(self, reference_model: Any | None, logprob_fn: LogprobFn) -> LossFn:
         """As `_LossModuleBase.create_loss_fn`, the model being a `PolicyWithValue`: `logprob_fn` must carry the
