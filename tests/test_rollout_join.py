@@ -40,7 +40,14 @@ def test_a_rollout_worker_joins_a_running_job(tmp_path: Path) -> None:
     so the joiner, a fresh interpreter, joins while the job is running whatever the machine's load (the job,
     whose steps are forked, could otherwise train all its steps before the joiner is up)."""
     run_root = tmp_path / "run"
-    cfg = job_config(tmp_path, str(run_root), **{"num_rollout_workers": "1", "train.num_train_steps": str(STEPS)})
+    # room for a second worker: with pacing claims (the default) workers never generate past max_steps_ahead
+    # batches together, so at the default of 1 the job's own worker, claiming first after each commit, would
+    # leave a joiner nothing to do
+    cfg = job_config(
+        tmp_path,
+        str(run_root),
+        **{"num_rollout_workers": "1", "train.num_train_steps": str(STEPS), "pacing.max_steps_ahead": "3"},
+    )
     job = subprocess.Popen([sys.executable, "-m", "steps.run", "--config_path", str(cfg)], cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     joiner: subprocess.Popen[str] | None = None
