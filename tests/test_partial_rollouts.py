@@ -278,77 +278,91 @@ def test_job_with_partial_rollouts_and_killed_rollout_worker(tmp_path: Path) -> 
     from pipeline.store import layout
     from pipeline.store.storage import RunStore
 
-    run_root = tmp_path / "run"
-    cfg = job_config(
-        tmp_path,
-        str(run_root),
-        None,
-        **{
-            "train.num_train_steps": str(STEPS),
-            "train.max_lag": "2",
-            # pacing lets the worker sample on while the learner trains (a call is 4 slots of rows), so policies
-            # land mid-call: measured 4 such swaps (8 of 272 rows span two policies) where max_steps_ahead 2,
-            # pausing the worker after each call, gave one (2 of 256 rows); a run with none fails the test
-            "pacing.max_steps_ahead": "8",
-            "evaluator": "false",
-            "num_rollout_workers": "1",
-            "inference.max_seqs": "2",  # 64 sequences a call through 2 slots: calls long enough to span a policy
-            "inference.continuous_batching": "true",
-            "inference.partial_rollouts": "true",
-            "curriculum.default_sampling.n_prompts": "8",
-            "cadence.checkpoint_interval": "1",
-            "max_restarts": "20",
-            "restart_backoff_s": "0.05",
-            "restart_backoff_max_s": "0.2",
-        },
-    )
-    runner = subprocess.Popen(
-        [sys.executable, "-m", "steps.run", "--config_path", str(cfg)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    store = RunStore(str(run_root))
-    kills, killed, files_at_kill = 0, set(), 0
-    deadline = time.monotonic() + 300
-    try:
-        while runner.poll() is None and time.monotonic() < deadline and kills < 3:
-            time.sleep(0.3)
-            # kill the worker once it committed more files since the last kill (each incarnation makes progress)
-            files = [f for d in store.list(layout.ROLLOUTS) for f in store.list_committed(d)]
-            if len(files) <= files_at_kill:
-                continue
-            for p in psutil.Process(runner.pid).children():
-                try:
-                    if step_module(p.cmdline()) == "steps.rollout" and p.pid not in killed:
-                        p.send_signal(signal.SIGKILL)
-                        killed.add(p.pid)
-                        kills, files_at_kill = kills + 1, len(files)
-                        break
-                except psutil.Error:
-                    pass
-        out, _ = runner.communicate(timeout=300)
-    finally:
-        if runner.poll() is None:
-            runner.kill()
-    assert kills == 3, f"only {kills} kills before the job ended"
-    assert runner.returncode == 0, out[-4000:]
-    check_finished_run(store, num_steps=STEPS, max_lag=2, evaluated=False)
+    def run_once(attempt: int) -> tuple[Path, Path, RunStore, list[Any]]:
+        """One job with 3 rollout-worker SIGKILLs: (run root, config, store, committed rollout rows)."""
+        run_root = tmp_path / f"run{attempt}"
+        (tmp_path / f"cfg{attempt}").mkdir()
+        cfg = job_config(
+            tmp_path / f"cfg{attempt}",
+            str(run_root),
+            None,
+            **{
+                "train.num_train_steps": str(STEPS),
+                "train.max_lag": "2",
+                # pacing lets the worker sample on while the learner trains (a call is 4 slots of rows), so policies
+                # land mid-call: measured 4 such swaps (8 of 272 rows span two policies) where max_steps_ahead 2,
+                # pausing the worker after each call, gave one (2 of 256 rows); a run with none fails the test
+                "pacing.max_steps_ahead": "8",
+                "evaluator": "false",
+                "num_rollout_workers": "1",
+                "inference.max_seqs": "2",  # 64 sequences a call through 2 slots: calls long enough to span a policy
+                "inference.continuous_batching": "true",
+                "inference.partial_rollouts": "true",
+                # a staged policy swaps in at the next decode step (the default checks every 8 steps)
+                "inference.partial_rollouts_swap_steps": "1",
+                "curriculum.default_sampling.n_prompts": "8",
+                "cadence.checkpoint_interval": "1",
+                "max_restarts": "20",
+                "restart_backoff_s": "0.05",
+                "restart_backoff_max_s": "0.2",
+            },
+        )
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "steps.run", "--config_path", str(cfg)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        store = RunStore(str(run_root))
+        kills, killed, files_at_kill = 0, set(), 0
+        deadline = time.monotonic() + 300
+        try:
+            while runner.poll() is None and time.monotonic() < deadline and kills < 3:
+                time.sleep(0.3)
+                # kill the worker once it committed more files since the last kill (each incarnation makes progress)
+                files = [f for d in store.list(layout.ROLLOUTS) for f in store.list_committed(d)]
+                if len(files) <= files_at_kill:
+                    continue
+                for p in psutil.Process(runner.pid).children():
+                    try:
+                        if step_module(p.cmdline()) == "steps.rollout" and p.pid not in killed:
+                            p.send_signal(signal.SIGKILL)
+                            killed.add(p.pid)
+                            kills, files_at_kill = kills + 1, len(files)
+                            break
+                    except psutil.Error:
+                        pass
+            out, _ = runner.communicate(timeout=300)
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+        assert kills == 3, f"only {kills} kills before the job ended"
+        assert runner.returncode == 0, out[-4000:]
+        check_finished_run(store, num_steps=STEPS, max_lag=2, evaluated=False)
 
-    rows = []
-    for step_dir in store.list(layout.ROLLOUTS):
-        for path in store.list_committed(step_dir):
-            table = store.read_committed(path, ROLLOUT)
-            assert table is not None
-            rows += ROLLOUT.from_table(table)
-    assert rows
-    for r in rows:
-        assert len(r.token_policy_steps) == len(r.response_tokens)
-        assert min(r.token_policy_steps) >= r.policy_step  # the lag rule's step is never newer than a token's
-        assert r.token_policy_steps == sorted(r.token_policy_steps)
-    spanning = [r for r in rows if len(set(r.token_policy_steps)) > 1]
-    print(f"{len(spanning)} of {len(rows)} rollout rows span two policies")
+        rows = []
+        for step_dir in store.list(layout.ROLLOUTS):
+            for path in store.list_committed(step_dir):
+                table = store.read_committed(path, ROLLOUT)
+                assert table is not None
+                rows += ROLLOUT.from_table(table)
+        assert rows
+        for r in rows:
+            assert len(r.token_policy_steps) == len(r.response_tokens)
+            assert min(r.token_policy_steps) >= r.policy_step  # the lag rule's step is never newer than a token's
+            assert r.token_policy_steps == sorted(r.token_policy_steps)
+        return run_root, cfg, store, rows
+
+    # Whether a published policy lands while the worker is mid-sequence is a matter of timing (6-8 of ~270 rows
+    # span two policies in quiet runs; one clean-clone run under load had none): a run with none cannot show what
+    # this test checks, so it runs again (at most 3 runs; every run's other checks must hold)
+    for attempt in range(3):
+        run_root, cfg, store, rows = run_once(attempt)
+        spanning = [r for r in rows if len(set(r.token_policy_steps)) > 1]
+        print(f"run {attempt}: {len(spanning)} of {len(rows)} rollout rows span two policies")
+        if spanning:
+            break
     assert spanning, "no rollout row spans two policies"
 
     # replay: a fresh learner trained on the committed batches (every slot) reproduces the final policy bitwise,

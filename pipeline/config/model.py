@@ -173,9 +173,18 @@ class InferenceConfig(draccus.ChoiceRegistry):
     computed); rollout rows record the policy step of every token (`token_policy_steps`) and the lag rule applies
     to the oldest (docs/guides/partial-rollouts.md). Only `type: dense` with `continuous_batching: true`; refused
     for any other backend."""
+    partial_rollouts_swap_steps: int = 8
+    """With partial rollouts: the most decode steps between two checks for a staged newer policy (the decode
+    program returns to the host that often; 1 swaps at the next step, at the cost of a host round trip per step)."""
 
     def __post_init__(self) -> None:
         require(self.max_seqs >= 1, "inference.max_seqs", self.max_seqs, "must be >= 1")
+        require(
+            self.partial_rollouts_swap_steps >= 1,
+            "inference.partial_rollouts_swap_steps",
+            self.partial_rollouts_swap_steps,
+            "must be >= 1",
+        )
         require(
             not self.partial_rollouts or self.backend == "dense",
             "inference.partial_rollouts",

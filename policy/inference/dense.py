@@ -52,6 +52,7 @@ class DenseBackend(LocalBackend):
         fast_compile: bool = False,
         continuous_batching: bool = False,
         partial_rollouts: bool = False,
+        partial_rollouts_swap_steps: int = 8,
         decode: DecodeOptions | None = None,
     ):
         """`decode`: how the static sampler's decode loop computes (None: `DecodeOptions()`, the fast path;
@@ -61,6 +62,7 @@ class DenseBackend(LocalBackend):
         self.compute_dtype = compute_dtype
         self.fast_compile = fast_compile
         self.continuous_batching = bool(continuous_batching)
+        self.partial_rollouts_swap_steps = int(partial_rollouts_swap_steps)
         self.partial_rollouts = bool(partial_rollouts)  # needs continuous_batching (pipeline.config refuses otherwise)
         self.decode = decode
         self.sampler: DenseSampler | None = DenseSampler(model, compute_dtype, fast_compile=fast_compile, decode=decode)
@@ -85,6 +87,7 @@ class DenseBackend(LocalBackend):
             fast_compile=build.fast_compile,
             continuous_batching=bool(getattr(config, "continuous_batching", False)),
             partial_rollouts=bool(getattr(config, "partial_rollouts", False)),
+            partial_rollouts_swap_steps=int(getattr(config, "partial_rollouts_swap_steps", 8)),
         )
 
     def kv_cache_bytes(self, batch_size: int, prompt_bucket: int, token_bucket: int) -> int:
@@ -117,7 +120,9 @@ class DenseBackend(LocalBackend):
         if self.sampler is None:
             raise RuntimeError("dense backend was shut down")
         if self._continuous is None or self._continuous.dense is not self.sampler:
-            self._continuous = ContinuousSampler(self.sampler, partial=self.partial_rollouts)
+            self._continuous = ContinuousSampler(
+                self.sampler, partial=self.partial_rollouts, swap_check_steps=self.partial_rollouts_swap_steps
+            )
         return self._continuous
 
     def stage_model(self, model: Any, step: int) -> None:
