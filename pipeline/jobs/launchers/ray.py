@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,9 @@ class StepActor:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
+        self._pending: int | None = None
+        """A signal that arrived before the program started (delivered as soon as it starts)."""
+        self._lock = threading.Lock()
 
     def run(self, module: str, config_yaml: str, env: dict[str, str], log: LogTarget) -> int:
         """Write the config locally, run the step program, return its exit code."""
@@ -169,12 +173,15 @@ class StepActor:
             with tempfile.TemporaryDirectory() as d, step_log.open() as sink:
                 path = os.path.join(d, "step.yaml")
                 Path(path).write_text(config_yaml)
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", module, "--config_path", path],
-                    env={**os.environ, **env},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                )
+                with self._lock:  # `stop` may run (second thread) before the program exists: hand it on
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-m", module, "--config_path", path],
+                        env={**os.environ, **env},
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                    )
+                    if self._pending is not None:
+                        self._proc.send_signal(self._pending)
                 assert self._proc.stdout is not None
                 pump(self._proc.stdout, sink, echo_prefix=f"[{log.step}] ")
                 return self._proc.wait()
@@ -199,9 +206,13 @@ class StepActor:
         return f"{ray.util.get_node_ip_address()}:{port}"
 
     def stop(self, signum: int) -> None:
-        """Send `signum` to the step program if it runs."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signum)
+        """Send `signum` to the step program; one that has not started yet gets it as soon as it starts (a stop
+        sent while the actor is still being placed is not lost)."""
+        with self._lock:
+            if self._proc is None:
+                self._pending = signum
+            elif self._proc.poll() is None:
+                self._proc.send_signal(signum)
 
 
 _actor_class: Any = None
