@@ -4,6 +4,7 @@ once), and a lease left by a killed maker is waited for (at most its ttl), with 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,11 +22,19 @@ def _start(root: Path, holder: str, ttl_s: float) -> subprocess.Popen[str]:
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for_lease(store: RunStore, proc: subprocess.Popen[str]) -> None:
-    deadline = time.time() + 60
-    while not store.list("leases/batchmaker") and proc.poll() is None and time.time() < deadline:
+def _holds_lease(store: RunStore, holder: str) -> bool:
+    """True once `holder` has claimed an epoch of the BatchMaker's lease (its claim record names it)."""
+    claims = [p for p in store.list("leases/batchmaker") if re.search(r"epoch-\d{8}\.json$", p)]
+    return any(store.get_json(p).get("holder") == holder for p in claims)
+
+
+def _wait_for_lease(store: RunStore, proc: subprocess.Popen[str], holder: str) -> None:
+    """Wait until `proc` (holder `holder`) holds the lease: the folder may already hold earlier holders' records,
+    so its own claim is what is waited for (a loaded machine can take many seconds to start a step)."""
+    deadline = time.time() + 120
+    while not _holds_lease(store, holder) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    assert proc.poll() is None and store.list("leases/batchmaker")
+    assert proc.poll() is None and _holds_lease(store, holder)
 
 
 def _bounded(root: Path, holder: str) -> subprocess.CompletedProcess[str]:
@@ -40,7 +49,7 @@ def test_sigterm_releases_the_lease_and_a_killed_holders_lease_is_taken_over(tmp
     publish_policy(store, 0)
     ttl = 6.0
     first = _start(root, "maker-A", ttl)
-    _wait_for_lease(store, first)
+    _wait_for_lease(store, first, "maker-A")
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=30) == 0
     assert any(p.endswith(".released.json") for p in store.list("leases/batchmaker"))
@@ -49,8 +58,7 @@ def test_sigterm_releases_the_lease_and_a_killed_holders_lease_is_taken_over(tmp
     assert "waiting up to that long for it to lapse" not in r.stderr and "Traceback" not in r.stderr
 
     killed = _start(root, "maker-C", ttl)
-    _wait_for_lease(store, killed)
-    time.sleep(1.0)  # its claim is written
+    _wait_for_lease(store, killed, "maker-C")  # its claim (host, pid) is written
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     t0 = time.monotonic()
