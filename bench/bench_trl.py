@@ -28,8 +28,10 @@ tree's rusage, divided by the steps: the load-independent cost of a step, as iss
 state (the tree's CPU between the third learner step and the last, divided by the steps between them); both are
 also split by process (runner, fork server, learner, BatchMaker, rollout workers, evaluator: `bench.common.
 TreeCpu`). Without `trl`, rlpipe's CPU is compared with TRL's last recorded figure (`TRL_RECORDED_CPU_S_PER_STEP`),
-and the printout says so. rlpipe runs without its evaluator (`evaluator: false`): TRL evaluates nothing, and both
-systems' rewards are read from their training batches.
+and the printout says so; with `trl` the ratios printed are the ones measured in this run (TRL's CPU per step
+grows with the machine's load far more than rlpipe's: compare runs at the same load). rlpipe runs without its
+evaluator (`evaluator: false`): TRL evaluates nothing, and both systems' rewards are read from their training
+batches; it publishes its policies in bfloat16 (`PUBLISH_DTYPE`, `--publish_dtype`).
 
     python -m bench.bench_trl --sizes tiny,50m --steps 50 --steps_50m 10 --json out.json [--work_dir DIR]
 TRL runs in the interpreter named by --trl_python (default: this one); without `trl` there, the TRL column is
@@ -58,6 +60,14 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "50m": (640, 1728, 10, 10, 5),
 }
 PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, MAX_TOKENS, LR = 4, 4, 16, 1e-3
+PUBLISH_DTYPE = "bfloat16"
+"""rlpipe publishes its policies in bfloat16 here (`model.publish_dtype`; the job's default on an accelerator, float32
+on CPU): half the bytes serialised, hashed, written, read and laid out for the sampler per learner step (measured at
+~50M: 1.1 -> 0.55 CPU s per publish + load alone; 4.67 -> 4.23 CPU s per learner step at steady state in the bench,
+2026-11-26). The sampler still computes in float32 on weights rounded to bfloat16: its logprobs differ from the
+learner's float32 ones by 0.007 nats per token on average (max 0.03, random init at ~50M), two orders of magnitude
+below the one-step policy lag of these runs (`mismatch_abs_logp` 1.1-1.7). `--publish_dtype float32` measures
+the job's CPU default."""
 ROLLOUT_WORKERS = {"tiny": 2, "50m": 1}
 """rlpipe's rollout workers per size: at ~50M one worker's sampler already uses both cores of the 2-core machine,
 and a second one only races it for them (and for the same rows, which then go stale)."""
@@ -99,7 +109,7 @@ def trl_child(size: str, steps: int, out: str, t_start: float) -> None:
     n_prompts = max(steps * PROMPTS_PER_STEP, len(TRAIN_PROMPTS))
     data = Dataset.from_dict({"prompt": [TRAIN_PROMPTS[i % len(TRAIN_PROMPTS)] for i in range(n_prompts)]})
 
-    def reward(completions: list[str], **_: Any) -> list[float]:
+    def reward(completions: list[str], **_: Any) -> list[float | None]:  # TRL's reward-function type
         return [min(count_cats(c), 4) / 4 for c in completions]
 
     rows: list[dict[str, float]] = []
@@ -126,13 +136,14 @@ def trl_child(size: str, steps: int, out: str, t_start: float) -> None:
 # ------------------------------------------------------------------------------------------------ harness
 def _spawn(cmd: list[str], timeout_s: float, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run cmd to its end: its wall seconds, start time (epoch), peak RSS of its tree (bytes), the tree's exact CPU
-    seconds (`cpu_s`: the child's rusage once reaped, its reaped descendants included) and the sampled per-process
-    monitor (`tree`: a `TreeCpu`)."""
+    seconds (`cpu_s`: the child's rusage once reaped, its reaped descendants included), the sampled per-process
+    monitor (`tree`: a `TreeCpu`) and the machine's 1-minute load average at its start and end (`load`)."""
     import resource
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     env.update(extra_env or {})
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load0 = os.getloadavg()[0]
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env)
     mon = TreeCpu(proc.pid)
@@ -146,7 +157,8 @@ def _spawn(cmd: list[str], timeout_s: float, extra_env: dict[str, str] | None = 
         raise RuntimeError(f"{cmd[:4]} exited with {rc}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": time.time() - t0, "t0": t0, "peak": peak, "cpu_s": cpu, "tree": mon}
+    load = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    return {"wall_s": time.time() - t0, "t0": t0, "peak": peak, "cpu_s": cpu, "tree": mon, "load": load}
 
 
 def cpu_breakdown(tree: TreeCpu, cpu_s: float, step_times: list[float], steps: int) -> dict[str, Any]:
@@ -172,17 +184,21 @@ def cpu_breakdown(tree: TreeCpu, cpu_s: float, step_times: list[float], steps: i
     return out
 
 
-def run_trl(python: str, size: str, steps: int, tmp: Path) -> dict[str, Any]:
+def run_trl(python: str, size: str, steps: int, tmp: Path, omp_wait_policy: str | None = None) -> dict[str, Any]:
+    """TRL's run at `size` (`trl_child` in a fresh process); `omp_wait_policy` sets its `OMP_WAIT_POLICY` (None:
+    PyTorch's default, whose OpenMP threads spin while they wait: on a loaded machine that multiplies TRL's CPU per
+    step, 18.2 against 4.0 CPU s with `PASSIVE` at ~50M, load 5-7, 2026-11-26)."""
     out = tmp / f"trl-{size}.json"
     cmd = [python, "-m", "bench.bench_trl", "--trl_child", size, "--steps", str(steps), "--child_out", str(out)]
     # TRL needs transformers' PyTorch classes: USE_TORCH=0 (set for step processes) must not reach it.
     t_start = time.time()
-    run = _spawn([*cmd, "--t_start", repr(t_start)], 3600, {"USE_TORCH": "1"})
+    env = {"USE_TORCH": "1", **({"OMP_WAIT_POLICY": omp_wait_policy} if omp_wait_policy else {})}
+    run = _spawn([*cmd, "--t_start", repr(t_start)], 3600, env)
     res = json.loads(out.read_text())
     times = sorted(t_start + r["t"] for r in res["rows"])
     return {
         "rows": res["rows"], "params": res["params"], "wall_s": run["wall_s"], "peak_rss_mib": run["peak"] / 2**20,
-        **cpu_breakdown(run["tree"], run["cpu_s"], times, steps),
+        "load_avg": run["load"], **cpu_breakdown(run["tree"], run["cpu_s"], times, steps),
     }  # fmt: skip
 
 
@@ -207,11 +223,12 @@ def rlpipe_overrides(size: str, steps: int, run_root: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_rlpipe(size: str, steps: int, tmp: Path) -> dict[str, Any]:
+def run_rlpipe(size: str, steps: int, tmp: Path, extra: list[str] | None = None) -> dict[str, Any]:
+    """The rlpipe job at `size` for `steps` learner steps (`rlpipe_overrides`, then the overrides `extra`)."""
     from pipeline.report import load_run
 
     run_root = str(tmp / f"rlpipe-{size}")
-    run = _spawn([sys.executable, "-m", "steps.run", *rlpipe_overrides(size, steps, run_root)], 3600)
+    run = _spawn([sys.executable, "-m", "steps.run", *rlpipe_overrides(size, steps, run_root), *(extra or [])], 3600)
     t0 = run["t0"]
     data = load_run(run_root)
     learner = {int(r["step"]): r for r in data.metrics.get("learner", []) if "step" in r and "train_s" in r}
@@ -223,7 +240,7 @@ def run_rlpipe(size: str, steps: int, tmp: Path) -> dict[str, Any]:
     ]
     times = sorted(float(learner[s]["time"]) for s in learner)
     return {
-        "rows": rows, "wall_s": run["wall_s"], "peak_rss_mib": run["peak"] / 2**20,
+        "rows": rows, "wall_s": run["wall_s"], "peak_rss_mib": run["peak"] / 2**20, "load_avg": run["load"],
         **cpu_breakdown(run["tree"], run["cpu_s"], times, steps),
     }  # fmt: skip
 
@@ -252,10 +269,18 @@ def _trl_available(python: str) -> bool:
 
 
 def compare(
-    sizes: list[str], steps: dict[str, int], trl_python: str, work_dir: str | None = None
+    sizes: list[str],
+    steps: dict[str, int],
+    trl_python: str,
+    work_dir: str | None = None,
+    rlpipe_extra: list[str] | None = None,
+    trl_omp_wait_policy: str | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (size, system), with milestones, memory, CPU and ratios rlpipe / TRL. The runs' files (rlpipe's
-    run roots, with their step logs) go to `work_dir` when given (kept), else to a temporary folder (removed)."""
+    """One row per (size, system), with milestones, memory, CPU and ratios rlpipe / TRL (measured in this run when
+    `trl` imports; else rlpipe's CPU against TRL's recorded figure). The runs' files (rlpipe's run roots, with their
+    step logs) go to `work_dir` when given (kept), else to a temporary folder (removed). `rlpipe_extra`: overrides
+    appended to rlpipe's job command line (e.g. `--model.publish_dtype bfloat16`); `trl_omp_wait_policy`: see
+    `run_trl`."""
     have_trl = _trl_available(trl_python)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rlpipe-trl-") as d:
@@ -268,14 +293,15 @@ def compare(
                 if system == "trl" and not have_trl:
                     continue
                 res = (
-                    run_trl(trl_python, size, steps[size], tmp)
+                    run_trl(trl_python, size, steps[size], tmp, trl_omp_wait_policy)
                     if system == "trl"
-                    else run_rlpipe(size, steps[size], tmp)
+                    else run_rlpipe(size, steps[size], tmp, rlpipe_extra)
                 )
                 got[system] = {
                     **milestones(res["rows"]),
                     "wall_s": res["wall_s"],
                     "peak_rss_mib": res["peak_rss_mib"],
+                    "load_avg": res["load_avg"],
                     **{k: v for k, v in res.items() if k.startswith("cpu_s")},
                 }
                 got[system]["rewards"] = [round(r["reward"], 4) for r in sorted(res["rows"], key=lambda r: r["step"])]
@@ -338,6 +364,7 @@ def print_table(rows: list[dict[str, Any]], machine: str) -> None:
     for r in rows:
         line = (
             f"  {r['size']:>5} {r['system']:>7}: {_f(r.get('cpu_s_per_step'))} | {_f(r.get('cpu_s_per_step_steady'))}"
+            f"   (load average {'→'.join(map(str, r.get('load_avg') or []))})"
         )
         if "ratio" in r:
             line += (f"   rlpipe/TRL {_f(r['ratio'].get('cpu_s_per_step'), '.2f')} | "
@@ -361,6 +388,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl_python", default=os.environ.get("TRL_PYTHON", sys.executable))
     ap.add_argument("--json", default=None)
     ap.add_argument("--work_dir", default=None, help="keep the runs' files (rlpipe run roots, step logs) here")
+    ap.add_argument(
+        "--publish_dtype",
+        default=PUBLISH_DTYPE,
+        choices=["auto", "float32", "bfloat16"],
+        help="rlpipe's model.publish_dtype (default %(default)s; the job's own default on CPU is float32)",
+    )
+    ap.add_argument(
+        "--trl_omp_wait_policy",
+        default=None,
+        choices=["PASSIVE", "ACTIVE"],
+        help="OMP_WAIT_POLICY for TRL's process (default: PyTorch's, spinning); PASSIVE on a loaded machine",
+    )
+    ap.add_argument(
+        "--rlpipe_args",
+        default="",
+        help="extra overrides for rlpipe's job, given with '=': --rlpipe_args='--train.max_batches_ahead 2'",
+    )
     ap.add_argument("--trl_child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child_out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--t_start", type=float, default=None, help=argparse.SUPPRESS)
@@ -374,10 +418,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
     steps = {s: (args.steps_50m if s == "50m" else args.steps) for s in sizes}
     machine = machine_name()
-    rows = compare(sizes, steps, args.trl_python, args.work_dir)
+    extra = ["--model.publish_dtype", args.publish_dtype, *args.rlpipe_args.split()]
+    rows = compare(sizes, steps, args.trl_python, args.work_dir, extra, args.trl_omp_wait_policy)
     print_table(rows, machine)
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "machine": machine,
+                    "rlpipe_args": extra,
+                    "trl_omp_wait_policy": args.trl_omp_wait_policy,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

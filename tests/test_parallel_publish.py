@@ -258,7 +258,7 @@ def test_one_process_writes_parallel_files_and_a_damaged_or_unmarked_one_is_neve
     victim = sorted(f.path for f in marker.files.values())[-1]
     path = tmp_path / "run" / layout.policy_dir(2) / victim
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(pf.DamagedCommitError, match=r"size/sha256 differ") as e:
+    with pytest.raises(pf.DamagedCommitError, match=r"size/crc32c differ") as e:
         pf.read_policy(store, 2, _spec(), VOCAB)
     assert victim in str(e.value)
 

@@ -3,7 +3,9 @@
 One jitted prefill + `while_loop` decode per batch with a dense KV cache, compiled once per (batch bucket, prompt
 bucket, token bucket) shape. Rows are grouped by prompt-length bucket (a power of two >= 8 tokens) and each group
 split into device batches of at most `max_seqs` rows, padded to a power of two: a prompt is padded only up to its
-own bucket, never to a longer prompt's. `max_tokens` is padded to a power of two >= 16; the KV cache of a batch
+own bucket, never to a longer prompt's, except that a call whose rows fit one device batch is sampled as one batch
+padded to its longest bucket when that padding is cheap (`MERGE_PADDING_RATIO`: one decode loop, not one per
+bucket). `max_tokens` is padded to a power of two >= 16; the KV cache of a batch
 holds `prompt bucket + token bucket` slots per row (so it follows `max_seqs`, `max_seq_len` and `max_tokens`).
 New weights of the same structure (`update_model`) never recompile.
 
@@ -33,6 +35,13 @@ from policy.inference.local import LocalBackend, SampleRow
 from policy.inference.registry import register_backend
 
 logger = logging.getLogger(__name__)
+
+
+MERGE_PADDING_RATIO = 2.0
+"""A call whose rows fit one device batch is sampled as one batch, all prompts padded to the longest one's bucket,
+when that batch's prompt positions (batch bucket x prompt bucket) are at most this many times those of the
+per-bucket batches; beyond it (a few long prompts among many short ones) the padding would cost more than the
+extra decode loops it saves."""
 
 
 @register_backend(DenseInferenceConfig)
@@ -212,11 +221,21 @@ class DenseBackend(LocalBackend):
         return results
 
     def _chunks_by_prompt_bucket(self, rows: list[SampleRow]) -> list[list[int]]:
-        """Row indices in device batches of at most `max_seqs`, each holding prompts of one length bucket, so a
-        short prompt is never padded to a long one's length beyond its own power-of-two bucket."""
+        """Row indices in device batches of at most `max_seqs`. When every row fits one device batch and padding all
+        prompts to the longest one's bucket costs at most `MERGE_PADDING_RATIO` times the prompt positions of the
+        per-bucket batches, one batch in row order (one decode loop and one compiled shape per call instead of one per
+        prompt bucket: on CPU each decode step reads all the weights once, whatever the batch); otherwise each batch
+        holds prompts of one length bucket, so a short prompt is never padded to a long one's length beyond its own
+        power-of-two bucket. Every row keeps its own PRNG stream (its sample id), so the sampled tokens do not depend
+        on the grouping; logprobs agree to float rounding (the extra left padding is masked out of attention)."""
         by_bucket: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             by_bucket.setdefault(bucket(len(r.prompt), minimum=8), []).append(i)
+        if len(by_bucket) > 1 and len(rows) <= self.max_seqs:
+            merged = bucket(len(rows), maximum=self.max_seqs) * max(by_bucket)
+            separate = sum(bucket(len(g), maximum=self.max_seqs) * p for p, g in by_bucket.items())
+            if merged <= MERGE_PADDING_RATIO * separate:
+                return [list(range(len(rows)))]
         return [
             group[k : k + self.max_seqs]
             for _, group in sorted(by_bucket.items())

@@ -4,7 +4,7 @@ Published by the learner (`prepare_policy` + `commit_policy`, full weights), eve
 blocks (`policy.policy_format.sharded`, the sharded format of checkpoints):
 
 policies/step-S/weights-<attempt>-p<i>-<k>.safetensors   learner process i's k-th file of blocks (parallel threads)
-policies/step-S/manifest-<attempt>-p<i>.json             process i's files (size, sha256) and blocks, written after
+policies/step-S/manifest-<attempt>-p<i>.json             process i's files (size, crc32c) and blocks, written after
                                                          them; names the writer (process, host, pid)
 policies/step-S/COMMITTED                                by process 0 once every process's manifest is there: every
                                                          file and each tensor's global shape, dtype and blocks
@@ -143,7 +143,7 @@ def _advance_latest(store: Any, step: int) -> None:
 
 
 def read_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHeadModel:
-    """Load committed policy `step`, verifying size and sha256 against its marker.
+    """Load committed policy `step`, verifying each file's size and checksum (crc32c or sha256) against its marker.
 
     A policy published as LoRA adapters comes back merged into its base policy's weights, so the result is always
     a plain model of `spec`'s shape. Raises PolicyNotFoundError when the marker is missing, CheckpointError when

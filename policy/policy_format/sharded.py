@@ -4,7 +4,7 @@ Format (`schemas.records.SHARDED_CHECKPOINT_FORMAT`; no pickle):
 
     <dir>/shard-<attempt>-p<i>.safetensors   process i's blocks of every pytree (put_unique; unique name)
     <dir>/COMMITTED                          put_if_absent by process 0, written LAST: a `CommitMarker` with
-        files   {p<i>: {path, size, sha256}} for every process's file, and
+        files   {p<i>: {path, size, sha256}} for every process's file (policies: crc32c, not sha256), and
         tensors {"<pytree>/<key path>": {shape, dtype, blocks: [{file, name, start, stop}]}}: the global
                 shape and dtype of each tensor and the disjoint boxes that tile it.
 
@@ -17,7 +17,7 @@ before that leaves files no marker names: a folder without COMMITTED is never re
 
 Read protocol (`load_sharded`): each process reads only the files holding blocks that overlap the pieces
 its devices need on the *target* mesh (any mesh shape: blocks are cut and pasted by their boxes), verifies each
-file's size and sha256 against the marker before using a byte, and assembles global arrays with
+file's size and checksum against the marker before using a byte, and assembles global arrays with
 `jax.make_array_from_callback`. Without a mesh, every tensor is assembled whole in host memory.
 
 Why safetensors files through the RunStore rather than levanter's tensorstore serialization (which would work:
@@ -56,7 +56,15 @@ from safetensors.numpy import save as st_save
 
 from pipeline.store import layout
 from policy import mesh as mesh_lib
-from policy.policy_format.committed import CheckpointError, DamagedCommitError, _Store, sha256_hex, st_load
+from policy.policy_format.committed import (
+    CheckpointError,
+    DamagedCommitError,
+    _Store,
+    policy_file_checksum,
+    sha256_hex,
+    st_load,
+    verify_file,
+)
 from schemas.records import SHARDED_CHECKPOINT_FORMAT, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)
@@ -306,8 +314,9 @@ def write_own_shards(
 ) -> dict[str, Any]:
     """Write this process's blocks of `job` as files on `threads` parallel threads, then its manifest (last).
 
-    The manifest (`manifest_name`) names the writer (process index, host, OS pid), each file with size and sha256,
-    and the blocks of each tensor in them; it is written only once every file is durable. Returns it."""
+    The manifest (`manifest_name`) names the writer (process index, host, OS pid), each file with size and checksum
+    (crc32c: `committed.policy_file_checksum`), and the blocks of each tensor in them; it is written only once every
+    file is durable. Returns it."""
     pid = jax.process_index()
     pieces, index = _local_pieces(job.trees)
     groups = _parts(pieces, threads, part_bytes)
@@ -319,7 +328,7 @@ def write_own_shards(
         store.put_unique(layout.join(job.folder, fname), data)
         for p in group:
             index[p.full]["blocks"].append({"file": key, "name": p.block, "start": p.start, "stop": p.stop})
-        return key, {"path": fname, "size": len(data), "sha256": sha256_hex(data)}
+        return key, {"path": fname, "size": len(data), **policy_file_checksum(data)}
 
     if len(groups) > 1:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="shard-write") as pool:
@@ -445,8 +454,7 @@ class _Reader:
                 data = self.store.get(rel)
             except FileNotFoundError:
                 raise DamagedCommitError(rel, "named by the commit marker but missing") from None
-            if len(data) != entry.size or sha256_hex(data) != entry.sha256:
-                raise DamagedCommitError(rel, f"size/sha256 differ from the commit marker ({len(data)}/{entry.size} B)")
+            verify_file(rel, data, entry)
             self._files[key] = st_load(data)
         return self._files[key]
 
@@ -488,7 +496,7 @@ class _Reader:
 
 def load_host(store: _Store, folder: str, record: CommitMarker, threads: int = READ_THREADS) -> dict[str, np.ndarray]:
     """Every tensor of a committed sharded folder whole in host memory (name -> array): its files fetched on up to
-    `threads` parallel threads, each verified against the marker (size, sha256) before a byte is used."""
+    `threads` parallel threads, each verified against the marker (size, checksum) before a byte is used."""
     reader = _Reader(store, folder, record)
     reader.prefetch(list(record.files), threads)
     return {name: reader.assemble(name, None) for name in record.tensors or {}}
