@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import importlib
 import io
 import json
 import logging
@@ -313,15 +314,33 @@ def run_program(
     config_class: type[C],
     main: Callable[[C], int],
     argv: Sequence[str] | None = None,
+    validate: Callable[[C], object] | None = None,
 ) -> int:
-    """`run_command` for a step program: the config is `config_class` parsed by draccus (and logged)."""
+    """`run_command` for a step program: the config is `config_class` parsed by draccus (and logged), then checked
+    by `validate` (the step's own cross-field checks, which `main` may repeat) and against run.json."""
 
     def parse(args: list[str]) -> C:
         allow, args = pop_flag(args, ALLOW_CHANGE_FLAG)
         config = parse_config(config_class, args)
         if dataclasses.is_dataclass(config):
             logger.info("config: %s", json.dumps(draccus.encode(config), default=str, sort_keys=True))
+        if validate is not None:
+            validate(config)
         check_against_run(config, program_name(main), parse_bool(ALLOW_CHANGE_FLAG, allow))
         return config
 
     return run_command(parse, main, argv)
+
+
+def deferred_main(module: str) -> Callable[[C], int]:
+    """`module.main`, imported only when called: `python -m steps.learn` (or `steps.sft`, `steps.rollout`) runs
+    `run_program(ConfigClass, deferred_main("steps.learn"), validate=…)` before its module imports JAX, so a bad
+    config is one line, exit 2, found before anything starts (JAX's import alone is ~2 CPU s per process)."""
+
+    def main(config: C) -> int:
+        program = importlib.import_module(module)
+        gc.freeze()  # as run_command does: the objects of the modules imported just now live as long as the process
+        return int(program.main(config))
+
+    main.__module__ = module  # program_name: the step that refuses a config change (`by` in run.json's history)
+    return main

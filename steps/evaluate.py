@@ -46,6 +46,7 @@ Run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -171,13 +172,11 @@ class Evaluator:
 
     def __init__(self, cfg: EvaluateStepConfig) -> None:
         from pipeline.environments.tokenizer import check_chat_lessons, load_tokenizer
-        from policy.model import model_vocab_size
 
         self.cfg = cfg
         self.store = RunStore(cfg.store.run_root, cfg.store.storage_options)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         check_chat_lessons(cfg.curriculum.lessons, self.tokenizer, cfg.model.tokenizer)
-        self.vocab_size = model_vocab_size(self.tokenizer)
         self.metrics = MetricsWriter(self.store, StepKind.EVALUATE, WORKER_ID, flush_every=1)
         self._manager: Any = None
         self._loaded_step: int | None = None
@@ -188,6 +187,14 @@ class Evaluator:
         no existence check per evaluated policy, and `--force` re-evaluates each policy once, not forever."""
 
     # -- model ----------------------------------------------------------------------------------
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size; found when a model is first built (`policy.model` imports JAX and levanter,
+        ~2 CPU s, which a rerun with nothing left to evaluate never needs)."""
+        from policy.model import model_vocab_size
+
+        return model_vocab_size(self.tokenizer)
+
     def _manager_for(self, model: Any) -> Any:
         from policy.rollout_manager import RolloutManager
 

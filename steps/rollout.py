@@ -67,6 +67,16 @@ never restarted: docs/reference/exit-codes.md).
 
 from __future__ import annotations
 
+# `python -m steps.rollout`: the config is parsed and checked (steps.cli.deferred_main) before the imports below
+# load JAX, so a bad config is one line, exit 2, found before anything starts.
+if __name__ == "__main__":
+    import sys
+
+    from pipeline.config import RolloutStepConfig, validate_rollout
+    from steps.cli import deferred_main, run_program
+
+    sys.exit(run_program(RolloutStepConfig, deferred_main("steps.rollout"), validate=validate_rollout))
+
 from pipeline.config import RolloutStepConfig, validate_rollout
 from pipeline.environments.tokenizer import load_tokenizer
 from pipeline.rollout.worker import RolloutWorker, check_prompts_fit
@@ -91,8 +101,4 @@ def cli(argv: list[str] | None = None) -> int:
     """`python -m steps.rollout [--config_path F] [--field value …]`; returns the exit code."""
     from steps.cli import run_program
 
-    return run_program(RolloutStepConfig, main, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli())
+    return run_program(RolloutStepConfig, main, argv, validate=validate_rollout)

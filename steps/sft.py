@@ -28,6 +28,16 @@ Run:
 
 from __future__ import annotations
 
+# `python -m steps.sft`: the config is parsed and checked (steps.cli.deferred_main) before the imports below
+# load JAX, so a bad config is one line, exit 2, found before anything starts.
+if __name__ == "__main__":
+    import sys
+
+    from pipeline.config.sft import SFTStepConfig, validate_sft
+    from steps.cli import deferred_main, run_program
+
+    sys.exit(run_program(SFTStepConfig, deferred_main("steps.sft"), validate=validate_sft))
+
 import logging
 import sys
 import time
@@ -170,8 +180,4 @@ def cli(argv: list[str] | None = None) -> int:
     """`python -m steps.sft [--config_path F] [--field value …]`; returns the exit code."""
     from steps.cli import run_program
 
-    return run_program(SFTStepConfig, main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(cli())
+    return run_program(SFTStepConfig, main, argv, validate=validate_sft)

@@ -96,11 +96,11 @@ EXPECTED_SECONDS = {
     "tests/test_inference.py": 46,  # not slow, but a module of in-process sampler tests
     "tests/test_decode_efficiency.py": 40,  # not slow: three sampler pairs compiled, and two programs' HLO
     "tests/test_make_batches_crash.py": 43,
-    "tests/test_evaluate_step.py": 42,
+    "tests/test_evaluate_step.py": 32,  # 8 evaluate processes where 11 ran (shared kill/--all and make fixtures)
     "tests/test_readme_gcs.py": 135,  # two gs:// runs; the scheduled one 16 step processes (114 s)
     "default_job": 40,
     "tests/test_server_job.py": 45,
-    "tests/test_lora.py::test_lora_learns_cats": 45,  # the demo job (no evaluator), then a replay
+    "tests/test_lora.py::test_lora_learns_cats": 36,  # the demo job (no evaluator, 14 steps), then a replay
     "tests/test_learn_crash.py": 34,
     "tests/test_loss_learning.py": 30,  # each the demo job without evaluator, probes, report
     "tests/test_opd.py::test_opd_on_cats_reaches_the_teacher_reward_in_fewer_steps_than_rloo": 40,  # 2 in-process runs

@@ -95,6 +95,7 @@ def _job(tmp_path: Path) -> Path:
     cfg = yaml.safe_load((ROOT / "configs/test_cats.yaml").read_text())
     cfg["store"]["run_root"] = str(tmp_path / "run")
     cfg["train"].update(num_train_steps=2, seq_len=56)
+    cfg["num_rollout_workers"] = 1  # one worker samples the 2 steps (a second only adds a process start)
     cur = cfg["curriculum"]
     cur["lessons"] = {
         "sums": {

@@ -1,14 +1,18 @@
 """The offline evaluate step (`python -m steps.run step evaluate …`) on a finished run, as real processes.
 
 One small cats job (test_cats.yaml, NUM_STEPS learner steps, the job's own evaluator off) is run once per module;
-every test evaluates a fresh copy of its run root, so each one starts from an empty `evals/` folder:
+evaluation starts from a fresh copy of its run root (an empty `evals/` folder). Tests share an evaluate process where
+one run shows several claims (a process start imports JAX and levanter and builds the sampler):
 
-- `--all true` scores every committed policy (listed from the run root), a rerun writes nothing, `--force` rewrites;
-- a SIGKILLed `--all` run is completed by a rerun: the full set, schema-valid, no duplicates, nothing quarantined;
-- `--steps [0,NUM_STEPS]`: the trained policy says "cat" more than the initial one (greedy, the 7 probe prompts);
-- `make evaluate`'s own command line (no CONFIG: the config is the run's run.json, here not demo_cats.yaml's) with
-  `--steps 0,S` scores those policies and leaves run.json byte-identical; `--hf_checkpoint` scores a folder that
-  `make export` wrote from the run; a `--steps` value of another form is one line giving the accepted one.
+- a SIGKILLed `--all` run is completed by a rerun: the full set, schema-valid, no duplicates, nothing quarantined
+  (module fixture `killed_then_completed`);
+- on a copy of that completed run, a rerun of `--all true` writes nothing, and `--all true --force true` scores every
+  committed policy (listed from the run root) again, rewriting every file with the same greedy scores;
+- one `make evaluate` (module fixture `made_evaluation`; `make evaluate`'s own command line, no CONFIG: the config is
+  the run's run.json, here not demo_cats.yaml's) with `--steps 0,S` and `--hf_checkpoint DIR` (a folder `make export`
+  wrote from the run): it scores exactly those policies and the folder, leaves run.json byte-identical, the trained
+  policy says "cat" more than the initial one (greedy, the 7 probe prompts), and the exported folder scores as the
+  policy itself; a `--steps` value of another form is one line giving the accepted one.
 """
 
 from __future__ import annotations
@@ -163,59 +167,28 @@ def read_summary(store: RunStore, step: int, lesson: str) -> EvalSummaryRow:
     return summary
 
 
-@pytest.mark.slow
-def test_evaluate_all_covers_every_committed_policy_then_skips_then_force_rewrites(
-    finished_run: FinishedRun, tmp_path: Path
-) -> None:
-    root = fresh_copy(finished_run, tmp_path / "run")
-    store = RunStore(str(root))
-    steps = committed_policy_steps(store)
-    assert steps == list(range(steps[-1] + 1)) and steps[-1] >= NUM_STEPS, steps
-    expected = expected_eval_files(steps)
-
-    evaluate(finished_run, root, "--all", "true")
-    assert eval_files(store) == expected
-    first = snapshot(root)
-    assert set(first) == expected, "temp files or extra files left under evals/"
-    summaries = {(s, lesson): read_summary(store, s, lesson) for s in steps for lesson in LESSONS}
-    records = read_metrics(store, "evaluate")
-    assert sorted((r["policy_step"], r["lesson_id"]) for r in records) == [(s, lsn) for s in steps for lsn in LESSONS]
-
-    # a rerun writes nothing: same files, same bytes, same modification times, no new metrics, and it says so
-    out = evaluate(finished_run, root, "--all", "true")
-    assert snapshot(root) == first
-    assert len(read_metrics(store, "evaluate")) == len(records)
-    for s in steps:
-        assert f"policy {s}: every lesson already evaluated" in out, out[-3000:]
-    assert "rlpipe.evaluate: evaluated " not in out
-
-    # --force rewrites every file (new files, newer summaries), with the same greedy scores
-    evaluate(finished_run, root, "--all", "true", "--force", "true")
-    forced = snapshot(root)
-    assert set(forced) == expected
-    assert all(forced[p][0] != first[p][0] for p in expected), "some eval file was not rewritten by --force"
-    assert len(read_metrics(store, "evaluate")) == 2 * len(records)
-    for s in steps:
-        for lesson in LESSONS:
-            again = read_summary(store, s, lesson)
-            before = summaries[s, lesson]
-            assert again.timestamp > before.timestamp
-            assert (again.n_examples, again.mean_reward, again.success_rate) == (
-                before.n_examples,
-                before.mean_reward,
-                before.success_rate,
-            ), f"greedy evaluation of policy {s} on {lesson} is not reproducible"
+@dataclasses.dataclass(frozen=True)
+class KilledThenCompleted:
+    root: Path
+    kept: dict[str, tuple[int, int, str]]
+    """snapshot() of the summaries the killed run had committed, taken right after the kill"""
+    metrics_before: set[str]
+    """metrics files under metrics/evaluate/ right after the kill"""
+    out: str
+    """the completing rerun's output"""
 
 
-@pytest.mark.slow
-def test_evaluate_killed_midway_is_completed_by_a_rerun(finished_run: FinishedRun, tmp_path: Path) -> None:
-    root = fresh_copy(finished_run, tmp_path / "run")
+@pytest.fixture(scope="module")
+def killed_then_completed(finished_run: FinishedRun, tmp_path_factory: pytest.TempPathFactory) -> KilledThenCompleted:
+    """A fresh copy whose `--all` evaluation was SIGKILLed once it had committed some summaries (not all), then
+    completed by a rerun of `--all`. Read only: copy it to change it."""
+    base = tmp_path_factory.mktemp("evaluate-killed")
+    root = fresh_copy(finished_run, base / "run")
     store = RunStore(str(root))
     steps = committed_policy_steps(store)
     summaries = [layout.eval_summary_file(s, lesson) for s in steps for lesson in LESSONS]
-    expected = expected_eval_files(steps)
 
-    log_path = tmp_path / "killed.log"
+    log_path = base / "killed.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             evaluate_cmd(finished_run, root, "--all", "true"),
@@ -240,10 +213,20 @@ def test_evaluate_killed_midway_is_completed_by_a_rerun(finished_run: FinishedRu
     done_at_kill = [p for p in summaries if store.exists(p)]
     assert 0 < len(done_at_kill) < len(summaries), f"not killed mid-way: {len(done_at_kill)}/{len(summaries)}"
     kept = {p: v for p, v in snapshot(root).items() if p in done_at_kill}
-    metrics_dir = layout.join(layout.METRICS, "evaluate")
-    metrics_before = set(store.list(metrics_dir))
+    metrics_before = set(store.list(layout.join(layout.METRICS, "evaluate")))
 
     out = evaluate(finished_run, root, "--all", "true")
+    return KilledThenCompleted(root=root, kept=kept, metrics_before=metrics_before, out=out)
+
+
+@pytest.mark.slow
+def test_evaluate_killed_midway_is_completed_by_a_rerun(killed_then_completed: KilledThenCompleted) -> None:
+    run = killed_then_completed
+    root, kept = run.root, run.kept
+    store = RunStore(str(root))
+    steps = committed_policy_steps(store)
+    expected = expected_eval_files(steps)
+    metrics_dir = layout.join(layout.METRICS, "evaluate")
 
     # the full set, exactly once each (no second copy under another name), every file valid, nothing quarantined
     assert eval_files(store) == expected
@@ -257,7 +240,7 @@ def test_evaluate_killed_midway_is_completed_by_a_rerun(finished_run: FinishedRu
     assert {p: after[p] for p in kept} == kept
     evaluated = sorted(
         (r["policy_step"], r["lesson_id"])
-        for f in sorted(set(store.list(metrics_dir)) - metrics_before)
+        for f in sorted(set(store.list(metrics_dir)) - run.metrics_before)
         for r in map(json.loads, store.get(f).decode().splitlines())
     )
     missing = sorted(
@@ -266,24 +249,56 @@ def test_evaluate_killed_midway_is_completed_by_a_rerun(finished_run: FinishedRu
     assert evaluated == missing
     for s in steps:
         if all(layout.eval_summary_file(s, lesson) in kept for lesson in LESSONS):
-            assert f"policy {s}: every lesson already evaluated" in out
+            assert f"policy {s}: every lesson already evaluated" in run.out
 
 
 @pytest.mark.slow
-def test_later_policy_scores_higher_on_cats(finished_run: FinishedRun, tmp_path: Path) -> None:
-    """Evaluating two policies of the run: the trained one says "cat" more (greedy, every probe prompt once)."""
-    root = fresh_copy(finished_run, tmp_path / "run")
+def test_evaluate_all_covers_every_committed_policy_then_skips_then_force_rewrites(
+    killed_then_completed: KilledThenCompleted, finished_run: FinishedRun, tmp_path: Path
+) -> None:
+    """On a copy of the completed `--all` evaluation: a rerun writes nothing; `--force` scores every committed policy
+    (listed from the run root) in one run, rewriting every file with the same greedy scores."""
+    root = tmp_path / "run"
+    shutil.copytree(killed_then_completed.root, root)
     store = RunStore(str(root))
-    final = committed_policy_steps(store)[-1]
-    evaluate(finished_run, root, "--steps", f"[0,{final}]", "--n_examples", str(len(PROBE_PROMPTS)))
-    assert eval_files(store) == expected_eval_files([0, final]), "--steps evaluated other policies"
-    early = read_summary(store, 0, "cats")
-    late = read_summary(store, final, "cats")
-    assert early.n_examples == late.n_examples == len(PROBE_PROMPTS)
-    assert early.temperature == late.temperature == 0.0
-    assert late.mean_reward >= early.mean_reward + MIN_GAIN, (
-        f"policy {final} mean reward {late.mean_reward:.3f} vs policy 0 {early.mean_reward:.3f}: gain below {MIN_GAIN}"
-    )
+    steps = committed_policy_steps(store)
+    assert steps == list(range(steps[-1] + 1)) and steps[-1] >= NUM_STEPS, steps
+    expected = expected_eval_files(steps)
+    pairs = [(s, lsn) for s in steps for lsn in LESSONS]
+
+    assert eval_files(store) == expected
+    first = snapshot(root)
+    assert set(first) == expected, "temp files or extra files left under evals/"
+    summaries = {(s, lesson): read_summary(store, s, lesson) for s in steps for lesson in LESSONS}
+    records = read_metrics(store, "evaluate")
+
+    # a rerun writes nothing: same files, same bytes, same modification times, no new metrics, and it says so
+    out = evaluate(finished_run, root, "--all", "true")
+    assert snapshot(root) == first
+    assert len(read_metrics(store, "evaluate")) == len(records)
+    for s in steps:
+        assert f"policy {s}: every lesson already evaluated" in out, out[-3000:]
+    assert "rlpipe.evaluate: evaluated " not in out
+
+    # --force rewrites every file (new files, newer summaries), with the same greedy scores; one metrics record each
+    evaluate(finished_run, root, "--all", "true", "--force", "true")
+    forced = snapshot(root)
+    assert set(forced) == expected
+    assert all(forced[p][0] != first[p][0] for p in expected), "some eval file was not rewritten by --force"
+    seen = {json.dumps(r, sort_keys=True) for r in records}
+    added = [r for r in read_metrics(store, "evaluate") if json.dumps(r, sort_keys=True) not in seen]
+    assert len(read_metrics(store, "evaluate")) == len(records) + len(pairs)
+    assert sorted((r["policy_step"], r["lesson_id"]) for r in added) == pairs
+    for s in steps:
+        for lesson in LESSONS:
+            again = read_summary(store, s, lesson)
+            before = summaries[s, lesson]
+            assert again.timestamp > before.timestamp
+            assert (again.n_examples, again.mean_reward, again.success_rate) == (
+                before.n_examples,
+                before.mean_reward,
+                before.success_rate,
+            ), f"greedy evaluation of policy {s} on {lesson} is not reproducible"
 
 
 def make(target: str, timeout: float = 120, **variables: str) -> str:
@@ -295,34 +310,73 @@ def make(target: str, timeout: float = 120, **variables: str) -> str:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class MadeEvaluation:
+    root: Path
+    final: int
+    hf: Path
+    run_json: bytes
+    """run.json's bytes right before `make evaluate`"""
+    out: str
+    """`make evaluate`'s output"""
+
+
+@pytest.fixture(scope="module")
+def made_evaluation(finished_run: FinishedRun, tmp_path_factory: pytest.TempPathFactory) -> MadeEvaluation:
+    """On a fresh copy: `make export` writes the final policy S as an HF folder, then ONE `make evaluate` (no CONFIG:
+    the config is the run's run.json) with `--hf_checkpoint DIR --steps 0,S --n_examples 7` (the comma form; every
+    probe prompt once) scores the folder and policies 0 and S. Read only."""
+    base = tmp_path_factory.mktemp("make-evaluate")
+    root = fresh_copy(finished_run, base / "run")
+    final = committed_policy_steps(RunStore(str(root)))[-1]
+    hf = base / "hf-final"
+    make("export", RUN=str(root), STEP=str(final), OUT=str(hf))
+    run_json = (root / layout.RUN_CONFIG).read_bytes()
+    args = f"--hf_checkpoint {hf} --steps 0,{final} --n_examples {len(PROBE_PROMPTS)}"
+    out = make("evaluate", RUN=str(root), ARGS=args)
+    return MadeEvaluation(root=root, final=final, hf=hf, run_json=run_json, out=out)
+
+
+def own_eval_files(store: RunStore) -> set[str]:
+    """eval_files() of the run's own policies (not of an external checkpoint)."""
+    return {f for f in eval_files(store) if "external-" not in f}
+
+
 @pytest.mark.slow
-def test_make_evaluate_takes_the_config_from_run_json(finished_run: FinishedRun, tmp_path: Path) -> None:
+def test_later_policy_scores_higher_on_cats(made_evaluation: MadeEvaluation) -> None:
+    """Evaluating two policies of the run: the trained one says "cat" more (greedy, every probe prompt once)."""
+    store = RunStore(str(made_evaluation.root))
+    final = made_evaluation.final
+    assert own_eval_files(store) == expected_eval_files([0, final]), "--steps evaluated other policies"
+    early = read_summary(store, 0, "cats")
+    late = read_summary(store, final, "cats")
+    assert early.n_examples == late.n_examples == len(PROBE_PROMPTS)
+    assert early.temperature == late.temperature == 0.0
+    assert late.mean_reward >= early.mean_reward + MIN_GAIN, (
+        f"policy {final} mean reward {late.mean_reward:.3f} vs policy 0 {early.mean_reward:.3f}: gain below {MIN_GAIN}"
+    )
+
+
+@pytest.mark.slow
+def test_make_evaluate_takes_the_config_from_run_json(made_evaluation: MadeEvaluation) -> None:
     """The run is not demo_cats.yaml's (JOB_OVERRIDES change contract fields): `make evaluate` evaluates it as it was
     trained, never compares with nor rewrites run.json; `--steps 0,S` (comma form) names the policies."""
-    root = fresh_copy(finished_run, tmp_path / "run")
+    root, final, out = made_evaluation.root, made_evaluation.final, made_evaluation.out
     store = RunStore(str(root))
-    final = committed_policy_steps(store)[-1]
-    run_json = (root / layout.RUN_CONFIG).read_bytes()
-    out = make("evaluate", RUN=str(root), ARGS=f"--steps 0,{final} --n_examples 2")
-    assert eval_files(store) == expected_eval_files([0, final]), "--steps 0,S evaluated other policies"
+    assert own_eval_files(store) == expected_eval_files([0, final]), "--steps 0,S evaluated other policies"
     for s in (0, final):
-        assert read_summary(store, s, "cats").n_examples == 2
-    assert (root / layout.RUN_CONFIG).read_bytes() == run_json, "make evaluate changed run.json"
+        assert read_summary(store, s, "cats").n_examples == len(PROBE_PROMPTS)
+    assert (root / layout.RUN_CONFIG).read_bytes() == made_evaluation.run_json, "make evaluate changed run.json"
     assert "allow_config_change" not in out and "differs from run.json" not in out, out[-3000:]
 
 
 @pytest.mark.slow
-def test_make_evaluate_hf_checkpoint_scores_an_exported_folder(finished_run: FinishedRun, tmp_path: Path) -> None:
+def test_make_evaluate_hf_checkpoint_scores_an_exported_folder(made_evaluation: MadeEvaluation) -> None:
     """`make export` writes the final policy as an HF folder; `make evaluate ARGS="--hf_checkpoint DIR"` scores it
     (model shape from its config.json) under evals/external-<name>/, as the policy itself scores (greedy)."""
-    root = fresh_copy(finished_run, tmp_path / "run")
+    root, final = made_evaluation.root, made_evaluation.final
     store = RunStore(str(root))
-    final = committed_policy_steps(store)[-1]
-    hf = tmp_path / "hf-final"
-    make("export", RUN=str(root), STEP=str(final), OUT=str(hf))
-    run_json = (root / layout.RUN_CONFIG).read_bytes()
-    make("evaluate", RUN=str(root), ARGS=f"--hf_checkpoint {hf} --steps {final} --n_examples 3")
-    name = hf.name
+    name = made_evaluation.hf.name
     assert {f for f in eval_files(store) if f"external-{name}" in f} == {
         f(0, lesson, external=name) for lesson in LESSONS for f in (layout.eval_rollouts_file, layout.eval_summary_file)
     }
@@ -330,12 +384,12 @@ def test_make_evaluate_hf_checkpoint_scores_an_exported_folder(finished_run: Fin
     assert len(rows) == 1
     external = rows[0]
     EVAL_SUMMARY.validate_row(external)
-    assert external.source == name and external.n_examples == 3
+    assert external.source == name and external.n_examples == len(PROBE_PROMPTS)
     assert 0.0 <= external.mean_reward <= 1.0
     own = read_summary(store, final, "cats")
     # the exported folder holds the policy's weights: greedy, on the same examples, the same scores
     assert (external.mean_reward, external.success_rate) == pytest.approx((own.mean_reward, own.success_rate))
-    assert (root / layout.RUN_CONFIG).read_bytes() == run_json
+    assert (root / layout.RUN_CONFIG).read_bytes() == made_evaluation.run_json
 
 
 @pytest.mark.parametrize("value", ["3-5", "[3;5]", "three"])
