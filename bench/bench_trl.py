@@ -29,9 +29,10 @@ state (the tree's CPU between the third learner step and the last, divided by th
 also split by process (runner, fork server, learner, BatchMaker, rollout workers, evaluator: `bench.common.
 TreeCpu`). Without `trl`, rlpipe's CPU is compared with TRL's last recorded figure (`TRL_RECORDED_CPU_S_PER_STEP`),
 and the printout says so; with `trl` the ratios printed are the ones measured in this run (TRL's CPU per step
-grows with the machine's load far more than rlpipe's: compare runs at the same load). rlpipe runs without its
-evaluator (`evaluator: false`): TRL evaluates nothing, and both systems' rewards are read from their training
-batches; it publishes its policies in bfloat16 (`PUBLISH_DTYPE`, `--publish_dtype`).
+grows with the machine's load far more than rlpipe's: compare runs at the same load). TRL runs with
+`OMP_WAIT_POLICY=PASSIVE` (`TRL_OMP_WAIT_POLICY`; `--trl_omp_wait_policy pytorch` for PyTorch's spinning default).
+rlpipe runs without its evaluator (`evaluator: false`): TRL evaluates nothing, and both systems' rewards are read
+from their training batches; it publishes its policies in bfloat16 (`PUBLISH_DTYPE`, `--publish_dtype`).
 
     python -m bench.bench_trl --sizes tiny,50m --steps 50 --steps_50m 10 --json out.json [--work_dir DIR]
 TRL runs in the interpreter named by --trl_python (default: this one); without `trl` there, the TRL column is
@@ -182,6 +183,14 @@ def cpu_breakdown(tree: TreeCpu, cpu_s: float, step_times: list[float], steps: i
         out["cpu_s_per_step_steady_by_process"] = per
         out["steady_steps"] = n
     return out
+
+
+TRL_OMP_WAIT_POLICY = "PASSIVE"
+"""The bench's OMP_WAIT_POLICY for TRL (`--trl_omp_wait_policy`): PyTorch's OpenMP threads otherwise spin while they
+wait, and on a loaded machine that spin, not TRL's work, sets its CPU per step. rlpipe's processes do not spin
+while they wait (measured 2026-11-26: the learner's XLA threads 0.03 CPU s per 0.5 s wait for a batch, the rollout
+worker 0.11 cores while idle; docs/benchmarks.md "rlpipe vs TRL"), so with PASSIVE the bench compares two systems
+whose idle threads sleep."""
 
 
 def run_trl(python: str, size: str, steps: int, tmp: Path, omp_wait_policy: str | None = None) -> dict[str, Any]:
@@ -396,9 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--trl_omp_wait_policy",
-        default=None,
-        choices=["PASSIVE", "ACTIVE"],
-        help="OMP_WAIT_POLICY for TRL's process (default: PyTorch's, spinning); PASSIVE on a loaded machine",
+        default=TRL_OMP_WAIT_POLICY,
+        choices=["PASSIVE", "ACTIVE", "pytorch"],
+        help="OMP_WAIT_POLICY for TRL's process (default %(default)s: idle threads sleep, as rlpipe's do; "
+        "'pytorch': PyTorch's own, spinning)",
     )
     ap.add_argument(
         "--rlpipe_args",
@@ -419,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = {s: (args.steps_50m if s == "50m" else args.steps) for s in sizes}
     machine = machine_name()
     extra = ["--model.publish_dtype", args.publish_dtype, *args.rlpipe_args.split()]
-    rows = compare(sizes, steps, args.trl_python, args.work_dir, extra, args.trl_omp_wait_policy)
+    omp = None if args.trl_omp_wait_policy == "pytorch" else args.trl_omp_wait_policy
+    rows = compare(sizes, steps, args.trl_python, args.work_dir, extra, omp)
     print_table(rows, machine)
     if args.json:
         Path(args.json).write_text(
@@ -427,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "machine": machine,
                     "rlpipe_args": extra,
-                    "trl_omp_wait_policy": args.trl_omp_wait_policy,
+                    "trl_omp_wait_policy": omp or "pytorch",
                     "rows": rows,
                 },
                 indent=2,

@@ -36,7 +36,18 @@ Run:
 
 from __future__ import annotations
 
+# `python -m steps.learn`: the config is parsed and checked (steps.cli.deferred_main) before the imports below
+# load JAX, so a bad config is one line, exit 2, found before anything starts.
+if __name__ == "__main__":
+    import sys
+
+    from pipeline.config import LearnerStepConfig, validate_learner
+    from steps.cli import deferred_main, run_program
+
+    sys.exit(run_program(LearnerStepConfig, deferred_main("steps.learn"), validate=validate_learner))
+
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -91,8 +102,30 @@ class Learner:
         return self.config.train.num_train_steps
 
 
+PROFILE_ENV = "RLPIPE_PROFILE"
+"""Set to a folder, the learner runs under cProfile and writes `learner-<pid>.prof` there when `main` returns or
+raises (`python -m pstats F` reads it; see docs/reference/steps.md). Only the main thread is profiled."""
+
+
 def main(config: LearnerStepConfig) -> int:
-    """Run the learner (see the module docstring): resume or init, then train batch slots in order; returns 0."""
+    """Run the learner (see the module docstring): resume or init, then train batch slots in order; returns 0.
+    With `RLPIPE_PROFILE=<folder>` in the environment, the same under cProfile (`PROFILE_ENV`)."""
+    profile_dir = os.environ.get(PROFILE_ENV)
+    if not profile_dir:
+        return _main(config)
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        return profiler.runcall(_main, config)
+    finally:
+        os.makedirs(profile_dir, exist_ok=True)
+        path = os.path.join(profile_dir, f"learner-{os.getpid()}.prof")
+        profiler.dump_stats(path)
+        logger.info("cProfile of the learner written to %s", path)
+
+
+def _main(config: LearnerStepConfig) -> int:
     validate_learner(config)
     learner = open_learner(config)
     state = resume(learner)
@@ -290,12 +323,13 @@ def log_step(learner: Learner, record: dict[str, Any]) -> None:
 
 
 def publish_on_interval(learner: Learner, state: pf.LearnerState) -> None:
-    """A policy every `cadence.policy_interval` steps, a checkpoint every `cadence.checkpoint_interval` (both at
-    the end)."""
+    """A policy every `cadence.policy_interval` steps and at the end, a checkpoint every `cadence.checkpoint_interval`
+    steps except the last: the final checkpoint is `finish`'s, after the last step's metrics record is logged (its
+    `step_s` and time then measure the step, not the one-off multi-second write of weights and optimizer state)."""
     config, slot = learner.config, state.step
     if slot % config.cadence.policy_interval == 0 or slot == learner.total:
         learner.publisher.submit(state)  # committed in order on the publisher's thread
-    if slot % config.cadence.checkpoint_interval == 0 or slot == learner.total:
+    if slot % config.cadence.checkpoint_interval == 0 and slot < learner.total:
         checkpoint(learner, state)
         learner.metrics.flush()
 
@@ -361,8 +395,4 @@ def cli(argv: list[str] | None = None) -> int:
     """`python -m steps.learn [--config_path F] [--field value …]`; returns the exit code."""
     from steps.cli import run_program
 
-    return run_program(LearnerStepConfig, main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(cli())
+    return run_program(LearnerStepConfig, main, argv, validate=validate_learner)

@@ -31,10 +31,10 @@ from typing import Any, Protocol, TypeVar
 import google_crc32c
 import jax
 import numpy as np
-from safetensors.numpy import save as st_save
 
 from pipeline.process.exits import DamagedInputError
 from pipeline.store import layout
+from policy.policy_format.st_bytes import save as st_save  # one copy: safetensors.numpy.save makes two
 from schemas.records import CHECKPOINT_FORMAT, CommitFile, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)

@@ -52,7 +52,6 @@ import numpy as np
 from haliax.partitioning import pspec_for
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
-from safetensors.numpy import save as st_save
 
 from pipeline.store import layout
 from policy import mesh as mesh_lib
@@ -65,6 +64,7 @@ from policy.policy_format.committed import (
     st_load,
     verify_file,
 )
+from policy.policy_format.st_bytes import save as st_save  # one copy: safetensors.numpy.save makes two
 from schemas.records import SHARDED_CHECKPOINT_FORMAT, CommitMarker, RecordError
 
 logger = logging.getLogger(__name__)
