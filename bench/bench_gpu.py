@@ -33,7 +33,7 @@ JAX needs a driver shim can provide a `device_compat` module with an `install()`
 
 CPU smoke test: `JAX_PLATFORMS=cpu python -m bench.bench_gpu --tiny`.
 
-Decode efficiency (issue 29; `--decode-only` runs just the bandwidth measures and this part; `bench/gpu_decode.sh`
+Decode efficiency (`--decode-only` runs just the bandwidth measures and this part; `bench/gpu_decode.sh`
 is the one command for the GPU machine): for each batch of `--decode-batches` the static sampler with the legacy
 decode loop (`dense_sampler.LEGACY_DECODE`), with the fast one (`DecodeOptions()`, the default) and continuous
 batching (`policy.inference.continuous`), then one-change ablations at `--ablation-batch` and the max |logprob
@@ -215,7 +215,7 @@ def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
 
 
 # ---------------------------------------------------------------------------------------------
-# decode efficiency (issue 29): legacy vs fast decode loop vs continuous batching, per batch size
+# decode efficiency: legacy vs fast decode loop vs continuous batching, per batch size
 # ---------------------------------------------------------------------------------------------
 
 DECODE_VARIANTS = ("legacy", "fast", "continuous")

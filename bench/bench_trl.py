@@ -24,7 +24,7 @@ the first step whose 5-step trailing mean reaches it), wall seconds per learner 
 wall time to each milestone from process start, peak memory (RSS summed over the run's process tree, sampled
 every 0.2 s), CPU seconds per learner step and the ratio rlpipe / TRL of each. CPU per learner step comes twice:
 over the whole run (user + system of the whole process tree, start-up and compilation included, from the reaped
-tree's rusage, divided by the steps: the load-independent cost of a step, as issue 30 counts it) and at steady
+tree's rusage, divided by the steps: the load-independent cost of a step, as the goal counts it) and at steady
 state (the tree's CPU between the third learner step and the last, divided by the steps between them); both are
 also split by process (runner, fork server, learner, BatchMaker, rollout workers, evaluator: `bench.common.
 TreeCpu`). Without `trl`, rlpipe's CPU is compared with TRL's last recorded figure (`TRL_RECORDED_CPU_S_PER_STEP`),

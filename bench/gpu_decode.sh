@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Decode efficiency of the dense sampler on a GPU machine (issue 29, item 3), in one command of ~5 minutes:
+# Decode efficiency of the dense sampler on a GPU machine, in one command of ~5 minutes:
 #   bash bench/gpu_decode.sh            (from the project root; extra arguments go to bench.bench_gpu)
 #
 # It runs bench.bench_gpu --decode-only on the Llama-3.2-1B shape (bf16, 64-token prompts, 128 new tokens,

@@ -1,4 +1,4 @@
-"""The learner's CPU accounting hooks (issue 30): the final checkpoint falls after the last step's metrics record,
+"""The learner's CPU accounting hooks: the final checkpoint falls after the last step's metrics record,
 and `RLPIPE_PROFILE` writes a cProfile of the learner process. Real learner runs on a tiny model and run root."""
 
 from __future__ import annotations

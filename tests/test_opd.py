@@ -1,4 +1,4 @@
-"""On-policy distillation (`loss.distill`, issue 31 item 1): the reverse-KL advantage and the loss it drives,
+"""On-policy distillation (`loss.distill`): the reverse-KL advantage and the loss it drives,
 against hand-computed float64 references; the teacher loaded from another run root, refused with one line when
 absent; and a learning test: OPD on cats reaches the teacher's reward in fewer learner steps than RLOO.
 

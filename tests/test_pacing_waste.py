@@ -1,4 +1,4 @@
-"""Waste (issue 30 item 4): in-flight claims in rollout pacing, the saturated-run fill of the BatchMaker, the
+"""Waste: in-flight claims in rollout pacing, the saturated-run fill of the BatchMaker, the
 curriculum's saturation rule, and the waste of a real job.
 
 Pure rules on hand-built records, the claim board on a real local run root, the BatchMaker step as a real process

@@ -168,7 +168,7 @@ def test_correction_options_are_validated_and_parsed() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# rollout correction on ppo, gspo and cispo (issue 29 item 5): the same options, each loss's own semantics
+# rollout correction on ppo, gspo and cispo: the same options, each loss's own semantics
 # ---------------------------------------------------------------------------------------------
 
 

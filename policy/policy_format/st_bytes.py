@@ -2,7 +2,7 @@
 
 `safetensors.numpy.save` copies every array twice (`tobytes`, then into the serialised buffer) and faults in two
 fresh buffers of the file's size: 1.1 CPU s for a ~50M model's 553 MB checkpoint on the 2-core VM, where this
-takes one `bytes.join` of the header and the arrays' own memory (issue 30, docs/benchmarks.md "rlpipe vs TRL").
+takes one `bytes.join` of the header and the arrays' own memory (docs/benchmarks.md "rlpipe vs TRL").
 The file is the format safetensors reads (`safetensors.numpy.load`, `safe_open`): an 8-byte little-endian header
 length, a JSON header (each tensor's dtype, shape and `data_offsets`, and `__metadata__`) padded with spaces to a
 multiple of 8, then the tensors' little-endian bytes back to back in the header's order.
