@@ -332,12 +332,19 @@ def run_program(
     return run_command(parse, main, argv)
 
 
-def deferred_main(module: str) -> Callable[[C], int]:
+def deferred_main(module: str, early: Callable[[C], int | None] | None = None) -> Callable[[C], int]:
     """`module.main`, imported only when called: `python -m steps.learn` (or `steps.sft`, `steps.rollout`) runs
     `run_program(ConfigClass, deferred_main("steps.learn"), validate=…)` before its module imports JAX, so a bad
-    config is one line, exit 2, found before anything starts (JAX's import alone is ~2 CPU s per process)."""
+    config is one line, exit 2, found before anything starts (JAX's import alone is ~2 CPU s per process).
+
+    `early(config)`, when given, runs first: an exit code means the step has nothing to do (a scheduled step on a
+    finished run) and the module is never imported; None goes on to `module.main`."""
 
     def main(config: C) -> int:
+        if early is not None:
+            rc = early(config)
+            if rc is not None:
+                return rc
         program = importlib.import_module(module)
         gc.freeze()  # as run_command does: the objects of the modules imported just now live as long as the process
         return int(program.main(config))

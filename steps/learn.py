@@ -38,13 +38,17 @@ from __future__ import annotations
 
 # `python -m steps.learn`: the config is parsed and checked (steps.cli.deferred_main) before the imports below
 # load JAX, so a bad config is one line, exit 2, found before anything starts.
+# A learner started on a run it already finished (a scheduled job firing again) exits there too, without JAX.
 if __name__ == "__main__":
     import sys
 
     from pipeline.config import LearnerStepConfig, validate_learner
     from steps.cli import deferred_main, run_program
+    from steps.early import learner_already_done
 
-    sys.exit(run_program(LearnerStepConfig, deferred_main("steps.learn"), validate=validate_learner))
+    sys.exit(
+        run_program(LearnerStepConfig, deferred_main("steps.learn", learner_already_done), validate=validate_learner)
+    )
 
 import logging
 import os

@@ -69,13 +69,17 @@ from __future__ import annotations
 
 # `python -m steps.rollout`: the config is parsed and checked (steps.cli.deferred_main) before the imports below
 # load JAX, so a bad config is one line, exit 2, found before anything starts.
+# A worker started on a finished run (or one with control/STOP) exits there too, without JAX.
 if __name__ == "__main__":
     import sys
 
     from pipeline.config import RolloutStepConfig, validate_rollout
     from steps.cli import deferred_main, run_program
+    from steps.early import rollout_nothing_to_do
 
-    sys.exit(run_program(RolloutStepConfig, deferred_main("steps.rollout"), validate=validate_rollout))
+    sys.exit(
+        run_program(RolloutStepConfig, deferred_main("steps.rollout", rollout_nothing_to_do), validate=validate_rollout)
+    )
 
 from pipeline.config import RolloutStepConfig, validate_rollout
 from pipeline.environments.tokenizer import load_tokenizer

@@ -101,6 +101,17 @@ def latest_policy_step(store: Any) -> int | None:
     return None
 
 
+def learner_done_step(store: Any) -> int | None:
+    """The step recorded in `control/LEARNER_DONE` (written once the learner trained `train.num_train_steps`), or
+    None while it is absent or unreadable."""
+    try:
+        record = store.get_json(layout.LEARNER_DONE)
+    except Exception:  # absent, or cut: the caller then takes the full path, which rewrites it
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
+
+
 def _latest_hint(store: Any) -> int | None:
     """The step `policies/LATEST` names (None: absent or unreadable); a hint, never trusted without its marker."""
     try:

@@ -1,0 +1,42 @@
+"""Checks a step program makes before it imports JAX: whether it has anything to do at all.
+
+A scheduled job (cron, a cloud scheduler) keeps starting the steps of a run after the run finished; each such
+start would otherwise import JAX and levanter, build a model and restore a checkpoint (several CPU seconds)
+only to find nothing to do. These checks read one or two small objects of the run root and end the program the
+way its full path would: the same log line, exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pipeline.config import LearnerStepConfig, RolloutStepConfig
+from pipeline.store import layout, run_state
+from pipeline.store.storage import RunStore
+
+
+def learner_already_done(config: LearnerStepConfig) -> int | None:
+    """0 when `control/LEARNER_DONE` records at least `train.num_train_steps` (the learner's "already trained"
+    path, logged as it logs it); None otherwise (a raised `num_train_steps` trains on)."""
+    store = RunStore(config.store.run_root, config.store.storage_options)
+    done = run_state.learner_done_step(store)
+    if done is None or done < config.train.num_train_steps:
+        return None
+    logging.getLogger("steps.learn").info("already trained %d steps; nothing to do", done)
+    return 0
+
+
+def rollout_nothing_to_do(config: RolloutStepConfig) -> int | None:
+    """0 when a rollout worker would stop before its first sample: `control/STOP` exists, or the learner
+    published policy `train.num_train_steps` (logged as the worker's own stop line); None otherwise."""
+    store = RunStore(config.store.run_root, config.store.storage_options)
+    if store.exists(layout.STOP_FILE):
+        reason = f"{layout.STOP_FILE} exists"
+    elif (run_state.latest_policy_step(store) or -1) >= config.train.num_train_steps:
+        reason = f"learner finished (policy {config.train.num_train_steps} published)"
+    else:
+        return None
+    logging.getLogger("pipeline.rollout.worker").info(
+        "rollout worker %s stopped (%s) before starting: 0 files, 0 rows, 0 failures", config.worker_id, reason
+    )
+    return 0

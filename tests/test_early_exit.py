@@ -1,0 +1,90 @@
+"""Scheduled steps on a finished run end before importing JAX (`steps.early`): `python -m steps.learn` and
+`python -m steps.rollout`, started on a run whose learner finished, exit 0 with their usual line and import
+neither JAX nor levanter; a raised `train.num_train_steps`, a run still training and `control/STOP` are told
+apart (the checks themselves, in-process)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import draccus
+import pytest
+from jobs import ROOT, FinishedJob
+from jobs import TEST_CONFIG as JOB_CONFIG
+
+from pipeline.config import RLJobConfig
+from pipeline.jobs.job import RLJob
+from pipeline.store import layout
+from steps.early import learner_already_done, rollout_nothing_to_do
+
+NUM_STEPS = 6
+"""configs/test_cats.yaml's learner steps (the `default_job` fixture)."""
+
+
+def step_configs(root: Path) -> dict[str, Any]:
+    """The configs the job gives its steps, on run root `root`."""
+    cfg = draccus.parse(RLJobConfig, config_path=str(JOB_CONFIG), args=[])
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, run_root=str(root)))
+    return {k: (v[0] if isinstance(v, list) else v) for k, v in RLJob(cfg).to_worker_configs().items()}
+
+
+def run_step(module: str, config: Any, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """`python -X importtime -m <module> --config_path F`: stderr holds one line per module imported."""
+    path = tmp / f"{module}.yaml"
+    path.write_text(str(draccus.dump(config)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", module, "--config_path", str(path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def imported(stderr: str) -> set[str]:
+    """Top-level packages named by `-X importtime` lines."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+@pytest.mark.slow
+def test_learner_and_rollout_worker_on_a_finished_run_end_without_jax(default_job: FinishedJob, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(default_job.root, root, ignore=shutil.ignore_patterns("leases", "logs"))
+    configs = step_configs(root)
+    before = sorted(p.name for p in (root / "policies").iterdir())
+
+    learn = run_step("steps.learn", configs["learner"], tmp_path)
+    assert learn.returncode == 0, learn.stderr[-3000:]
+    assert f"already trained {NUM_STEPS} steps; nothing to do" in learn.stderr
+    assert not {"jax", "levanter", "haliax"} & imported(learn.stderr), sorted(imported(learn.stderr))
+
+    rollout = run_step("steps.rollout", configs["rollout"], tmp_path)
+    assert rollout.returncode == 0, rollout.stderr[-3000:]
+    assert f"learner finished (policy {NUM_STEPS} published)" in rollout.stderr
+    assert not {"jax", "levanter", "haliax"} & imported(rollout.stderr), sorted(imported(rollout.stderr))
+    assert sorted(p.name for p in (root / "policies").iterdir()) == before  # nothing written
+
+
+@pytest.mark.slow
+def test_the_checks_tell_a_finished_run_from_one_that_trains_on(default_job: FinishedJob, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    shutil.copytree(default_job.root, root, ignore=shutil.ignore_patterns("leases", "logs"))
+    configs = step_configs(root)
+    learner, rollout = configs["learner"], configs["rollout"]
+    assert learner_already_done(learner) == 0 and rollout_nothing_to_do(rollout) == 0
+
+    more = dataclasses.replace(learner.train, num_train_steps=NUM_STEPS + 2)
+    assert learner_already_done(dataclasses.replace(learner, train=more)) is None  # a raised bound trains on
+    assert rollout_nothing_to_do(dataclasses.replace(rollout, train=more)) is None  # and samples for it
+
+    (root / layout.STOP_FILE).write_text("stop\n")  # a stop file: its presence is what counts
+    assert rollout_nothing_to_do(dataclasses.replace(rollout, train=more)) == 0  # control/STOP: stop at once
+
+    (root / layout.LEARNER_DONE).unlink()  # a learner that has not finished (or a cut record): the full path
+    assert learner_already_done(learner) is None
