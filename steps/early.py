@@ -13,6 +13,7 @@ import logging
 from pipeline.config import LearnerStepConfig, RolloutStepConfig
 from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore
+from schemas.records import CommitMarker, RecordError
 
 
 def learner_already_done(config: LearnerStepConfig) -> int | None:
@@ -26,13 +27,27 @@ def learner_already_done(config: LearnerStepConfig) -> int | None:
     return 0
 
 
+def _marker_reads(store: RunStore) -> bool:
+    """True when the newest policy's COMMITTED marker is a valid record: a damaged one is left to the worker's full
+    path, which sets the policy aside with its reason (quarantine) as it does on any run."""
+    step = run_state.latest_policy_step(store)
+    if step is None:
+        return False
+    marker = layout.policy_marker(step)
+    try:
+        CommitMarker.from_json(store.get(marker), path=marker)
+    except (OSError, RecordError):
+        return False
+    return True
+
+
 def rollout_nothing_to_do(config: RolloutStepConfig) -> int | None:
     """0 when a rollout worker would stop before its first sample: `control/STOP` exists, or the learner
     published policy `train.num_train_steps` (logged as the worker's own stop line); None otherwise."""
     store = RunStore(config.store.run_root, config.store.storage_options)
     if store.exists(layout.STOP_FILE):
         reason = f"{layout.STOP_FILE} exists"
-    elif (run_state.latest_policy_step(store) or -1) >= config.train.num_train_steps:
+    elif (run_state.latest_policy_step(store) or -1) >= config.train.num_train_steps and _marker_reads(store):
         reason = f"learner finished (policy {config.train.num_train_steps} published)"
     else:
         return None

@@ -1,7 +1,8 @@
 """Scheduled steps on a finished run end before importing JAX (`steps.early`): `python -m steps.learn` and
 `python -m steps.rollout`, started on a run whose learner finished, exit 0 with their usual line and import
-neither JAX nor levanter; a raised `train.num_train_steps`, a run still training and `control/STOP` are told
-apart (the checks themselves, in-process)."""
+neither JAX nor levanter; a raised `train.num_train_steps`, a run still training, a damaged final policy marker
+(left to the worker's full path, which quarantines it) and `control/STOP` are told apart (the checks themselves,
+in-process)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,12 @@ def test_the_checks_tell_a_finished_run_from_one_that_trains_on(default_job: Fin
     more = dataclasses.replace(learner.train, num_train_steps=NUM_STEPS + 2)
     assert learner_already_done(dataclasses.replace(learner, train=more)) is None  # a raised bound trains on
     assert rollout_nothing_to_do(dataclasses.replace(rollout, train=more)) is None  # and samples for it
+
+    marker = root / layout.policy_marker(NUM_STEPS)
+    intact = marker.read_bytes()
+    marker.write_bytes(intact[: len(intact) // 2])  # cut: the worker's full path sets it aside
+    assert rollout_nothing_to_do(rollout) is None
+    marker.write_bytes(intact)
 
     (root / layout.STOP_FILE).write_text("stop\n")  # a stop file: its presence is what counts
     assert rollout_nothing_to_do(dataclasses.replace(rollout, train=more)) == 0  # control/STOP: stop at once
