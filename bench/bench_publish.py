@@ -6,7 +6,7 @@ loopback when W = 2, one CPU device each) hold a synthetic float32 policy of the
 sharded over the W devices by rows; after a barrier every process runs `prepare_publish` + `commit_publish` (its
 blocks as files on parallel threads, its manifest; process 0 waits for every manifest and writes COMMITTED). Then
 a worker (this process) reads it as a rollout worker does: every file in parallel, each verified against the
-marker's size and sha256, every tensor assembled whole in host memory (the `device_put` a worker then does is left
+marker's size and crc32c, every tensor assembled whole in host memory (the `device_put` a worker then does is left
 out). Also, with one process, the older single-writer format (one safetensors file, one stream) for reference.
 
     publish_s   first writer's start -> COMMITTED written (process 0)
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_name
+from bench.common import gcs_emulator_class, machine_name
 
 logger = logging.getLogger("rlpipe.bench.publish")
 
@@ -185,25 +185,12 @@ def run_case(
     return rows
 
 
-def _emulator() -> Any:
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "tests" / "gcs_emulator.py"
-    spec = importlib.util.spec_from_file_location("rlpipe_gcs_emulator", path)
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load {path}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod.GcsEmulator()
-
-
 def run_all(sizes: list[float], writer_counts: list[int], backends: list[str], single: bool) -> list[dict[str, Any]]:
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-publish-"))
     try:
         for backend in backends:
-            emu = _emulator().start() if backend == "gcs" else None
+            emu = gcs_emulator_class()().start() if backend == "gcs" else None
             try:
                 cases = [(w, "parallel") for w in writer_counts] + ([(1, "single")] if single else [])
                 for n, (writers, mode) in enumerate(cases):

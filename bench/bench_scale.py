@@ -34,7 +34,6 @@ import builtins
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import logging
 import math
@@ -53,7 +52,7 @@ import numpy as np
 import psutil
 import pyarrow as pa
 
-from bench.common import machine_name
+from bench.common import gcs_emulator_class, machine_name
 from pipeline.batch_maker.loop import BatchMakerLoop
 from pipeline.batch_maker.loop_state import new_slot_log
 from pipeline.batch_maker.rebuild import verified_batch
@@ -583,25 +582,13 @@ def run_once(
     }
 
 
-def _load_emulator() -> Any:
-    """tests/gcs_emulator.py's GcsEmulator (the same fake-gcs-server the tests run), loaded by path."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "gcs_emulator.py"
-    spec = importlib.util.spec_from_file_location("rlpipe_gcs_emulator", path)
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load {path}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod.GcsEmulator
-
-
 @contextlib.contextmanager
 def backend_root(backend: str, tmp: Path, name: str) -> Iterator[tuple[str, dict[str, Any] | None, int | None]]:
     """(run root, storage options, server pid) of a fresh run root on `backend` (`local`, or `gcs`: the emulator)."""
     if backend == "local":
         yield str(tmp / name), None, None
         return
-    emu = _load_emulator()()
+    emu = gcs_emulator_class()()
     emu.start()
     try:
         yield f"gs://{emu.bucket}/{name}", emu.storage_options, emu._proc.pid

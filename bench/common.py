@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -150,3 +152,16 @@ class TreeCpu:
     def by_role(self) -> dict[str, float]:
         """CPU seconds by role over the whole run (as last sampled)."""
         return self.cpu_at(float("inf"))
+
+
+def gcs_emulator_class() -> Any:
+    """tests/gcs_emulator.py's `GcsEmulator` (the same fake-gcs-server the tests run), loaded by path: the tests
+    folder is not a package."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "gcs_emulator.py"
+    spec = importlib.util.spec_from_file_location("rlpipe_gcs_emulator", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.GcsEmulator

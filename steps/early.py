@@ -27,11 +27,11 @@ def learner_already_done(config: LearnerStepConfig) -> int | None:
     return 0
 
 
-def _marker_reads(store: RunStore) -> bool:
-    """True when the newest policy's COMMITTED marker is a valid record: a damaged one is left to the worker's full
-    path, which sets the policy aside with its reason (quarantine) as it does on any run."""
+def _finished_policy(store: RunStore, num_train_steps: int) -> bool:
+    """True when the newest policy is at least `num_train_steps` and its COMMITTED marker is a valid record: a
+    damaged one is left to the worker's full path, which sets the policy aside with its reason (quarantine)."""
     step = run_state.latest_policy_step(store)
-    if step is None:
+    if step is None or step < num_train_steps:
         return False
     marker = layout.policy_marker(step)
     try:
@@ -47,7 +47,7 @@ def rollout_nothing_to_do(config: RolloutStepConfig) -> int | None:
     store = RunStore(config.store.run_root, config.store.storage_options)
     if store.exists(layout.STOP_FILE):
         reason = f"{layout.STOP_FILE} exists"
-    elif (run_state.latest_policy_step(store) or -1) >= config.train.num_train_steps and _marker_reads(store):
+    elif _finished_policy(store, config.train.num_train_steps):
         reason = f"learner finished (policy {config.train.num_train_steps} published)"
     else:
         return None

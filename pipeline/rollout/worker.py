@@ -490,18 +490,24 @@ class RolloutWorker:
             no_signal_fill_after=c.train.no_signal_fill_after,
             saturated=saturated,
         )
-        decision = pacing_decision(
+        decision = self._decision(policy, last_slot, unconsumed)
+        if decision.produce and c.pacing.count_claims:
+            decision = self._claim(policy, last_slot, unconsumed, files)
+        self._room = decision.room if decision.produce and c.pacing.fit_room else None
+        return decision
+
+    def _decision(self, policy: int, last_slot: int, unconsumed: int, claimed: int = 0) -> PacingDecision:
+        """`pacing_decision` with this worker's settings (`claimed`: rows other workers are generating now)."""
+        c = self.config
+        return pacing_decision(
             policy_step=policy,
             last_slot=last_slot,
             unconsumed_rows=unconsumed,
             max_lag=c.train.max_lag,
             batch_size=c.train.batch_size,
             max_steps_ahead=c.pacing.max_steps_ahead,
+            claimed_rows=claimed,
         )
-        if decision.produce and c.pacing.count_claims:
-            decision = self._claim(policy, last_slot, unconsumed, files)
-        self._room = decision.room if decision.produce and c.pacing.fit_room else None
-        return decision
 
     def _claim(self, policy: int, last_slot: int, unconsumed: int, files: dict[str, Any]) -> PacingDecision:
         """Pacing with the rows other workers are generating now: pause if their standing claims fill the backlog;
@@ -512,24 +518,13 @@ class RolloutWorker:
         sp = c.curriculum.default_sampling
         lo = staleness.oldest_allowed_policy(last_slot + 1, c.train.max_lag)
 
-        def decide(claimed: int) -> PacingDecision:
-            return pacing_decision(
-                policy_step=policy,
-                last_slot=last_slot,
-                unconsumed_rows=unconsumed,
-                max_lag=c.train.max_lag,
-                batch_size=c.train.batch_size,
-                max_steps_ahead=c.pacing.max_steps_ahead,
-                claimed_rows=claimed,
-            )
-
         def standing() -> list[Any]:
             now = time.time()
             return standing_claims(
                 self._claims.read(now), now=now, oldest_usable=lo, committed=files, exclude=self.name
             )
 
-        decision = decide(claimed_rows(standing()))
+        decision = self._decision(policy, last_slot, unconsumed, claimed_rows(standing()))
         if not decision.produce:
             return decision
         ttl = claim_ttl(self._last_cycle_s, c.generation_timeout_s + c.write_timeout_s)
@@ -537,7 +532,7 @@ class RolloutWorker:
         if not c.pacing.fit_room:
             prompts = sp.n_prompts
         self._claims.announce(self._seq, policy, prompts * sp.n_generations_per_prompt, ttl, time.time())
-        decision = decide(claimed_rows(standing()))
+        decision = self._decision(policy, last_slot, unconsumed, claimed_rows(standing()))
         if not decision.produce:
             self._claims.withdraw()
             self._stop.wait(self._claims.collision_pause_s(c.polling.interval_s))

@@ -141,21 +141,12 @@ def _owned_blocks(x: Any, shape: tuple[int, ...], writer: bool) -> list[tuple[An
 
 
 def _local_blocks(trees: dict[str, Any], file_key: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """This process's blocks (tensor name in its file -> data) and its part of the tensor index."""
+    """This process's blocks (tensor name in its file -> data) and its part of the tensor index, all in one file."""
+    pieces, index = _local_pieces(trees)
     tensors: dict[str, np.ndarray] = {}
-    index: dict[str, Any] = {}
-    writer = mesh_lib.is_writer()
-    for blob, tree in trees.items():
-        for name, x, _ in _leaves(tree):
-            full = f"{blob}/{name}"
-            shape = tuple(int(n) for n in x.shape)
-            entry = index.setdefault(full, {"shape": list(shape), "dtype": np.dtype(x.dtype).name, "blocks": []})
-            for idx, data in _owned_blocks(x, shape, writer):
-                start, stop = _box(idx, shape)
-                block = f"{full}@{','.join(map(str, start))}"
-                dims = [b - a for a, b in zip(start, stop, strict=True)]
-                tensors[block] = np.ascontiguousarray(np.asarray(data)).reshape(dims)
-                entry["blocks"].append({"file": file_key, "name": block, "start": start, "stop": stop})
+    for p in pieces:
+        tensors[p.block] = p.host()
+        index[p.full]["blocks"].append({"file": file_key, "name": p.block, "start": p.start, "stop": p.stop})
     return tensors, index
 
 
