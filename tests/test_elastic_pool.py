@@ -89,9 +89,9 @@ def _pool_events(run_root: Path) -> list[str]:
 @pytest.mark.slow
 def test_pool_scales_up_and_down_during_a_job(tmp_path: Path) -> None:
     """One worker at the start. Phase 1: worker0 is slowed down (SIGSTOP for 0.7 s of every second) until the pool
-    adds a worker, so the learner waits for its batches. Phase 2: the learner is held (SIGSTOP) until the pool
-    removes a worker, from the moment the added worker has committed a rollout file, so every worker pauses (ahead
-    of the learner, or waiting for a newer policy). Then the job runs to its end."""
+    adds a worker, so the learner waits for its batches; then worker0 is held until the added worker has committed a
+    rollout file. Phase 2: the learner is held (SIGSTOP) until the pool removes a worker, so every worker pauses
+    (ahead of the learner, or waiting for a newer policy). Then the job runs to its end."""
     run_root = tmp_path / "run"
     cfg = job_config(tmp_path, str(run_root), None, **{"num_rollout_workers": "1", "train.num_train_steps": str(STEPS),
                                                  "evaluator": "false", **POOL})  # fmt: skip
@@ -114,9 +114,15 @@ def test_pool_scales_up_and_down_during_a_job(tmp_path: Path) -> None:
             held = []
             time.sleep(0.3)
         added = next(r["step"] for r in read_pool_records(RunStore(str(run_root))) if r["event"] == "up")
+        # worker0 held until the added worker has committed a file: the learner then cannot finish the run on
+        # worker0's rows alone while the added worker is still starting (imports, compile: slow on a loaded machine)
+        worker0.send_signal(signal.SIGSTOP)
+        held = [worker0]
         while not list((run_root / layout.ROLLOUTS).glob(f"step-*/{added.removeprefix('rollout-')}.*")):
             assert job.poll() is None and time.monotonic() < deadline, f"{added} committed no rollout file"
             time.sleep(0.1)
+        worker0.send_signal(signal.SIGCONT)
+        held = []
         learner = _step_process(job, "steps.learn")
         assert learner is not None
         learner.send_signal(signal.SIGSTOP)  # phase 2: a learner that does not consume
