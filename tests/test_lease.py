@@ -138,12 +138,13 @@ def test_concurrent_acquirers_exactly_one_wins(store_factory: Any, backend: str)
 
 
 def test_real_time_expiry(local_store: RunStore) -> None:
-    a = Lease(local_store, "bm", "a", ttl_s=0.3)
-    b = Lease(local_store, "bm", "b", ttl_s=0.3)
+    # ttl 1.5 s: b's first attempt must come within the ttl even when a loaded machine pauses this process
+    a = Lease(local_store, "bm", "a", ttl_s=1.5)
+    b = Lease(local_store, "bm", "b", ttl_s=1.5)
     a.acquire()
     with pytest.raises(LeaseHeldError):
         b.acquire()
-    time.sleep(0.35)
+    time.sleep(1.55)
     assert b.acquire() == 2 and a.expires_in <= 0
 
 
@@ -161,13 +162,13 @@ def test_layout_and_validation(local_store: RunStore) -> None:
 
 def test_acquire_waiting_waits_out_a_dead_holder_and_refuses_a_live_one(lstore: RunStore) -> None:
     """A holder that stopped renewing (killed) is waited for until its epoch lapses; one that renews is refused."""
-    dead = Lease(lstore, "bm", "dead", ttl_s=0.6)
+    dead = Lease(lstore, "bm", "dead", ttl_s=1.0)
     dead.acquire()
     t0 = time.monotonic()
-    b = Lease(lstore, "bm", "B", ttl_s=0.6)
+    b = Lease(lstore, "bm", "B", ttl_s=2.0)  # longer than any pause of a loaded machine before c's first look
     assert b.acquire_waiting(interval_s=0.05) == 2
-    assert 0.2 < time.monotonic() - t0 < 10
-    c = Lease(lstore, "bm", "C", ttl_s=0.6)
+    assert 0.5 < time.monotonic() - t0 < 10
+    c = Lease(lstore, "bm", "C", ttl_s=2.0)
 
     def renew_meanwhile(s: float) -> None:
         time.sleep(s)

@@ -24,10 +24,11 @@ def ready_files(run_root: Path, worker: str) -> list[Path]:
     return sorted((run_root / layout.ROLLOUTS).glob(f"step-*/{worker}.*{layout.READY_SUFFIX}"))
 
 
-def _learner(job: subprocess.Popen[str]) -> psutil.Process | None:
+def _child(job: subprocess.Popen[str], module: str) -> psutil.Process | None:
+    """The job's step process running `module`."""
     for child in psutil.Process(job.pid).children():
         try:
-            if step_module(child.cmdline()) == "steps.learn":
+            if step_module(child.cmdline()) == module:
                 return child
         except psutil.Error:
             pass
@@ -36,9 +37,11 @@ def _learner(job: subprocess.Popen[str]) -> psutil.Process | None:
 
 @pytest.mark.slow
 def test_a_rollout_worker_joins_a_running_job(tmp_path: Path) -> None:
-    """The job's learner is held (SIGSTOP) from its first published policy until the joiner has loaded a policy,
-    so the joiner, a fresh interpreter, joins while the job is running whatever the machine's load (the job,
-    whose steps are forked, could otherwise train all its steps before the joiner is up)."""
+    """The job's learner is held (SIGSTOP) from its first published policy until the joiner has loaded a policy;
+    then the job's own rollout worker is held until the joiner has committed a rollout file, so the learner needs
+    the joiner's rows: the joiner, a fresh interpreter, joins while the job is running whatever the machine's load
+    (the job, whose steps are forked, could otherwise train all its steps on its own worker's rows while the joiner
+    is still compiling)."""
     run_root = tmp_path / "run"
     # room for a second worker: with pacing claims (the default) workers never generate past max_steps_ahead
     # batches together, so at the default of 1 the job's own worker, claiming first after each commit, would
@@ -52,15 +55,15 @@ def test_a_rollout_worker_joins_a_running_job(tmp_path: Path) -> None:
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     joiner: subprocess.Popen[str] | None = None
     joiner_log = tmp_path / "joiner.log"
-    held: psutil.Process | None = None
+    held: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 300
-        while (learner := _learner(job)) is None or not (run_root / layout.policy_marker(0)).exists():
+        while (learner := _child(job, "steps.learn")) is None or not (run_root / layout.policy_marker(0)).exists():
             assert job.poll() is None, job.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the job published no policy in 300 s"
             time.sleep(0.05)
         learner.send_signal(signal.SIGSTOP)
-        held = learner
+        held = [learner]
         assert not (run_root / layout.LEARNER_DONE).exists()
         joiner = subprocess.Popen(
             [sys.executable, "-m", "steps.run", "step", "rollout", "--config_path", str(cfg), "--run_root",
@@ -71,15 +74,24 @@ def test_a_rollout_worker_joins_a_running_job(tmp_path: Path) -> None:
             assert joiner.poll() is None, joiner_log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the joiner loaded no policy"
             time.sleep(0.05)
-        held.send_signal(signal.SIGCONT)
-        held = None
+        worker0 = _child(job, "steps.rollout")
+        assert worker0 is not None
+        worker0.send_signal(signal.SIGSTOP)
+        learner.send_signal(signal.SIGCONT)
+        held = [worker0]
+        while not ready_files(run_root, "joiner"):
+            assert joiner.poll() is None, joiner_log.read_text()[-3000:]
+            assert job.poll() is None and time.monotonic() < deadline, "the joiner committed no rollout file"
+            time.sleep(0.05)
+        worker0.send_signal(signal.SIGCONT)
+        held = []
         out, err = job.communicate(timeout=600)
         assert job.returncode == 0, out[-3000:] + err[-3000:]
         joiner.wait(timeout=120)  # it stops on its own once the last policy is published
         assert joiner.returncode == 0, joiner_log.read_text()[-3000:]
     finally:
-        if held is not None:
-            held.send_signal(signal.SIGCONT)
+        for p in held:
+            p.send_signal(signal.SIGCONT)
         for p in (job, joiner):
             if p is not None and p.poll() is None:
                 p.kill()
