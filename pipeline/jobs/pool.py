@@ -7,7 +7,7 @@ the steps already write to the run root (`pipeline.telemetry.metrics.MetricsTail
   its next batch; the first step, which waits for every step to start, is left out);
 - workers paused: the rollout workers' `pause` records (`paused_s`: time paused by pacing, ahead of the learner or
   waiting for a newer policy; a paused worker logs one every `pipeline.rollout.worker.PAUSE_RECORD_S` seconds and
-  one when it produces again) per worker-second of the window;
+  one when it produces again) per worker-second of the window, each counted only for its part inside the window;
 - waste: the BatchMaker's per-slot records, `rows_wasted / n_rollouts` (`pipeline.batch_maker.slot_metrics`).
 
 Signals are taken over the last `window_s` seconds, and only from records written after the last change, so a
@@ -96,7 +96,13 @@ class PoolSignalReader:
             r for r in self._records if r.get("kind") == StepKind.ROLLOUT and r.get("event") in ("write", "pause")
         ]
         span = max(now - since, 1e-9) * max(workers, 1)
-        pause_s = sum(float(r.get("paused_s", 0.0)) for r in rollout if r["event"] == "pause")
+        # a pause record covers the `paused_s` before its `time`: only the part inside the window counts (a worker
+        # that paused long before the last change must not count that time against the new pool)
+        pause_s = sum(
+            min(float(r.get("paused_s", 0.0)), max(0.0, float(r["time"]) - since))
+            for r in rollout
+            if r["event"] == "pause"
+        )
         paused = min(1.0, pause_s / span) if rollout else None
         slots = [r for r in self._records if r.get("kind") == StepKind.BATCHMAKER and "n_rollouts" in r]
         trained = sum(int(r["n_rollouts"]) for r in slots)
