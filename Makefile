@@ -20,7 +20,7 @@ export JAX_COMPILATION_CACHE_MAX_SIZE ?= 4294967296
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup demo test test-fast test-slow lint format typecheck docs bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc rescore serve clean sft recipe
+.PHONY: help setup demo test test-fast test-loaded test-slow lint format typecheck docs bench bench-gpu rollout batches learn evaluate report run export replay gcs-emulator gc rescore serve clean sft recipe
 
 help: ## List every target with a one-line description
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -47,8 +47,18 @@ $(VENV)/.synced: pyproject.toml uv.lock | $(UV)
 
 setup: $(VENV)/.synced ## Create the environment (uv, pinned by uv.lock)
 
+# The program targets run `.venv/bin/rlpipe COMMAND` (steps/rlpipe.py): the same program and flags as `python -m
+# steps.…`, whose exit code is the program's own (docs/reference/exit-codes.md). make turns any failed recipe into
+# exit 2, so a scheduler or a container that must tell "retry later" (75) from "fix the config" (2) calls
+# .venv/bin/rlpipe directly.
+#
+# The job targets (run, rollout, batches, learn) on an existing run root read its job config from its run.json unless
+# CONFIG is given (on the command line or in the environment); the default CONFIG names the job of a new run root.
+JOB_CONFIG = $(if $(filter file,$(origin CONFIG)),--default_config_path,--config_path) $(CONFIG)
+REPLAY_USAGE = FROM is not set: make replay RUN=$(RUN) FROM=<checkpoint step> [TO=<last slot>] re-trains slots FROM+1..TO from checkpoint FROM
+
 demo: setup ## Run the cats demo job on RUN (runs/demo; an existing one is refused unless FRESH=1), print rewards, write the report
-	$(PY) -m steps.demo --config_path $(CONFIG) --run_root $(RUN) $(if $(filter 1 true yes,$(FRESH)),--fresh true) $(ARGS)
+	$(VENV)/bin/rlpipe demo --config_path $(CONFIG) --run_root $(RUN) $(if $(filter 1 true yes,$(FRESH)),--fresh true) $(ARGS)
 
 # --dist loadgroup: tests sharing a module-scoped job fixture stay on one worker, every other test (the long
 # end-to-end ones included) is scheduled on its own: the mostly waiting tests first, then longest first
@@ -60,8 +70,14 @@ PYTEST_DIST := -n 3 --dist loadgroup --durations=25
 test: setup ## Run the whole test suite (what CI runs)
 	$(PY) -m pytest -q $(PYTEST_DIST) --timeout 900 tests $(ARGS)
 
-test-fast: setup ## Run the tests not marked slow
-	$(PY) -m pytest -q $(PYTEST_DIST) -m "not slow" tests $(ARGS)
+# The tier for every edit: no step process, no job, no model compiled beyond a tiny cached one (tests/tiers.py).
+test-fast: setup ## Run the fast tier (under a minute): the tests neither slow nor heavy
+	RLPIPE_TEST_TIER=fast $(PY) -m pytest -q -n 2 --durations=10 -m "not slow and not heavy" tests $(ARGS)
+
+# Twice CI's load: the suite beside one busy process per core (tests/load/under_load.py). A test that fails here
+# but not alone depends on timing: a defect, fixed at its cause.
+test-loaded: setup ## Run the whole suite under twice CI's load (one CPU burner per core), to find timing flakes
+	$(PY) tests/load/under_load.py -- $(MAKE) --no-print-directory test ARGS="$(ARGS)"
 
 test-slow: setup ## Run only the tests marked slow (end-to-end, crash and learning tests)
 	$(PY) -m pytest -q $(PYTEST_DIST) -m slow tests $(ARGS)
@@ -99,48 +115,46 @@ bench-gpu: ## GPU benchmark (run on the GPU machine; see docs/benchmarks.md)
 	$(if $(BENCH_PYTHONPATH),PYTHONPATH=$(BENCH_PYTHONPATH):$$PYTHONPATH) JAX_PLATFORMS= $(PYTHON) -m bench.bench_gpu \
 		$(if $(DEVICE_COMPAT),--device-compat) $(ARGS)
 
-run: setup ## Run a whole job (CONFIG=configs/….yaml RUN=…): learner, BatchMaker, rollout workers, evaluator
-	$(PY) -m steps.run --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+run: setup ## Run a whole job (CONFIG=configs/….yaml RUN=…; an existing run: its run.json): learner, BatchMaker, rollout workers, evaluator
+	$(VENV)/bin/rlpipe run $(JOB_CONFIG) --run_root $(RUN) $(ARGS)
 
 rollout: setup ## One rollout worker on RUN (bounded with ARGS="--max_rollouts N")
-	$(PY) -m steps.run step rollout --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+	$(VENV)/bin/rlpipe rollout $(JOB_CONFIG) --run_root $(RUN) $(ARGS)
 
 batches: setup ## The BatchMaker on RUN (ARGS="--follow true" or "--max_batches N")
-	$(PY) -m steps.run step batches --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+	$(VENV)/bin/rlpipe batches $(JOB_CONFIG) --run_root $(RUN) $(ARGS)
 
 learn: setup ## The learner on RUN (bounded with ARGS="--max_steps N")
-	$(PY) -m steps.run step learn --config_path $(CONFIG) --run_root $(RUN) $(ARGS)
+	$(VENV)/bin/rlpipe learn $(JOB_CONFIG) --run_root $(RUN) $(ARGS)
 
 evaluate: setup ## Evaluate policies of RUN, config from run.json (ARGS="--all true", "--steps 3,5", "--follow true", "--hf_checkpoint DIR")
-	$(PY) -m steps.evaluate --store.run_root $(RUN) $(ARGS)
+	$(VENV)/bin/rlpipe evaluate --store.run_root $(RUN) $(ARGS)
 
 export: setup ## Export policy STEP (default: the newest) of RUN as a Hugging Face folder OUT (model from run.json)
-	$(PY) -m steps.export --store.run_root $(RUN) $(if $(STEP),--step $(STEP)) $(if $(OUT),--out $(OUT)) $(ARGS)
+	$(VENV)/bin/rlpipe export --store.run_root $(RUN) $(if $(STEP),--step $(STEP)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 gc: setup ## Garbage-collect RUN under its retention settings (lineage index first; bounded, safe to rerun)
-	$(PY) -m steps.gc --store.run_root $(RUN) $(ARGS)
+	$(VENV)/bin/rlpipe gc --store.run_root $(RUN) $(ARGS)
 
 rescore: setup ## Re-score RUN's committed rollout files into rescored/<name>/ (ARGS="--name N --config_path F"); sources untouched
-	$(PY) -m steps.rescore --store.run_root $(RUN) $(ARGS)
+	$(VENV)/bin/rlpipe rescore --store.run_root $(RUN) $(ARGS)
 
 serve: setup ## Serve a committed policy of RUN over rlpipe's generate endpoint (ARGS="--policy_step N --port P"), e.g. as a judge
-	$(PY) -m steps.serve --run_root $(RUN) $(ARGS)
+	$(VENV)/bin/rlpipe serve --run_root $(RUN) $(ARGS)
 
 report: setup ## Write the HTML report of RUN (RUN=runs/demo) from the run root alone
-	$(PY) -m pipeline.report $(RUN) $(ARGS)
+	$(VENV)/bin/rlpipe report $(RUN) $(ARGS)
 
 replay: setup ## Re-train slots FROM+1..TO of RUN from checkpoint FROM in a scratch folder; exit 0 iff bitwise equal
-	$(PY) -m steps.replay --store.run_root $(RUN) --from_step $(FROM) $(if $(TO),--to_step $(TO)) $(ARGS)
+	$(if $(FROM),,$(error $(REPLAY_USAGE)))$(VENV)/bin/rlpipe replay --store.run_root $(RUN) --from_step $(FROM) $(if $(TO),--to_step $(TO)) $(ARGS)
 
 SFT_CONFIG ?= configs/basic_arithmetic_sft.yaml
 sft: setup ## Supervised fine-tuning (SFT_CONFIG=configs/…_sft.yaml): a policy an RL job starts from (model.init_policy)
-	$(PY) -m steps.sft --config_path $(SFT_CONFIG) $(ARGS)
+	$(VENV)/bin/rlpipe sft --config_path $(SFT_CONFIG) $(ARGS)
 
 RECIPE ?= basic_arithmetic
 recipe: setup ## The real-task recipe (RECIPE=basic_arithmetic): SFT warm start, then RL, then held-out evaluation and report
-	$(PY) -m steps.sft --config_path configs/$(RECIPE)_sft.yaml
-	$(PY) -m steps.run --config_path configs/$(RECIPE).yaml
-	$(PY) -m pipeline.report runs/$(RECIPE)
+	$(VENV)/bin/rlpipe recipe --name $(RECIPE)
 
 GCS_PORT ?= 4443
 gcs-emulator: setup ## Start the GCS emulator the tests use on 127.0.0.1:GCS_PORT (prints the env line to export)

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import gcs_emulator_class, machine_name
+from pipeline.process.ports import ReservedPort, reserve_port
 
 logger = logging.getLogger("rlpipe.bench.publish")
 
@@ -114,10 +114,9 @@ def _read(root: str, storage_options: dict[str, Any] | None, step: int) -> tuple
     return time.perf_counter() - t0, len(record.files)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _port() -> ReservedPort:
+    """A coordinator port reserved for the processes of one case (released when the returned object is)."""
+    return reserve_port()
 
 
 def run_case(
@@ -128,7 +127,8 @@ def run_case(
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     result = tmp / f"result-{writers}-{mode}.json"
-    port = _port()
+    reserved = _port()  # held until this function returns
+    port = reserved.port
     procs = [
         subprocess.Popen(
             [

@@ -8,7 +8,9 @@ Semantics: generation is atomic per `sample_batch` call: `update_model` waits fo
 no rollout mixes weights; every row carries the step the call started with. With an external server (`openai`
 backend) that reports a different policy step during one call, the whole call is re-rolled. An example that
 fails is retried (a fresh example of the same lesson is drawn, since environments choose examples by rng) up to
-`max_example_retries` more times; every failure is kept with its reason. Nothing is dropped silently.
+`max_example_retries` more times (in training; an eval example that fails is recorded as failed, never replaced);
+every failure is kept with its reason. Nothing is dropped silently. A missing or non-finite reward, from any
+environment kind, fails its example with the reason (`pipeline.environments.base.split_bad_rewards`).
 
 With partial rollouts (`inference.partial_rollouts`, dense backend with continuous batching) `stage_model` hands a
 newer policy to the sampler without waiting for the running call: it is swapped in between decode steps, every
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -29,6 +32,7 @@ import numpy as np
 
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
 from pipeline.environments import Environment, SampleSpec, load_environment
+from pipeline.environments.base import split_bad_rewards
 from pipeline.environments.tokenizer import check_chat_lessons
 from pipeline.rollout.rollout_batch import (  # noqa: F401  (re-exported: the manager's return types)
     SUCCESS_REWARD,
@@ -44,6 +48,9 @@ from pipeline.rollout.rollout_batch import (  # noqa: F401  (re-exported: the ma
 from policy.inference import BackendContext, InferenceBackend, make_backend
 
 logger = logging.getLogger(__name__)
+
+SUMMED_ENV_METRICS = frozenset({"failures", "episodes"})
+"""Environment metrics that are counts (besides `n_*`): summed over a call's attempts, not the last attempt's."""
 
 
 class RolloutManager:
@@ -255,7 +262,14 @@ class RolloutManager:
         weight_step: int,
         sampling: SamplingParams,
     ) -> tuple[list[tuple[str, Any]], list[RecordedFailure], dict[str, float], int, int]:
-        """Run `env.sample`, re-drawing failed examples up to `max_example_retries` times.
+        """Run `env.sample`, re-drawing failed examples up to `max_example_retries` times (train mode; in eval mode an
+        example that fails is recorded as failed, never replaced: the eval stream is fixed, so a re-draw would
+        evaluate another example twice).
+
+        Every group passes the shared reward check (`pipeline.environments.base.split_bad_rewards`): a missing or
+        non-finite reward fails its example with the reason. `env_metrics["failures"]` counts every failure of every
+        attempt; `n_*` counts (and `SUMMED_ENV_METRICS`) are summed over attempts, other metrics are the last
+        attempt's.
 
         A call during which an external server reported more than one policy step is discarded whole and
         re-rolled (counted as an attempt); if that keeps happening, its examples are recorded as failed.
@@ -282,6 +296,10 @@ class RolloutManager:
                 chat=self.curriculum_config.lessons[lesson_id].chat,
             )
             result = env.sample(ctx, spec, rng)
+            # the one reward check of every environment kind: a missing or non-finite reward fails its example
+            groups, bad_rewards = split_bad_rewards(result.groups)
+            if bad_rewards:
+                result = dataclasses.replace(result, groups=groups, failures=[*result.failures, *bad_rewards])
             served = ctx.served_steps
             call_step = next(iter(served)) if len(served) == 1 else weight_step
             if len(served) > 1 or (step is not None and result.groups and call_step != step):
@@ -304,8 +322,13 @@ class RolloutManager:
                     rows.append((g.key, r))
             failures += [RecordedFailure(str(f.example_id), f.reason, attempt) for f in result.failures]
             for k, v in result.metrics.items():
-                env_metrics[k] = env_metrics.get(k, 0.0) + float(v) if k.startswith("n_") else float(v)
+                if not math.isfinite(float(v)):  # e.g. a mean over the rewards the check above refused
+                    continue
+                summed = k.startswith("n_") or k in SUMMED_ENV_METRICS
+                env_metrics[k] = env_metrics.get(k, 0.0) + float(v) if summed else float(v)
             remaining -= len(result.groups)
+            if mode == "eval":  # a retry would draw the eval stream's first examples again: duplicates, not retries
+                break
             if result.failures and remaining > 0 and attempt < self.max_example_retries:
                 logger.info(
                     "lesson %s: %d examples failed; retrying (attempt %d of %d)",
@@ -314,6 +337,7 @@ class RolloutManager:
                     attempt + 1,
                     self.max_example_retries,
                 )
+        env_metrics["failures"] = float(len(failures))  # every failure of every attempt, whatever the environment
         return rows, failures, env_metrics, tokens, step if step is not None else weight_step
 
     # -- evaluation -------------------------------------------------------------------------------

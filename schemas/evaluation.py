@@ -48,6 +48,10 @@ class EvalSummaryRow:
     samples_per_problem, pass_k, pass_at_k, mean_at_k (version 2): with n = `samples_per_problem` samples of every
     problem, pass@k (k = `pass_k` <= n; Chen et al. 2021's unbiased estimator, `pipeline.rollout.passk`) and mean@k
     (mean reward over a problem's samples, averaged over problems). Version-1 files read with 0, 0, None, None.
+    n_failures (version 3): eval examples that failed (an environment error, a reward that is missing or not
+    finite, a prompt too long, ...), each recorded with its reason in the evaluator's log and never replaced by
+    another example; `n_examples` counts the examples scored, so `n_examples + n_failures` were asked for. Older
+    files read with 0.
     """
 
     policy_step: int
@@ -65,6 +69,7 @@ class EvalSummaryRow:
     pass_k: int = 0
     pass_at_k: float | None = None
     mean_at_k: float | None = None
+    n_failures: int = 0
 
 
 EVAL_SUMMARY_ARROW = pa.schema(
@@ -84,6 +89,7 @@ EVAL_SUMMARY_ARROW = pa.schema(
         pa.field("pass_k", pa.int64(), nullable=False),
         pa.field("pass_at_k", pa.float64(), nullable=True),
         pa.field("mean_at_k", pa.float64(), nullable=True),
+        pa.field("n_failures", pa.int64(), nullable=False),
     ]
 )
 
@@ -96,9 +102,14 @@ PASS_AT_K_COLUMNS_V2: tuple[tuple[str, object], ...] = (
 """Columns eval-summary version 2 added, with the value a version-1 file (which did not record them) is read with."""
 
 
+N_FAILURES_COLUMNS_V3: tuple[tuple[str, object], ...] = (("n_failures", 0),)
+"""The column eval-summary version 3 added, with the value an older file is read with."""
+
+
 def add_pass_at_k_columns(table: pa.Table) -> pa.Table:
-    """A version-1 eval-summary table with the version-2 columns at their "not recorded" values."""
-    for name, value in PASS_AT_K_COLUMNS_V2:
+    """A version-1 or -2 eval-summary table with the columns versions 2 and 3 added at their "not recorded"
+    values."""
+    for name, value in (*PASS_AT_K_COLUMNS_V2, *N_FAILURES_COLUMNS_V3):
         if name not in table.column_names:
             table = table.append_column(name, pa.array([value] * table.num_rows, EVAL_SUMMARY_ARROW.field(name).type))
     return table
@@ -121,14 +132,17 @@ def validate_eval_summary(row: EvalSummaryRow) -> None:
             raise ValidationError(f"pass_at_k must be in [0, 1], got {row.pass_at_k}")
     if row.mean_at_k is not None:
         check_finite("mean_at_k", row.mean_at_k)
+    if row.n_failures < 0:
+        raise ValidationError(f"n_failures must be >= 0, got {row.n_failures}")
 
 
 EVAL_SUMMARY: TableSpec[EvalSummaryRow] = TableSpec(
     name="eval_summary",
-    version=2,
+    version=3,
     schema=EVAL_SUMMARY_ARROW,
     row_type=EvalSummaryRow,
     validate_row=validate_eval_summary,
-    upgrades={1: add_pass_at_k_columns},
+    upgrades={1: add_pass_at_k_columns, 2: add_pass_at_k_columns},
 )
-"""Version 2 added samples_per_problem, pass_k, pass_at_k and mean_at_k (version-1 files are read without them)."""
+"""Version 2 added samples_per_problem, pass_k, pass_at_k and mean_at_k, version 3 n_failures (older files are read
+without them)."""

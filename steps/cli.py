@@ -39,6 +39,7 @@ import draccus
 
 from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError, dump_yaml, resolve_overrides
 from pipeline.process.exits import LABELS, Exit, ExpectedFailure
+from pipeline.process.interrupts import interrupted, stop_signals
 from pipeline.store.committed import StorageUnavailableError
 from pipeline.store.faults import storage_fault
 from pipeline.store.lease import LeaseHeldError, LeaseLostError
@@ -259,8 +260,9 @@ def run_command(
     A `UsageError` or `ConfigError` (from `parse` or from `main`) gives one stderr line and Exit.CONFIG; any other
     expected failure (`expected_failure`: an `ExpectedFailure`, a `StorageUnavailableError`, a lease or wait error, a
     storage-refused write; also as the cause of another error) gives one stderr line `error: <label>: <message>`
-    and its code from the one table (`pipeline.process.exits.LABELS`, `EXIT_TABLE`); anything else propagates (a
-    traceback).
+    and its code from the one table (`pipeline.process.exits.LABELS`, `EXIT_TABLE`); Ctrl-C (KeyboardInterrupt,
+    also wrapped) gives one line and Exit.INTERRUPTED, SIGTERM one line and Exit.TERMINATED
+    (`pipeline.process.interrupts`); anything else propagates (a traceback).
     """
     level, args = pop_log_level(sys.argv[1:] if argv is None else argv)
     configure_logging(level)
@@ -268,23 +270,30 @@ def run_command(
     # collector stops walking them at every full collection, which JAX's tracing triggers often (~1/3 of the CPU
     # of tracing a sampler program in a process that was not forked from the frozen fork server).
     gc.freeze()
-    try:
-        return int(main(parse(args)))
-    except (UsageError, ConfigError) as e:
-        report(Exit.CONFIG, one_line(e))
-        return Exit.CONFIG
-    except Exception as e:
-        config = config_error(e)
-        if config is not None:  # a ConfigError a step's thread wrapped
-            report(Exit.CONFIG, one_line(config))
+    # Ctrl-C anywhere (a wait, JAX compiling, a training step) unwinds the program (its `finally` blocks run) and ends
+    # it with one line and 130; SIGTERM with one line and 143 (pipeline.process.interrupts).
+    with stop_signals():
+        try:
+            return int(main(parse(args)))
+        except KeyboardInterrupt:
+            return interrupted()
+        except (UsageError, ConfigError) as e:
+            report(Exit.CONFIG, one_line(e))
             return Exit.CONFIG
-        expected = expected_failure(e)
-        if expected is None:
-            raise
-        code, message = expected
-        logger.debug("expected failure (exit %d)", code, exc_info=e)
-        report(code, message)
-        return code
+        except Exception as e:
+            if any(isinstance(c, KeyboardInterrupt) for c in error_chain(e)):  # a Ctrl-C a step's code wrapped
+                return interrupted()
+            config = config_error(e)
+            if config is not None:  # a ConfigError a step's thread wrapped
+                report(Exit.CONFIG, one_line(config))
+                return Exit.CONFIG
+            expected = expected_failure(e)
+            if expected is None:
+                raise
+            code, message = expected
+            logger.debug("expected failure (exit %d)", code, exc_info=e)
+            report(code, message)
+            return code
 
 
 def config_error(error: BaseException) -> ConfigError | None:

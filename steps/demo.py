@@ -9,7 +9,8 @@ Phases: (1) run the whole job (learner, BatchMaker, 2 rollout workers, evaluator
 (2) measure learning from the committed rollout files alone: mean episode reward of rollouts sampled
 from the first policies vs the last ones; (3) greedy answers of the first and the final policy to the
 7 fixed probe prompts; (4) write the report. It prints PASS/FAIL for the two checks of the issue
-(end reward ≥ 3× start; ≥ 3 of 7 probes answered with "cat") and exits non-zero on a FAIL.
+(end reward ≥ 3× start; ≥ 3 of 7 probes answered with "cat"); on a FAIL it ends with one line
+`error: learning check failed: …` naming the failed checks, exit code 11 (`Exit.LEARNING_CHECK`).
 
     python -m steps.demo --config_path configs/demo_cats.yaml --run_root runs/demo [--fresh true | --keep true]
 """
@@ -29,6 +30,7 @@ import numpy as np
 from pipeline.config import ConfigError, RLJobConfig
 from pipeline.jobs.job import RLJob
 from pipeline.jobs.runner import JobRunner
+from pipeline.process.exits import LearningCheckError
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from schemas import ROLLOUT
@@ -104,7 +106,8 @@ def parse_args(argv: list[str]) -> DemoArgs:
 
 
 def main(args: DemoArgs) -> int:
-    """Run the demo; 0 when both learning checks pass."""
+    """Run the demo; 0 when both learning checks pass, else LearningCheckError (one line naming the failed checks,
+    exit code `Exit.LEARNING_CHECK`); a failed job ends with the job's own exit code."""
     cfg = args.job
     prepare_run_root(cfg.store.run_root, keep=args.keep, fresh=args.fresh)
     rc = JobRunner(RLJob(cfg)).run()  # 1. the job
@@ -116,8 +119,13 @@ def main(args: DemoArgs) -> int:
     hits = show_probes(store, cfg)  # 3. behaviour on fixed probes
     from pipeline.report import build_report  # 4. the report
 
-    print(f"\nreport: {build_report(cfg.store.run_root)}")
-    return verdict(start, end, hits)
+    print(f"\nreport: {build_report(cfg.store.run_root)}", flush=True)
+    failed = verdict(start, end, hits)
+    if failed:
+        raise LearningCheckError(
+            f"the run at {cfg.store.run_root} did not pass the demo's checks: " + "; ".join(failed)
+        )
+    return 0
 
 
 def prepare_run_root(run_root: str, *, keep: bool, fresh: bool) -> None:
@@ -169,15 +177,18 @@ def show_probes(store: RunStore, cfg: RLJobConfig) -> int:
     return hits
 
 
-def verdict(start: float, end: float, hits: int) -> int:
-    """Print PASS/FAIL for both checks; 0 when both pass."""
+def verdict(start: float, end: float, hits: int) -> list[str]:
+    """Print PASS/FAIL for both checks; what failed, one phrase per failed check (empty when both pass)."""
     ok_reward = end >= REWARD_RATIO * max(start, 1e-6)
     ok_probe = hits >= MIN_PROBES_WITH_CAT
     print(f"{'PASS' if ok_reward else 'FAIL'}: end reward {end:.3f} >= {REWARD_RATIO:g} x start reward {start:.3f}")
     print(
         f"{'PASS' if ok_probe else 'FAIL'}: {hits}/7 probe prompts answered with 'cat' (need >= {MIN_PROBES_WITH_CAT})"
     )
-    return 0 if ok_reward and ok_probe else 1
+    failed = [] if ok_reward else [f"end reward {end:.3f} < {REWARD_RATIO:g} x start reward {start:.3f}"]
+    if not ok_probe:
+        failed.append(f"{hits}/7 probe prompts answered with 'cat' < {MIN_PROBES_WITH_CAT}")
+    return failed
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -62,8 +62,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ConfigError, EvaluateStepConfig, ModelSpec, StoreConfig, validate_evaluate
+from pipeline.config import ConfigError, EvaluateStepConfig, ModelSpec, StoreConfig
 from pipeline.config.model import MODEL_FAMILIES, SHAPE_FIELDS
+from pipeline.environments.start_checks import check_evaluate_step
 from pipeline.process.exits import DamagedInputError
 from pipeline.process.step_kind import StepKind
 from pipeline.rollout.passk import pass_at_k_of_groups
@@ -335,7 +336,7 @@ class Evaluator:
 
 def main(cfg: EvaluateStepConfig) -> int:
     """Evaluate what the config names (phases: external baseline, then follow or the explicit targets); 0."""
-    validate_evaluate(cfg)
+    check_evaluate_step(cfg)
     evaluator = Evaluator(cfg)
     try:
         if cfg.hf_checkpoint:

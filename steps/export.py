@@ -80,10 +80,13 @@ def export(store: RunStore, spec: ModelSpec, step: int | None, out: str, *, peft
 
     if step is None:
         step = run_state.latest_policy_step(store)
-    if step is None:
-        raise pf.PolicyNotFoundError(f"{store.full_path(layout.POLICIES)}: no committed policy to export")
+    if step is None:  # one line, exit 2: there is nothing to export yet
+        raise ConfigError("store.run_root", store.url, f"no committed policy to export ({layout.POLICIES}/ holds none)")
     tokenizer = load_tokenizer(spec.tokenizer)
-    model = pf.read_policy(store, step, spec, M.model_vocab_size(tokenizer))
+    try:
+        model = pf.read_policy(store, step, spec, M.model_vocab_size(tokenizer))
+    except pf.PolicyNotFoundError as e:
+        raise ConfigError("step", step, f"not a committed policy of {store.url} ({e})") from None
     if peft:  # refused before anything is written
         lora_spec = _policy_lora(store, step)
     pf.export_hf(model, out, tokenizer, family=spec.family)

@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload", default="", help="comma-separated modules to import before serving")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner stops us by closing the socket
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a step forked but not yet running dies silently, as the server
     _prepare_title()
     sock = socket.socket(fileno=args.fd)
     request = serve(sock, [m for m in args.preload.split(",") if m])

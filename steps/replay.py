@@ -9,15 +9,17 @@ Phases: (1) restore checkpoint S exactly as the learner resumes; (2) train slots
 batch reading and jitted train step (`policy.learner`); (3) publish the result as policy T in the scratch root
 and load it back with `policy.policy_format.read_policy`, the way samplers load the run's policy T; (4) compare tensor
 by tensor with the run's committed policy T. Prints "bitwise equal" and exits 0, or prints the maximum absolute
-difference of every differing tensor and exits 1. A from/to step that is not committed is one line naming the
-field and the value, exit code 2.
+difference of every differing tensor and ends with one line `error: replay mismatch: …` naming the first one, exit
+code 10 (`Exit.REPLAY_MISMATCH`). A from/to step that is not committed is one line naming the field and the value,
+exit code 2.
 
 Replay runs on the learner's recorded mesh (`recorded_topology`): the job's `learner.mesh` and
 `learner.num_processes` (run.json; also the shard files of checkpoint S), with an axis of -1 resolved from
 checkpoint S's blocks (one per device that holds a distinct piece of a sharded tensor). On CPU the simulated
 devices are made before JAX starts (`jax_num_cpu_devices`); on accelerators the devices present must match.
 A run whose learner ran as N > 1 processes is replayed by N processes (`run_group`): this process starts N copies
-of itself on this host, wired to one coordinator on loopback through `RLPIPE_COORDINATOR`,
+of itself on this host, wired to one coordinator on loopback (its port reserved by this process until the group
+has ended: `pipeline.process.ports.reserve_port`) through `RLPIPE_COORDINATOR`,
 `RLPIPE_NUM_PROCESSES` and `RLPIPE_PROCESS_ID` (as the job runners start a learner group; each with the recorded
 devices per process, simulated on CPU through XLA_FLAGS) and sharing one scratch run root. Each starts
 `jax.distributed`, reads its own rows of every batch and takes part in the policy's gather; process 0 alone writes
@@ -41,6 +43,7 @@ from typing import Any
 
 from pipeline.config import ConfigError, DistributedConfig, LearnerStepConfig, StoreConfig
 from pipeline.jobs.job import recorded_step_config
+from pipeline.process.exits import ReplayMismatchError
 from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore, require_run
@@ -64,7 +67,8 @@ class ReplayConfig:
 
 
 def main(config: ReplayConfig) -> int:
-    """Replay and compare (see the module docstring); 0 when bitwise equal, 1 when not."""
+    """Replay and compare (see the module docstring); 0 when bitwise equal, else ReplayMismatchError (exit code
+    `Exit.REPLAY_MISMATCH`, one line naming the first differing tensor)."""
     from policy import learner as L
     from policy import mesh as mesh_lib
     from policy import policy_format as pf
@@ -111,8 +115,12 @@ def main(config: ReplayConfig) -> int:
         return 0
     print(f"NOT equal to the run's committed policy {to_step}: {len(diffs)} tensors differ:")
     for name, diff in diffs.items():
-        print(f"  {name}: {diff}")
-    return 1
+        print(f"  {name}: {diff}", flush=True)
+    name, diff = next(iter(diffs.items()))
+    raise ReplayMismatchError(
+        f"policy {to_step} replayed from checkpoint {config.from_step} differs from the run's committed policy in "
+        f"{len(diffs)} tensors; first {name}: {diff}"
+    )
 
 
 GROUP_EXIT_GRACE_S = 60.0
@@ -140,7 +148,7 @@ def run_group(config: ReplayConfig, store: RunStore, topology: Topology) -> int:
 
     import draccus
 
-    from pipeline.jobs.launchers.local import free_port
+    from pipeline.process.ports import reserve_port
 
     n = topology.processes
     root = scratch_root(config, store)
@@ -154,11 +162,11 @@ def run_group(config: ReplayConfig, store: RunStore, topology: Topology) -> int:
         draccus.dump(dataclasses.replace(config, scratch=root), f)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     flags.append(f"--xla_force_host_platform_device_count={topology.devices_per_process}")  # CPU only
-    coordinator = f"127.0.0.1:{free_port()}"
+    port = reserve_port()  # held until the group has ended: nobody else can take the coordinator's port
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(n):
-            env = {**os.environ, "XLA_FLAGS": " ".join(flags), "RLPIPE_COORDINATOR": coordinator,
+            env = {**os.environ, "XLA_FLAGS": " ".join(flags), "RLPIPE_COORDINATOR": port.address,
                    "RLPIPE_NUM_PROCESSES": str(n), "RLPIPE_PROCESS_ID": str(i)}  # fmt: skip
             procs.append(subprocess.Popen([sys.executable, "-m", "steps.replay", "--config_path", path], env=env))
         return wait_group(procs)
@@ -167,6 +175,7 @@ def run_group(config: ReplayConfig, store: RunStore, topology: Topology) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        port.close()
         shutil.rmtree(folder, ignore_errors=True)
         if temporary:
             shutil.rmtree(root, ignore_errors=True)

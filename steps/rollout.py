@@ -73,15 +73,19 @@ from __future__ import annotations
 if __name__ == "__main__":
     import sys
 
-    from pipeline.config import RolloutStepConfig, validate_rollout
+    from pipeline.config import RolloutStepConfig
+    from pipeline.environments.start_checks import check_rollout_step
     from steps.cli import deferred_main, run_program
     from steps.early import rollout_nothing_to_do
 
     sys.exit(
-        run_program(RolloutStepConfig, deferred_main("steps.rollout", rollout_nothing_to_do), validate=validate_rollout)
+        run_program(
+            RolloutStepConfig, deferred_main("steps.rollout", rollout_nothing_to_do), validate=check_rollout_step
+        )
     )
 
-from pipeline.config import RolloutStepConfig, validate_rollout
+from pipeline.config import RolloutStepConfig
+from pipeline.environments.start_checks import check_rollout_step
 from pipeline.environments.tokenizer import load_tokenizer
 from pipeline.rollout.worker import RolloutWorker, check_prompts_fit
 from policy.rollout_manager import policy_runtime
@@ -89,7 +93,7 @@ from policy.rollout_manager import policy_runtime
 
 def main(config: RolloutStepConfig) -> int:
     """Run one rollout worker until stopped; returns the exit status (0: clean stop)."""
-    validate_rollout(config)
+    check_rollout_step(config)
     tokenizer = load_tokenizer(config.model.tokenizer)
     check_prompts_fit(config, tokenizer)  # a lesson none of whose prompts fits: exit 2 before anything starts
     worker = RolloutWorker(config, runtime=policy_runtime(config, tokenizer), tokenizer=tokenizer)
@@ -105,4 +109,4 @@ def cli(argv: list[str] | None = None) -> int:
     """`python -m steps.rollout [--config_path F] [--field value …]`; returns the exit code."""
     from steps.cli import run_program
 
-    return run_program(RolloutStepConfig, main, argv, validate=validate_rollout)
+    return run_program(RolloutStepConfig, main, argv, validate=check_rollout_step)

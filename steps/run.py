@@ -12,7 +12,12 @@ then supervise the steps (pipeline.jobs.runner).
     python -m steps.run step rollout --config_path … --run_root … --worker_id w7 --max_rollouts 64
     python -m steps.run step evaluate --config_path … --run_root … --all true
 
-`--run_root X` is shorthand for `--store.run_root X`. Without `step`, every other flag overrides the job config
+`--run_root X` is shorthand for `--store.run_root X`. Without `--config_path`, a run root that holds run.json runs
+the job config run.json records (its flags override it as they override a file: `rlpipe learn --run_root R
+--max_steps 5`); one without run.json runs `--default_config_path F` when given (the make targets' default CONFIG).
+A whole job holds the run root's job lease while it runs: a second job there is refused in one line, exit 6
+(pipeline.jobs.runner). `step learn` and `step rollout` on a finished run end before importing JAX (steps.early).
+Without `step`, every other flag overrides the job config
 (draccus dotted flags); with `step NAME`, `--config_path` and `--store.*` describe the job and every other flag
 overrides that step's config (see `python -m steps.<module> --help`), except a flag of a job field the step's
 config does not have (`step learn --curriculum.lessons.cats.chat true`): it overrides the job config. A bad
@@ -28,23 +33,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import logging
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import draccus
 
-from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError, RLJobConfig, check_run_config, check_step_config
+from pipeline.config import (
+    ALLOW_CHANGE_FLAG,
+    ConfigError,
+    RLJobConfig,
+    check_run_config,
+    check_step_config,
+    dump_yaml,
+)
 from pipeline.config.run_contract import with_step_contract
 from pipeline.jobs.job import RLJob
 from pipeline.process.step_kind import StepKind, cli_names
 from pipeline.store import layout
-from pipeline.store.storage import RunStore, require_run
+from pipeline.store.run_state import read_run_record
+from pipeline.store.storage import RunStore, require_run, storage_options_from
 from steps.cli import parse_bool, parse_config, run_command
+from steps.early import learner_already_done, rollout_nothing_to_do
 
 
 @dataclass(frozen=True)
@@ -56,15 +71,24 @@ class Invocation:
     step_args: tuple[str, ...] = ()
     allow_config_change: bool = False
     """Accept contract fields that differ from run.json (recorded in its history) instead of refusing them."""
+    default_config_path: str | None = None
+    """The job config of a run root without run.json when `--config_path` is not given (make's CONFIG default)."""
 
 
 def _add_job_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config_path", help="the job config YAML (an RLJobConfig)")
+    parser.add_argument(
+        "--config_path", help="the job config YAML (an RLJobConfig); default: the one the run root's run.json records"
+    )
     parser.add_argument("--run_root", "--store.run_root", dest="run_root", help="the run root (overrides the config)")
     parser.add_argument(
         "--store.storage_options",
         dest="storage_options",
         help='fsspec options of the run root (JSON: \'{"token": "anon"}\')',
+    )
+    parser.add_argument(
+        "--default_config_path",
+        help="the job config when --config_path is not given and the run root has no run.json yet (an existing run's "
+        "job config is its run.json)",
     )
     parser.add_argument(
         ALLOW_CHANGE_FLAG,
@@ -97,10 +121,13 @@ def parse_args(argv: Sequence[str]) -> Invocation:
         ns, rest = step_parser().parse_known_args(args[1:])
         allow = parse_bool(ALLOW_CHANGE_FLAG, ns.allow_config_change)
         step = StepKind.from_cli(ns.step)
-        return Invocation(job_args=_job_args(ns), step=step, step_args=tuple(rest), allow_config_change=allow)
+        return Invocation(job_args=_job_args(ns), step=step, step_args=tuple(rest), allow_config_change=allow,
+                          default_config_path=ns.default_config_path)  # fmt: skip
     ns, rest = job_parser().parse_known_args(args)
     return Invocation(
-        job_args=_job_args(ns) + rest, allow_config_change=parse_bool(ALLOW_CHANGE_FLAG, ns.allow_config_change)
+        job_args=_job_args(ns) + rest,
+        allow_config_change=parse_bool(ALLOW_CHANGE_FLAG, ns.allow_config_change),
+        default_config_path=ns.default_config_path,
     )
 
 
@@ -114,6 +141,36 @@ def _job_args(ns: argparse.Namespace) -> list[str]:
         if value is not None:
             out += [flag, value]
     return out
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag V` in draccus-style `args` (as `_job_args` writes them), else None."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def with_job_config(invocation: Invocation, folder: str) -> Invocation:
+    """The invocation with its job config named: `--config_path` as given; else, on a run root that holds run.json,
+    the job config run.json records (written as YAML into `folder`), so a step started on an existing run without a
+    config runs that run's job (its flags override it, as they override a file); else `--default_config_path`."""
+    if _flag_value(invocation.job_args, "--config_path") is not None:
+        return invocation
+    run_root = _flag_value(invocation.job_args, "--store.run_root")
+    path = invocation.default_config_path
+    if run_root is not None:
+        options = storage_options_from(_flag_value(invocation.job_args, "--store.storage_options"))
+        store = RunStore(run_root, options or None)
+        if not (store.is_local and os.path.isfile(store.root)) and store.exists(layout.RUN_CONFIG):
+            path = os.path.join(folder, "run-json-config.yaml")
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(dump_yaml(read_run_record(store)["config"]))
+            logging.getLogger("rlpipe.run").info("job config: %s (no --config_path given)",
+                                                 store.full_path(layout.RUN_CONFIG))  # fmt: skip
+    if path is None:
+        return invocation
+    return dataclasses.replace(invocation, job_args=["--config_path", path, *invocation.job_args])
 
 
 def parse_job(args: Sequence[str]) -> RLJobConfig:
@@ -132,6 +189,11 @@ def step_config(job: RLJob, step: StepKind, overrides: Sequence[str]) -> Any:
         return parse_config(type(base), ["--config_path", str(path), *overrides])
 
 
+EARLY_EXITS: dict[StepKind, Callable[[Any], int | None]] = {
+    StepKind.LEARNER: learner_already_done,
+    StepKind.ROLLOUT: rollout_nothing_to_do,
+}
+"""The checks a step makes before its module (and JAX) is imported (`steps.early`): an exit code ends it there."""
 READ_ONLY_STEPS = frozenset({StepKind.EVALUATE})
 """Steps that only read a run: refused on a run root without run.json (nothing is created)."""
 RUN_ROOT_ENTRIES = frozenset(
@@ -202,6 +264,11 @@ def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
         check_run_config(store, with_step_contract(job.config, config), allow_change=job.allow_config_change,
                          by=module_name)  # fmt: skip
     check_step_config(store, config, by=module_name, allow_change=job.allow_config_change)
+    early = EARLY_EXITS.get(step)
+    if early is not None:  # a scheduled learner or rollout worker on a finished run: done before importing JAX
+        rc = early(config)
+        if rc is not None:
+            return rc
     module = importlib.import_module(module_name)
     return int(module.main(config) or 0)
 
@@ -222,6 +289,12 @@ def check_prompts(job: RLJob) -> None:
 
 def main(invocation: Invocation) -> int:
     """Run the job (or the one step) the invocation names; returns the process exit code."""
+    with tempfile.TemporaryDirectory(prefix="rlpipe-run-") as folder:
+        return run_invocation(with_job_config(invocation, folder))
+
+
+def run_invocation(invocation: Invocation) -> int:
+    """Run the job (or the one step) of an invocation whose job config is named (`with_job_config`)."""
     job = RLJob(parse_job(invocation.job_args), allow_config_change=invocation.allow_config_change)
     if invocation.step is not None:
         job_flags, step_flags = split_step_args(job, invocation.step, invocation.step_args)
@@ -235,7 +308,7 @@ def main(invocation: Invocation) -> int:
     check_prompts(job)
     store = RunStore(job.config.store.run_root, job.config.store.storage_options or None)
     refuse_foreign_folder(store)
-    rc = JobRunner(job).run()
+    rc = JobRunner(job).run()  # first the job lease: a second job on a live run root is one line, exit 6
     log_summary(store, job.config.store.run_root)
     return rc
 

@@ -12,10 +12,20 @@ route. It starts in seconds (the dense sampler compiles per request shape on fir
 It waits (up to `--wait_s`) for the run root's run.json and for the policy (`--policy_step N`, or the newest
 committed one when not given), so it can be started beside a job before the learner published policy 0. It serves
 until SIGTERM or SIGINT. Loopback by default; a non-loopback `--host` needs a bearer token (`--token`, or the
-environment variable named by `--token_env`, default RLPIPE_ENDPOINT_TOKEN) that every request must carry.
+environment variable named by `--token_env`, default RLPIPE_ENDPOINT_TOKEN) that every request must carry
+(compared in constant time; 401 otherwise).
+
+`--port 0` binds a port the kernel picks (no port is chosen first and bound later, when another program may have
+taken it): the address is logged, and with `--announce_file PATH` (or `RLPIPE_SERVER_ANNOUNCE`) written to PATH
+as `{"host", "port", "pid"}` atomically once requests are accepted (`pipeline.process.ports`), for the program
+that started it to read. `--reuse_port` binds `--port` with SO_REUSEPORT: for a port the program that starts
+serve holds with `pipeline.process.ports.reserve_port` (nobody else can take it, even between two runs of serve).
+Load is bounded as in `pipeline.rollout.endpoint`: requests beyond the sampler's queue,
+and connections beyond the server's threads, get 503; a connection silent for a minute is closed.
 
 Run
     python -m steps.serve --run_root runs/demo --policy_step 0 --port 8000
+    python -m steps.serve --run_root runs/demo --port 0 --announce_file /tmp/serve.json
     make serve RUN=runs/demo ARGS="--policy_step 0 --port 8000"
 
 Exit codes: 0 stopped by a signal, 2 bad arguments (or no run.json / no such policy within --wait_s).
@@ -33,6 +43,7 @@ import threading
 from typing import Any
 
 from pipeline.config import ConfigError
+from pipeline.process.ports import ANNOUNCE_ENV
 from pipeline.rollout.endpoint import GenerateEndpoint, is_loopback
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
@@ -54,6 +65,8 @@ class ServeArgs:
     model_name: str = "policy"
     max_seqs: int = 16
     wait_s: float = 3600.0
+    announce_file: str | None = None
+    reuse_port: bool = False
 
 
 def parse_args(argv: list[str]) -> ServeArgs:
@@ -62,7 +75,10 @@ def parse_args(argv: list[str]) -> ServeArgs:
     p.add_argument("--run_root", required=True, help="the run root whose committed policy is served")
     p.add_argument("--policy_step", type=int, default=None, help="the policy to serve (default: the newest)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
+    p.add_argument("--port", type=int, default=8000, help="0: a port the kernel picks (logged, and announced)")
+    p.add_argument("--announce_file", default=os.environ.get(ANNOUNCE_ENV) or None,
+                   help=f"write the bound host:port here once serving (default ${ANNOUNCE_ENV})")  # fmt: skip
+    p.add_argument("--reuse_port", action="store_true", help="bind --port with SO_REUSEPORT (a port reserved for it)")
     p.add_argument("--token", default=None, help="bearer token every request must carry")
     p.add_argument("--token_env", default=TOKEN_ENV, help="environment variable holding the token")
     p.add_argument("--model_name", default="policy", help="the model id /v1/models lists")
@@ -78,7 +94,8 @@ def parse_args(argv: list[str]) -> ServeArgs:
         raise ConfigError("max_seqs", ns.max_seqs, "must be >= 1")
     if not is_loopback(ns.host) and not token:
         raise ConfigError("host", ns.host, f"is not loopback: give --token or set {ns.token_env}")
-    return ServeArgs(ns.run_root, ns.policy_step, ns.host, ns.port, token, ns.model_name, ns.max_seqs, ns.wait_s)
+    return ServeArgs(ns.run_root, ns.policy_step, ns.host, ns.port, token, ns.model_name, ns.max_seqs, ns.wait_s,
+                     ns.announce_file, ns.reuse_port)  # fmt: skip
 
 
 def _wait_for(what: str, found: Any, args: ServeArgs) -> Any:
@@ -124,6 +141,7 @@ def load_endpoint(args: ServeArgs) -> GenerateEndpoint:
         token=args.token,
         model_name=args.model_name,
         policy_step=lambda: step,
+        reuse_port=args.reuse_port,
     )
 
 
@@ -136,6 +154,8 @@ def main(args: ServeArgs) -> int:
     endpoint.start()
     step = endpoint.current_policy_step()
     logger.info("serving policy %d of %s on %s/v1 (model %r)", step, args.run_root, endpoint.base_url, args.model_name)
+    if args.announce_file:
+        endpoint.announce(args.announce_file)
     try:
         stop.wait()
     finally:

@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gcs_emulator import GcsEmulator
 from jobs import TEST_XLA_FLAGS, FinishedJob, job_config, run_job
+from tiers import is_heavy
 
 from pipeline.store.storage import RunStore
 
@@ -54,8 +55,13 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 BACKENDS = ("local", "file", "memory", "gs")
 
 
+FAST_TIER = os.environ.get("RLPIPE_TEST_TIER") == "fast"
+"""Set by `make test-fast`: a test that starts a step program fails (see tests/tiers.py)."""
+
+
 def _add_markers(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a slow test (crash suites, end-to-end runs)")
+    config.addinivalue_line("markers", "heavy: not slow, but starts step programs or compiles models (tests/tiers.py)")
 
 
 def _shared_scope(item: pytest.Item) -> str | None:
@@ -120,6 +126,8 @@ EXPECTED_SECONDS = {
     "tests/test_job_e2e.py": 17,
     "tests/test_rollout_join.py": 16,
     "tests/test_job_progress.py": 10,
+    "tests/test_interrupts.py": 60,  # 14 programs started and interrupted at random points (31 s of CPU)
+    "tests/test_rlpipe.py": 25,  # ten real programs through `rlpipe`, the guide's cron wrapper
 }
 WAITING_FIRST = (
     "tests/test_storage.py::test_an_outage_of_a_real_endpoint",  # ~33 s waiting out gcsfs's retries, no CPU
@@ -170,7 +178,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The mostly waiting tests (`WAITING_FIRST`), then longest first (`EXPECTED_SECONDS`), then the other slow
-    tests, so the short ones fill in at the end; a worker records the groups for the scheduler."""
+    tests, so the short ones fill in at the end; a worker records the groups for the scheduler. The tests of
+    tests/tiers.py are marked `heavy`."""
+    for it in items:
+        if is_heavy(it.nodeid, getattr(it, "fixturenames", ())):
+            it.add_marker(pytest.mark.heavy)
     items.sort(key=lambda it: (not it.nodeid.startswith(WAITING_FIRST), -_expected_seconds(it)))
     path = os.environ.get(_GROUPS_ENV)
     if path and hasattr(config, "workerinput"):
@@ -226,6 +238,29 @@ def _test_process_jax_backend() -> None:
     jax.devices()
 
 
+@pytest.fixture(autouse=FAST_TIER)
+def _fast_tier_guard(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[None]:
+    """In `make test-fast`: a test that starts a step program (`python -m steps.…`, `rlpipe …`) fails, naming
+    tests/tiers.py."""
+    import subprocess
+
+    started: list[str] = []
+    original = subprocess.Popen.__init__
+
+    def record(self: Any, args: Any, *a: Any, **kw: Any) -> None:
+        words = [args] if isinstance(args, str | bytes) else [str(x) for x in args]
+        line = " ".join(str(w) for w in words)
+        program = os.path.basename(str(words[0]).split()[0]) if words and str(words[0]).strip() else ""
+        if "-m steps." in line or " steps.run" in line or program == "rlpipe":
+            started.append(line)
+        original(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", record)
+    yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} starts a step program ({started[0][:200]}): list it in tests/tiers.py")
+
+
 @pytest.fixture(scope="session")
 def gcs_endpoint() -> Iterator[GcsEmulator]:
     """One fake-gcs-server for the whole test session (per xdist worker)."""
@@ -270,6 +305,31 @@ def store(request: pytest.FixtureRequest, store_factory: StoreFactory) -> RunSto
 def local_store(store_factory: StoreFactory) -> RunStore:
     """An empty RunStore on a fresh local folder."""
     return store_factory("local")
+
+
+@pytest.fixture
+def held_lease(tmp_path: Path) -> Iterator[Path]:
+    """A run root whose BatchMaker lease a live holder (this process) keeps renewing."""
+    import threading
+
+    from pipeline.process.step_kind import StepKind
+    from pipeline.store.lease import Lease
+
+    root = tmp_path / "run"
+    lease = Lease(RunStore(str(root)), StepKind.BATCHMAKER, "maker-A", ttl_s=6.0)
+    lease.acquire()
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(0.3):
+            lease.renew()
+
+    thread = threading.Thread(target=renew, daemon=True)
+    thread.start()
+    yield root
+    stop.set()
+    thread.join()
+    lease.release()
 
 
 @pytest.fixture(scope="session")

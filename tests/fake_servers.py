@@ -4,6 +4,15 @@ format (token ids, prompt token ids, logprobs) and, given a tokenizer with a cha
 in vLLM's format (`prompt_token_ids`, choice `token_ids`, `message.tool_calls`, `logprobs.content` entries named
 `token_id:<id>`; see `policy/inference/openai_chat.py`). They record every request they receive.
 
+As a program, `python tests/fake_servers.py launcher --host H --port P [--step S] [--api_key K]` is a stand-in of
+rlpipe's levanter launcher (`policy.inference.adapters.levanter_server`) without JAX, speaking the same address and
+identity protocol through the same helpers (`pipeline.process.ports`, `pipeline.process.listener`): it binds its
+own port (`--port 0`: one the kernel picks; a port in use: it exits, saying so), announces the bound address in
+`RLPIPE_SERVER_ANNOUNCE`, and refuses with 401, on every route, a request without the secret of
+`RLPIPE_SERVER_TOKEN` (or `--api_key`, as vLLM and SGLang take it). It serves `/health`, `/v1/models`,
+`POST /rlpipe/load_policy`, `GET /rlpipe/policy_step` (`{"step", "pid"}`: its own process id, so a client can tell
+which server answered) and vLLM's reload routes (`/collective_rpc`, `/reset_prefix_cache`).
+
 The chat "model" is scripted: after a user message asking "What is EXPR?" it calls the `calculator` tool with
 EXPR; after a tool message it answers "Answer: <tool result>"; otherwise "I do not know.". The sampled ids are the
 tokens the chat template renders for that assistant message (so later prompts extend the transcript exactly).
@@ -12,7 +21,9 @@ tokens the chat template renders for that assistant message (so later prompts ex
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -138,3 +149,80 @@ class FakeServer:
 
     def stop(self) -> None:
         self.httpd.shutdown()
+
+
+def launcher(argv: list[str]) -> int:
+    """The stand-in of rlpipe's levanter launcher (see the module docstring); serves until killed."""
+    import argparse
+
+    from pipeline.process.listener import BoundedHandler, BoundedHTTPServer
+    from pipeline.process.ports import ServerIdentity, bind_listener
+
+    p = argparse.ArgumentParser(prog="fake_servers.py launcher")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--step", type=int, default=0)
+    p.add_argument("--api_key", default=None)
+    a = p.parse_args(argv)
+    identity = ServerIdentity.from_env()
+    if a.api_key:
+        identity = ServerIdentity(a.api_key, identity.announce_file)
+    state = {"step": a.step}
+
+    class Handler(BoundedHandler):
+        def _send(self, code: int, obj: Any) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("X-Policy-Step", str(state["step"]))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _allowed(self) -> bool:
+            if identity.check(self.headers):
+                return True
+            self._send(401, {"error": {"message": "a valid bearer token is required", "code": 401}})
+            return False
+
+        def do_GET(self) -> None:
+            if not self._allowed():
+                return
+            if self.path == "/health":
+                self._send(200, {"status": "ok"})
+            elif self.path == "/rlpipe/policy_step":
+                self._send(200, {"step": state["step"], "pid": os.getpid()})
+            elif self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": f"policy@step-{state['step']:08d}"}]})
+            else:
+                self._send(404, {"detail": "Not Found"})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if not self._allowed():
+                return
+            if self.path == "/rlpipe/load_policy":
+                state["step"] = int(body["step"])
+                self._send(200, {"step": state["step"]})
+            elif self.path == "/collective_rpc":
+                self._send(200, {"results": [None]})
+            elif self.path == "/reset_prefix_cache":
+                self._send(200, {})
+            else:
+                self._send(404, {"detail": "Not Found"})
+
+    try:
+        sock = bind_listener(a.host, a.port)
+    except OSError as e:
+        print(f"OSError: {e}", file=sys.stderr, flush=True)  # e.g. [Errno 98] Address already in use
+        return 1
+    server = BoundedHTTPServer.from_socket(sock, Handler, max_connections=16, read_timeout_s=30.0)
+    identity.announce(sock)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["launcher"]:
+        raise SystemExit("usage: python tests/fake_servers.py launcher [--host H] [--port P] [--step S]")
+    raise SystemExit(launcher(sys.argv[2:]))

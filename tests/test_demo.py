@@ -57,3 +57,29 @@ def test_demo_twin_learns(tmp_path: Path) -> None:
     assert set(hits) == {0, STEPS}, hits
     assert hits[STEPS] >= 3 and hits[0] < 7, hits
     assert (run_root / "report" / "index.html").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_a_demo_that_did_not_learn_exits_with_the_learning_check_code(tmp_path: Path) -> None:
+    """A demo of one learner step cannot pass its reward check: the first and the last policies whose rollouts it
+    compares are the same ones (policy 0's, the only rollouts one step needs), so the end reward equals the start
+    reward. The job itself succeeds; the demo prints
+    its FAIL line and ends with one `error: learning check failed: …` line naming the failed check, exit 11
+    (`Exit.LEARNING_CHECK`; 1 would mean a bug). The test job's config, one worker, no evaluator: the cheapest
+    whole demo (about 20 s of CPU on the 2-core VM)."""
+    from pipeline.process.exits import LABELS, Exit
+
+    run_root = tmp_path / "demo"
+    args = ["--config_path", "configs/test_cats.yaml", "--run_root", str(run_root), "--train.num_train_steps", "1",
+            "--evaluator", "false", "--num_rollout_workers", "1"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "steps.demo", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == Exit.LEARNING_CHECK, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = re.search(r"start \(policies \[([\d, ]+)\]\): ([\d.]+)\s+end \(policies \[([\d, ]+)\]\): ([\d.]+)", proc.stdout)
+    assert m and m.group(1) == m.group(3) and m.group(2) == m.group(4), proc.stdout[-3000:]  # the same policies
+    assert f"FAIL: end reward {m.group(4)} >= 3 x start reward {m.group(2)}" in proc.stdout, proc.stdout[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {LABELS[Exit.LEARNING_CHECK]}: "), errors
+    assert f"end reward {m.group(4)} < 3 x start reward {m.group(2)}" in errors[0], errors
+    assert (run_root / "report" / "index.html").exists()  # the demo went through to its report

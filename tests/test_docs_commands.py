@@ -79,7 +79,7 @@ def documented_commands() -> list[Command]:
                 stripped = line.strip()
                 if not stripped or stripped.startswith("#"):
                     continue
-                if re.match(r"(make |python -m (steps|pipeline)\.)", stripped):
+                if re.match(r"(make |python -m (steps|pipeline)\.|rlpipe )", stripped):
                     out.append(Command(str(page.relative_to(REPO)), tuple(setup), stripped))
                 elif stripped.startswith(("source ", "export ")) or ASSIGNMENT.match(stripped):
                     setup.append(stripped)
@@ -89,13 +89,14 @@ def documented_commands() -> list[Command]:
 COMMANDS = documented_commands()
 PYTHON_COMMANDS = [c for c in COMMANDS if c.line.startswith("python -m ")]
 MAKE_COMMANDS = [c for c in COMMANDS if c.line.startswith("make ")]
+RLPIPE_COMMANDS = [c for c in COMMANDS if c.line.startswith("rlpipe ")]
 
 
 def test_the_docs_have_commands_of_both_kinds() -> None:
     assert len(PYTHON_COMMANDS) >= 6 and len(MAKE_COMMANDS) >= 3, [str(c) for c in COMMANDS]
 
 
-@pytest.mark.parametrize("command", PYTHON_COMMANDS, ids=str)
+@pytest.mark.parametrize("command", PYTHON_COMMANDS + RLPIPE_COMMANDS, ids=str)
 def test_a_python_command_first_activates_the_environment(command: Command) -> None:
     assert any(s.split("#")[0].strip() == ACTIVATE for s in command.setup), (
         f"{command}: the block does not start with `{ACTIVATE}` (README: commands outside make)"
@@ -163,6 +164,21 @@ def test_a_python_command_names_a_module_and_its_flags_parse(command: Command, m
     assert importlib.util.find_spec(module) is not None, f"{command}: no module {module}"
     monkeypatch.chdir(REPO)
     assert parse_only(module, words[3:], monkeypatch) is not None
+
+
+@pytest.mark.parametrize("command", RLPIPE_COMMANDS, ids=str)
+def test_an_rlpipe_command_names_a_command_and_its_flags_parse(
+    command: Command, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rlpipe COMMAND ARGS` runs `python -m <module> <argv>` (steps/rlpipe.py): the same check as a python line."""
+    from steps.rlpipe import COMMANDS as RLPIPE
+    from steps.rlpipe import resolve
+
+    words = command.words
+    assert words[1] in RLPIPE, f"{command}: no rlpipe command {words[1]!r}"
+    module, argv = resolve(words[1], words[2:])
+    monkeypatch.chdir(REPO)
+    assert parse_only(module, argv, monkeypatch) is not None
 
 
 # ---------------------------------------------------------------------------------------------

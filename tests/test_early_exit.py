@@ -1,5 +1,6 @@
 """Scheduled steps on a finished run end before importing JAX (`steps.early`): `python -m steps.learn` and
-`python -m steps.rollout`, started on a run whose learner finished, exit 0 with their usual line and import
+`python -m steps.rollout`, and the scheduled-jobs guide's `steps.run step learn|rollout` lines (through `make learn`
+and `rlpipe rollout`), started on a run whose learner finished, exit 0 with their usual line and import
 neither JAX nor levanter; a raised `train.num_train_steps`, a run still training, a damaged final policy marker
 (left to the worker's full path, which quarantines it) and `control/STOP` are told apart (the checks themselves,
 in-process)."""
@@ -70,6 +71,28 @@ def test_learner_and_rollout_worker_on_a_finished_run_end_without_jax(default_jo
     assert f"learner finished (policy {NUM_STEPS} published)" in rollout.stderr
     assert not {"jax", "levanter", "haliax"} & imported(rollout.stderr), sorted(imported(rollout.stderr))
     assert sorted(p.name for p in (root / "policies").iterdir()) == before  # nothing written
+
+
+@pytest.mark.slow
+def test_the_scheduled_lines_of_a_finished_run_end_without_jax(default_job: FinishedJob, tmp_path: Path) -> None:
+    """The scheduled-jobs guide's learner and rollout lines (`steps.run step …`, which `make learn` and `rlpipe
+    rollout` run) on a finished run, as a user types them and without a config (it comes from run.json): exit 0 with
+    the step's closing line, and neither imports JAX, levanter or haliax (`PYTHONPROFILEIMPORTTIME=1`: one stderr
+    line per module imported)."""
+    root = tmp_path / "run"
+    shutil.copytree(default_job.root, root, ignore=shutil.ignore_patterns("leases", "logs"))
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    runs = {
+        "make learn": ["make", "--no-print-directory", "-o", "setup", "learn", f"RUN={root}"],
+        "rlpipe rollout": [str(Path(sys.executable).parent / "rlpipe"), "rollout", "--run_root", str(root)],
+    }
+    closing = {"make learn": f"already trained {NUM_STEPS} steps; nothing to do",
+               "rlpipe rollout": f"learner finished (policy {NUM_STEPS} published)"}  # fmt: skip
+    for name, command in runs.items():
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+        assert closing[name] in proc.stderr and f"job config: {root}/run.json" in proc.stderr, proc.stderr[-3000:]
+        assert not {"jax", "levanter", "haliax"} & imported(proc.stderr), (name, sorted(imported(proc.stderr)))
 
 
 @pytest.mark.slow

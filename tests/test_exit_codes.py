@@ -16,8 +16,6 @@ import errno
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import draccus
@@ -26,7 +24,15 @@ import pytest
 from pipeline.config import ConfigError, RLJobConfig
 from pipeline.jobs.job import RLJob
 from pipeline.jobs.step_logs import read_reason, reason_path
-from pipeline.process.exits import LABELS, DamagedInputError, Exit, NoProgressError, StorageFaultError
+from pipeline.process.exits import (
+    LABELS,
+    DamagedInputError,
+    Exit,
+    LearningCheckError,
+    NoProgressError,
+    ReplayMismatchError,
+    StorageFaultError,
+)
 from pipeline.process.step_kind import StepKind
 from pipeline.store.committed import StorageUnavailableError
 from pipeline.store.faults import FAULT_INJECTION_ENV
@@ -58,6 +64,8 @@ CASES = [
     (DamagedInputError("batches/data/step-1-x.parquet", "sha256 differs from its log entry"), Exit.DAMAGED_INPUT),
     (StorageFaultError("/r/policies/step-1/x", "No space left on device (ENOSPC)"), Exit.STORAGE_FAULT),
     (NoProgressError("lesson 'cats': nothing generated"), Exit.NO_PROGRESS),
+    (ReplayMismatchError("policy 6 differs in 3 tensors; first .w: max abs difference 1e-3"), Exit.REPLAY_MISMATCH),
+    (LearningCheckError("end reward 0.086 < 3 x start reward 0.086"), Exit.LEARNING_CHECK),
     (LeaseHeldError("maker-A", 12.0, "batchmaker", 3), Exit.LEASE_HELD),
     (LeaseLostError("lease 'batchmaker' epoch 3 lost"), Exit.LEASE_LOST),
     (WaitTimeout("waited 3.0s (> train.max_batch_latency_s=3) for x"), Exit.TIMEOUT),
@@ -80,6 +88,20 @@ def test_every_expected_failure_is_one_line_and_its_code(
     assert "Traceback" not in err[0]
     if isinstance(error, OSError) and error.filename:
         assert str(error.filename) in err[0]  # names the path
+
+
+def test_the_documented_table_is_the_table() -> None:
+    """docs/reference/exit-codes.md lists every code of `Exit` with its label (`LABELS`; code 0 has none), one row
+    each, and no other: a code added to one and not the other fails here, and so does a reused code (1 for a
+    check that failed: it means a bug)."""
+    import re
+
+    text = (ROOT / "docs/reference/exit-codes.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+?) \|", text, re.M)
+    documented = [(int(code), label.strip()) for code, label in rows]
+    assert len({code for code, _ in documented}) == len(documented), documented
+    assert dict(documented) == {int(c): LABELS.get(c, "—") for c in Exit}, documented
+    assert len(set(LABELS.values())) == len(LABELS)  # one meaning per code
 
 
 def test_a_bug_is_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,26 +160,6 @@ def _step_config_yaml(tmp_path: Path, root: Path, step: StepKind) -> Path:
 
 def _job_step(root: Path, name: str, *flags: str) -> list[str]:
     return ["steps.run", "step", name, "--config_path", str(TEST_CONFIG), "--run_root", str(root), *flags]
-
-
-@pytest.fixture
-def held_lease(tmp_path: Path) -> Iterator[Path]:
-    """A run root whose BatchMaker lease a live holder (this process) keeps renewing."""
-    root = tmp_path / "run"
-    lease = Lease(RunStore(str(root)), StepKind.BATCHMAKER, "maker-A", ttl_s=6.0)
-    lease.acquire()
-    stop = threading.Event()
-
-    def renew() -> None:
-        while not stop.wait(0.3):
-            lease.renew()
-
-    thread = threading.Thread(target=renew, daemon=True)
-    thread.start()
-    yield root
-    stop.set()
-    thread.join()
-    lease.release()
 
 
 def test_a_held_lease_is_the_same_code_and_line_through_every_entry_point(tmp_path: Path, held_lease: Path) -> None:
@@ -254,3 +256,20 @@ def test_a_learner_whose_batch_never_comes_is_exit_4_through_every_entry_point(t
         line = _error_line(proc)
         assert line.startswith("error: timed out: waited ") and "cadence.batch_wait_timeout_s=1" in line
         assert line.endswith(f"{root}/batches/log/step-00000001.json")
+
+
+@pytest.mark.parametrize("case", ["not a run", "unknown flag"])
+def test_the_report_refuses_in_one_line_with_exit_2(tmp_path: Path, case: str) -> None:
+    """`python -m pipeline.report` on a folder that holds no run, or with an unknown flag (argparse's error): one
+    line `error: invalid config: …` naming the cause, exit 2, no traceback, nothing written (a run root that does
+    not exist: tests/test_run_safety.py)."""
+    root = tmp_path / "not-a-run"
+    root.mkdir()
+    args = [str(root)] if case == "not a run" else [str(root), "--outt", "x"]
+    proc = _run(["pipeline.report", *args])
+    assert proc.returncode == Exit.CONFIG, proc.stderr[-3000:]
+    line = _error_line(proc)
+    assert line.startswith(f"error: {LABELS[Exit.CONFIG]}: "), line
+    assert (str(root) if case == "not a run" else "--outt") in line, line
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert list(root.iterdir()) == []

@@ -16,14 +16,16 @@ from pipeline.store.storage import RunStore
 STEP_NAMES = ("learner", "batches", "rollout-worker0", "rollout-worker1", "evaluate")
 
 
-def check_step_logs(store: RunStore, output: str, num_steps: int) -> None:
-    """Every step's output is under the run root as logs/<step>/<attempt>.log, at the location the runner printed
-    when it started the step; the learner's log holds its last step."""
+def check_step_logs(store: RunStore, output: str, num_steps: int, restarted: dict[str, int] | None = None) -> None:
+    """Every step's output is under the run root as logs/<step>/<attempt>.log (one per start: a step restarted
+    n times, `restarted[step]`, has n + 1), at the location the runner printed when it started the step; the
+    learner's log holds its last step."""
     for name in STEP_NAMES:
         logs = store.list(f"{layout.LOGS}/{name}")
-        assert len(logs) == 1, (name, logs)
-        location = store.full_path(logs[0]) if store.is_local else f"{store.protocol}://{store.full_path(logs[0])}"
-        assert f"log: {location}" in output, location
+        assert len(logs) == 1 + (restarted or {}).get(name, 0), (name, logs)
+        for log in logs:
+            location = store.full_path(log) if store.is_local else f"{store.protocol}://{store.full_path(log)}"
+            assert f"log: {location}" in output, location
     assert f"trained slot {num_steps} " in store.get(store.list(f"{layout.LOGS}/learner")[0]).decode()
 
 

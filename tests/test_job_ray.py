@@ -1,23 +1,59 @@
-"""The Ray backend runs the same step programs as Ray tasks on a local Ray cluster started by the test."""
+"""The Ray backend runs the same step programs as Ray tasks on a local Ray cluster started by the test, and
+restarts a step whose program was killed with SIGKILL."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
-from jobs import check_finished_run, job_config, run_job
+from jobs import ROOT, check_finished_run, job_config, run_job, step_module
 from test_job_e2e import check_step_logs
 
 from pipeline.process.exits import Exit
+from pipeline.store import layout
 from pipeline.store.storage import RunStore
+
+
+def _descendant(job: subprocess.Popen[str], module: str, step: str | None = None) -> psutil.Process | None:
+    """The process of the job's step program running `module` (the runner's descendant: under the Ray backend a
+    child of a Ray worker of the local cluster the runner started), of step `step` (its `RLPIPE_STEP`) when given."""
+    for p in psutil.Process(job.pid).children(recursive=True):
+        try:
+            if step_module(p.cmdline()) == module and (step is None or p.environ().get("RLPIPE_STEP") == step):
+                return p
+        except psutil.Error:
+            pass
+    return None
+
+
+def _until(cond: Callable[[], Any], what: str, job: subprocess.Popen[str], timeout_s: float = 300) -> Any:
+    """Poll `cond` until it is truthy (its value), failing if the job ends or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := cond()):
+        assert job.poll() is None, f"the job ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.1)
+    return value
 
 
 @pytest.mark.slow
 def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole job as Ray tasks, its run root on gs:// (the GCS emulator): every step task reads and writes the
     bucket through the job's storage options, step logs included, and nothing is written locally. Its output,
-    piped here (not a terminal), carries no ANSI colour codes."""
+    piped here (not a terminal), carries no ANSI colour codes.
+
+    A step killed with SIGKILL is restarted: once rollout-worker0 has committed a rollout file, its program is
+    SIGKILLed; the runner restarts it (a new program, a second log) and the job completes with the run's
+    exactly-once invariants (`check_finished_run`). The learner is held (SIGSTOP) from the commit of policy 0
+    until the restarted program runs, so the job cannot reach its end before the kill and the restart."""
     monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)  # the launcher's own default, not this environment's
     run_root = f"gs://{gcs_endpoint.bucket}/ray-{os.getpid()}"
     cfg = job_config(
@@ -26,18 +62,59 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypat
         gcs_endpoint.storage_options,
         **{"backend.type": "ray", "train.num_train_steps": "3", "curriculum.eval_frequency": "3"},
     )
-    proc = run_job(cfg)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     store = RunStore(run_root, gcs_endpoint.storage_options)
+    victim = "rollout-worker0"
+    out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    held: psutil.Process | None = None
+    with out_path.open("w") as out, err_path.open("w") as err:
+        job = subprocess.Popen([sys.executable, "-m", "steps.run", "--config_path", str(cfg)], cwd=ROOT,
+                               stdout=out, stderr=err, text=True)  # fmt: skip
+        try:
+            learner = _until(lambda: store.exists(layout.policy_marker(0)) and _descendant(job, "steps.learn"),
+                             "learner holding policy 0", job)  # fmt: skip
+            learner.send_signal(signal.SIGSTOP)
+            held = learner
+            assert not store.exists(layout.LEARNER_DONE), "the job ended before the learner was held"
+
+            def committed() -> list[str]:
+                return [f for f in store.list(layout.rollout_step_dir(0))
+                        if f.endswith(layout.READY_SUFFIX) and f.rsplit("/", 1)[-1].startswith("worker0.")]  # fmt: skip
+
+            _until(committed, f"rollout file committed by {victim}", job)
+            worker = _until(lambda: _descendant(job, "steps.rollout", victim), f"{victim}'s program", job)
+            worker.send_signal(signal.SIGKILL)
+            _until(lambda: (p := _descendant(job, "steps.rollout", victim)) is not None and p.pid != worker.pid,
+                   f"restarted program of {victim}", job)  # fmt: skip
+            learner.send_signal(signal.SIGCONT)
+            held = None
+            job.wait(timeout=600)
+        finally:
+            if held is not None:
+                try:
+                    held.send_signal(signal.SIGCONT)
+                except psutil.Error:
+                    pass  # gone: the failure being raised says why
+            if job.poll() is None:  # a failure above: the runner stops its steps and its Ray cluster on SIGTERM
+                job.terminate()
+                try:
+                    job.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    job.kill()
+                    job.wait()
+    stdout, stderr = out_path.read_text(), err_path.read_text()
+    assert job.returncode == 0, stdout[-3000:] + stderr[-3000:]
     check_finished_run(store, num_steps=3, max_lag=1)
-    check_step_logs(store, proc.stderr, 3)
+    check_step_logs(store, stderr, 3, restarted={victim: 1})
     assert not (tmp_path / "run").exists()
+    # the kill is the one failure of the job, restarted once: the runner's record of it
+    exits = [ln for ln in (stdout + stderr).splitlines() if "exited with" in ln]
+    assert len(exits) == 1 and f"{victim} exited with -{int(signal.SIGKILL)} " in exits[0], exits
+    assert "restart 1/" in exits[0], exits
     # the step output also reaches the driver (Ray's log_to_driver), and stopping the producers at the end is
     # a clean stop, not a failure
-    assert "[learner] " in proc.stdout and "trained slot 3 " in proc.stdout, proc.stdout[-3000:]
-    output = proc.stdout + proc.stderr
+    assert "[learner] " in stdout and "trained slot 3 " in stdout, stdout[-3000:]
+    output = stdout + stderr
     assert "TaskCancelledError" not in output and "Traceback" not in output, output[-3000:]
-    assert "exited with" not in output, [ln for ln in output.splitlines() if "exited with" in ln]
     assert "\x1b[" not in output, [ln for ln in output.splitlines() if "\x1b[" in ln][:5]
     for log in store.list("logs/learner") + store.list("logs/batches"):
         assert b"\x1b[" not in store.get(log), log

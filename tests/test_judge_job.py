@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import yaml
 from jobs import ROOT, TEST_CONFIG, check_finished_run
 
 from pipeline.environments.cats import CatsEnv
+from pipeline.process.ports import reserve_port
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.metrics import read_metrics
@@ -36,15 +36,11 @@ PATTERN = "(?i)cat"
 STEPS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_judge(run_root: str, port: int, log: Path, step: int | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "steps.serve", "--run_root", run_root, "--port", str(port), "--max_seqs", "16",
-           *(["--policy_step", str(step)] if step is not None else [])]  # fmt: skip
+    # the port is reserved by this test (reserve_port) for the judge's whole life, restarts included: the judge
+    # binds it with SO_REUSEPORT, nobody else can take it (the job's config names it before the judge can start)
+    cmd = [sys.executable, "-m", "steps.serve", "--run_root", run_root, "--port", str(port), "--reuse_port",
+           "--max_seqs", "16", *(["--policy_step", str(step)] if step is not None else [])]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
@@ -76,7 +72,8 @@ def _judge_failures_logged(run_root: str) -> bool:
 @pytest.mark.slow
 def test_judged_lesson_with_a_served_policy_as_judge_survives_the_judge_dying(tmp_path: Path) -> None:
     run_root = str(tmp_path / "run")
-    port = _free_port()
+    reserved = reserve_port()
+    port = reserved.port
     cfg = yaml.safe_load(TEST_CONFIG.read_text())
     cfg["store"]["run_root"] = run_root
     cfg["train"]["num_train_steps"] = STEPS
@@ -143,6 +140,7 @@ def test_judged_lesson_with_a_served_policy_as_judge_survives_the_judge_dying(tm
                 judge_proc.wait(10)
             except subprocess.TimeoutExpired:
                 os.kill(judge_proc.pid, signal.SIGKILL)
+        reserved.close()
 
 
 def _healthy(client: httpx.Client, port: int) -> bool:

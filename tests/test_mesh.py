@@ -13,7 +13,6 @@ the same mesh: bitwise equal; the same microbatches averaged per microbatch (the
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from jobs import TEST_XLA_FLAGS, job_config, run_job, simulated_devices
 from makefile import make_env, recipe_command
 
 from pipeline.config import ConfigError, LearnerStepConfig, MeshConfig, ModelSpec, TrainParams, validate_learner
+from pipeline.process.ports import reserve_port
 
 SCRIPT = Path(__file__).with_name("mesh_run_steps.py")
 ROOT = SCRIPT.parent.parent
@@ -93,12 +93,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ]
     for p in procs:
         _finish(p)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [_start(d, 2, "two_proc:1:-1:1:0", distributed=(f"127.0.0.1:{port}", 2, i)) for i in range(2)]
-    for p in procs:
-        _finish(p)
+    with reserve_port() as port:  # held until both processes ended: nobody else can bind it meanwhile
+        procs = [_start(d, 2, "two_proc:1:-1:1:0", distributed=(port.address, 2, i)) for i in range(2)]
+        for p in procs:
+            _finish(p)
     return {name: d / f"{name}.npz" for name in names}
 
 

@@ -19,6 +19,8 @@ import pytest
 from mesh_run_steps import VOCAB, B, S, synthetic_rows
 
 jax = pytest.importorskip("jax")
+import dataclasses  # noqa: E402
+
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -54,14 +56,14 @@ CONFIGS: dict[str, LossConfig] = {
     ),
 }
 MTOL = 1e-6
+SPEC = ModelSpec(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=S)
 
 
 @pytest.fixture(scope="module")
 def models() -> tuple[object, object, Batch]:
     """(policy, reference, batch): two different tiny models, so the KL term is not zero, and a 32-row slot."""
-    spec = ModelSpec(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2, num_kv_heads=1, max_seq_len=S)
-    policy = M.build_model(spec, VOCAB, jax.random.PRNGKey(0))
-    reference = M.build_model(spec, VOCAB, jax.random.PRNGKey(1))
+    policy = M.build_model(SPEC, VOCAB, jax.random.PRNGKey(0))
+    reference = M.build_model(SPEC, VOCAB, jax.random.PRNGKey(1))
     rows = synthetic_rows(1)
     rng = np.random.default_rng(7)
     rows["truncated"] = (rng.random((B, S)) < 0.3) & (rows["segment_ids"] >= 0)
@@ -69,24 +71,34 @@ def models() -> tuple[object, object, Batch]:
 
 
 _RESULTS: dict[tuple[LossConfig, int], tuple[float, list[np.ndarray], dict]] = {}
-"""(config, n) -> its result on the module's models: each program compiled once in the module (the naive-mean
-test compares against the `rloo` slot the parametrized test computed)."""
+"""(config, n) -> its result on the module's models: each computed once in the module (the naive-mean test compares
+against the `rloo` slot the parametrized test computed)."""
+
+_GRAD_FNS: dict[LossConfig, tuple[object, object]] = {}
+"""config -> (loss module, its jitted loss-and-gradient function): one program per config and batch shape (the
+32-row slot, the 8-row microbatch), shared by every test of the module."""
+
+
+def _grad_fn(cfg: LossConfig) -> tuple[object, object]:
+    """(module, jitted (model, reference, batch) -> ((loss, metrics), grads)) of `cfg`, as the learner builds it."""
+    if cfg not in _GRAD_FNS:
+        module = loss_module_from_config(cfg)
+        grad_fn = eqx.filter_value_and_grad(module.create_loss_fn(None, L.make_logprob_fn("float32")), has_aux=True)
+        _GRAD_FNS[cfg] = (module, eqx.filter_jit(grad_fn))
+    return _GRAD_FNS[cfg]
 
 
 def _loss_and_grads(cfg: LossConfig, models: tuple, n: int) -> tuple[float, list[np.ndarray], dict]:
-    """(loss, gradient leaves, metrics) of the slot in `n` microbatches through `sharding.accumulate`, jitted."""
+    """(loss, gradient leaves, metrics) of the slot in `n` microbatches through `sharding.accumulate`, each
+    microbatch's loss and gradient by the config's jitted program (`sharding.accumulate` itself, the weighting and
+    the metrics' combination, runs op by op; `test_accumulation_jitted_whole_is_the_same` checks it jitted whole,
+    as the learner's step runs it)."""
     if (cfg, n) not in _RESULTS:
-        _RESULTS[cfg, n] = _compute_loss_and_grads(cfg, models, n)
+        policy, reference, batch = models
+        module, grad_fn = _grad_fn(cfg)
+        loss, grads, metrics = sharding.accumulate(grad_fn, module, policy, reference, batch, n)
+        _RESULTS[cfg, n] = float(loss), M.numpy_params(grads), metrics
     return _RESULTS[cfg, n]
-
-
-def _compute_loss_and_grads(cfg: LossConfig, models: tuple, n: int) -> tuple[float, list[np.ndarray], dict]:
-    policy, reference, batch = models
-    module = loss_module_from_config(cfg)
-    grad_fn = eqx.filter_value_and_grad(module.create_loss_fn(None, L.make_logprob_fn("float32")), has_aux=True)
-    fn = eqx.filter_jit(lambda m, r, b: sharding.accumulate(grad_fn, module, m, r, b, n))
-    loss, grads, metrics = fn(policy, reference, batch)
-    return float(loss), M.numpy_params(grads), metrics
 
 
 def _rel(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -113,15 +125,32 @@ def test_four_microbatches_of_eight_equal_one_batch_of_32(name: str, models: tup
         assert 0.0 < float(m1["mis_masked_fraction"]) < 1.0, "the bounds must reject part of the batch"
 
 
+def test_accumulation_jitted_whole_is_the_same(models: tuple) -> None:
+    """`sharding.accumulate` traced into one program with its 4 microbatches' loss-and-gradient (as the learner's
+    step runs it) gives the loss, gradient and metrics of the op-by-op accumulation the test above compares."""
+    cfg = CONFIGS["rloo"]
+    module = loss_module_from_config(cfg)
+    grad_fn = eqx.filter_value_and_grad(module.create_loss_fn(None, L.make_logprob_fn("float32")), has_aux=True)
+    fn = eqx.filter_jit(lambda m, r, b: sharding.accumulate(grad_fn, module, m, r, b, 4))
+    loss, grads, metrics = fn(*models)
+    loss4, g4, m4 = _loss_and_grads(cfg, models, 4)
+    assert abs(float(loss) - loss4) <= RTOL * abs(loss4), (float(loss), loss4)
+    rel = _rel(g4, M.numpy_params(grads))
+    assert rel <= RTOL, f"relative gradient difference jitted whole {rel:.3g}"
+    assert set(metrics) == set(m4)
+    for key in sorted(m4):
+        a, b = float(m4[key]), float(metrics[key])
+        assert abs(a - b) <= RTOL * abs(a) + MTOL, f"metric {key}: op by op {a} vs jitted whole {b}"
+
+
 def test_per_microbatch_means_would_fail_the_tolerance(models: tuple) -> None:
     """The naive accumulation (each microbatch's own mean, averaged over microbatches) is far off: the test above
     separates the right normalisation from it."""
     cfg = CONFIGS["rloo"]
     policy, reference, batch = models
-    module = loss_module_from_config(cfg)
-    loss_fn = module.create_loss_fn(None, L.make_logprob_fn("float32"))
+    _, grad_fn = _grad_fn(cfg)  # its loss is the loss function's: the microbatch program the test above compiled
     pieces = [sharding.microbatch(batch, i, 4) for i in range(4)]
-    naive = sum(float(loss_fn(policy, reference, p)[0]) for p in pieces) / 4
+    naive = sum(float(grad_fn(policy, reference, p)[0][0]) for p in pieces) / 4
     whole, _, _ = _loss_and_grads(cfg, models, 1)
     print(f"naive per-microbatch means: loss rel {abs(naive - whole) / abs(whole):.2e}")
     assert abs(naive - whole) > 100 * RTOL * abs(whole), (naive, whole)
@@ -139,9 +168,58 @@ def test_token_mean_metrics_are_weighted_by_tokens_not_by_the_loss_shares() -> N
     whole = batch_of([[0.0] * 3, [0.0]], [[1.0] * 3, [-1.0]])
     entropy = jnp.asarray(np.array([[1.0] * 8, [0.0] * 8], np.float32))
     logp = jnp.full(whole.loss_mask.shape, -1.0, jnp.float32)
-    _, slot = module.objective(logp, whole, None, entropy)
-    pieces = [module.objective(logp[i::2], sharding.microbatch(whole, i, 2), None, entropy[i::2])[1] for i in range(2)]
+    objective = jax.jit(lambda lp, b, e: module.objective(lp, b, None, e))  # one program per shape, not op by op
+    _, slot = objective(logp, whole, entropy)
+    pieces = [objective(logp[i::2], sharding.microbatch(whole, i, 2), entropy[i::2])[1] for i in range(2)]
     combined = combine_microbatch_metrics(module, pieces)
     assert float(slot["entropy"]) == pytest.approx(0.75)
     assert float(combined["entropy"]) == pytest.approx(0.75)
     assert float(combined["loss"]) == pytest.approx(float(slot["loss"]))
+
+
+def _primitives(jaxpr: object) -> set[str]:
+    """The names of every primitive of a (closed) jaxpr, sub-jaxprs (scan bodies, custom rules) included."""
+    from jax.extend.core import jaxprs_in_params
+
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    names: set[str] = set()
+    for eqn in inner.eqns:  # type: ignore[attr-defined]
+        names.add(eqn.primitive.name)
+        for sub in jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def test_gradient_checkpointing_rematerialises_and_gives_the_same_loss_and_gradient(models: tuple) -> None:
+    """`model.gradient_checkpointing: true`: the learner's model (the spec's levanter config, here through
+    `model_template`, the structure checkpoints and policies are read into; `build_model` uses the same config)
+    recomputes each block's activations in the backward pass: its loss-and-gradient program holds a remat
+    (`jax.checkpoint`) the program without it does not, and the loss and gradient of the slot are the same
+    (relative 1e-6; measured bitwise equal on CPU). A flag that did not reach levanter fails the first check."""
+    cfg = CONFIGS["rloo"]
+    policy, reference, batch = models
+    remat_spec = dataclasses.replace(SPEC, gradient_checkpointing=True)
+    assert M.levanter_config(remat_spec).gradient_checkpointing and not M.levanter_config(SPEC).gradient_checkpointing
+    structure = jax.tree_util.tree_structure(M.model_template(remat_spec, VOCAB))
+    remat_policy = jax.tree_util.tree_unflatten(structure, jax.tree_util.tree_leaves(policy))  # the same weights
+
+    module = loss_module_from_config(cfg)
+    grad_fn = eqx.filter_value_and_grad(module.create_loss_fn(None, L.make_logprob_fn("float32")), has_aux=True)
+
+    def step(m: object, r: object, b: Batch) -> tuple:
+        return sharding.accumulate(grad_fn, module, m, r, b, 1)
+
+    def remat_ops(m: object) -> set[str]:
+        names = _primitives(eqx.filter_make_jaxpr(step)(m, reference, batch)[0])
+        return {n for n in names if n.startswith("remat") or n == "checkpoint"}
+
+    assert remat_ops(policy) == set(), "the program without gradient checkpointing already rematerialises"
+    assert remat_ops(remat_policy), "model.gradient_checkpointing: true gave a program without remat"
+
+    loss, grads, _ = eqx.filter_jit(step)(remat_policy, reference, batch)
+    loss1, g1, _ = _loss_and_grads(cfg, models, 1)
+    g = M.numpy_params(grads)
+    assert abs(float(loss) - loss1) <= 1e-6 * abs(loss1), (float(loss), loss1)
+    rel = _rel(g1, g)
+    print(f"remat: loss rel {abs(float(loss) - loss1) / abs(loss1):.2e}, grad rel {rel:.2e}")
+    assert rel <= 1e-6, f"relative gradient difference with remat {rel:.3g}"

@@ -80,6 +80,9 @@ def hf_logits(hf: object, tokens: np.ndarray) -> np.ndarray:
 
 
 TOKENS = np.random.default_rng(0).integers(4, VOCAB, (2, SEQ))
+forward_logits = M.eqx.filter_jit(M.forward_logits)
+"""`M.forward_logits` as one program per model structure (a family's initial and trained model share it), not op
+by op."""
 
 
 @pytest.mark.parametrize("family", list(HF_CLASSES))
@@ -87,7 +90,7 @@ def test_family_round_trip(family: str, tmp_path: Path) -> None:
     hf = tiny_hf_model(family, tmp_path / "hf")
     spec = ModelSpec(family=family, hf_checkpoint=str(tmp_path / "hf"), max_seq_len=SEQ)
     model = M.build_model(spec, VOCAB)
-    np.testing.assert_allclose(np.asarray(M.forward_logits(model, TOKENS)), hf_logits(hf, TOKENS), atol=ATOL)
+    np.testing.assert_allclose(np.asarray(forward_logits(model, TOKENS)), hf_logits(hf, TOKENS), atol=ATOL)
 
     # one learner step on a real batch
     config = LearnerStepConfig(
@@ -110,7 +113,7 @@ def test_family_round_trip(family: str, tmp_path: Path) -> None:
     pf.export_hf(trained, str(out), load_tokenizer(spec.tokenizer), family=family)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
     assert type(reloaded).__name__ == HF_CLASSES[family][1]
-    ours = np.asarray(M.forward_logits(trained, TOKENS))
+    ours = np.asarray(forward_logits(trained, TOKENS))
     np.testing.assert_allclose(ours, hf_logits(reloaded, TOKENS), atol=ATOL)
     assert np.abs(ours - hf_logits(hf, TOKENS)).max() > 10 * ATOL  # the export holds the trained weights
 

@@ -174,10 +174,12 @@ def test_loss_fn_scores_tokens_with_the_teacher_model() -> None:
     logprob_fn = make_logprob_fn("float32")
     module = L.loss_module_from_config(RLOOLossConfig(distill=DistillConfig(teacher="x")))
     loss_fn = module.create_loss_fn(None, logprob_fn)
-    _, same = loss_fn(student, frozen_models(None, student), batch)
+    jitted = M.eqx.filter_jit(loss_fn)  # one program for both teachers (the same structure), not op by op
+    _, same = jitted(student, frozen_models(None, student), batch)
     assert float(same["teacher_kl"]) == 0.0 and float(same["opd_advantage_mean"]) == 0.0
-    _, metrics = loss_fn(student, frozen_models(None, other), batch)
-    ls, lt = (np.asarray(logprob_fn(m, batch)[0], np.float64) for m in (student, other))
+    _, metrics = jitted(student, frozen_models(None, other), batch)
+    logprobs = M.eqx.filter_jit(lambda m: logprob_fn(m, batch)[0])  # one program for both models
+    ls, lt = (np.asarray(logprobs(m), np.float64) for m in (student, other))
     assert float(metrics["teacher_kl"]) == pytest.approx(np.sum((ls - lt) * mask) / mask.sum(), abs=1e-5)
     with pytest.raises(ValueError, match="teacher"):
         loss_fn(student, None, batch)

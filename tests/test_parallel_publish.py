@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from pipeline.process.ports import ReservedPort, reserve_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -116,10 +117,10 @@ def _start(root: Path, out: Path, port: int, pid: int, steps: list[str], wait_s:
     return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _port(held: list[ReservedPort]) -> int:
+    """A coordinator port reserved (held in `held`, released with it) for the processes this test starts."""
+    held.append(reserve_port())
+    return held[-1].port
 
 
 def _wait_line(proc: Any, needle: str, timeout: float) -> list[str]:
@@ -159,7 +160,8 @@ def test_two_processes_publish_their_own_shards_and_a_kill_never_exposes_a_half_
 
     # 1. process 1 pauses with its shard files durable and no manifest; SIGKILL it there
     t0 = time.monotonic()
-    port = _port()
+    held: list[ReservedPort] = []
+    port = _port(held)
     p0 = _start(root, out, port, 0, [str(STEP)], 8.0)
     p1 = _start(root, out, port, 1, [str(STEP)], 8.0, **{sharded.PUBLISH_PAUSE_ENV: "1:300"})
     try:
@@ -190,7 +192,7 @@ def test_two_processes_publish_their_own_shards_and_a_kill_never_exposes_a_half_
     before = set(names)
 
     # 2. restart both: policy STEP (float32) and STEP + 1 (bfloat16) committed, each process writing its own blocks
-    port = _port()
+    port = _port(held)
     procs = [_start(root, out, port, i, [str(STEP), f"{STEP + 1}:bfloat16"], 120.0) for i in range(2)]
     results = [_finish(p, 240) for p in procs]
     for rc, text in results:

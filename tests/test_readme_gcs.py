@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from gcs_emulator import _free_port
 from jobs import check_finished_run, job_config
 from makefile import REPO, make_env, recipe_command
 from test_job_e2e import check_step_logs
@@ -125,8 +124,8 @@ class Emulator:
 @pytest.fixture(scope="module")
 def emulator(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[Emulator]:
     monkeypatch_module.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # this process's own RunStores
-    port = _free_port()
-    proc = subprocess.Popen(recipe_command("gcs-emulator", GCS_PORT=str(port)), cwd=REPO, env=make_env(),
+    # GCS_PORT=0: the emulator picks a port (retried when taken) and prints it in its export lines
+    proc = subprocess.Popen(recipe_command("gcs-emulator", GCS_PORT="0"), cwd=REPO, env=make_env(),
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert proc.stdout is not None

@@ -3,6 +3,7 @@ answers, train and eval seeds are disjoint, difficulty levels and mixes, and bad
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,7 +187,7 @@ def test_answer_extraction_conventions(text: str, fmt: str, want: str | None) ->
     ("args", "field"),
     [
         ({"task": "chain_sums"}, "task"),
-        ({"task": "chain_sum", "config": {"bogus": 1}}, "config"),
+        ({"task": "chain_sum", "config": {"bogus": 1}}, "config.bogus"),
         ({"task": "chain_sum", "config": {"min_terms": 5, "max_terms": 2}}, "config"),
         ({"task": "chain_sum", "level": 99}, "level"),
         ({"task": "chain_sum", "levels": {"nope": 1}}, "levels"),
@@ -221,3 +222,43 @@ def test_short_name_and_unknown_task_is_one_line_exit_2(tmp_path: Path) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "curriculum.lessons.cats.env.env_args.task='chain_sums'" in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_assertion_without_a_message_names_the_field_and_its_source_line() -> None:
+    """reasoning-gym's `assert self.max_complexity >= 1` has no message: the refusal still names the config key
+    (the one the assertion's source line mentions) and quotes the line."""
+    with pytest.raises(ConfigError) as e:
+        ReasoningGymEnv.check_args({"task": "number_sequence", "config": {"max_complexity": 0}})
+    assert e.value.field == "config.max_complexity" and e.value.value == 0
+    assert "AssertionError at number_sequences.py:" in str(e.value) and "max_complexity >= 1" in str(e.value)
+    with pytest.raises(ConfigError) as e:  # a line naming two given keys: the keys given are listed
+        ReasoningGymEnv.check_args({"tasks": [{"task": "chain_sum", "config": {"min_terms": 5, "max_terms": 2}}]})
+    assert e.value.field == "tasks[0].config" and "config keys given: ['max_terms', 'min_terms']" in str(e.value)
+
+
+def test_a_lesson_whose_reference_answers_cannot_be_produced_is_refused_at_start(tmp_path: Path) -> None:
+    """On the examples the prompt check draws, each reference answer is rendered in the lesson's format
+    (`<answer>N</answer>` under `strict_format`) and must fit `max_tokens` and score full reward: answers longer than
+    `max_tokens` refuse the lesson naming the max_tokens field, a format that extracts nothing from the answer (a
+    word answer read as `last_number`) names the lesson's env_args; a lesson that can be answered passes."""
+    from pipeline.config import CurriculumConfig, LessonConfig, ModelSpec, RolloutStepConfig, SamplingParams
+    from pipeline.environments.start_checks import check_lessons
+
+    def worker(env_args: dict, max_tokens: int) -> RolloutStepConfig:
+        lesson = LessonConfig("rg", env=EnvConfig("reasoning_gym", {"n_eval": 4, **env_args}))
+        cur = CurriculumConfig(lessons={"rg": lesson}, default_sampling=SamplingParams(max_tokens=max_tokens))
+        return RolloutStepConfig(model=ModelSpec(max_seq_len=256), curriculum=cur)
+
+    tok = build_tiny_tokenizer()
+    sums = {"task": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}}
+    strict = {**sums, "strict_format": True}
+    check_lessons(worker(strict, 12), tok)  # `<answer>`, a sign and 1-3 digits, `</answer>`: 8 to 11 tokens
+    with pytest.raises(ConfigError) as e:
+        check_lessons(worker(strict, 7), tok)
+    assert e.value.field == "curriculum.default_sampling.max_tokens" and e.value.value == 7
+    assert "lesson 'rg': none of the 16 reference answers drawn can be produced" in str(e.value)
+    assert re.search(r"the reference answer '<answer>-?\d+</answer>' has \d+ tokens > max_tokens=7", str(e.value))
+    with pytest.raises(ConfigError) as e:
+        check_lessons(worker({"task": "spell_backward", "answer_format": "last_number"}, 32), tok)
+    assert e.value.field == "curriculum.lessons.rg.env.env_args"
+    assert "extracts no answer and scores 0 under the lesson's own scorer" in str(e.value)

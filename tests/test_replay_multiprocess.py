@@ -1,14 +1,14 @@
 """Replay of a job whose learner ran as two processes (`learner.num_processes: 2`, 2 simulated CPU devices each,
 `jax.distributed` over gloo): `make replay` starts the recorded two processes itself and gives the committed
 policy bit for bit; a batch slot whose contents were changed (and its log entry re-signed, so that it verifies)
-makes replay exit 1 naming each differing tensor and its first differing element.
+makes replay exit 10 (`Exit.REPLAY_MISMATCH`) naming each differing tensor and its first differing element, and
+the first one in its one `error: replay mismatch: …` line.
 
 One job (3 slots, a checkpoint at every slot) serves both tests; each replays slot 3 from checkpoint 2.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -16,14 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
-from jobs import ROOT, TEST_XLA_FLAGS, job_config, run_job, simulated_devices
+from jobs import ROOT, TEST_XLA_FLAGS, job_config, run_job, simulated_devices, tamper_batch
 from makefile import make_env, recipe_command
 
+from pipeline.process.exits import LABELS, Exit
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
-from schemas import BATCH
 
 pytest.importorskip("jax")
 
@@ -73,29 +72,11 @@ def test_make_replay_of_a_two_process_run_is_bitwise(two_process_run: Path, tmp_
     assert proc.stderr.count("learner mesh: data=1 fsdp=4 model=1 over 4 devices") == 2
 
 
-def _tamper(store: RunStore, slot: int) -> int:
-    """Change slot `slot`'s batch: +0.5 on the advantages of the loss tokens of one row that the learner's process
-    1 reads (the second half); the log entry gets the new size and digest, so the file verifies. Returns the row."""
-    entry_path = layout.batch_log_entry(slot)
-    entry = json.loads(store.get(entry_path))
-    table = store.read_parquet(entry["data_file"], BATCH)
-    rows = table.to_pylist()
-    row = next(r for r in range(len(rows) - 1, len(rows) // 2 - 1, -1) if any(rows[r]["loss_mask"]))
-    rows[row]["advantages"] = [
-        a + 0.5 if m else a for a, m in zip(rows[row]["advantages"], rows[row]["loss_mask"], strict=True)
-    ]
-    data = store.parquet_bytes(pa.Table.from_pylist(rows, schema=table.schema), BATCH, entry["data_file"])
-    Path(store.full_path(entry["data_file"])).write_bytes(data)
-    entry.update(data_size=len(data), data_sha256=hashlib.sha256(data).hexdigest())
-    Path(store.full_path(entry_path)).write_text(json.dumps(entry))
-    return row
-
-
 @pytest.mark.slow
 def test_replay_of_a_tampered_batch_names_tensor_and_element(two_process_run: Path, tmp_path: Path) -> None:
     run_root = tmp_path / "run"
     shutil.copytree(two_process_run, run_root)
-    _tamper(RunStore(str(run_root)), 3)
+    tamper_batch(RunStore(str(run_root)), 3)
     cmd = [
         sys.executable,
         "-m",
@@ -108,12 +89,17 @@ def test_replay_of_a_tampered_batch_names_tensor_and_element(two_process_run: Pa
         "3",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_replay_env(), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == Exit.REPLAY_MISMATCH, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "NOT equal to the run's committed policy 3" in proc.stdout
     lines = re.findall(r"^  (\.\S.*?): max abs difference (\S+); first at \[(\d+(?:, \d+)*)\]", proc.stdout, re.M)
     assert lines, proc.stdout[-2000:]
     assert all(float(diff) > 0 for _, diff, _ in lines)
     assert "replay process" not in proc.stderr  # a difference, not a failed process
+    # one line, from process 0 alone, naming the first differing tensor; no traceback
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {LABELS[Exit.REPLAY_MISMATCH]}: "), proc.stderr[-3000:]
+    assert f"first {lines[0][0]}: max abs difference" in errors[0], (errors, lines[0])
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_failing_replay_process_stops_the_group_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:

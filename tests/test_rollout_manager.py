@@ -7,6 +7,7 @@ external server switched policies.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,9 +18,26 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline.config import CurriculumConfig, DenseInferenceConfig, EnvConfig, LessonConfig, ModelSpec, SamplingParams
+from pipeline.config import (
+    ConfigError,
+    CurriculumConfig,
+    DenseInferenceConfig,
+    EnvConfig,
+    LessonConfig,
+    ModelSpec,
+    PollingConfig,
+    RolloutStepConfig,
+    SamplingParams,
+    StoreConfig,
+    TrainParams,
+)
 from pipeline.environments import Completion, EnvironmentLoadError, ScriptedContext
+from pipeline.environments.base import Example
+from pipeline.environments.cats import CatsEnv
 from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.rollout.worker import RolloutWorker
+from pipeline.store.storage import RunStore
+from pipeline.telemetry.metrics import read_metrics
 from policy.inference import GenerationRequest, InferenceBackend
 from policy.model import build_model, model_vocab_size
 from policy.rollout_manager import RolloutManager, batch_stats
@@ -268,3 +286,206 @@ def test_evaluate_lesson_uses_eval_sampling_and_eval_rows(tokenizer: Any) -> Non
     validate_eval_summary(summary)
     with pytest.raises(ValueError, match="eval_type"):
         m.evaluate_lesson("cats", 1, "bogus", 0, 0, 0, "ev")
+
+
+# ---------------------------------------------------------------------------------------------
+# micro-evaluation in a rollout worker (curriculum.micro_eval_frequency)
+# ---------------------------------------------------------------------------------------------
+
+
+class _EvalSaysCats(ScriptedBackend):
+    """A served policy (external weights, step 0) that says "cat cat" when sampled with the eval params and
+    "no" with the training params, so an evaluation is told apart from a training sample by its reward."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer, ["no"], steps=[0])
+
+    def generate(self, request: GenerationRequest) -> list[list[Completion]]:
+        text = "cat cat" if request.temperature == EVAL_SAMPLING.temperature else "no"
+        self._ctx.script = [text]
+        return super().generate(request)
+
+    def served_policy_step(self) -> int | None:
+        return 0
+
+
+def test_rollout_worker_micro_evaluates_the_sampled_lesson_every_n_writes(tokenizer: Any, tmp_path: Path) -> None:
+    """`curriculum.micro_eval_frequency: 2`: a bounded worker of 5 writes micro-evaluates the lesson it sampled
+    after its 2nd and 4th writes, each `micro_eval_n_examples` examples with the lesson's eval sampling params,
+    and records the result as a `micro_eval` record in `metrics/rollout` (reward and success of the eval answers,
+    not of the training ones); nothing else: no evaluation files, no curriculum state."""
+    root = tmp_path / "run"
+    cur = dataclasses.replace(_curriculum(), micro_eval_frequency=2, micro_eval_n_examples=3)
+    cfg = RolloutStepConfig(
+        store=StoreConfig(run_root=str(root)),
+        model=SPEC,
+        inference=DenseInferenceConfig(),
+        curriculum=cur,
+        train=TrainParams(batch_size=10_000, replay_buffer_capacity=10_000),
+        worker_id="w0",
+        follow=False,
+        max_rollouts=5 * SAMPLING.n_prompts * SAMPLING.n_generations_per_prompt,
+        polling=PollingConfig(interval_s=0.05),
+    )
+    backend = _EvalSaysCats(tokenizer)
+    manager = RolloutManager(DenseInferenceConfig(), SPEC, cur, tokenizer, None, backend=backend)
+    store = RunStore(str(root))
+    summary = RolloutWorker(cfg, store=store, tokenizer=tokenizer, manager=manager).run()
+    assert len(summary.files) == 5, summary
+
+    records = read_metrics(store, "rollout")
+    events = [r.get("event", "write") for r in records]
+    assert events.count("write") == 5
+    # after the 2nd and the 4th write (writes are counted before each new one), never after the last
+    writes_before = [events[:i].count("write") for i, e in enumerate(events) if e == "micro_eval"]
+    assert writes_before == [2, 4], events
+    cats = CatsEnv().score(Example("probe-0", "x"), "cat cat")
+    for rec in (r for r in records if r.get("event") == "micro_eval"):
+        assert rec["lesson_id"] == "cats" and rec["policy_step"] == 0
+        assert rec["n_examples"] == rec["n_groups"] == 3
+        assert rec["n_rows"] == 3 * EVAL_SAMPLING.n_generations_per_prompt and rec["n_failures"] == 0
+        assert rec["temperature"] == EVAL_SAMPLING.temperature
+        assert rec["mean_reward"] == cats.reward == 0.5 and rec["success_rate"] == 1.0
+    assert all(r["mean_reward"] == 0.0 for r in records if r.get("event", "write") == "write")
+    # the eval requests the backend saw: 3 probe prompts each, at the eval temperature
+    evals = [kw for prompts, kw in backend._ctx.calls if kw["temperature"] == EVAL_SAMPLING.temperature]
+    assert len(evals) == 2 and all(kw["n"] == EVAL_SAMPLING.n_generations_per_prompt for kw in evals)
+    # logged only: no evaluation files, no curriculum state (the evaluate step and the BatchMaker write those)
+    assert not store.list("evals") and not store.list("curriculum")
+
+
+def test_micro_eval_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"curriculum\.micro_eval_frequency"):
+        dataclasses.replace(_curriculum(), micro_eval_frequency=-1)
+    with pytest.raises(ConfigError, match=r"curriculum\.micro_eval_n_examples"):
+        dataclasses.replace(_curriculum(), micro_eval_n_examples=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# a user's environment whose rewards are broken (NaN, missing): contained, one failure per example
+# ---------------------------------------------------------------------------------------------
+
+BROKEN_ENV = '''
+import numpy as np
+from pipeline.environments.base import EnvGroup, Environment, EnvRollout, SampleResult, group_key
+from pipeline.environments.generation import GenerationRequest
+
+
+def reward_of(example_id, position, broken_train):
+    """NaN for e1 and for the second train example of a call (every one with `broken_train="all"`), missing (None)
+    for e2, else 1.0: a user's reward function gone wrong."""
+    if example_id == "e1" or (example_id.startswith("t") and (position == 1 or broken_train == "all")):
+        return float("nan")
+    return None if example_id == "e2" else 1.0
+
+
+class BrokenRewardEnv(Environment):
+    """Its own `sample` (as verifiers and agent environments have): eval examples e0, e1, ...; train ones t<k>."""
+
+    name = "broken"
+
+    def __init__(self, broken_train="second"):
+        self.broken_train = broken_train
+
+    def sample(self, ctx, spec, rng):
+        if spec.mode == "eval":
+            ids = [f"e{i}" for i in range(spec.n_examples)]
+        else:
+            ids = [f"t{int(rng.integers(0, 10))}" for _ in range(spec.n_examples)]
+        prompts = [[1, *ctx.tokenizer.encode(f"say {i}")] for i in ids]
+        request = GenerationRequest(prompts, n=spec.n_generations, temperature=spec.temperature,
+                                    max_tokens=spec.max_tokens, stop_tokens=spec.stop_tokens, seed=0)
+        groups = []
+        for position, (example_id, prompt, comps) in enumerate(zip(ids, prompts, ctx.generate(request))):
+            reward = reward_of(example_id, position, self.broken_train)
+            rollouts = [
+                EnvRollout(self.name, example_id, prompt, c.tokens, c.logprobs,
+                           [0.0] * (len(c.tokens) - 1) + [reward], [1] * len(c.tokens), reward, False, c.finish_reason)
+                for c in comps
+            ]
+            groups.append(EnvGroup(group_key(self.name, example_id, rng), rollouts))
+        return SampleResult(groups, [], {"failures": 0.0, "episodes": float(len(ids))})
+'''
+
+
+class _ServesStep0(ScriptedBackend):
+    """A served policy (external weights) at step 0."""
+
+    def served_policy_step(self) -> int | None:
+        return 0
+
+
+@pytest.fixture
+def broken_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The curriculum of one lesson `broken` (`BrokenRewardEnv`, written as a user's module) and a manager on it."""
+    import sys
+
+    (tmp_path / "user_broken_env.py").write_text(BROKEN_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cur = _curriculum(broken=EnvConfig("user_broken_env.BrokenRewardEnv"))
+    tok = load_tokenizer("builtin:tiny")
+    m = RolloutManager(DenseInferenceConfig(), SPEC, cur, tok, None, backend=_ServesStep0(tok, ["cat"], steps=[0]))
+    yield cur, m
+    sys.modules.pop("user_broken_env", None)
+
+
+def test_a_nan_or_missing_reward_fails_its_example_and_every_retry_counts(broken_env: Any) -> None:
+    """Every train example broken: each attempt's examples fail with the reason (none crashes the call), and
+    `env/failures` counts the failures of every attempt, not the last one's."""
+    _, m = broken_env
+    m._environments.clear()
+    m.curriculum_config = _curriculum(broken=EnvConfig("user_broken_env.BrokenRewardEnv", {"broken_train": "all"}))
+    batch, metrics = m.sample_batch("broken", 2, 2, "train", 0, 0, "w")
+    assert batch is None
+    attempts = m.max_example_retries + 1
+    assert metrics["failures"] == metrics["env/failures"] == 2 * attempts
+    assert metrics["env/episodes"] == 2 * attempts  # a count the environment reports is summed too
+    assert [f.attempt for f in m.last_failures] == [a for a in range(attempts) for _ in range(2)]
+    assert all(f.reason == "reward error: episode reward is nan, not a finite number" for f in m.last_failures)
+
+
+def test_a_failed_eval_example_is_recorded_and_counted_never_replaced(broken_env: Any, tmp_path: Path) -> None:
+    """Eval examples e0..e3, e1 NaN and e2 missing: the evaluator writes e0 and e3 once each, its summary counts
+    the 2 failures (`n_failures`), and the reasons are the batch's failures; the next lesson call still works."""
+    from pipeline.config import EvaluateStepConfig
+    from pipeline.store import layout
+    from schemas import EVAL_SUMMARY
+    from steps.evaluate import Evaluator
+
+    cur, m = broken_env
+    evaluator = Evaluator(EvaluateStepConfig(store=StoreConfig(run_root=str(tmp_path / "run")), model=SPEC,
+                                             curriculum=cur, n_examples=4))  # fmt: skip
+    evaluator.evaluate_lesson(m, 0, "broken", None)
+    evaluator.close()
+    store = evaluator.store
+    rows = EVAL_ROW.from_table(store.read_parquet(layout.eval_rollouts_file(0, "broken"), EVAL_ROW))
+    assert sorted(r.example_id for r in rows) == ["e0", "e3"]  # one generation each: no duplicate stands in
+    (summary,) = EVAL_SUMMARY.from_table(store.read_parquet(layout.eval_summary_file(0, "broken"), EVAL_SUMMARY))
+    assert summary.n_examples == 2 and summary.n_failures == 2 and summary.mean_reward == 1.0
+    stats, batch = m.evaluate_lesson("broken", 4, "eval", 0, 0, 0, "ev")
+    assert batch is not None and stats.n_failures == 2
+    assert {f.example_id: f.reason for f in batch.failures} == {
+        "e1": "reward error: episode reward is nan, not a finite number",
+        "e2": "reward error: episode reward is missing (None)",
+    }
+
+
+def test_a_rollout_worker_goes_on_past_broken_rewards_and_records_them(broken_env: Any, tmp_path: Path) -> None:
+    """The second train example of every sampling call has a NaN reward: a bounded worker writes its files anyway
+    (its retry, a call of one example, fills the write), each ready marker lists the failed example with the reason,
+    and every committed row has a finite reward."""
+    cur, m = broken_env
+    root = tmp_path / "run"
+    cfg = RolloutStepConfig(store=StoreConfig(run_root=str(root)), model=SPEC, inference=DenseInferenceConfig(),
+                            curriculum=cur, train=TrainParams(batch_size=10_000, replay_buffer_capacity=10_000),
+                            worker_id="w0", follow=False, max_rollouts=3 * SAMPLING.n_prompts * 2,
+                            polling=PollingConfig(interval_s=0.05))  # fmt: skip
+    store = RunStore(str(root))
+    summary = RolloutWorker(cfg, store=store, tokenizer=m.tokenizer, manager=m).run()
+    assert len(summary.files) == 3 and summary.failures == 3 and summary.rows == 12, summary
+    from pipeline.store import layout
+
+    reasons = [f["reason"] for rel in summary.files for f in store.get_json(layout.ready_marker(rel))["failures"]]
+    assert reasons == ["reward error: episode reward is nan, not a finite number"] * summary.failures
+    rows = [r for rel in summary.files for r in ROLLOUT.from_table(store.read_parquet(rel, ROLLOUT))]
+    assert rows and all(r.episode_reward == 1.0 for r in rows)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,12 +26,12 @@ from pathlib import Path
 
 import draccus
 import pytest
-from gcs_emulator import GcsEmulator, _free_port
+from gcs_emulator import GcsEmulator
 from jobs import FinishedJob
 
 from pipeline.config import RLJobConfig, run_record
 from pipeline.jobs.job import RLJob
-from pipeline.process.exits import Exit
+from pipeline.process.exits import LABELS, Exit
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 
@@ -80,6 +81,7 @@ def test_read_only_command_refuses_a_typod_run_root(tmp_path: Path, command: str
     proc = cli(*READ_ONLY_COMMANDS[command](str(run_root)))
     assert proc.returncode == Exit.CONFIG, proc.stderr
     (line,) = error_lines(proc)
+    assert line.startswith(f"error: {LABELS[Exit.CONFIG]}: "), line  # the one error shape, the report's too
     assert str(run_root) in line and "run.json" in line
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "nonexistent").exists()
@@ -152,9 +154,8 @@ def test_unreachable_endpoint_fails_fast_naming_it(command: str, settings: dict,
 
 
 def test_gcs_emulator_program_serves_and_prints_its_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "tests/gcs_emulator.py", "--port", str(port), "--bucket", "mine"],
+    proc = subprocess.Popen(  # --port 0: a port it picks (retried when taken), printed
+        [sys.executable, "tests/gcs_emulator.py", "--port", "0", "--bucket", "mine"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -163,7 +164,7 @@ def test_gcs_emulator_program_serves_and_prints_its_env(monkeypatch: pytest.Monk
         assert proc.stdout is not None
         lines = [proc.stdout.readline().strip() for _ in range(5)]
         exports = dict(ln.removeprefix("export ").split("=", 1) for ln in lines if ln.startswith("export "))
-        assert exports["STORAGE_EMULATOR_HOST"] == f"http://127.0.0.1:{port}"
+        assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*", exports["STORAGE_EMULATOR_HOST"]), exports
         for name, value in exports.items():
             monkeypatch.setenv(name, value.strip("'"))
         store = RunStore("gs://mine/run1")  # endpoint and token from the environment alone

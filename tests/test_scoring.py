@@ -10,7 +10,6 @@ against torch run on each pair alone.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from pipeline.environments import SampleSpec, ScriptedContext
 from pipeline.environments.exact_answer import normalize_answer
 from pipeline.environments.judged import JudgedEnv
 from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.process.ports import reserve_port
 from pipeline.scoring import ScorerConfigError, ScoreRequest, build_scorer, check_scorer
 
 Reply = Callable[[dict[str, Any]], tuple[int, Any, float]]
@@ -185,12 +185,11 @@ def test_transport_failures_are_retried_then_fail_with_the_cause(serve: Any) -> 
     (out,) = judge.score_batch(REQS[:1])
     judge.close()
     assert "HTTP 400" in str(out.reason) and "prompt too long" in str(out.reason) and len(bad.bodies) == 1
-    with socket.socket() as s:  # a port nobody listens on: connection refused
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    judge = _judge(f"http://127.0.0.1:{port}/v1", max_retries=1)
-    (out,) = judge.score_batch(REQS[:1])
-    judge.close()
+    with reserve_port() as held:  # bound, never listening, held: a connection is refused, nobody else can take it
+        port = held.port
+        judge = _judge(f"http://127.0.0.1:{port}/v1", max_retries=1)
+        (out,) = judge.score_batch(REQS[:1])
+        judge.close()
     assert out.value is None and "ConnectError" in str(out.reason) and f"127.0.0.1:{port}" in str(out.reason)
 
 

@@ -41,6 +41,23 @@ class IngestReport:
     """Admitted rows whose advantage is exactly 0 (only under `admit_no_signal`, or without filtering)."""
 
 
+def recency_weights(n: int, alpha: float) -> np.ndarray:
+    """The sampling weight of each of `n` candidates by arrival rank (0 = oldest): `(1 + rank / n) ** alpha`
+    (`train.replay_buffer_alpha`; 0: every weight 1, uniform)."""
+    rank = np.arange(n, dtype=np.float64)
+    return np.asarray((1.0 + rank / max(n, 1)) ** alpha, dtype=np.float64)
+
+
+def selection_keys(n: int, alpha: float, seed: int, slot: int) -> np.ndarray:
+    """The seeded random key of each of `n` candidates (arrival rank order) for batch `slot`: candidates are taken
+    larger key first (Efraimidis-Spirakis weighted sampling without replacement), so the first one taken is
+    candidate i with probability `recency_weights(n, alpha)[i] / sum(weights)`. The RNG is seeded by
+    (`seed`, `slot`), so a rebuilt batch draws the same keys."""
+    weight = recency_weights(n, alpha)
+    u = np.random.default_rng([seed, slot]).random(n)
+    return np.asarray(np.log(np.maximum(u, 1e-300)) / weight, dtype=np.float64)
+
+
 class BatchMaker:
     """The in-memory BatchMaker (see the package docstring for every rule it applies).
 
@@ -346,11 +363,7 @@ class BatchMaker:
         length = np.concatenate([c.prompt_len + c.resp_len for _, c in cands])[ok]
         n = len(c_idx)
         # arrival order is (chunk seq, row): chunks are kept in seq order, so position = rank from oldest
-        rank = np.arange(n, dtype=np.float64)
-        weight = (1.0 + rank / n) ** params.replay_buffer_alpha
-        rng = np.random.default_rng([params.seed, slot])
-        u = rng.random(n)
-        key = np.log(np.maximum(u, 1e-300)) / weight  # Efraimidis-Spirakis: larger key first
+        key = selection_keys(n, params.replay_buffer_alpha, params.seed, slot)
         episode = np.concatenate([c.episode for _, c in cands])[ok] + (c_idx << 32)
         _, ep_first, ep_code = np.unique(episode, return_index=True, return_inverse=True)
         whole = len(ep_first) == n  # every candidate is an episode of its own (no split episodes)

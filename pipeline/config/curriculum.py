@@ -166,9 +166,12 @@ class CurriculumConfig:
     """The k of pass@k in evaluation summaries (Chen et al. 2021's unbiased estimator from the n samples of each
     problem, n = the lesson's eval `n_generations_per_prompt`); 0: k = n. At most every lesson's n."""
     micro_eval_frequency: int = 0
-    """Micro-evaluation of the sampled lesson every this many rollout writes (0: never). Logged only."""
+    """Micro-evaluation (0: never): every this many of its rollout writes, a rollout worker evaluates the lesson it
+    just sampled with the lesson's eval sampling params. Logged only: a `micro_eval` record in `metrics/rollout`
+    (and a line in the worker's log); no evaluation file, and the curriculum, the report and the trackers do not
+    read it (full evaluations, `eval_frequency`, steer the curriculum)."""
     micro_eval_n_examples: int = 4
-    """Examples in one micro-evaluation."""
+    """Examples in one micro-evaluation (>= 1)."""
     minimum_sample_probability: float = 0.02
     """Floor of every active or graduated lesson's sampling probability (graduated lessons get exactly this)."""
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -211,6 +214,18 @@ class CurriculumConfig:
             "times the number of lessons must be in [0, 1]",
         )
         require(self.eval_pass_k >= 0, "curriculum.eval_pass_k", self.eval_pass_k, "must be >= 0 (0: k = n)")
+        require(
+            self.micro_eval_frequency >= 0,
+            "curriculum.micro_eval_frequency",
+            self.micro_eval_frequency,
+            "must be >= 0 (0: never)",
+        )
+        require(
+            self.micro_eval_n_examples >= 1,
+            "curriculum.micro_eval_n_examples",
+            self.micro_eval_n_examples,
+            "must be >= 1",
+        )
         for key in self.lessons:
             n = self.eval_sampling_for(key).n_generations_per_prompt
             require(

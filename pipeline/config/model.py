@@ -271,6 +271,9 @@ class OpenAIInferenceConfig(InferenceConfig):
     """The model name sent with each request (a name ending in `step-<N>` also tells the policy step)."""
     request_timeout_s: float = 600.0
     """Seconds before one HTTP request times out."""
+    api_key_env: str | None = None
+    """Environment variable holding the key the server requires: sent as `Authorization: Bearer <key>` on every
+    request (None: no key). With type `server`, a server the worker starts gets a fresh secret instead."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -291,22 +294,28 @@ SERVER_ADAPTERS = ("levanter", "sglang", "vllm")
 class ServerInferenceConfig(OpenAIInferenceConfig):
     """An OpenAI-compatible server the rollout worker owns or is pointed at, told to load each committed policy.
 
-    `command` given: the worker starts it as a child process (placeholders `{port}`, `{host}`, `{run_root}`,
-    `{step}`, `{policy_dir}`) and restarts it if it dies; `openai_base_url` then defaults to
-    `http://{host}:{port}/v1`. Without `command`, `openai_base_url` names a running server.
+    `command` given: the worker starts it as a child process (placeholders `{port}`, `{host}`, `{api_key}`,
+    `{run_root}`, `{step}`, `{policy_dir}`, ...) and restarts it if it dies. Every start gets a fresh secret that
+    every request carries (`Authorization: Bearer <secret>`), and the worker checks that the server on the address
+    is the one it started before its first request: a foreign server there is refused in one line. Without
+    `command`, `openai_base_url` names a running server (its key, if it needs one, in `api_key_env`).
     """
 
     adapter: str = "levanter"
     """How the server is told to load policy S: levanter (rlpipe's levanter server), sglang, vllm."""
     command: str | None = None
     """Shell-split command line that starts the server; None: the server at `openai_base_url` is already up.
-    `{python}` is this environment's own Python, whose bin folder is also first on the server's PATH."""
+    `{python}` is this environment's own Python, whose bin folder is also first on the server's PATH. `{api_key}`
+    is the start's secret (vLLM and SGLang: `--api-key {api_key}`); rlpipe's levanter server reads it from
+    `RLPIPE_SERVER_TOKEN`."""
     host: str = "127.0.0.1"
     """Host the started server binds to (and the worker connects to)."""
     port: int = 8000
-    """Port of the started server (0: a free port chosen by the worker)."""
+    """Port of the started server. 0: the worker's own: rlpipe's levanter server (`adapter: levanter`) binds a
+    port itself and announces it to the worker (`{port}` is 0); vLLM and SGLang get a port the worker picks, and
+    a start that finds it taken is retried on another. A fixed port taken by another program fails the start."""
     startup_timeout_s: float = 300.0
-    """Seconds a started server has to answer its health check."""
+    """Seconds a started server has to announce its address and answer its health check."""
     load_timeout_s: float = 600.0
     """Seconds a server has to load a policy and report its step."""
     max_restarts: int = 5

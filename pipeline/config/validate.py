@@ -9,7 +9,9 @@ Environments: every lesson's environment class may define the classmethod `check
 (`pipeline.environments.Environment.check_args`); its `ConfigError(<arg>, value, why)` is reported as
 `curriculum.lessons.<id>.env.env_args.<arg>=<value>: <why>` by `validate_job`, `validate_rollout` and
 `validate_evaluate`, so an error the environment would hit at start-up is found before anything starts and is never
-restarted.
+restarted. The rollout and evaluate programs also build each lesson's environment at their start
+(`pipeline.environments.start_checks.check_rollout_step` / `check_evaluate_step`, which call the validators here
+first): one whose constructor raises is refused naming `curriculum.lessons.<id>.env` and the cause.
 
 Who calls what, and nothing else does: `validate_job` when a job is built (`pipeline.jobs.job.RLJob`), and each
 step program at its start (its `main`): `validate_learner` (`steps.learn`), `validate_batch_maker`

@@ -265,6 +265,60 @@ def token_rewards_for(n_tokens: int, reward: float, loss_mask: Sequence[int] | N
     return out
 
 
+def reward_problem(value: Any, what: str = "reward") -> str | None:
+    """Why `value` cannot be a reward (missing, not a number, NaN or infinite), or None when it can: the one check
+    every reward of every environment kind passes (`rollout_problem`, applied by the rollout manager to every
+    group an environment returns; `rollout_from_completion`, `rollouts_from_calls` and `VerifiersEnv` use it too), so
+    a broken reward fails its example with this reason instead of the worker or the evaluator."""
+    if value is None:
+        return f"{what} is missing (None)"
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        return f"{what} {value!r} is not a number"
+    if not math.isfinite(float(value)):
+        return f"{what} is {float(value)!r}, not a finite number"
+    return None
+
+
+def checked_reward(value: Any, what: str = "reward") -> float:
+    """`float(value)`; ValueError with `reward_problem`'s reason when it is not a usable reward."""
+    problem = reward_problem(value, what)
+    if problem is not None:
+        raise ValueError(problem)
+    return float(value)
+
+
+def rollout_problem(rollout: EnvRollout) -> str | None:
+    """Why a scored episode cannot be trained on or reported (its episode reward, a per-token reward or a reward
+    component missing or not finite), or None: the shared check of every environment kind's results."""
+    problem = reward_problem(rollout.episode_reward, "episode reward")
+    if problem is not None:
+        return problem
+    for name, value in (rollout.reward_components or {}).items():
+        problem = reward_problem(value, f"reward component {name!r}")
+        if problem is not None:
+            return problem
+    for i, value in enumerate(rollout.token_rewards):
+        problem = reward_problem(value, f"token reward {i}")
+        if problem is not None:
+            return problem
+    return None
+
+
+def split_bad_rewards(groups: Sequence[EnvGroup]) -> tuple[list[EnvGroup], list[ExampleFailure]]:
+    """(the groups every rollout of which passes `rollout_problem`, one `ExampleFailure` per other group naming the
+    first broken reward): a group with a broken reward fails its example, whatever environment made it."""
+    good: list[EnvGroup] = []
+    bad: list[ExampleFailure] = []
+    for g in groups:
+        problem = next((p for p in map(rollout_problem, g.rollouts) if p is not None), None)
+        if problem is None:
+            good.append(g)
+        else:
+            example_id = g.rollouts[0].example_id if g.rollouts else g.key
+            bad.append(ExampleFailure(str(example_id), f"reward error: {problem}"))
+    return good, bad
+
+
 def rollout_from_completion(
     env_name: str,
     example_id: str,
@@ -283,8 +337,7 @@ def rollout_from_completion(
     n = len(completion.tokens)
     if len(completion.logprobs) != n:
         raise ValueError(f"completion has {n} tokens but {len(completion.logprobs)} logprobs")
-    if not math.isfinite(reward):
-        raise ValueError(f"episode reward {reward!r} is not finite")
+    reward = checked_reward(reward, "episode reward")
     if token_rewards is not None and len(token_rewards) != n:
         raise ValueError(f"completion has {n} tokens but {len(token_rewards)} token rewards")
     if completion.policy_steps is not None and len(completion.policy_steps) != n:
@@ -397,6 +450,13 @@ class SingleTurnEnvironment(Environment):
     @abstractmethod
     def score(self, example: Example, text: str) -> Score:
         """Score one decoded response (cut at the first stop/EOS token)."""
+
+    def reference_response(self, example: Example) -> str | None:
+        """The response that states `example`'s reference answer in the form the lesson requires (e.g.
+        `<answer>42</answer>`), which `score` must give full reward; None (the default): this environment cannot
+        render one, and the start-up check of reference answers (`pipeline.environments.start_checks`) skips it."""
+        del example
+        return None
 
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
         check_mode(spec.mode)

@@ -21,11 +21,10 @@ call knew it).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from pipeline.environments.base import EnvRollout, token_rewards_for
+from pipeline.environments.base import EnvRollout, checked_reward, token_rewards_for
 
 
 class Call(Protocol):
@@ -102,9 +101,8 @@ def rollouts_from_calls(
     logprobs disagree in length, or the reward is not finite."""
     if not calls:
         raise ValueError(f"episode {episode_id!r} made no calls")
-    if not math.isfinite(episode_reward):
-        raise ValueError(f"episode reward {episode_reward!r} is not finite")
-    components = {str(k): float(v) for k, v in (reward_components or {}).items()}
+    episode_reward = checked_reward(episode_reward, "episode reward")
+    components = {str(k): checked_reward(v, f"reward component {k!r}") for k, v in (reward_components or {}).items()}
     segments = segments_of(calls)
     rows = []
     for i, seg in enumerate(segments):

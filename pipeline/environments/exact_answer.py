@@ -385,6 +385,10 @@ class ExactAnswerEnv(SingleTurnEnvironment):
         picks = rng.integers(0, len(self.rows), size=n)
         return [self._example(self.rows[int(i)], int(i), "row") for i in picks]
 
+    def reference_response(self, example: Example) -> str | None:
+        """The row's answer itself (a choice's letter for multiple choice): what the verifier must accept."""
+        return None if example.target is None else str(example.target)
+
     def score(self, example: Example, text: str) -> Score:
         reward = float(self.verifier(text, str(example.target)))
         extract = EXTRACTORS.get(self.verifier)

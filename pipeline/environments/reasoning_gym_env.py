@@ -49,8 +49,10 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import traceback
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -203,6 +205,30 @@ def make_entry(task: str, config: Mapping[str, Any], item_seed: int) -> tuple[di
     return ds[0], ds
 
 
+def library_refusal(error: BaseException, config: Mapping[str, Any]) -> tuple[str | None, str]:
+    """(the `config` key the library's refusal names, or None; the refusal in words) for an error reasoning-gym
+    raised building a dataset. An assertion without a message (`assert self.max_complexity >= 1`) is named by its
+    source line (from its traceback); the key is the one config key that line (or the message) mentions, and when
+    none does the words list the config keys given."""
+    message = " ".join(str(error).split())
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ is not None else []
+    where = ""
+    source = ""
+    if frames:
+        last = frames[-1]
+        source = (last.line or "").strip()
+        where = f" at {Path(last.filename).name}:{last.lineno}"
+    why = f"{type(error).__name__}{where}: {message or source or '(no message)'}"
+    if not message and source and source not in why:
+        why += f" ({source})"
+    text = f"{message} {source}"
+    named = [k for k in config if re.search(rf"\b{re.escape(str(k))}\b", text)]
+    if len(named) == 1:
+        return str(named[0]), why
+    given = sorted(str(k) for k in config)
+    return None, f"{why}; config keys given: {given if given else 'none (the level or the defaults)'}"
+
+
 def _specs(
     task: str | None,
     config: Mapping[str, Any] | None,
@@ -252,8 +278,10 @@ def _specs(
             raise ConfigError(field, e.value, str(e).removeprefix(f"{e.field}={e.value!r}: ")) from None
         except Exception as e:  # the library's own validation (TypeError for a bad key, AssertionError for a range)
             field = "config" if where == "task" else f"{where}.config"
-            why = " ".join(str(e).split()) or type(e).__name__
-            raise ConfigError(field, dict(cfg), f"task {name!r} refuses it: {type(e).__name__}: {why}") from None
+            key, why = library_refusal(e, cfg)
+            value = cfg[key] if key is not None else dict(cfg)
+            field = f"{field}.{key}" if key is not None else field
+            raise ConfigError(field, value, f"task {name!r} refuses it: {why}") from None
         specs.append(TaskSpec(name, float(weight), resolved))
     if len({s.task for s in specs}) != len(specs):
         raise ConfigError("tasks", [s.task for s in specs], "names a task twice (give it one entry)")
@@ -406,6 +434,18 @@ class ReasoningGymEnv(SingleTurnEnvironment):
                 ex = self._example(lo + int(rng.integers(0, TRAIN_SEED_SPAN)), held_out)
             out.append(ex)
         return out
+
+    def reference_response(self, example: Example) -> str | None:
+        """The entry's reference answer in the lesson's `answer_format` (`<answer_tag>N</answer_tag>`, `\\boxed{N}`,
+        or the answer itself for `last_number`, `first_line` and `full`): what a perfect response says."""
+        if example.target is None:
+            return None
+        answer = str(example.target[0]["answer"])
+        if self.answer_format == "tag":
+            return f"<{self.answer_tag}>{answer}</{self.answer_tag}>"
+        if self.answer_format == "boxed":
+            return f"\\boxed{{{answer}}}"
+        return answer
 
     def score(self, example: Example, text: str) -> Score:
         entry, ds, overlap = example.target

@@ -41,8 +41,8 @@ prompt does not extend the transcript starts a new segment of the same episode; 
 the endpoint sampled with (the worker's `ctx.policy_step`). verifiers' own record of the sampled tokens (its
 `TurnTokens`, committed to the trace's message graph) must equal the capture, or the example fails. A trace that is
 not `ok` (the harness, a tool server, the client, or scoring failed: verifiers records each on the trace), an
-episode the endpoint captured nothing of, or a reward function without a score fails the whole example with the
-reason (`ExampleFailure`).
+episode the endpoint captured nothing of, or a reward function without a score or with one that is not a finite
+number (NaN, infinity) fails the whole example with the reason (`ExampleFailure`).
 
 Not run: multi-agent `Env.run` (a `vf.Env` contributes its taskset; its agents are not played), container and
 sandbox runtimes. verifiers' `PolicySpan` is not filled: verifiers 0.4.0's client ignores the endpoint's
@@ -79,6 +79,7 @@ from pipeline.environments.base import (
     SampleResult,
     SampleSpec,
     check_mode,
+    checked_reward,
     group_key,
 )
 
@@ -283,12 +284,13 @@ def trace_error(trace: Any) -> str | None:
 
 
 def reward_components(trace: Any) -> dict[str, float]:
-    """Each reward function's weighted value (`Reward.value`); one that did not score is an error, not a 0."""
+    """Each reward function's weighted value (`Reward.value`); one that did not score, or scored NaN, infinity or
+    something not a number, is an error naming the function (`pipeline.environments.base.reward_problem`), not a 0."""
     out = {}
     for name, reward in trace.rewards.items():
         if reward is None:
             raise ValueError(f"reward function {name!r} produced no score")
-        out[name] = float(reward.value)
+        out[name] = checked_reward(reward.value, f"the score of reward function {name!r}")
     return out
 
 
@@ -551,19 +553,19 @@ class VerifiersEnv(Environment):
                 if reason is None:
                     try:
                         components = reward_components(res.trace)
-                    except ValueError as e:
+                        rows = rollouts_from_calls(
+                            calls,
+                            env_name=self.name,
+                            example_id=example_id,
+                            episode_reward=checked_reward(res.trace.reward, "the trace's reward"),
+                            reward_components=components,
+                            episode_id=episode_id,
+                        )
+                    except ValueError as e:  # a reward missing or not finite: this example fails, with the reason
                         reason = str(e)
                 if reason is not None:
                     reason = f"episode {episode_id}: {reason}"
                     break
-                rows = rollouts_from_calls(
-                    calls,
-                    env_name=self.name,
-                    example_id=example_id,
-                    episode_reward=float(res.trace.reward),
-                    reward_components=components,
-                    episode_id=episode_id,
-                )
                 for row in rows:
                     row.response_text = ctx.tokenizer.decode(row.response_tokens)
                     row.extracted_answer = res.trace.last_reply or None

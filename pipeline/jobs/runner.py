@@ -15,6 +15,14 @@ the last `error: …` line of its log); `STORAGE_UNAVAILABLE` (75: the run root'
 could not be reached) is restarted with backoff outside `max_restarts` until the outage has lasted
 `STORAGE_OUTAGE_S`; any other failure is restarted with backoff up to `max_restarts` times.
 
+One job per run root: the runner holds the run root's job lease (`leases/job/`, `job_lease`: the lease machinery of
+the BatchMaker, `pipeline.store.lease`, whose claims record host and process id) from before its first step starts
+until its last has stopped, renewing it as it supervises. A second job on a run root whose job is alive is refused
+before anything starts, in one line naming the holder's host, process id and start time (`JobRunningError`, exit 6
+"lease held"); the lease of a job that died on this host (SIGKILL, a crash) is taken over at once, one that died
+on another host lapses `JOB_LEASE_TTL_S` after its last renewal. Bounded steps started on their own (`steps.run
+step …`, scheduled jobs) do not take it: they run side by side as before.
+
 Every step is the same program on every backend: `python -m steps.<module> --config_path <yaml>`, with the step
 config written as YAML (no pickle). The run root is the only channel between steps, so a restart of any step is
 safe at any instant.
@@ -44,9 +52,11 @@ from pipeline.jobs.progress import JobProgress, RunProgress
 from pipeline.jobs.step_logs import LogTarget, location, log_target, read_reason
 from pipeline.process.backoff import backoff_delay
 from pipeline.process.exits import LABELS, NEVER_RESTARTED, Exit
+from pipeline.process.interrupts import exit_code
 from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
 from pipeline.store.committed import StorageUnavailableError
+from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError
 
 STORAGE_OUTAGE_S = 600.0
 """How long a step that exits with Exit.STORAGE_UNAVAILABLE (its run root's storage cannot be reached) is
@@ -55,6 +65,37 @@ HEALTHY_AFTER_S = 60.0
 """A step that has run this long since its start after a storage outage has seen the outage end."""
 
 logger = logging.getLogger(__name__)
+
+JOB_LEASE = "job"
+"""The lease a job runner holds on its run root (`leases/job/`): one job per run root."""
+JOB_LEASE_TTL_S = 60.0
+"""How long after its last renewal the job lease of a job that died on another host lapses (the runner renews it
+every `JOB_LEASE_TTL_S / 4`); a job that died on this host is taken over at once."""
+
+
+def job_lease(store: Any) -> Lease:
+    """The job lease of `store`'s run root as this process's job runner holds it (holder `job@<host>-<pid>`)."""
+    return Lease(store, JOB_LEASE, f"job@{socket.gethostname()}-{os.getpid()}", JOB_LEASE_TTL_S)
+
+
+class JobRunningError(LeaseHeldError):
+    """Another job (its runner alive) holds the run root's job lease: one line naming its host, pid and start."""
+
+    def __init__(self, held: LeaseHeldError, run_root: str) -> None:
+        super().__init__(held.holder, held.expires_in, held.name, held.epoch, host=held.host, pid=held.pid,
+                         claimed_at=held.claimed_at)  # fmt: skip
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.claimed_at)) if held.claimed_at else "?"
+        elsewhere = held.host and held.host != socket.gethostname()
+        after = f"{held.expires_in:.0f} s after its last renewal" if elsewhere else "at once"
+        self.args = (
+            f"another job is running on {run_root}: host {held.host or '?'}, pid {held.pid or '?'}, started "
+            f"{started} (lease {held.name!r} epoch {held.epoch}); wait for it to end or stop it (Ctrl-C, or kill "
+            f"{held.pid or 'its runner'}); the lease of a job that died is taken over {after}",
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
 
 EVALUATOR_DRAIN_S = 300.0
 """After the learner finishes, how long the evaluator may take to score the last policies."""
@@ -74,6 +115,11 @@ class JobRunner:
         self.cfg = job.config
         self.store = RunStore(self.cfg.store.run_root, self.cfg.store.storage_options)
         self._stopping = False
+        self._stop_signal: int = signal.SIGINT
+        """The signal that stopped the job (its exit code is 128 + it)."""
+        self._lease: Lease | None = None
+        """The run root's job lease while this runner holds it (`job_lease`)."""
+        self._lease_due = 0.0
         self._on_progress = on_progress
         self._progress: JobProgress | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="rlpipe-job-")
@@ -97,23 +143,86 @@ class JobRunner:
 
     # phases ----------------------------------------------------------------------------
     def run(self) -> int:
-        """Check run.json, start every step, supervise, stop cleanly."""
+        """Take the run root's job lease, check run.json, start every step, supervise, stop cleanly."""
+        self._take_job_lease()
+        try:
+            return self._run()
+        finally:
+            self._release_job_lease()
+
+    def _run(self) -> int:
         check_run_config(self.store, self.cfg, allow_change=self.job.allow_config_change)
         if self.store.exists(layout.STOP_FILE):
             logger.warning("removing a stale %s left by an earlier run", layout.STOP_FILE)
             self.store.delete(layout.STOP_FILE)
-        self.launcher.prepare(self.steps + self._pool_headroom())
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
-        signal.signal(signal.SIGTERM, self._on_sigint)
+        # Ctrl-C / SIGTERM from here on: every step started is stopped, the job ends with 130 / 143
+        previous = {sig: signal.signal(sig, self._on_sigint) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            self.launcher.prepare(self.steps + self._pool_headroom())
+            if self._stopping:  # stopped while the backend was being prepared: no step starts
+                return exit_code(self._stop_signal)
             return self._supervise()
         finally:
             self._stop_all()
             close = getattr(self.launcher, "close", None)  # optional for a backend registered outside rlpipe
             if close is not None:
                 close()
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
             logger.info("logs of every step are under %s (<step>/<attempt>.log)", self.log_dir)
+
+    # the job lease ----------------------------------------------------------------------
+    def _take_job_lease(self) -> None:
+        """Claim the run root's job lease; JobRunningError (exit 6) when another job holds it. A run root whose
+        storage refuses the claim for good (full, read-only) is left to the steps, which report the fault."""
+        lease = job_lease(self.store)
+        try:
+            lease.acquire(take_over_own=True)  # own: this host and pid, a restarted container's runner
+        except LeaseHeldError as held:
+            raise JobRunningError(held, self.cfg.store.run_root) from None
+        except StorageUnavailableError:
+            raise
+        except Exception as e:  # the lease is advisory (commits are create-if-absent): the steps name the fault
+            logger.warning("job lease not taken (%s); starting without it", e)
+            return
+        self._lease = lease
+        self._lease_due = time.monotonic() + JOB_LEASE_TTL_S / 4
+
+    def _renew_job_lease(self, now: float) -> bool:
+        """Renew the job lease when due; False when another job took the run root over (the job stops: exit 5)."""
+        if self._lease is None or now < self._lease_due:
+            return True
+        self._lease_due = now + JOB_LEASE_TTL_S / 4
+        try:
+            self._lease.renew()
+            return True
+        except LeaseLostError as lost:  # expired (a long storage outage) or taken over: claim it again if free
+            again = job_lease(self.store)
+            try:
+                again.acquire(take_over_own=True)
+            except LeaseHeldError as held:
+                logger.error("%s; %s: stopping this job", lost, JobRunningError(held, self.cfg.store.run_root))
+                self._lease = None
+                self.failure = Exit.LEASE_LOST
+                return False
+            except Exception as e:
+                logger.warning("job lease not renewed (%s)", e)
+                return True
+            logger.warning("%s; claimed it again (epoch %d)", lost, again.epoch)
+            self._lease = again
+            return True
+        except Exception as e:  # an outage or a full run root: the steps see it too; the next renewal retries
+            logger.warning("job lease not renewed (%s)", e)
+            return True
+
+    def _release_job_lease(self) -> None:
+        if self._lease is None:
+            return
+        try:
+            self._lease.release()
+        except Exception as e:  # a dead holder's lease on this host is taken over at once anyway
+            logger.warning("job lease not released (%s)", e)
+        self._lease = None
 
     def _build_specs(self) -> list[StepSpec]:
         configs = self.job.to_worker_configs()
@@ -258,6 +367,8 @@ class JobRunner:
         try:
             while True:
                 now = time.monotonic()
+                if not self._renew_job_lease(now):
+                    return self.failure
                 for spec in self.steps:
                     if not self._tend(spec, now):
                         return self.failure
@@ -266,8 +377,9 @@ class JobRunner:
                 if drain_deadline is None and not self._stopping:
                     self._unless_storage_unavailable(self._tend_pool)
                 if self._stopping:
-                    logger.info("interrupted: stopping every step")
-                    return Exit.INTERRUPTED
+                    name = signal.Signals(self._stop_signal).name
+                    logger.info("interrupted (%s): stopping every step", name)
+                    return exit_code(self._stop_signal)
                 if learner.finished and drain_deadline is None:
                     drain_deadline = now + EVALUATOR_DRAIN_S
                     if self.pool is not None:
@@ -395,6 +507,8 @@ class JobRunner:
             time.sleep(0.1)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
+        if not self._stopping:
+            self._stop_signal = signum
         self._stopping = True
 
 

@@ -45,10 +45,21 @@ class Exit(enum.IntEnum):
     NO_PROGRESS = 9
     """The step cannot make progress on its input as configured (every generation of a rollout worker fails the
     same way): the message names the cause. Never restarted."""
+    REPLAY_MISMATCH = 10
+    """`steps.replay` trained the committed batches from the checkpoint and the result is not bitwise equal to the
+    run's committed policy: the line names the first differing tensor (every one is listed on stdout). Not a bug
+    of replay, and not a job step's code."""
+    LEARNING_CHECK = 11
+    """`steps.demo` ran its job to the end but the run failed a learning check (end reward < 3 × start reward, or
+    fewer than 3 of 7 probe prompts answered with "cat"): the line names the checks that failed."""
     STORAGE_UNAVAILABLE = 75
     """The run root's storage could not be reached (EX_TEMPFAIL): restarted with backoff for a bounded outage."""
     INTERRUPTED = 130
-    """Stopped by the user (a second SIGINT/SIGTERM, or the job runner's Ctrl-C): 128 + SIGINT."""
+    """Stopped by the user (Ctrl-C: SIGINT; a second SIGINT/SIGTERM of a step with a clean stop of its own): 128 +
+    SIGINT."""
+    TERMINATED = 143
+    """Stopped by SIGTERM (a scheduler's or a container's stop) where the program has no clean stop of its own:
+    128 + SIGTERM."""
 
 
 LABELS: dict[int, str] = {
@@ -61,8 +72,11 @@ LABELS: dict[int, str] = {
     Exit.DAMAGED_INPUT: "damaged input",
     Exit.STORAGE_FAULT: "storage fault",
     Exit.NO_PROGRESS: "no progress",
+    Exit.REPLAY_MISMATCH: "replay mismatch",
+    Exit.LEARNING_CHECK: "learning check failed",
     Exit.STORAGE_UNAVAILABLE: "storage unavailable",
     Exit.INTERRUPTED: "interrupted",
+    Exit.TERMINATED: "terminated",
 }
 """The word(s) after `error: ` in a step's one-line report of an expected failure with that exit code."""
 
@@ -106,3 +120,16 @@ class NoProgressError(ExpectedFailure):
     """A step cannot make progress on its input as configured."""
 
     exit_code = Exit.NO_PROGRESS
+
+
+class ReplayMismatchError(ExpectedFailure):
+    """`steps.replay`'s policy differs from the run's committed policy (the message names the first differing
+    tensor)."""
+
+    exit_code = Exit.REPLAY_MISMATCH
+
+
+class LearningCheckError(ExpectedFailure):
+    """`steps.demo`'s run did not pass its learning checks (the message names the failed checks)."""
+
+    exit_code = Exit.LEARNING_CHECK

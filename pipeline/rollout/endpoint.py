@@ -31,9 +31,16 @@ what is queued (waiting `batch_window_s` for more), groups the requests that sha
 that wants to wait on a future while the endpoint's health is checked).
 
 Errors: a malformed request gets 400 naming the field (`{"error": {"message", "type", "param", "code"}}`); a
-prompt of `max_seq_len` tokens or more gets 400; an unknown route 404, an unknown or closed episode 404, a full
-queue 503. On a non-loopback host a `token` is required (ValueError at construction) and every request must carry
-`Authorization: Bearer <token>` (401 otherwise). Nothing a request does stops the server or the sampler.
+prompt of `max_seq_len` tokens or more gets 400; an unknown route 404, an unknown or closed episode 404. With a
+`token` (required on a non-loopback host: ValueError at construction) every request, on every route, must carry
+`Authorization: Bearer <token>` (401 otherwise; compared in constant time). Nothing a request does stops the
+server or the sampler.
+
+Load: at most `max_pending` requests wait for the sampler at once (queued or being sampled); one more is answered
+503 at once. The server (`pipeline.process.listener.BoundedHTTPServer`) serves at most `max_connections`
+connections at once (default `max_pending + 64`), each in its own thread; a connection beyond that is answered 503
+and closed. A connection that sends nothing, or stops sending, for `read_timeout_s` is closed (an idle keep-alive
+connection too), so connections that never send a request cannot hold the server's threads.
 
 Capture: `open_episode(episode_id)` returns an `EpisodeCapture` whose `base_url` is the episode's prefix; every call
 answered under it is recorded as `CapturedCall`s (the exact prompt ids, the sampled ids, the sampler's logprobs,
@@ -45,7 +52,6 @@ Nothing here imports JAX.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import itertools
 import json
 import logging
@@ -56,7 +62,6 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
@@ -64,6 +69,8 @@ import numpy as np
 from pipeline.environments.base import Completion, check_completions, effective_stop_tokens, encode_prompt
 from pipeline.environments.chat import assistant_message, parse_tool_calls
 from pipeline.environments.generation import NO_CONTROLS, GenerationRequest, SamplingControls
+from pipeline.process.listener import BoundedHandler, BoundedHTTPServer
+from pipeline.process.ports import Announcement, announce, bearer_ok, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,11 @@ UNKNOWN_POLICY_STEP = -1
 MAX_BODY_BYTES = 32 << 20
 """Largest request body accepted (413 above)."""
 DEFAULT_MODEL_NAME = "rlpipe-policy"
+READ_TIMEOUT_S = 60.0
+"""Default `read_timeout_s`: a connection silent this long is closed."""
+EXTRA_CONNECTIONS = 64
+"""Default `max_connections` is `max_pending` plus this many (connections with no request waiting: idle
+keep-alive connections, requests being read or answered)."""
 
 
 @dataclasses.dataclass
@@ -149,16 +161,6 @@ class _Job:
         return (self.n, self.temperature, self.max_tokens, self.stop_tokens, self.controls, self.seed)
 
 
-def is_loopback(host: str) -> bool:
-    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class GenerateEndpoint:
     """The generate endpoint over `context` (see the module docstring); a context manager (`start` / `close`).
 
@@ -167,7 +169,10 @@ class GenerateEndpoint:
     `UNKNOWN_POLICY_STEP`). `temperature` / `controls` set: every request samples with them (a request's own are
     ignored), so captured logprobs are those of the lesson's distribution. `max_tokens`: the default and the cap of a
     request's new tokens (None: default `max_seq_len - len(prompt)`, no cap). `seed`: seeds the draws of requests
-    that give none. Raises ValueError for a non-loopback `host` without a `token`.
+    that give none. `max_pending`, `max_connections` (None: `max_pending + EXTRA_CONNECTIONS`) and `read_timeout_s`
+    bound the load a client can put on it (see the module docstring). `reuse_port`: bind with SO_REUSEPORT, to
+    serve on a port that the program which started this one reserved (`pipeline.process.ports.reserve_port`).
+    Raises ValueError for a non-loopback `host` without a `token`.
     """
 
     def __init__(
@@ -186,6 +191,9 @@ class GenerateEndpoint:
         seed: int = 0,
         batch_window_s: float = 0.005,
         max_pending: int = 1024,
+        max_connections: int | None = None,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        reuse_port: bool = False,
         capture_log: str | None = None,
     ) -> None:
         if max_seq_len < 2:
@@ -194,6 +202,8 @@ class GenerateEndpoint:
             raise ValueError(f"host={host!r} is not loopback: a token is required (every request must carry it)")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens}: must be >= 1 or None")
+        if max_pending < 1:
+            raise ValueError(f"max_pending={max_pending}: must be >= 1")
         self.context = context
         self.max_seq_len = int(max_seq_len)
         self._policy_step = policy_step
@@ -206,13 +216,18 @@ class GenerateEndpoint:
         self.max_tokens = max_tokens
         self.batch_window_s = batch_window_s
         self.max_pending = max_pending
+        self.max_connections = max_pending + EXTRA_CONNECTIONS if max_connections is None else int(max_connections)
+        self.read_timeout_s = float(read_timeout_s)
+        self.reuse_port = reuse_port
         self.capture_log = capture_log
+        self._pending = 0
+        self._pending_lock = threading.Lock()
         self._rng = np.random.default_rng(seed)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._episodes: dict[str, EpisodeCapture] = {}
         self._lock = threading.Lock()
         self._seq = itertools.count()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _Server | None = None
         self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
         self._log_lock = threading.Lock()
@@ -226,7 +241,13 @@ class GenerateEndpoint:
         """Bind and start serving (idempotent); returns self."""
         if self._server is not None:
             return self
-        server = _Server((self.host, self.port), _Handler)
+        server = _Server(
+            (self.host, self.port),
+            _Handler,
+            max_connections=self.max_connections,
+            read_timeout_s=self.read_timeout_s,
+            reuse_port=self.reuse_port,
+        )
         server.endpoint = self
         self._server = server
         self.port = int(server.server_address[1])
@@ -237,6 +258,12 @@ class GenerateEndpoint:
             t.start()
         logger.info("generate endpoint serving on %s", self.base_url)
         return self
+
+    def announce(self, path: str) -> Announcement:
+        """Write the bound `host:port` to `path` atomically (`pipeline.process.ports.announce`); after `start`."""
+        if self._server is None:
+            raise RuntimeError("the endpoint is not started")
+        return announce(path, self._server.socket)
 
     def close(self) -> None:
         """Stop serving: the server shuts down, queued requests get 503, the sampler thread ends."""
@@ -363,8 +390,6 @@ class GenerateEndpoint:
             controls = self.controls
         if self._closed.is_set():
             raise EndpointError(503, "the endpoint is closed")
-        if self._queue.qsize() >= self.max_pending:
-            raise EndpointError(503, f"{self.max_pending} requests already wait for the sampler; retry later")
         job = _Job(
             ids,
             n,
@@ -375,8 +400,22 @@ class GenerateEndpoint:
             seed,
             next(self._seq),
         )
-        self._queue.put(job)
-        return job.future.result(timeout=timeout)
+        with self._pending_lock:
+            if self._pending >= self.max_pending:
+                raise EndpointError(503, f"{self.max_pending} requests already wait for the sampler; retry later")
+            self._pending += 1
+        try:
+            self._queue.put(job)
+            return job.future.result(timeout=timeout)
+        finally:
+            with self._pending_lock:
+                self._pending -= 1
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for the sampler now (queued or being sampled)."""
+        with self._pending_lock:
+            return self._pending
 
     def _sampler_loop(self) -> None:
         while not self._closed.is_set():
@@ -463,10 +502,8 @@ class GenerateEndpoint:
             return 500, _error_body(EndpointError(500, f"internal error: {type(e).__name__}: {e}"))
 
     def _route(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> dict[str, Any]:
-        if self.token is not None:
-            auth = headers.get("authorization", "")
-            if auth != f"Bearer {self.token}":
-                raise EndpointError(401, "a valid 'Authorization: Bearer <token>' header is required", "authorization")
+        if self.token is not None and not bearer_ok(headers.get("authorization"), self.token):
+            raise EndpointError(401, "a valid 'Authorization: Bearer <token>' header is required", "authorization")
         path = path.split("?", 1)[0].rstrip("/")
         capture: EpisodeCapture | None = None
         if path.startswith("/episodes/"):
@@ -841,14 +878,11 @@ def _error_body(e: EndpointError) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 256  # a burst of concurrent connections must not overflow the listen backlog
+class _Server(BoundedHTTPServer):
     endpoint: GenerateEndpoint
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(BoundedHandler):
     server: _Server
 
     def log_message(self, format: str, *args: Any) -> None:

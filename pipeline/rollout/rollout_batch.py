@@ -101,6 +101,7 @@ class RolloutBatchStats:
             temperature=self.temperature,
             source=source,
             timestamp=time.time() if timestamp is None else timestamp,
+            n_failures=self.n_failures,
         )
 
 

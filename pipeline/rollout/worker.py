@@ -92,44 +92,14 @@ def failure_kind(reason: str) -> str:
     return re.sub(r"\d+", "#", head) or "<no reason>"  # "prompt has 9 tokens > …" and "… 12 tokens …": one kind
 
 
-PROMPT_PROBE = 16
-"""Prompts drawn per lesson at a worker's start to check that some fit the sampler (`check_prompts_fit`)."""
-
-
 def check_prompts_fit(config: RolloutStepConfig, tokenizer: Any) -> None:
-    """Refuse (ConfigError naming the sequence-length field) a lesson none of whose prompts fits the sampler: a
-    prompt of >= max_seq_len tokens (`inference.max_seq_len`, else `model.max_seq_len`) leaves no room to generate,
-    so every generation would fail. Checked at start on `PROMPT_PROBE` prompts drawn from each single-turn lesson
-    (one that fits is enough); an environment that cannot be built or drawn from here is left to the worker, which
-    reports it per lesson (and stops with NoProgressError when every generation fails the same way)."""
-    from pipeline.config import ConfigError
-    from pipeline.environments import load_environment
-    from pipeline.environments.base import SingleTurnEnvironment, encode_prompt
+    """The start checks of every lesson (`pipeline.environments.start_checks.check_lessons`): each environment
+    loads, some of the prompts drawn fits the sampler (a prompt of >= max_seq_len tokens leaves no room to
+    generate), some reference answer can be produced within `max_tokens`, and some row fits `train.seq_len`;
+    ConfigError (exit 2) naming the lesson and the field otherwise."""
+    from pipeline.environments.start_checks import check_lessons
 
-    limit = getattr(config.inference, "max_seq_len", None)
-    field = "inference.max_seq_len" if limit is not None else "model.max_seq_len"
-    limit = limit if limit is not None else config.model.max_seq_len
-    for lesson_id, lesson in config.curriculum.lessons.items():
-        try:
-            env = load_environment(lesson.env)
-            if not isinstance(env, SingleTurnEnvironment):
-                continue
-            examples = env.examples(PROMPT_PROBE, np.random.default_rng(config.seed), "train")
-            lengths = [
-                len(encode_prompt(tokenizer, ex.prompt, add_bos=env.add_bos, chat=lesson.chat))
-                for ex in examples
-                if ex.prompt is not None and ex.error is None
-            ]
-        except Exception as e:  # the worker reports it when it samples the lesson
-            logger.debug("prompt-length check of lesson %s skipped: %s", lesson_id, e)
-            continue
-        if lengths and min(lengths) >= limit:
-            raise ConfigError(
-                field,
-                limit,
-                f"no prompt of lesson {lesson_id!r} fits: {len(lengths)} drawn have {min(lengths)}..{max(lengths)} "
-                "tokens, and a prompt of >= max_seq_len tokens leaves no room to generate",
-            )
+    check_lessons(config, tokenizer)
 
 
 class RolloutWorker:
@@ -303,7 +273,7 @@ class RolloutWorker:
         """Block until a committed policy exists; return the newest step.
 
         Raises `WaitTimeout` naming `policies/step-00000000/COMMITTED` after `wait_for_policy_timeout_s`, or
-        when the worker is stopped while waiting.
+        when the worker is stopped while waiting (`run` then stops cleanly).
         """
 
         def check_stop() -> None:
@@ -577,9 +547,12 @@ class RolloutWorker:
         try:
             self.start()
         except WaitTimeout as e:
-            if self.config.follow or self._stop.is_set():
+            if self._stop.is_set():  # stopped (a signal, control/STOP) before the first policy: a clean stop, exit 0
+                pass
+            elif self.config.follow:
                 raise
-            self.stop(f"nothing to do: no committed policy yet ({e})")  # not follow mode: exit 0 saying why
+            else:
+                self.stop(f"nothing to do: no committed policy yet ({e})")  # not follow mode: exit 0 saying why
         self._progress = (self._last_batch_slot(), self._latest_policy(), time.monotonic())
         writes = 0
         self._start_prefetch()

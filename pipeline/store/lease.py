@@ -65,12 +65,21 @@ class LeaseError(Exception):
 class LeaseHeldError(LeaseError):
     """Another instance holds the lease; `holder` is its name, `expires_in` seconds until it lapses."""
 
-    def __init__(self, holder: str, expires_in: float, name: str = "", epoch: int = 0) -> None:
+    def __init__(
+        self, holder: str, expires_in: float, name: str = "", epoch: int = 0, *, host: str = "", pid: int = 0,
+        claimed_at: float = 0.0,
+    ) -> None:  # fmt: skip
         super().__init__(f"lease {name!r} epoch {epoch} is held by {holder!r} for another {expires_in:.1f}s")
         self.holder = holder
         self.expires_in = expires_in
         self.name = name
         self.epoch = epoch
+        self.host = host
+        """The holder's host, as its claim records it ('' when unknown)."""
+        self.pid = pid
+        """The holder's process id on that host (0 when unknown)."""
+        self.claimed_at = claimed_at
+        """When the holder claimed this epoch (its wall clock; 0 when unknown)."""
 
 
 class LeaseLostError(LeaseError):
@@ -104,6 +113,7 @@ class _EpochState:
     released: bool
     host: str = ""
     pid: int = 0
+    claimed_at: float = 0.0
 
     def holder_dead(self) -> bool:
         """Whether the claim names a process of this host that no longer runs."""
@@ -174,6 +184,7 @@ class Lease:
             released=released,
             host=str(claim.get("host", "")),
             pid=int(claim.get("pid", 0) or 0),
+            claimed_at=float(claim.get("time", 0.0)),
         )
 
     def _read(self, rel: str) -> dict[str, Any] | None:
@@ -202,7 +213,8 @@ class Lease:
             expires_in = state.last_activity + state.ttl_s - now
             own = take_over_own and state.holder == self.holder
             if expires_in > 0 and not own and not state.holder_dead():
-                raise LeaseHeldError(state.holder, expires_in, self.name, state.epoch)
+                raise LeaseHeldError(state.holder, expires_in, self.name, state.epoch, host=state.host,
+                                     pid=state.pid, claimed_at=state.claimed_at)  # fmt: skip
             if expires_in > 0 and not own:
                 logger.info("lease %s: epoch %d's holder %r (pid %d on this host) is dead; taking over at once",
                             self.name, state.epoch, state.holder, state.pid)  # fmt: skip

@@ -36,12 +36,16 @@ local chat template, `max_tokens` is cut so that the rendered prompt plus the tu
 
 Retries: connection errors, timeouts and 5xx answers are retried `max_retries` times with backoff; 4xx
 answers raise `OpenAIBackendError` naming the URL, status and body.
+
+Key: with `api_key_env`, every request carries `Authorization: Bearer <the variable's value>` (`set_api_key`
+changes it: the `server` backend sends each start's own secret).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import re
 import threading
 import time
@@ -49,7 +53,7 @@ from typing import Any
 
 import httpx
 
-from pipeline.config import OpenAIInferenceConfig
+from pipeline.config import ConfigError, OpenAIInferenceConfig
 from pipeline.environments import Completion
 from pipeline.environments.chat import ChatRequest, ChatTurn
 from policy.inference.base import (
@@ -120,9 +124,7 @@ class OpenAIBackend(InferenceBackend):
         self.config = config
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
-        self.base_url = config.openai_base_url.rstrip("/")
-        self._completions_url = f"{self.base_url}/completions"
-        self._chat_url = f"{self.base_url}/chat/completions"
+        self.set_base_url(config.openai_base_url)
         self._prompt_format = prompt_format
         self._server_kind: str | None = None
         self._max_retries = max_retries
@@ -130,6 +132,25 @@ class OpenAIBackend(InferenceBackend):
         self._client = httpx.Client(timeout=httpx.Timeout(config.request_timeout_s, connect=30.0))
         self._lock = threading.Lock()
         self.served_step: int | None = None
+        key_env = getattr(config, "api_key_env", None)
+        if key_env:
+            key = os.environ.get(key_env)
+            if not key:
+                raise ConfigError("inference.api_key_env", key_env, "names an environment variable that is not set")
+            self.set_api_key(key)
+
+    def set_base_url(self, url: str) -> None:
+        """Talk to the server at `url` (`http://host:port/v1`) from now on."""
+        self.base_url = url.rstrip("/")
+        self._completions_url = f"{self.base_url}/completions"
+        self._chat_url = f"{self.base_url}/chat/completions"
+
+    def set_api_key(self, key: str | None) -> None:
+        """Send `Authorization: Bearer <key>` with every request from now on (None: no such header)."""
+        if key is None:
+            self._client.headers.pop("Authorization", None)
+        else:
+            self._client.headers["Authorization"] = f"Bearer {key}"
 
     @classmethod
     def from_config(cls, config: Any, build: BackendBuild) -> OpenAIBackend:

@@ -13,6 +13,7 @@ from pipeline.config import LocalBackendConfig
 from pipeline.jobs.launchers.base import StepProcess, StepSpec
 from pipeline.jobs.launchers.forkserver import ForkedProcess, ForkServer
 from pipeline.jobs.step_logs import LogTarget, StepLog
+from pipeline.process.ports import ReservedPort, reserve_port
 
 
 class LocalProcess:
@@ -113,10 +114,13 @@ class ProcessGroup:
     Process i gets `RLPIPE_COORDINATOR`, `RLPIPE_NUM_PROCESSES`, `RLPIPE_PROCESS_ID`; logs go to
     `logs/<step>/<attempt>.p<i>.log`. The group has ended when every process has; its exit code is the first
     non-zero one. When one process fails, the others are killed at once (they would block in a collective), so
-    the supervisor restarts the whole group."""
+    the supervisor restarts the whole group. The coordinator's port is reserved by the runner
+    (`pipeline.process.ports.reserve_port`) until the group has ended: no other program can bind it meanwhile,
+    while process 0's coordinator (gRPC, SO_REUSEPORT) can."""
 
-    def __init__(self, procs: list[LocalProcess]) -> None:
+    def __init__(self, procs: list[LocalProcess], port: ReservedPort | None = None) -> None:
         self._procs = procs
+        self._port = port
 
     @property
     def pid(self) -> int | None:
@@ -143,8 +147,17 @@ class ProcessGroup:
             for p in self._procs:
                 p._proc.wait()
                 p.poll()
+            self._release()
             return failed[0]
-        return None if any(c is None for c in codes) else 0
+        if any(c is None for c in codes):
+            return None
+        self._release()
+        return 0
+
+    def _release(self) -> None:
+        """Release the coordinator's port (the group has ended)."""
+        if self._port is not None:
+            self._port.close()
 
     def terminate(self) -> None:
         """SIGTERM every process."""
@@ -157,26 +170,24 @@ class ProcessGroup:
             p.kill()
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now (for a group's coordinator)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_group(spec: StepSpec, log: LogTarget, processes: int, fork_server: ForkServer | None = None) -> StepProcess:
-    """Start `processes` copies of the step's program wired to one coordinator on loopback."""
-    coordinator = f"127.0.0.1:{free_port()}"
-    procs = []
-    for i in range(processes):
-        env = {
-            **child_env(spec, log),
-            "RLPIPE_COORDINATOR": coordinator,
-            "RLPIPE_NUM_PROCESSES": str(processes),
-            "RLPIPE_PROCESS_ID": str(i),
-        }
-        target = log if i == 0 else dataclasses.replace(log, attempt=f"{log.attempt}.p{i}")
-        procs.append(LocalProcess(spec.module, spec.config_path, target, env, fork_server))
-    return ProcessGroup(procs)
+    """Start `processes` copies of the step's program wired to one coordinator on loopback, on a port reserved
+    for the group's lifetime (see `ProcessGroup`)."""
+    port = reserve_port()
+    procs: list[LocalProcess] = []
+    try:
+        for i in range(processes):
+            env = {
+                **child_env(spec, log),
+                "RLPIPE_COORDINATOR": port.address,
+                "RLPIPE_NUM_PROCESSES": str(processes),
+                "RLPIPE_PROCESS_ID": str(i),
+            }
+            target = log if i == 0 else dataclasses.replace(log, attempt=f"{log.attempt}.p{i}")
+            procs.append(LocalProcess(spec.module, spec.config_path, target, env, fork_server))
+    except BaseException:
+        for p in procs:
+            p.kill()
+        port.close()
+        raise
+    return ProcessGroup(procs, port)

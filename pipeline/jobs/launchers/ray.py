@@ -165,6 +165,8 @@ class StepActor:
         self._pending: int | None = None
         """A signal that arrived before the program started (delivered as soon as it starts)."""
         self._lock = threading.Lock()
+        self._port: Any = None
+        """The coordinator port this actor holds (`coordinator_address`), released when the actor ends."""
 
     def run(self, module: str, config_yaml: str, env: dict[str, str], log: LogTarget) -> int:
         """Write the config locally, run the step program, return its exit code."""
@@ -195,15 +197,16 @@ class StepActor:
             step_log.close()
 
     def coordinator_address(self) -> str:
-        """host:port on this actor's node, the port free there now (for a `jax.distributed` coordinator)."""
-        import socket
-
+        """host:port on this actor's node for a `jax.distributed` coordinator: a port this actor reserves
+        (`pipeline.process.ports.reserve_port`) and holds for its own life, so no other program on the node can
+        bind it while process 0's coordinator (gRPC, SO_REUSEPORT) can."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return f"{ray.util.get_node_ip_address()}:{port}"
+        from pipeline.process.ports import reserve_port
+
+        if self._port is None:
+            self._port = reserve_port()
+        return f"{ray.util.get_node_ip_address()}:{self._port.port}"
 
     def stop(self, signum: int) -> None:
         """Send `signum` to the step program; one that has not started yet gets it as soon as it starts (a stop

@@ -27,10 +27,15 @@ class ServerAdapter(abc.ABC):
     """Tells one server to load a committed policy and says which policy it serves.
 
     `needs_hf = True`: the server loads Hugging Face folders (`policies/step-S/hf/`), which must exist first.
+    `announces = True`: the server, started with port 0, binds a port itself and announces it
+    (`pipeline.process.ports`); otherwise the worker must give it a port number. `identity_route`: a GET route
+    that answers 200 to the start's secret and 401 to any other (the worker's identity check).
     """
 
     name = "abstract"
     needs_hf = False
+    announces = False
+    identity_route = "/v1/models"
 
     def __init__(self, root_url: str, client: httpx.Client) -> None:
         self.root_url = root_url.rstrip("/")

@@ -12,6 +12,14 @@ checked against the commit marker):
     GET  /v1/models                        [{"id": "policy@step-<S:08d>"}]
 and an `X-Policy-Step: S` header on every response, so each completion names the policy that produced it.
 
+Address and identity (`pipeline.process.ports`): the launcher binds its port itself (`--port 0`: one the kernel
+picks) and, once it accepts connections, writes the bound `host:port` atomically to the file named by
+`--announce_file` or `RLPIPE_SERVER_ANNOUNCE` (the worker waits for it and talks to that address only). With
+`RLPIPE_SERVER_TOKEN` set (the worker sets a fresh secret at every start), every request, on every route
+(`/health` included), must carry `Authorization: Bearer <secret>`; any other gets 401 (compared in constant time).
+A non-loopback `--host` needs that secret. At most `--max_connections` connections are served at once (503 beyond
+them); a connection silent for `--read_timeout_s` (one that never sends a request included) is closed.
+
 Run (what `inference.command` starts; placeholders are filled by the worker):
     python -m policy.inference.adapters.levanter_server --run_root {run_root} --host {host} --port {port} \
         --model_json '{model_json}' [--step {step}] [--max_seqs 16] [--page_size 16]
@@ -23,11 +31,13 @@ import argparse
 import json
 import logging
 import os
+import socket
 import threading
 from typing import Any
 
 import httpx
 
+from pipeline.process.ports import ServerIdentity, bind_listener, is_loopback
 from policy.inference.adapters.base import ServerAdapter, ServerLoadError
 
 logger = logging.getLogger(__name__)
@@ -41,6 +51,8 @@ class LevanterServerAdapter(ServerAdapter):
 
     name = "levanter"
     needs_hf = False
+    announces = True
+    identity_route = STEP_ROUTE
 
     def load(self, step: int, policy_dir: str, hf_dir: str, timeout_s: float) -> None:
         """Ask the launcher to reload from committed policy `step`; returns when it serves it."""
@@ -77,9 +89,23 @@ def _engine_config(spec: Any, max_seqs: int, page_size: int) -> Any:
     )
 
 
-def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_seqs: int, page_size: int) -> None:
-    """Serve policy `step` (None: the newest committed) of `run_root` until killed; reload on request."""
+def serve(
+    run_root: str,
+    spec: Any,
+    host: str,
+    port: int,
+    step: int | None,
+    max_seqs: int,
+    page_size: int,
+    identity: ServerIdentity | None = None,
+    max_connections: int = 64,
+    read_timeout_s: float = 5.0,
+) -> None:
+    """Serve policy `step` (None: the newest committed) of `run_root` until killed; reload on request. `identity`:
+    the secret every request must carry and the file to announce the bound address in (see the module
+    docstring)."""
     from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
     from levanter.inference.openai import InferenceServer, InferenceServerConfig
 
     from pipeline.environments.tokenizer import load_tokenizer
@@ -88,6 +114,7 @@ def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_
     from pipeline.store.storage import RunStore
     from policy.policy_format import policy_metadata, read_policy
 
+    identity = identity or ServerIdentity(None, None)
     store = RunStore(run_root)
     tokenizer = load_tokenizer(spec.tokenizer)
     if step is None:
@@ -104,6 +131,14 @@ def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_
         response = await call_next(request)
         response.headers["X-Policy-Step"] = str(state["step"])
         return response
+
+    @srv.app.middleware("http")  # added last: the outermost, so it runs before every route
+    async def require_secret(request: Any, call_next: Any) -> Any:
+        if not identity.check(request.headers):
+            error = {"message": "a valid 'Authorization: Bearer <token>' header is required",
+                     "type": "authentication_error", "param": "authorization", "code": 401}  # fmt: skip
+            return JSONResponse({"error": error}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @srv.app.post(LOAD_ROUTE)
     def load_route(body: dict[str, Any]) -> dict[str, Any]:  # sync: FastAPI runs it in a worker thread
@@ -127,26 +162,78 @@ def serve(run_root: str, spec: Any, host: str, port: int, step: int | None, max_
     def models_route() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": f"policy@step-{state['step']:08d}", "object": "model"}]}
 
-    logger.info("levanter server: policy %d of %s on %s:%d", step, run_root, host, port)
-    srv.serve()
+    sock = bind_listener(host, port)
+    logger.info("levanter server: policy %d of %s on %s:%d", step, run_root, *sock.getsockname()[:2])
+    try:
+        run_uvicorn(srv.app, sock, identity, max_connections=max_connections, read_timeout_s=read_timeout_s)
+    finally:
+        srv.shutdown()
+
+
+def run_uvicorn(
+    app: Any, sock: socket.socket, identity: ServerIdentity, *, max_connections: int, read_timeout_s: float
+) -> None:
+    """Serve `app` with uvicorn on `sock` (bound and listening) until a signal stops it; announce the address once
+    connections are accepted. At most `max_connections` connections or requests at once (uvicorn's
+    `limit_concurrency`: 503 beyond); a connection silent for `read_timeout_s`, from its start or between
+    requests, is closed."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class SilentConnectionTimeout(H11Protocol):
+        """uvicorn's HTTP/1.1 protocol, whose idle timer (`timeout_keep_alive`) also runs from the connection's
+        start: a connection that never sends a request is closed like an idle keep-alive one."""
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                where = identity.announce(sock)
+                if where is not None:
+                    logger.info("announced %s in %s", where.address, identity.announce_file)
+
+    config = uvicorn.Config(
+        app,
+        http=SilentConnectionTimeout,
+        limit_concurrency=max_connections,
+        timeout_keep_alive=max(1, round(read_timeout_s)),
+        log_level="info",
+    )
+    AnnouncingServer(config).run(sockets=[sock])
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m policy.inference.adapters.levanter_server ...` (see the module docstring)."""
-    from pipeline.config import ModelSpec
+    from pipeline.config import ConfigError, ModelSpec
+    from pipeline.process.ports import ANNOUNCE_ENV, TOKEN_ENV
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run_root", required=True)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: a port the kernel picks (announced)")
+    p.add_argument("--announce_file", default=None, help=f"file to announce host:port in (default ${ANNOUNCE_ENV})")
     p.add_argument("--model_json", default="{}", help="ModelSpec fields as JSON")
     p.add_argument("--step", type=int, default=None)
     p.add_argument("--max_seqs", type=int, default=16)
     p.add_argument("--page_size", type=int, default=16)
+    p.add_argument("--max_connections", type=int, default=64, help="connections served at once (503 beyond)")
+    p.add_argument("--read_timeout_s", type=float, default=5.0, help="a connection silent this long is closed")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    identity = ServerIdentity.from_env()
+    if a.announce_file:
+        identity = ServerIdentity(identity.token, a.announce_file)
+    if not is_loopback(a.host) and identity.token is None:
+        raise ConfigError("host", a.host, f"is not loopback: set {TOKEN_ENV} (the secret every request must carry)")
     spec = ModelSpec(**json.loads(a.model_json))
-    serve(a.run_root, spec, a.host, a.port, a.step, a.max_seqs, a.page_size)
+    serve(a.run_root, spec, a.host, a.port, a.step, a.max_seqs, a.page_size, identity,
+          a.max_connections, a.read_timeout_s)  # fmt: skip
     return 0
 
 
