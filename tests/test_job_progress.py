@@ -161,13 +161,13 @@ def test_each_step_line_has_its_own_values_and_none_follow_the_finish(
 ) -> None:
     """Two steps committed between two reads: two lines, each with its own batch's reward; the "now" values
     (batch slot, rollout rate) on the newest only. After `finish()` (the learner finished) nothing is printed."""
+    caplog.set_level("INFO", logger="pipeline.jobs.runner")
+    progress = JobProgress(local_store, 3, terminal=False)
     for slot in (1, 2):
         put_log_entry(local_store, slot)
     _records(local_store, StepKind.BATCHMAKER, {"slot": 1, "mean_reward": 0.1, "staleness_mean": 0.0},
              {"slot": 2, "mean_reward": 0.5, "staleness_mean": 1.0})  # fmt: skip
     _records(local_store, StepKind.LEARNER, {"step": 1, "loss": 0.25}, {"step": 2, "loss": 0.5})
-    caplog.set_level("INFO", logger="pipeline.jobs.runner")
-    progress = JobProgress(local_store, 3, terminal=False)
     progress.update(force=True)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("learner step")]
     assert len(lines) == 2, lines
@@ -182,6 +182,22 @@ def test_each_step_line_has_its_own_values_and_none_follow_the_finish(
     progress.close()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("learner step")]
     assert len(lines) == 2, lines
+
+
+def test_a_resumed_job_shows_only_the_steps_it_commits(local_store: RunStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A job started on a run whose learner already committed 40 steps (a rerun; its learner may re-train them from
+    step 0 without a checkpoint): one "resuming" line, no line for steps 1..40, then one line per new step."""
+    _records(local_store, StepKind.LEARNER, *({"step": s, "loss": 0.5} for s in range(1, 41)))
+    caplog.set_level("INFO", logger="pipeline.jobs.runner")
+    progress = JobProgress(local_store, 50, terminal=False)
+    progress.update(force=True)
+    _records(local_store, StepKind.LEARNER, *({"step": s, "loss": 0.5} for s in range(1, 42)))  # re-trained, then 41
+    progress.update(force=True)
+    progress.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert "resuming: learner step 40/50 was committed before this job started" in messages
+    steps = [m.split()[2] for m in messages if m.startswith("learner step")]
+    assert steps == ["41/50"], steps
 
 
 def test_summary_names_rewards_the_last_evaluation_and_the_report(local_store: RunStore) -> None:

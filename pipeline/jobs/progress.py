@@ -166,6 +166,15 @@ class JobProgress:
             self._redirect.__enter__()
         else:
             logger.info("job started: %d learner steps; one progress line per learner step follows", total)
+        # A resumed run: the steps committed before this job started are not shown again (a learner that restarts
+        # without a checkpoint re-trains them in seconds, which would print a burst of old lines).
+        done = min(self._run.snapshot()["learner_step"], total)
+        if done > 0:
+            self._shown_step = done
+            logger.info("resuming: learner step %d/%d was committed before this job started", done, total)
+            if self._bar is not None:
+                self._bar.n = done
+                self._bar.refresh()
 
     def update(self, *, force: bool = False) -> dict[str, Any] | None:
         """Read the run root (at most every REFRESH_S unless `force`) and show what changed (nothing once
