@@ -35,10 +35,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
-# A `make …` a test runs is a user's make in a fresh shell: not a sub-make of the `make test` that started pytest,
-# whose command-line variables (`make test ARGS="-k x"`) would otherwise reach it through MAKEFLAGS.
-for _name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):
-    os.environ.pop(_name, None)
 # Every program into JAX's persistent compilation cache (when one is set, as `make test` does), not only those
 # that took over a second: each step process compiles ~40 small programs, and the suite starts hundreds of them
 # (measured: a 6-step test job with a warm cache 22.5 -> 20.1 s of CPU).
@@ -52,6 +48,10 @@ from tiers import is_heavy
 
 from pipeline.store.storage import RunStore
 
+# A `make …` a test runs is a user's make in a fresh shell: not a sub-make of the `make test` that started pytest,
+# whose command-line variables (`make test ARGS="-k x"`) would otherwise reach it through MAKEFLAGS.
+for _name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):
+    os.environ.pop(_name, None)
 # Every test process, and every process it starts, compiles with `TEST_XLA_FLAGS` (see tests/jobs.py).
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()

@@ -202,3 +202,49 @@ def test_the_map_rule_reads_sections_and_bullets() -> None:
         ("policy/a.py", False),
     ]:
         assert _named_in_map(ROOT / path, blocks) is named, path
+
+
+def _subpackage(module: str) -> str | None:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "pipeline" and len(parts) > 2 else None
+
+
+KNOWN_MUTUAL = {("pipeline.environments", "pipeline.rollout")}
+"""The one pair of `pipeline/` subpackages that still import each other: the generate endpoint
+(`pipeline/rollout/endpoint.py`) serves environments (agents, verifiers) and is built on their request types. It is
+to leave `rollout/`, with environments given an endpoint instead of importing it; no other pair may appear."""
+
+
+def test_no_two_pipeline_subpackages_import_each_other() -> None:
+    edges = {
+        (a, b)
+        for m, targets in _graph().items()
+        for t in targets
+        if (a := _subpackage(m)) and (b := _subpackage(t)) and a != b
+    }
+    mutual = {tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges}
+    assert mutual <= KNOWN_MUTUAL, f"pipeline subpackages that import each other: {sorted(mutual - KNOWN_MUTUAL)}"
+
+
+def test_the_ground_floor_imports_nothing_above_it() -> None:
+    """`pipeline.process` and `pipeline.store` import no other pipeline subpackage (config included), and
+    importing the storage layer loads at most 25 project modules (35 when it imported the config package)."""
+    import subprocess
+    import sys
+
+    above = [
+        f"{m} -> {t}"
+        for m, targets in _graph().items()
+        if _subpackage(m) in ("pipeline.process", "pipeline.store")
+        for t in targets
+        if _subpackage(t) not in (None, "pipeline.process", "pipeline.store")
+        and not (_subpackage(m) == "pipeline.store" and _subpackage(t) == "pipeline.process")
+    ]
+    assert not above, "\n".join(above)
+    code = (
+        "import sys; import pipeline.store.storage; "
+        "print(sum(m.split('.')[0] in ('schemas', 'pipeline', 'policy', 'steps') for m in sys.modules))"
+    )
+    loaded = int(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout)  # fmt: skip
+    assert loaded <= 25, f"importing pipeline.store.storage loads {loaded} project modules"

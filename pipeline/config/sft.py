@@ -165,9 +165,15 @@ def validate_sft(c: SFTStepConfig) -> None:
             if not fs.exists(path):
                 raise ConfigError("source.paths", p, "no such data file")
     elif isinstance(source, ReasoningGymSourceConfig):
-        from pipeline.environments.reasoning_gym_env import ReasoningGymEnv
+        import importlib
 
+        from pipeline.config.curriculum import ENV_TYPES
+
+        # the class by its registered path, as every lesson's env_class is resolved: the config layer names the
+        # environments and never imports them statically (pipeline.environments imports pipeline.config)
+        module_name, _, class_name = ENV_TYPES["reasoning_gym"].rpartition(".")
+        env_class = getattr(importlib.import_module(module_name), class_name)
         try:
-            ReasoningGymEnv.check_args(source.lesson_env_args())
+            env_class.check_args(source.lesson_env_args())
         except ConfigError as e:
             raise ConfigError(f"source.{e.field}", e.value, str(e).split(": ", 1)[-1]) from None

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from pipeline.config.base import ConfigError
+from pipeline.process.config_error import ConfigError
 from pipeline.process.exits import DamagedInputError
 from pipeline.store import layout
 from schemas.base import SchemaMismatchError, TableSpec

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.config.base import ConfigError
+from pipeline.process.config_error import ConfigError
 from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore
 

@@ -64,8 +64,8 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config.base import ConfigError
 from pipeline.process.backoff import backoff_delay
+from pipeline.process.config_error import ConfigError
 from pipeline.process.exits import StorageFaultError
 from pipeline.store import layout
 from pipeline.store.committed import (

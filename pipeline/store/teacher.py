@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.config.base import ConfigError
+from pipeline.process.config_error import ConfigError
 from pipeline.store import layout
 from pipeline.store.init_policy import resolve_init_policy
 from pipeline.store.storage import RunStore
