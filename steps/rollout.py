@@ -85,9 +85,9 @@ if __name__ == "__main__":
     )
 
 from pipeline.config import RolloutStepConfig
-from pipeline.environments.start_checks import check_rollout_step
+from pipeline.environments.start_checks import check_lessons, check_rollout_step
 from pipeline.environments.tokenizer import load_tokenizer
-from pipeline.rollout.worker import RolloutWorker, check_prompts_fit
+from pipeline.rollout.worker import RolloutWorker
 from policy.rollout_manager import policy_runtime
 
 
@@ -95,7 +95,7 @@ def main(config: RolloutStepConfig) -> int:
     """Run one rollout worker until stopped; returns the exit status (0: clean stop)."""
     check_rollout_step(config)
     tokenizer = load_tokenizer(config.model.tokenizer)
-    check_prompts_fit(config, tokenizer)  # a lesson none of whose prompts fits: exit 2 before anything starts
+    check_lessons(config, tokenizer)  # a lesson none of whose examples can be sampled or trained: exit 2 now
     worker = RolloutWorker(config, runtime=policy_runtime(config, tokenizer), tokenizer=tokenizer)
     worker.install_signal_handlers()
     try:

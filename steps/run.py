@@ -276,15 +276,15 @@ def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
 def check_prompts(job: RLJob) -> None:
     """Refuse (ConfigError naming the sequence-length field and the lesson; exit 2, nothing started) a job with a
     lesson none of whose prompts fits the sampler: the rollout worker's own start-up check
-    (`pipeline.rollout.worker.check_prompts_fit`) on the job's rollout config, run once before any process starts
+    (`pipeline.environments.start_checks.check_lessons`) on the job's rollout config, run once before any process starts
     (it needs the tokenizer and the environments, hence here and not in `validate_job`, which imports neither)."""
+    from pipeline.environments.start_checks import check_lessons
     from pipeline.environments.tokenizer import load_tokenizer
-    from pipeline.rollout.worker import check_prompts_fit
 
     configs = job.to_worker_configs()[StepKind.ROLLOUT.job_name]
     config = configs[0] if isinstance(configs, list) and configs else configs
     if config:
-        check_prompts_fit(config, load_tokenizer(config.model.tokenizer))
+        check_lessons(config, load_tokenizer(config.model.tokenizer))
 
 
 def main(invocation: Invocation) -> int:

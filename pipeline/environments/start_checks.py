@@ -5,11 +5,11 @@ restarted by the job runner):
 
 - **the environment loads** (`lesson_environment`, `check_environments_load`): `load_environment(lesson.env)` is
   run; a constructor that raises (a verifiers `load_environment` that raises, env_args the class does not take, a
-  data file it cannot read) is refused naming `curriculum.lessons.<id>.env` and the cause. Run by `validate_rollout`
-  and `validate_evaluate` (so `python -m steps.rollout` / `steps.evaluate` refuse it before JAX is imported), and by
+  data file it cannot read) is refused naming `curriculum.lessons.<id>.env` and the cause. Run by `check_rollout_step`
+  and `check_evaluate_step` (so `python -m steps.rollout` / `steps.evaluate` refuse it before JAX is imported), and by
   `check_lessons` at job start and rollout worker start.
-- **on `PROMPT_PROBE` examples drawn from each single-turn lesson** (`check_lessons`, the rollout worker's
-  `check_prompts_fit`; a judged lesson is drawn through its base environment):
+- **on `PROMPT_PROBE` examples drawn from each single-turn lesson** (`check_lessons`, at job start and rollout
+  worker start; a judged lesson is drawn through its base environment):
   - some prompt leaves room to generate (< the sampler's `max_seq_len`);
   - some reference answer can be produced (`SingleTurnEnvironment.reference_response`: the answer rendered in
     the lesson's required format; an environment that cannot render one, and a judged lesson, is skipped): it

@@ -92,16 +92,6 @@ def failure_kind(reason: str) -> str:
     return re.sub(r"\d+", "#", head) or "<no reason>"  # "prompt has 9 tokens > …" and "… 12 tokens …": one kind
 
 
-def check_prompts_fit(config: RolloutStepConfig, tokenizer: Any) -> None:
-    """The start checks of every lesson (`pipeline.environments.start_checks.check_lessons`): each environment
-    loads, some of the prompts drawn fits the sampler (a prompt of >= max_seq_len tokens leaves no room to
-    generate), some reference answer can be produced within `max_tokens`, and some row fits `train.seq_len`;
-    ConfigError (exit 2) naming the lesson and the field otherwise."""
-    from pipeline.environments.start_checks import check_lessons
-
-    check_lessons(config, tokenizer)
-
-
 class RolloutWorker:
     """Polls for policies, asks the manager for rollouts, commits them, logs metrics, paces itself.
 
