@@ -106,47 +106,28 @@ def measure_matmul(n: int, repeats: int = 10) -> float:
     return 2 * n**3 / _timeit(lambda: f(a).block_until_ready(), repeats)
 
 
+DIMS = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads")
+"""The model dimensions a shape names (same names in levanter's LlamaConfig and rlpipe's ModelSpec)."""
+
+
 def model_config(shape: str, seq_len: int) -> tuple[Any, int]:
     """(levanter LlamaConfig, vocab size) of a named shape."""
     from levanter.layers.rotary import Llama3RotaryEmbeddingsConfig
     from levanter.models.llama import LlamaConfig
 
     rope = Llama3RotaryEmbeddingsConfig(theta=500000.0, factor=32.0, original_max_position_embeddings=8192)
+    # DIMS; rope factor, tied embeddings, vocab
     if shape == "tiny":
-        return LlamaConfig(
-            seq_len=seq_len,
-            hidden_dim=64,
-            intermediate_dim=128,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            rope=rope,
-            tie_word_embeddings=True,
-        ), 512
-    if shape == "1b":
-        return LlamaConfig(
-            seq_len=seq_len,
-            hidden_dim=2048,
-            intermediate_dim=8192,
-            num_layers=16,
-            num_heads=32,
-            num_kv_heads=8,
-            rope=rope,
-            tie_word_embeddings=True,
-        ), 128256
-    if shape.startswith("8b-l"):
-        rope8 = dataclasses.replace(rope, factor=8.0)
-        return LlamaConfig(
-            seq_len=seq_len,
-            hidden_dim=4096,
-            intermediate_dim=14336,
-            num_layers=int(shape[4:]),
-            num_heads=32,
-            num_kv_heads=8,
-            rope=rope8,
-            tie_word_embeddings=False,
-        ), 128256
-    raise ValueError(f"unknown shape {shape!r}")
+        dims, factor, tied, vocab = (64, 128, 2, 4, 2), 32.0, True, 512
+    elif shape == "1b":
+        dims, factor, tied, vocab = (2048, 8192, 16, 32, 8), 32.0, True, 128256
+    elif shape.startswith("8b-l"):  # Llama-3-8B cut to N layers
+        dims, factor, tied, vocab = (4096, 14336, int(shape[4:]), 32, 8), 8.0, False, 128256
+    else:
+        raise ValueError(f"unknown shape {shape!r}")
+    rope = dataclasses.replace(rope, factor=factor)
+    config = LlamaConfig(seq_len=seq_len, rope=rope, tie_word_embeddings=tied, **dict(zip(DIMS, dims, strict=True)))
+    return config, vocab
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,17 +262,7 @@ def _decode_case(model: Any, variant: str, B: int, args: argparse.Namespace, ban
     else:
 
         def call(seed: int, budget: int) -> int:
-            out = sampler.generate(
-                prompts,
-                list(range(B)),
-                batch_size=B,
-                max_tokens=[budget] * B,
-                max_new_bucket=T,
-                stop_tokens=[],
-                temperature=1.0,
-                seed=seed,
-            )
-            return int(out.lengths.sum())
+            return int(_sample_all(sampler, prompts, budget, T, seed).lengths.sum())
 
     t0 = time.perf_counter()
     call(0, T)
@@ -324,6 +295,22 @@ def _decode_case(model: Any, variant: str, B: int, args: argparse.Namespace, ban
     return row
 
 
+def _sample_all(sampler: Any, prompts: list[list[int]], budget: int, bucket: int, seed: int) -> Any:
+    """One `DenseSampler.generate` call: every prompt once in one batch, `budget` new tokens each (decode bucket
+    `bucket`), temperature 1, no stop tokens."""
+    n = len(prompts)
+    return sampler.generate(
+        prompts,
+        list(range(n)),
+        batch_size=n,
+        max_tokens=[budget] * n,
+        max_new_bucket=bucket,
+        stop_tokens=[],
+        temperature=1.0,
+        seed=seed,
+    )
+
+
 def logprob_mismatch(model: Any, args: argparse.Namespace) -> dict[str, float]:
     """max |sampled logprob - float32 teacher-forced logprob| over 4 sequences (`--prompt-len` prompts, 32 new
     tokens, T = 1) for the fast sampler in bfloat16 and float32 and the legacy one in bfloat16."""
@@ -343,16 +330,7 @@ def logprob_mismatch(model: Any, args: argparse.Namespace) -> dict[str, float]:
         ("legacy_bf16", "legacy", "bfloat16"),
     ):
         sampler = DenseSampler(model, dtype, decode=decode_options(variant))
-        got = sampler.generate(
-            prompts,
-            list(range(B)),
-            batch_size=B,
-            max_tokens=[T] * B,
-            max_new_bucket=T,
-            stop_tokens=[],
-            temperature=1.0,
-            seed=11,
-        )
+        got = _sample_all(sampler, prompts, T, T, seed=11)
         rows = np.array([p + got.tokens[i].tolist() for i, p in enumerate(prompts)], np.int32)
         tf = np.asarray(teacher_forced_logprobs(model, jnp.asarray(rows), temperature=1.0))[:, P:]
         out[f"max_abs_dlogprob_{name}"] = float(np.abs(got.logprobs - tf).max())
@@ -606,11 +584,7 @@ def _rlpipe_learner_run(shape: str, args: argparse.Namespace, B: int, block: int
     S = args.seq_len
     lev, vocab = model_config(shape, seq_len=S)
     spec = ModelSpec(
-        hidden_dim=lev.hidden_dim,
-        intermediate_dim=lev.intermediate_dim,
-        num_layers=lev.num_layers,
-        num_heads=lev.num_heads,
-        num_kv_heads=lev.num_kv_heads,
+        **{name: getattr(lev, name) for name in DIMS},
         max_seq_len=S,
         compute_dtype=args.dtype,
         gradient_checkpointing=args.remat != "none",

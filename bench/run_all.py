@@ -9,8 +9,10 @@ JSON; this program prints each part's own table as it finishes, then the summary
 - learner: tokens/s of a levanter train step, tiny and ~50M-parameter models;
 - rollout: generation tokens/s, our dense sampler vs levanter's InferenceEngine (the peer), both sizes;
 - continuous: the dense sampler's continuous vs static batching on long-tailed completion lengths (tokens/s, goal
-  >= 2x) and prefill work with shared group prefixes at n = 8 (goal <= 1/4) (`bench.bench_continuous`);
-- per-step latency: the demo job's per-hop breakdown and wall seconds per learner step (goal <= 0.2 s);
+  >= 2x) and on equal lengths (goal >= 0.95x), and prefill work with shared group prefixes at n = 8 (goal <= 1/4)
+  (`bench.bench_continuous`);
+- per-step latency: the demo job's per-hop breakdown and wall seconds per learner step (goal <= 0.2 s), and the same
+  at TRL's cats setting (`bench.bench_latency --trl_setting`: mean / median per learner step from step 3, hops);
 - retention: run-root bytes of a 100-step tiny cats job with retention off and on (`bench.bench_retention`);
 - end to end: the demo job (`configs/demo_cats.yaml`) on a fresh run root: learner steps/min, fraction of
   learner wall time spent waiting for batches, rollouts/s, reward at the first and last batch;
@@ -19,6 +21,9 @@ JSON; this program prints each part's own table as it finishes, then the summary
   the GCS emulator: storage requests and latency per batch slot (`bench.bench_scale`, docs/scale.md);
 - publish: publish-to-readable latency of 50/200/800 MB policies, 1 and 2 learner processes writing their own
   shards, local disk and the GCS emulator (`bench.bench_publish`, docs/scale.md);
+- verifiers: the same single-turn task as a verifiers lesson (warm harness pool, and one step with a process per
+  episode) and as an rlpipe environment class on the same sampler: rows/s ratio (goal <= 2) and the per-episode
+  overhead in CPU seconds (`bench.bench_verifiers`);
 - trl: rlpipe vs TRL's GRPOTrainer on the cats task at the tiny and ~50M sizes (needs `trl` and CPU torch, the
   `bench` dependency group that `make bench` installs; `--skip_trl` leaves it out).
 
@@ -62,6 +67,7 @@ PARTS = (
     "retention",
     "scale",
     "publish",
+    "verifiers",
 )
 
 
@@ -187,7 +193,13 @@ def part_latency(tmp: Path, quick: bool) -> dict[str, Any]:
     out = tmp / "latency.json"
     config = "configs/test_cats.yaml" if quick else "configs/demo_cats.yaml"
     _run([sys.executable, "-m", "bench.bench_latency", "--config", config, "--json", str(out)], 3600)
-    return dict(json.loads(out.read_text()))
+    figs = dict(json.loads(out.read_text()))
+    # the same breakdown at TRL's cats setting (the TRL comparison's tiny rlpipe run), steady state from step 3
+    trl_out = tmp / "latency-trl.json"
+    cmd = [sys.executable, "-m", "bench.bench_latency", "--trl_setting", "--json", str(trl_out)]
+    _run([*cmd, *(["--steps", "10"] if quick else [])], 3600)
+    figs["trl_setting"] = json.loads(trl_out.read_text())
+    return figs
 
 
 def part_retention(tmp: Path, quick: bool) -> dict[str, Any]:
@@ -209,6 +221,13 @@ def part_publish(tmp: Path, quick: bool) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "bench.bench_publish", "--sizes_mb", "50" if quick else "50,200,800"]
     _run([*cmd, "--json", str(out)], 3000)
     return list(json.loads(out.read_text())["rows"])
+
+
+def part_verifiers(tmp: Path, quick: bool) -> dict[str, Any]:
+    out = tmp / "verifiers.json"
+    cmd = [sys.executable, "-m", "bench.bench_verifiers", "--steps", "2" if quick else "3"]
+    _run([*cmd, "--per_episode_steps", "0" if quick else "1", "--json", str(out)], 900)
+    return dict(json.loads(out.read_text()))
 
 
 def _f(x: Any, fmt: str = ".3g") -> str:
@@ -331,6 +350,19 @@ def _rows_continuous(results: dict[str, Any]) -> list[Row]:
             f"{c['speedup']:.2f}",
             ">= 2",
         ),
+        *(
+            [
+                (
+                    f"continuous batching, the same {w['prompts']}x{w['n']} samples at equal lengths {w['mean']}",
+                    f"{c['equal']['continuous']['tokens_per_s']:,.0f} tokens/s",
+                    f"static {c['equal']['static']['tokens_per_s']:,.0f} tokens/s",
+                    f"{c['equal']['speedup']:.2f}",
+                    ">= 0.95",
+                )
+            ]
+            if "equal" in c
+            else []
+        ),
         (
             f"prefill tokens, shared group prefixes (n = {w['n']})",
             f"{c['continuous']['prefill_tokens']:,}",
@@ -439,6 +471,19 @@ def _rows_latency(results: dict[str, Any]) -> list[Row]:
                 "<= 0.2 s",
             )
         )
+    trl = (lat or {}).get("trl_setting")
+    if trl:
+        top = sorted(trl["hops_mean_s"].items(), key=lambda kv: -kv[1])[:4]
+        rows.append(
+            (
+                "per-step latency at TRL's cats setting: wall s/learner step, steady (step 3 on) mean / median",
+                f"{_f(trl['steady_s_per_step'])} / {_f(trl['steady_median_step_s'])} s "
+                f"(load {'->'.join(map(str, trl.get('load_avg') or []))})",
+                "mean hops " + ", ".join(f"{h} {_f(s)}" for h, s in top),
+                "-",
+                "<= 0.2 s",
+            )
+        )
     return rows
 
 
@@ -508,6 +553,24 @@ def _rows_publish(results: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _rows_verifiers(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `verifiers` part: the verifiers lesson's rows/s against the rlpipe environment class's on
+    the same task and sampler, with the harness pool and (when measured) a process per episode."""
+    v = results.get("verifiers")
+    if not v:
+        return []
+    base = v["rlpipe"]
+    rows: list[Row] = []
+    for key, label in (("verifiers_pool", "harness pool"), ("verifiers_per_episode", "a process per episode")):
+        m = v.get(key)
+        if m:
+            rows.append((f"verifiers lesson ({label}), {v['episodes_per_step']} episodes/step",
+                         f"{_f(m['rows_per_s'])} rows/s, {m['overhead_cpu_s_per_episode']:.3f} CPU s/episode extra",
+                         f"rlpipe env class {_f(base['rows_per_s'])} rows/s", _f(m["ratio"], ".1f"),
+                         "<= 2" if key == "verifiers_pool" else "-"))  # fmt: skip
+    return rows
+
+
 def summary_rows(results: dict[str, Any]) -> list[Row]:
     """(figure, ours, reference, ratio, goal) rows for whatever parts ran."""
     builders = (
@@ -524,6 +587,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         _rows_retention,
         _rows_scale,
         _rows_publish,
+        _rows_verifiers,
     )
     return [row for build in builders for row in build(results)]
 
@@ -581,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         "retention": part_retention,
         "scale": part_scale,
         "publish": part_publish,
+        "verifiers": part_verifiers,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
     failed = []

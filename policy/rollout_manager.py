@@ -32,7 +32,7 @@ import numpy as np
 
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
 from pipeline.environments import Environment, SampleSpec, load_environment
-from pipeline.environments.base import split_bad_rewards
+from pipeline.environments.base import PromptSkip, split_bad_rewards
 from pipeline.environments.tokenizer import check_chat_lessons
 from pipeline.rollout.rollout_batch import (  # noqa: F401  (re-exported: the manager's return types)
     SUCCESS_REWARD,
@@ -140,6 +140,15 @@ class RolloutManager:
             self._backend.update_model(model)
         logger.info("policy model updated")
 
+    def warm_up(self) -> bool:
+        """Compile one sampler shape a later sampling call is likely to need (`DenseBackend.warm_up`), between calls;
+        True if it did (seconds of work), False when the backend has nothing to warm (cheap). For idle time only."""
+        warm = getattr(self._backend, "warm_up", None)
+        if warm is None:
+            return False
+        with self._lock:
+            return bool(warm())
+
     def shutdown(self) -> None:
         """Release the inference backend."""
         with self._lock:
@@ -176,6 +185,7 @@ class RolloutManager:
         batch_id: str | None = None,
         sampling: SamplingParams | None = None,
         eval_type: str | None = None,
+        skip: PromptSkip | None = None,
     ) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Generate, score and group rollouts of one lesson with the current model.
 
@@ -184,7 +194,8 @@ class RolloutManager:
         external server reports), `worker_id`, the sampling temperature and a timestamp; `rollout_id` is
         `<batch_id>-<i>` and `group_key` `<lesson>/<env group key>/<batch_id>`. `batch_id` defaults to
         `<worker_id>.<uuid4 hex[:12]>`; the worker passes its file stem. Sampling params: `sampling` if
-        given, else the lesson's training params (mode "train") or eval params (mode "eval").
+        given, else the lesson's training params (mode "train") or eval params (mode "eval"). `skip`: prompts a
+        training draw passes over (`pipeline.environments.base.draw_skipping`; difficulty-aware sampling).
         Raises KeyError (unknown lesson), EnvironmentLoadError (environment cannot be built).
         """
         env = self._load_environment(lesson_id)
@@ -196,7 +207,7 @@ class RolloutManager:
         start = time.monotonic()
         with self._lock:
             rows_src, failures, env_metrics, tokens, step = self._sample_with_retries(
-                env, lesson_id, n_examples, n_generations, mode, gen, weight_step, sampling
+                env, lesson_id, n_examples, n_generations, mode, gen, weight_step, sampling, skip
             )
         generate_s = time.monotonic() - start
         token_steps = [min(r.token_policy_steps) for _, r in rows_src if getattr(r, "token_policy_steps", None)]
@@ -261,6 +272,7 @@ class RolloutManager:
         rng: np.random.Generator,
         weight_step: int,
         sampling: SamplingParams,
+        skip: PromptSkip | None = None,
     ) -> tuple[list[tuple[str, Any]], list[RecordedFailure], dict[str, float], int, int]:
         """Run `env.sample`, re-drawing failed examples up to `max_example_retries` times (train mode; in eval mode an
         example that fails is recorded as failed, never replaced: the eval stream is fixed, so a re-draw would
@@ -294,6 +306,7 @@ class RolloutManager:
                 sampling.stop_tokens,
                 mode,
                 chat=self.curriculum_config.lessons[lesson_id].chat,
+                skip=skip if mode == "train" else None,
             )
             result = env.sample(ctx, spec, rng)
             # the one reward check of every environment kind: a missing or non-finite reward fails its example

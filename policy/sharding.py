@@ -36,6 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from haliax.jax_utils import Static
+from haliax.partitioning import infer_resource_partitions
+from haliax.tree_util import hashable_combine, hashable_partition
+from jax.sharding import NamedSharding, PartitionSpec
 
 from policy import lora
 from policy.losses import Batch, RLLossModule
@@ -124,6 +128,39 @@ def combine_update_metrics(per_update: list[dict[str, Any]], epochs: int) -> dic
     return out
 
 
+def jit_on_mesh(fn: Any, lm: LearnerMesh, out_shardings: Any, donate_args: tuple[bool, ...] = ()) -> Any:
+    """`fn` jitted on `lm`'s mesh under its parameter mapping, as `haliax.named_jit(fn, axis_resources=
+    lm.param_mapping)` promises, with the output placed by `out_shardings(*args)` (a pytree prefix of the
+    output). `fn` is traced once per signature: named_jit traces it a second time (`eval_shape`) to learn the
+    output's shardings, a third of a learner's start-up CPU on the tiny models. Arguments and results may mix
+    arrays with static leaves (equinox modules); `donate_args[i]` donates argument i's buffers."""
+    programs: dict[Any, Any] = {}
+
+    def run(donated: Any, kept: Any, static: Static) -> Any:
+        out = fn(*hashable_combine(eqx.combine(donated, kept), static.value))
+        out_dynamic, out_static = hashable_partition(out, eqx.is_array)
+        return out_dynamic, Static(out_static)
+
+    def call(*args: Any) -> Any:
+        dynamic, static = hashable_partition(args, eqx.is_array)
+        flags = tuple(donate_args) + (False,) * (len(args) - len(donate_args))
+        donated, kept = eqx.partition(dynamic, flags)
+        with hax.axis_mapping(lm.param_mapping):
+            program = programs.get(static)
+            if program is None:
+                shardings = (out_shardings(*args), None)  # None: the output's static part
+                program = programs[static] = jax.jit(run, donate_argnums=0, static_argnums=2, out_shardings=shardings)
+            out_dynamic, out_static = program(donated, kept, Static(static))
+        return hashable_combine(out_dynamic, out_static.value)
+
+    return call
+
+
+def param_shardings(tree: Any, lm: LearnerMesh) -> Any:
+    """The shardings `lm`'s parameter mapping gives the arrays of `tree` (a model or an optimizer state)."""
+    return infer_resource_partitions(tree, lm.param_mapping, preserve_existing_shardings=False, mesh=lm.mesh)
+
+
 def make_mesh_train_step(
     loss_module: RLLossModule,
     optimizer: optax.GradientTransformation,
@@ -169,10 +206,11 @@ def make_mesh_train_step(
 
     # the optimizer state is donated: its buffers become the new state's (at 1.5B parameters, 12 GB of Adam
     # moments not held twice). The model is not: a policy publish may still be reading it on another thread.
-    jitted = hax.named_jit(
+    replicated = NamedSharding(lm.mesh, PartitionSpec())
+    jitted = jit_on_mesh(
         update,
-        axis_resources=lm.param_mapping,
-        out_axis_resources=lm.param_mapping,
+        lm,
+        lambda model, opt_state, *_: (param_shardings(model, lm), param_shardings(opt_state, lm), replicated),
         donate_args=(False, True, False, False, False),
     )
 
@@ -181,8 +219,8 @@ def make_mesh_train_step(
             old_values = pre_update_values(logprob_fn, model, batch, n * k)
             return loss_module.slot_targets(batch, old_values)  # type: ignore[attr-defined]
 
-    jitted_old = hax.named_jit(old_logprobs, axis_resources=lm.param_mapping)
-    jitted_targets = hax.named_jit(slot_targets, axis_resources=lm.param_mapping)
+    jitted_old = jit_on_mesh(old_logprobs, lm, lambda *_: replicated)
+    jitted_targets = jit_on_mesh(slot_targets, lm, lambda *_: replicated)
 
     def step_on_mesh(model: Any, opt_state: Any, reference: Any, batch: Batch) -> tuple[Any, Any, dict[str, Any]]:
         with lm.active():

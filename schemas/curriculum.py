@@ -3,9 +3,9 @@
 `curriculum/state-<slot>.json` is written once (create-if-absent) by the one curriculum writer and
 read by rollout workers to sample lessons. Its envelope names the schema and version:
 
-    {"schema": "curriculum_state", "schema_version": 1, "slot": 40, "config_fingerprint": "…",
+    {"schema": "curriculum_state", "schema_version": 2, "slot": 40, "config_fingerprint": "…",
      "rules": {...constants of the folding rules...},
-     "lessons": {"<lesson_id>": {<LessonRecord fields>}, ...},
+     "lessons": {"<lesson_id>": {<LessonRecord fields>, "prompts": {"<example_id>": {<PromptRecord fields>}}}, ...},
      "weights": {"<lesson_id>": p, ...},              # sampling probabilities after this slot
      "events": [{<CurriculumEvent fields>}, ...],    # every status change so far, oldest first
      "attempt_id": "sha256:…"}                        # content hash (identical content, identical id)
@@ -13,6 +13,10 @@ read by rollout workers to sample lessons. Its envelope names the schema and ver
 `CURRICULUM_STATE.to_json(record)` and `CURRICULUM_STATE.from_json(obj, path)` are exact inverses;
 `from_json` checks the schema name and version (SchemaMismatchError naming the path, the expected and
 the found version) and every field (ValidationError naming the path and the field). Pure Python.
+
+Versions: 2 added each lesson's `prompts` (the per-prompt outcome records of difficulty-aware sampling,
+`curriculum.skip_after`); version 1 files (written before it) are still read, as lessons without prompt records.
+Writers write version 2.
 """
 
 from __future__ import annotations
@@ -30,6 +34,22 @@ active: trained on with adaptive weight; graduated: eval ≥ stop_threshold and 
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """The recent outcomes of one prompt (example id) of a lesson: only prompts whose newest draws had no reward
+    spread are recorded (`pipeline.curriculum.rules.fold_prompts`).
+
+    streak: consecutive draws (groups), newest last, in which every sample got the same reward `reward` (capped at
+        `curriculum.skip_after`); the prompt is skipped by training draws once it reaches `skip_after`.
+    reward: that common episode reward (e.g. 1: solved by every sample, 0: solved by none).
+    last_slot: the batch slot whose fold saw its newest draw.
+    """
+
+    streak: int
+    reward: float
+    last_slot: int
+
+
+@dataclasses.dataclass(frozen=True)
 class LessonRecord:
     """Statistics and status of one lesson.
 
@@ -42,6 +62,8 @@ class LessonRecord:
     last_train_slot: batch slot of the newest folded training reward (-1: none).
     recent_groups: the last `SATURATION_WINDOW` (`pipeline.curriculum.rules`) training groups folded, oldest first:
         1 for a group whose rewards were all equal (no learning signal), 0 otherwise (absent in older files: ()).
+    prompts: per example id, its `PromptRecord` (empty unless `curriculum.skip_after` > 0; absent in version 1
+        files: {}); at most `curriculum.max_tracked_prompts` of them.
     """
 
     status: str
@@ -53,6 +75,7 @@ class LessonRecord:
     last_eval_policy_step: int = -1
     last_train_slot: int = -1
     recent_groups: tuple[int, ...] = ()
+    prompts: Mapping[str, PromptRecord] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +135,25 @@ def _groups(v: Any, path: str, field: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v)
 
 
+def _prompts(v: Any, path: str, field: str) -> dict[str, PromptRecord]:
+    if not isinstance(v, dict):
+        raise _fail(path, field, f"must be an object, got {v!r}")
+    out = {}
+    for k, rec in v.items():
+        where = f"{field}.{k}"
+        if not isinstance(rec, dict):
+            raise _fail(path, where, "must be an object")
+        streak = _int(_get(rec, "streak", path, f"{where}."), path, f"{where}.streak")
+        if streak < 1:
+            raise _fail(path, f"{where}.streak", f"must be >= 1, got {streak}")
+        out[str(k)] = PromptRecord(
+            streak=streak,
+            reward=_float(_get(rec, "reward", path, f"{where}."), path, f"{where}.reward"),
+            last_slot=_int(_get(rec, "last_slot", path, f"{where}."), path, f"{where}.last_slot"),
+        )
+    return out
+
+
 def _str(v: Any, path: str, field: str) -> str:
     if not isinstance(v, str) or not v:
         raise _fail(path, field, f"must be a non-empty string, got {v!r}")
@@ -130,6 +172,9 @@ class JsonSpec:
 
     name: str
     version: int
+    readable: tuple[int, ...] = ()
+    """Older versions `from_json` still accepts (besides `version`), each read as `version` with its missing fields
+    at their defaults."""
 
     @property
     def tag(self) -> str:
@@ -149,6 +194,7 @@ class JsonSpec:
                     **dataclasses.asdict(v),
                     "recent_rewards": list(v.recent_rewards),
                     "recent_groups": list(v.recent_groups),
+                    "prompts": {p: dataclasses.asdict(r) for p, r in sorted(v.prompts.items())},
                 }
                 for k, v in rec.lessons.items()
             },
@@ -164,7 +210,7 @@ class JsonSpec:
         if not isinstance(obj, dict):
             raise SchemaMismatchError(path, self.tag, f"a JSON {type(obj).__name__}, not an object")
         found = f"{obj.get('schema', '<none>')}@v{obj.get('schema_version', '<none>')}"
-        if found != self.tag:
+        if found != self.tag and found not in {f"{self.name}@v{v}" for v in self.readable}:
             raise SchemaMismatchError(path, self.tag, found)
         slot = _int(_get(obj, "slot", path, ""), path, "slot")
         if slot < 0:
@@ -214,6 +260,7 @@ class JsonSpec:
             ),
             last_train_slot=_int(_get(v, "last_train_slot", path, f"{where}."), path, f"{where}.last_train_slot"),
             recent_groups=_groups(v.get("recent_groups", []), path, f"{where}.recent_groups"),
+            prompts=_prompts(v.get("prompts", {}), path, f"{where}.prompts"),
         )
         if rec.train_samples < 0 or rec.eval_count < 0:
             raise _fail(path, where, "sample counts must be >= 0")
@@ -236,5 +283,5 @@ class JsonSpec:
         )
 
 
-CURRICULUM_STATE = JsonSpec(name="curriculum_state", version=1)
+CURRICULUM_STATE = JsonSpec(name="curriculum_state", version=2, readable=(1,))
 """The declared schema of `curriculum/state-<slot>.json`."""

@@ -112,8 +112,10 @@ def program_name(main: Callable[..., object]) -> str:
 def check_against_run(config: object, program: str, allow_change: bool) -> None:
     """Refuse (RunConfigMismatchError, a ConfigError) a step config whose contract fields differ from its run
     root's run.json, unless `allow_change` (then recorded in run.json's history); and (ConfigError) a local run root
-    that is a regular file. A run root that becomes a file later is a storage fault (exit 8) at the first write."""
+    that is a regular file. A run root that becomes a file later is a storage fault (exit 8) at the first write.
+    A training step started on its own beside a live job is refused (StepBesideJobError, exit 6)."""
     from pipeline.config import check_step_config
+    from pipeline.jobs.job_lease import refuse_beside_a_live_job
     from pipeline.store.storage import RunStore, require_run
 
     store_config = getattr(config, "store", None)
@@ -125,6 +127,7 @@ def check_against_run(config: object, program: str, allow_change: bool) -> None:
     if type(config).__name__ in READ_ONLY_CONFIGS:
         require_run(store)
     check_step_config(store, config, by=program, allow_change=allow_change)
+    refuse_beside_a_live_job(store, program)  # a training step on its own beside a live job: exit 6, one line
 
 
 def one_line(error: BaseException) -> str:

@@ -64,6 +64,7 @@ import numpy as np
 
 from pipeline.config import ConfigError, EvaluateStepConfig, ModelSpec, StoreConfig
 from pipeline.config.model import MODEL_FAMILIES, SHAPE_FIELDS
+from pipeline.config.steps import EvaluateTargets
 from pipeline.environments.start_checks import check_evaluate_step
 from pipeline.process.exits import DamagedInputError
 from pipeline.process.step_kind import StepKind
@@ -107,24 +108,12 @@ def lesson_seed(seed: int, policy_step: int, lesson_id: str) -> int:
 
 
 @dataclass(frozen=True)
-class EvaluateCommand:
+class EvaluateCommand(EvaluateTargets):
     """`python -m steps.evaluate --store.run_root R …` (`make evaluate`): evaluate policies of an existing run with
     the model, curriculum, inference and seed its run.json records; these flags say only what to evaluate."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
     """The run root whose policies are evaluated (it must hold run.json)."""
-    steps: list[int] = field(default_factory=list)
-    """Policy steps to evaluate: `3,5` or `[3,5]`."""
-    all: bool = False
-    """Evaluate every committed policy."""
-    follow: bool = False
-    """Evaluate each new policy as it appears, until the learner finishes or control/STOP."""
-    hf_checkpoint: str | None = None
-    """Evaluate an external HF checkpoint folder as a baseline (written under evals/external-<name>)."""
-    force: bool = False
-    """Re-evaluate what is already there."""
-    n_examples: int | None = None
-    """Examples per lesson; None: curriculum.eval_n_examples."""
 
 
 STEPS_FLAG = "--steps"

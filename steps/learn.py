@@ -210,8 +210,12 @@ def train(learner: Learner, state: pf.LearnerState) -> tuple[pf.LearnerState, st
     config = learner.config
     learner.train_step = L.mesh_train_step(config, learner.mesh)
     writer = mesh_lib.is_writer()  # one process writes metrics and tracker records
+    # one file per step (as the BatchMaker's per slot): each step's record reaches the tracker forwarding and the
+    # job's progress line (pipeline.jobs.progress) as the step is committed, not up to FLUSH_INTERVAL_S later
     learner.metrics = (
-        MetricsWriter(learner.store, StepKind.LEARNER, StepKind.LEARNER.job_name) if writer else _NoMetrics()
+        MetricsWriter(learner.store, StepKind.LEARNER, StepKind.LEARNER.job_name, flush_every=1)
+        if writer
+        else _NoMetrics()
     )
     learner.tracker = make_run_tracker(config.tracker, config.store.run_root, learner.store) if writer else None
     learner.publisher = P.PolicyPublisher(learner.store, config)

@@ -54,6 +54,7 @@ from pipeline.config import (
 )
 from pipeline.config.run_contract import with_step_contract
 from pipeline.jobs.job import RLJob
+from pipeline.jobs.job_lease import refuse_beside_a_live_job
 from pipeline.process.step_kind import StepKind, cli_names
 from pipeline.store import layout
 from pipeline.store.run_state import read_run_record
@@ -264,6 +265,7 @@ def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
         check_run_config(store, with_step_contract(job.config, config), allow_change=job.allow_config_change,
                          by=module_name)  # fmt: skip
     check_step_config(store, config, by=module_name, allow_change=job.allow_config_change)
+    refuse_beside_a_live_job(store, module_name)  # a scheduled training step beside a live job: exit 6, one line
     early = EARLY_EXITS.get(step)
     if early is not None:  # a scheduled learner or rollout worker on a finished run: done before importing JAX
         rc = early(config)

@@ -1,9 +1,9 @@
 """The serve step: one committed policy of a run root over rlpipe's own generate endpoint, standalone.
 
 Reads   run.json (the model and tokenizer), policies/step-N (verified against its commit marker)
-Serves  `pipeline.rollout.endpoint.GenerateEndpoint` over the in-process dense sampler: `POST /v1/completions`,
-        `POST /v1/chat/completions`, `POST /inference/v1/generate` (vLLM's token route), `GET /v1/models`,
-        `GET /health`; every response carries `policy_step` = N
+Serves  `pipeline.environments.endpoint.GenerateEndpoint` over the in-process dense sampler:
+        `POST /v1/completions`, `POST /v1/chat/completions`, `POST /inference/v1/generate` (vLLM's token route),
+        `GET /v1/models`, `GET /health`; every response carries `policy_step` = N
 
 What it is for: a judge or a reward endpoint that is a policy of a run (an LLM-judge scorer's `base_url` is
 `http://HOST:PORT/v1`), a quick look at a policy with any OpenAI client, or any program that speaks vLLM's token
@@ -20,7 +20,7 @@ taken it): the address is logged, and with `--announce_file PATH` (or `RLPIPE_SE
 as `{"host", "port", "pid"}` atomically once requests are accepted (`pipeline.process.ports`), for the program
 that started it to read. `--reuse_port` binds `--port` with SO_REUSEPORT: for a port the program that starts
 serve holds with `pipeline.process.ports.reserve_port` (nobody else can take it, even between two runs of serve).
-Load is bounded as in `pipeline.rollout.endpoint`: requests beyond the sampler's queue,
+Load is bounded as in `pipeline.environments.endpoint`: requests beyond the sampler's queue,
 and connections beyond the server's threads, get 503; a connection silent for a minute is closed.
 
 Run
@@ -43,8 +43,8 @@ import threading
 from typing import Any
 
 from pipeline.config import ConfigError
-from pipeline.process.ports import ANNOUNCE_ENV
-from pipeline.rollout.endpoint import GenerateEndpoint, is_loopback
+from pipeline.environments.endpoint import GenerateEndpoint
+from pipeline.process.ports import ANNOUNCE_ENV, is_loopback
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 

@@ -132,6 +132,9 @@ EXPECTED_SECONDS = {
     "tests/test_job_progress.py": 10,
     "tests/test_interrupts.py": 60,  # 14 programs started and interrupted at random points (31 s of CPU)
     "tests/test_rlpipe.py": 25,  # ten real programs through `rlpipe`, the guide's cron wrapper
+    "tests/test_guide_commands.py::test_configuration_guide": 35,  # two 2-step jobs
+    "tests/test_guide_commands.py::test_critic_ppo_guide": 35,  # a 4-step job, a replay, an export
+    "tests/test_guide_commands.py::test_lora_guide": 25,  # a 2-step job, an export
 }
 WAITING_FIRST = (
     "tests/test_storage.py::test_an_outage_of_a_real_endpoint",  # ~33 s waiting out gcsfs's retries, no CPU

@@ -25,10 +25,10 @@ from pipeline.config import ConfigError, CurriculumConfig, EnvConfig, LessonConf
 from pipeline.config.validate import check_environment_args
 from pipeline.environments.agent import AgentEnv
 from pipeline.environments.base import SampleSpec
+from pipeline.environments.endpoint import CapturedCall
 from pipeline.environments.episodes import rollouts_from_calls
 from pipeline.environments.scripted import ScriptedContext
 from pipeline.environments.tokenizer import load_tokenizer
-from pipeline.rollout.endpoint import CapturedCall
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from schemas import ROLLOUT

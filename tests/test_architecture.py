@@ -209,12 +209,6 @@ def _subpackage(module: str) -> str | None:
     return ".".join(parts[:2]) if parts[0] == "pipeline" and len(parts) > 2 else None
 
 
-KNOWN_MUTUAL = {("pipeline.environments", "pipeline.rollout")}
-"""The one pair of `pipeline/` subpackages that still import each other: the generate endpoint
-(`pipeline/rollout/endpoint.py`) serves environments (agents, verifiers) and is built on their request types. It is
-to leave `rollout/`, with environments given an endpoint instead of importing it; no other pair may appear."""
-
-
 def test_no_two_pipeline_subpackages_import_each_other() -> None:
     edges = {
         (a, b)
@@ -223,7 +217,7 @@ def test_no_two_pipeline_subpackages_import_each_other() -> None:
         if (a := _subpackage(m)) and (b := _subpackage(t)) and a != b
     }
     mutual = {tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges}
-    assert mutual <= KNOWN_MUTUAL, f"pipeline subpackages that import each other: {sorted(mutual - KNOWN_MUTUAL)}"
+    assert not mutual, f"pipeline subpackages that import each other: {sorted(mutual)}"
 
 
 def test_the_ground_floor_imports_nothing_above_it() -> None:

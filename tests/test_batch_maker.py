@@ -216,6 +216,26 @@ def test_admit_no_signal_admits_zero_variance_groups_with_advantage_zero_and_res
     assert b2 is not None and b2.rollout_ids == b.rollout_ids
 
 
+def test_a_zero_spread_group_that_is_also_stale_is_dropped_zero_variance() -> None:
+    """A group without reward spread is `zero_variance` whatever its age; only its rows with signal are `stale`."""
+    slot, max_lag = 5, 1  # slot 5 takes policies 3..4: policy 1 is too old
+    rows = make_rows(1, [[1.0, 1.0], [0.0, 0.0], [0.0, 0.5, 1.0]])  # solved, hopeless, spread (one row at advantage 0)
+    bm = BatchMaker(params(batch_size=2, max_lag=max_lag))
+    rep = bm.add_rollouts(table(rows), "rollouts/old", slot=slot, latest_policy=4, dir_policy_step=1)
+    assert rep.dropped == {"zero_variance": 4, "zero_advantage": 1, "stale": 2} and rep.admitted == 0
+    assert rep.filtered_groups == {"zero_variance": 2} and rep.fresh_zero_variance_groups == 0
+    d = bm.take_dropped(slot).to_pylist()
+    assert Counter(x["reason"] for x in d) == {"zero_variance": 4, "stale": 2, "zero_advantage": 1}
+    assert {x["rollout_id"] for x in d if x["reason"] == "zero_variance"} == {"f-0-0", "f-0-1", "f-1-0", "f-1-1"}
+    fresh = BatchMaker(params(batch_size=2, max_lag=max_lag))  # the same groups in the window: counted as fresh
+    rep2 = fresh.add_rollouts(table(make_rows(4, [[1.0, 1.0]])), "rollouts/new", slot=slot, latest_policy=4)
+    assert rep2.dropped == {"zero_variance": 2} and rep2.fresh_zero_variance_groups == 1
+    # admitted without filtering (a slot filled without signal), an old row is only `stale`
+    fill = BatchMaker(params(batch_size=2, max_lag=max_lag))
+    rep3 = fill.add_rollouts(table(rows), "rollouts/old", slot=slot, latest_policy=4, admit_no_signal=True)
+    assert rep3.dropped == {"stale": 7}
+
+
 def test_zero_advantage_member_dropped() -> None:
     bm = BatchMaker(params(batch_size=2))
     rep = bm.add_rollouts(table(make_rows(0, [[0.0, 0.5, 1.0]])), "f", slot=1, latest_policy=0)

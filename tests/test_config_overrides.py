@@ -155,9 +155,10 @@ GUIDE = ROOT / "docs/guides/configuration.md"
 
 
 def guide_examples() -> list[list[str]]:
-    """The guide's indented `python -m steps.run …` example lines of its override sections."""
+    """The guide's `python -m steps.run …` example lines of its override sections (fenced command blocks, each also
+    run as written by tests/test_guide_commands.py)."""
     text = GUIDE.read_text().split("### Switching a choice", 1)[1].split("## Step flags", 1)[0]
-    return [ln.split()[3:] for ln in text.splitlines() if ln.startswith("    python -m steps.run ")]
+    return [ln.split()[3:] for ln in text.splitlines() if ln.startswith("python -m steps.run ")]
 
 
 @pytest.mark.parametrize("argv", guide_examples(), ids=" ".join)
@@ -167,7 +168,7 @@ def test_the_guides_examples_parse_as_written(argv: list[str]) -> None:
 
 
 def test_the_guide_has_examples() -> None:
-    assert len(guide_examples()) >= 6
+    assert len(guide_examples()) >= 2
 
 
 @pytest.mark.parametrize("step", [StepKind.ROLLOUT, StepKind.EVALUATE, StepKind.BATCHMAKER])

@@ -8,7 +8,10 @@ What is checked, on a tiny levanter Llama with 4 slots (so slots refill within o
 - after a warm-up, other prompts, budgets, seeds, temperatures, stop tokens and new weights compile nothing;
 - the decode loop's variants agree with the static sampler: the head-major cache with the no-controls fast sampling
   (the default), the slot-major cache with the truncation machinery (a `LEGACY_DECODE` dense sampler), and top-k
-  sampling; distinct prompts that start together prefill as one batch.
+  sampling; distinct prompts that start together prefill as one batch;
+- decode programs of several steps with refills at host checks, attention length buckets and the drain on fewer
+  slots: the static sampler's samples, no implicit device-to-host transfer (jax's transfer guard) and one explicit
+  one per decode program (bounded by steps / check interval + refills + buckets, and far below one per token).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from policy.inference import GenerationRequest, make_backend
 from policy.inference.base import SamplingControls
 from policy.inference.continuous import ContinuousSampler, SeqRequest
 from policy.inference.dense import DenseBackend
-from policy.inference.dense_sampler import LEGACY_DECODE, DenseSampler
+from policy.inference.dense_sampler import LEGACY_DECODE, DecodeOptions, DenseSampler, bucket
 from policy.inference.local import SampleRow
 from policy.model import build_model, teacher_forced_logprobs
 
@@ -186,6 +189,37 @@ def test_no_recompilation_after_warm_up(dense: DenseBackend, model: Any) -> None
         dense.update_model(model)
 
 
+def _static(
+    sampler: DenseSampler,
+    prompts: list[list[int]],
+    budgets: list[int],
+    *,
+    batch_size: int,
+    temperature: float,
+    seed: int,
+    controls: SamplingControls = SamplingControls(),
+) -> Any:
+    """The static sampler's samples of row i = prompts[i] with budget budgets[i] and sample id i, no stop token."""
+    return sampler.generate(
+        prompts,
+        list(range(len(prompts))),
+        batch_size=batch_size,
+        max_tokens=budgets,
+        max_new_bucket=bucket(max(budgets), minimum=16),
+        stop_tokens=[],
+        temperature=temperature,
+        seed=seed,
+        controls=controls,
+    )
+
+
+def _assert_static_samples(out: list[Any], static: Any, budgets: list[int]) -> None:
+    """Continuous results `out` have the static sampler's tokens, its logprobs within 1e-4."""
+    for i, r in enumerate(out):
+        assert r.tokens.tolist() == static.tokens[i, : budgets[i]].tolist()
+        np.testing.assert_allclose(r.logprobs, static.logprobs[i, : budgets[i]], atol=1e-4, rtol=0)
+
+
 def test_decode_variants_match_static_and_prompts_prefill_as_a_batch(model: Any) -> None:
     fast = DenseSampler(model, "float32", fast_compile=True)
     legacy = DenseSampler(model, "float32", fast_compile=True, decode=LEGACY_DECODE)
@@ -193,22 +227,48 @@ def test_decode_variants_match_static_and_prompts_prefill_as_a_batch(model: Any)
     budgets = [12, 5, 9]
     reqs = [SeqRequest(p, b, i, 4) for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))]
     for controls in (SamplingControls(), SamplingControls(top_k=5)):
-        static = fast.generate(
-            prompts,
-            list(range(3)),
-            batch_size=4,
-            max_tokens=budgets,
-            max_new_bucket=16,
-            stop_tokens=[],
-            temperature=1.0,
-            seed=4,
-            controls=controls,
-        )
+        static = _static(fast, prompts, budgets, batch_size=4, temperature=1.0, seed=4, controls=controls)
         for dense in (fast, legacy):
             cont = ContinuousSampler(dense)
             out = cont.run(reqs, slots=4, stop_tokens=[], temperature=1.0, controls=controls)
             assert cont.head_major == (dense is fast)
             assert cont.prefill_tokens == 4 * 8  # the 3 prompts in one [4, 8] prefill (one at a time: 3 * 8)
-            for i, r in enumerate(out):
-                assert r.tokens.tolist() == static.tokens[i, : budgets[i]].tolist()
-                np.testing.assert_allclose(r.logprobs, static.logprobs[i, : budgets[i]], atol=1e-4, rtol=0)
+            _assert_static_samples(out, static, budgets)
+
+
+def test_few_host_transfers_and_length_buckets_sample_what_static_samples(model: Any) -> None:
+    """Decode programs of many steps, refilled at host checks, over length buckets, the drain on fewer slots: no
+    implicit device-to-host transfer at all (jax's transfer guard), one explicit one per decode program, far fewer
+    than one per token; the tokens of the static sampler (greedy and T = 1), its logprobs within 1e-4."""
+    dense = DenseSampler(model, "float32", fast_compile=True, decode=DecodeOptions(length_bucket=8))
+    budgets = [30, 3, 9, 14, 2, 25, 12, 5, 4]  # token bucket 32: a cache of 8 + 32 slots, attention buckets 16, 40
+    prompts = [PROMPTS[k % 3] for k in range(len(budgets))]
+    reqs = [SeqRequest(p, b, k, 6) for k, (p, b) in enumerate(zip(prompts, budgets, strict=True))]
+    cont = ContinuousSampler(dense, check_steps=8, refill_slots=2, min_drain_slots=1)
+    lengths: list[int] = []
+    slots: list[int] = []
+    decode = cont._decode
+
+    def recorded(params: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        lengths.append(kwargs["length"])
+        slots.append(state["pos"].shape[0])
+        return decode(params, state, *args, **kwargs)
+
+    cont._decode = recorded
+    for temperature in (0.0, 1.0):
+        static = _static(dense, prompts, budgets, batch_size=16, temperature=temperature, seed=6)
+        h0, d0 = cont.host_syncs, cont.decode_steps
+        with jax.transfer_guard_device_to_host("disallow"):
+            out = cont.run(reqs, slots=4, stop_tokens=[], temperature=temperature)
+        syncs, steps = cont.host_syncs - h0, cont.decode_steps - d0
+        _assert_static_samples(out, static, budgets)
+        # each decode program returns after 8 steps, 2 finished sequences (while requests wait), a bucket's end or
+        # the last sequence's end
+        assert syncs <= -(-steps // 8) + -(-len(reqs) // 2) + 2 and syncs <= sum(budgets) / 8
+    assert set(lengths) == {16, 40}
+    assert set(slots) == {4, 2, 1}  # the drain moved the last sequences into fewer slots
+    # the counter counts: a check every step is one transfer per step
+    cont.check_steps = 1
+    h0, d0 = cont.host_syncs, cont.decode_steps
+    cont.run(reqs, slots=4, stop_tokens=[], temperature=1.0)
+    assert cont.host_syncs - h0 == cont.decode_steps - d0

@@ -415,13 +415,13 @@ def test_state_record_round_trip() -> None:
     obj = CURRICULUM_STATE.to_json(state.to_record())
     back = CurriculumState.from_record(CURRICULUM_STATE.from_json(obj, "x.json"), state.config)
     assert back == state
-    assert obj["schema"] == "curriculum_state" and obj["schema_version"] == 1
+    assert obj["schema"] == "curriculum_state" and obj["schema_version"] == 2
 
 
 def test_state_schema_version_and_fields_checked() -> None:
     obj = CURRICULUM_STATE.to_json(busy_state().to_record())
-    with pytest.raises(SchemaMismatchError, match=r"s\.json: expected schema curriculum_state@v1, found .*@v2"):
-        CURRICULUM_STATE.from_json({**obj, "schema_version": 2}, "s.json")
+    with pytest.raises(SchemaMismatchError, match=r"s\.json: expected schema curriculum_state@v2, found .*@v3"):
+        CURRICULUM_STATE.from_json({**obj, "schema_version": 3}, "s.json")
     bad = {**obj, "lessons": {**obj["lessons"], "easy": {**obj["lessons"]["easy"], "status": "asleep"}}}
     with pytest.raises(ValidationError, match=r"lessons\.easy\.status"):
         CURRICULUM_STATE.from_json(bad, "s.json")

@@ -156,7 +156,7 @@ def test_writer_unlocks_second_lesson_with_reason(tmp_path: Path) -> None:
     assert s3.events[-1].reason == "`addition_medium` active at step 3: eval success 0.167 ≥ start_threshold 0.1"
     # the published file is the declared schema, with the weights readers sample from
     obj = json.loads(store.get(layout.curriculum_state(4)))
-    assert obj["schema"] == "curriculum_state" and obj["schema_version"] == 1
+    assert obj["schema"] == "curriculum_state" and obj["schema_version"] == 2
     assert obj["weights"] == sampling_weights(state)
     assert obj["lessons"]["addition_medium"]["train_samples"] == 2
     assert obj["lessons"]["addition_medium"]["eval_count"] == 2  # micro_eval not folded
@@ -237,7 +237,7 @@ def test_readers_refuse_bad_or_foreign_state_files(tmp_path: Path) -> None:
         load_latest_curriculum(store, other)
     obj = json.loads(store.get(layout.curriculum_state(1)))
     store.put_unique(layout.curriculum_state(2), json.dumps({**obj, "schema_version": 9}).encode())
-    with pytest.raises(CurriculumStateError, match=r"state-00000002\.json: expected schema curriculum_state@v1"):
+    with pytest.raises(CurriculumStateError, match=r"state-00000002\.json: expected schema curriculum_state@v2"):
         load_curriculum_state(store, 2, cfg)
     store.put_unique(layout.curriculum_state(3), b"{not json")
     with pytest.raises(CurriculumStateError, match=r"state-00000003\.json"):

@@ -171,7 +171,13 @@ def _continuous_cache_copies(sampler: DenseSampler) -> list[str]:
     state = cont._empty_state(S, L, T, K)
     controls = (np.float32(1.0), np.int32(0), np.float32(0.0))
     lowered = cont._decode.lower(
-        sampler.params, state, np.bool_(True), controls, np.int32(8), truncate=not sampler.decode.fast_sampling
+        sampler.params,
+        state,
+        np.int32(1),
+        controls,
+        np.int32(8),
+        length=L,
+        truncate=not sampler.decode.fast_sampling,
     )
     hlo: str = lowered.compile().as_text() or ""
     a = sampler.arch

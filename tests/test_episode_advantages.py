@@ -155,16 +155,18 @@ def test_disagreeing_segments_are_malformed() -> None:
 
 
 def test_the_oldest_segment_decides_staleness() -> None:
-    """Slot 3 with max_lag 0 takes policy 2 only: an episode with one segment of policy 1 is stale, whole."""
+    """Slot 3 with max_lag 0 takes policy 2 only: an episode with one segment of policy 1 is stale, whole (its group,
+    of policy 1, has reward spread: a group without it would be `zero_variance` whatever its age)."""
     rows = [
         seg_row("old0", "g", 1.0, episode="E", segment=0, policy=1),
         seg_row("old1", "g", 1.0, episode="E", segment=1, policy=2),
+        seg_row("old2", "g", 0.0, policy=1),
         seg_row("new", "g", 0.0, policy=2),
         seg_row("new2", "g", 1.0, policy=2),
     ]
     bm = BatchMaker(params(max_lag=0, batch_size=2))
     rep = bm.add_rollouts(ROLLOUT.to_table(rows), "f", slot=3, latest_policy=2)
-    assert rep.dropped == {"stale": 2} and rep.admitted == 2
+    assert rep.dropped == {"stale": 3} and rep.admitted == 2
     details = {d["rollout_id"]: (d["reason"], d["detail"]) for d in bm.take_dropped(3).to_pylist()}
     assert details["old0"] == details["old1"] == ("stale", "lag > max_lag 0 for batch 3")
 

@@ -1,12 +1,14 @@
-"""The generate endpoint (pipeline/rollout/endpoint.py) over the real in-process sampler (dense backend, tiny Llama,
-CPU), answering real clients: the `openai` SDK (completions and chat) and verifiers 0.4.0's own training client
-(`TrainClient`, which calls `/inference/v1/generate`).
+"""The generate endpoint (pipeline/environments/endpoint/) end to end, over the real in-process sampler (dense
+backend, tiny Llama, CPU), answering real clients: the `openai` SDK (completions and chat) and verifiers 0.4.0's own
+training client (`TrainClient`, which calls `/inference/v1/generate`).
 
 Checked: the ids and logprobs a client gets, and those the endpoint captures for an episode, are exactly what the
 sampler returned for that call (`Recorder` keeps the backend's own output); a chat prompt is the tokenizer's chat
-template rendering; every response carries the policy step; malformed requests get 4xx naming the field; a prompt
-longer than max_seq_len gets a 400 and the endpoint keeps serving; a non-loopback bind refuses requests without its
-token (401); a flood of 32 concurrent requests is answered in full, batched into fewer sampler calls.
+template rendering; every response carries the policy step; a prompt longer than max_seq_len gets a 400 and the
+endpoint keeps serving; a non-loopback bind refuses requests without its token (401); a flood of 32 concurrent
+requests is answered in full, batched into fewer sampler calls. Each part alone, without a model:
+test_endpoint_routes.py (routes, request parsing: malformed requests get 400 naming the field),
+test_endpoint_batcher.py, test_endpoint_capture.py; the server's load bounds: test_ports.py.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import pytest
 
 from pipeline.config import DenseInferenceConfig, ModelSpec
 from pipeline.environments.base import Completion, encode_prompt
+from pipeline.environments.endpoint import GenerateEndpoint
 from pipeline.environments.generation import GenerationRequest
 from pipeline.environments.tokenizer import load_tokenizer, render_chat, save_tiny_tokenizer
-from pipeline.rollout.endpoint import GenerateEndpoint
 from policy.inference import BackendContext, make_backend
 from policy.model import build_model
 
@@ -159,36 +161,6 @@ def test_verifiers_training_client_through_inference_generate(
         sampled.logprobs,
     )
     assert call.route == "generate" and call.policy_step == STEP
-
-
-@pytest.mark.parametrize(
-    ("path", "body", "field"),
-    [
-        ("/v1/chat/completions", {"model": "m"}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
-            "temperature",
-        ),
-        ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "stop": ["\n"]}, "stop"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-        ("/inference/v1/generate", {"token_ids": []}, "token_ids"),
-        ("/inference/v1/generate", {"token_ids": [1, 99999]}, "token_ids"),
-        ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
-        ("/inference/v1/generate", "not json", "body"),
-    ],
-)
-def test_malformed_requests_get_400_naming_the_field(
-    endpoint: GenerateEndpoint, path: str, body: Any, field: str
-) -> None:
-    kwargs = {"content": body} if isinstance(body, str) else {"json": body}
-    r = httpx.post(endpoint.base_url + path, timeout=30, **kwargs)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == field and err["message"].startswith(field)
-    assert httpx.post(endpoint.base_url + "/v1/nope", json={}).status_code == 404
 
 
 def test_too_long_prompt_is_a_clear_400_and_the_endpoint_keeps_serving(endpoint: GenerateEndpoint) -> None:

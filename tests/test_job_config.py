@@ -128,6 +128,22 @@ def test_run_root_with_a_different_config_is_refused(tmp_path: Path) -> None:
     check_run_config(store, dataclasses.replace(cfg, num_rollout_workers=5))
 
 
+def test_a_field_newer_than_run_json_is_accepted_at_its_default_only(tmp_path: Path) -> None:
+    """A run recorded by an rlpipe without a field (its run.json lacks the key) resumes when the field is at its
+    default (the run ran with what the default does), and is refused naming the field when it is not."""
+    cfg = dataclasses.replace(_demo(), store=dataclasses.replace(_demo().store, run_root=str(tmp_path)))
+    store = RunStore(str(tmp_path))
+    check_run_config(store, cfg)
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["config"]["curriculum"].pop("skip_after") == 0  # as an older rlpipe wrote it
+    (tmp_path / "run.json").write_text(json.dumps(record))
+    check_run_config(store, cfg)
+    changed = dataclasses.replace(cfg, curriculum=dataclasses.replace(cfg.curriculum, skip_after=3))
+    with pytest.raises(RunConfigMismatchError) as e:
+        check_run_config(store, changed)
+    assert "curriculum.skip_after: run.json has None, given 3" in str(e.value)
+
+
 def test_contract_diff_names_nested_fields() -> None:
     a = encode_config(_demo())
     b = encode_config(dataclasses.replace(_demo(), optimizer=dataclasses.replace(_demo().optimizer, learning_rate=1.0)))

@@ -184,6 +184,49 @@ def test_each_step_line_has_its_own_values_and_none_follow_the_finish(
     assert len(lines) == 2, lines
 
 
+def test_a_committed_steps_line_waits_for_its_own_records(
+    local_store: RunStore, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Policy 1 committed before the learner's and the BatchMaker's records of step 1 are in: no line yet; once
+    they are, the line carries step 1's loss and reward. Policy 2 whose records never come: its line comes after
+    STEP_RECORDS_WAIT_S without numbers (the display never stalls); policy 3 committed as the learner finishes:
+    `finish()` prints its line at once."""
+    import pipeline.jobs.progress as progress_module
+
+    caplog.set_level("INFO", logger="pipeline.jobs.runner")
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("learner step")]
+
+    progress = JobProgress(local_store, 3, terminal=False)
+    local_store.put_unique(layout.policy_marker(1), b"{}")
+    progress.update(force=True)
+    assert lines() == []  # committed, but its own numbers are not in yet
+    _records(local_store, StepKind.LEARNER, {"step": 1, "loss": 0.25})
+    progress.update(force=True)
+    assert lines() == []  # its batch's record is not in yet either
+    put_log_entry(local_store, 1)
+    _records(local_store, StepKind.BATCHMAKER, {"slot": 1, "mean_reward": 0.75, "staleness_mean": 0.0})
+    progress.update(force=True)
+    (line,) = lines()
+    assert line.startswith("learner step 1/3 (") and "reward=0.75 staleness=0.0 loss=0.25" in line, line
+
+    local_store.put_unique(layout.policy_marker(2), b"{}")
+    progress.update(force=True)
+    assert len(lines()) == 1
+    monkeypatch.setattr(progress_module, "STEP_RECORDS_WAIT_S", 0.0)  # as if it had waited the whole bound
+    progress.update(force=True)
+    assert len(lines()) == 2 and lines()[1].startswith("learner step 2/3 (") and "loss=" not in lines()[1]
+
+    monkeypatch.setattr(progress_module, "STEP_RECORDS_WAIT_S", 3600.0)
+    local_store.put_unique(layout.policy_marker(3), b"{}")
+    _records(local_store, StepKind.LEARNER, {"step": 3, "loss": 0.125})
+    progress.finish()
+    assert len(lines()) == 3 and lines()[2].startswith("learner step 3/3 (") and "loss=0.125" in lines()[2]
+    progress.close()
+    assert len(lines()) == 3
+
+
 def test_a_resumed_job_shows_only_the_steps_it_commits(local_store: RunStore, caplog: pytest.LogCaptureFixture) -> None:
     """A job started on a run whose learner already committed 40 steps (a rerun; its learner may re-train them from
     step 0 without a checkpoint): one "resuming" line, no line for steps 1..40, then one line per new step."""
@@ -220,6 +263,10 @@ def test_finished_job_ends_with_its_summary_and_no_exit_codes(default_job: Finis
     err = default_job.proc.stderr
     assert "exit -15" not in err and "exit 130" not in err and "stopped (exit" not in err
     assert re.search(r"runner: rollout-worker0 (stopped|finished)$", err, re.M), err[-3000:]
+    # one line per learner step, in order, each with that step's own loss and batch reward
+    lines = re.findall(r"runner: learner step (\d+)/6 \(\d+s\) (.*)$", err, re.M)
+    assert [int(s) for s, _ in lines] == list(range(1, 7)), lines
+    assert all("reward=" in text and "loss=" in text for _, text in lines), lines
     after = err[err.index("learner finished") :]
     assert "runner: learner step" not in after
     assert "batch reward: " in after and "last evaluation (policy 6): " in after

@@ -355,7 +355,8 @@ def test_slot_taken_by_another_maker_is_discarded_and_recovered(
 
 def test_late_file_in_a_sealed_folder_is_recorded_as_dropped_once(run_root: tuple[Path, RunStore]) -> None:
     """A rollout file committed into a policy folder after it left the scan window (a very slow worker) is found
-    by a later slot's sweep and its rows are dropped `stale` exactly once, also across a restart."""
+    by a later slot's sweep and its rows are dropped `stale` exactly once, also across a restart; its group without
+    reward spread is dropped `zero_variance`, not `stale` (it could not have trained fresh either)."""
     root, store = run_root
     for p in range(10):
         publish_policy(store, p)
@@ -367,7 +368,7 @@ def test_late_file_in_a_sealed_folder_is_recorded_as_dropped_once(run_root: tupl
     # max_lag 1 + 4 late-scan steps: slot 6 moved the scan window past folder 0, slot 7 past folder 1
     assert entries[6]["sealed"] == {"0": [layout.rollout_file(0, "w", 0)]}
     assert entries[7]["sealed"] == {"1": [layout.rollout_file(1, "w", 0)]}
-    late = commit_rollouts(store, 1, 1, rows_for(1, "late", [[0.0, 1.0, 1.0]], seed=99))
+    late = commit_rollouts(store, 1, 1, rows_for(1, "late", [[0.0, 1.0, 1.0], [1.0, 1.0]], seed=99))
 
     r = run_step(root, max_batches=2, **kw)  # slot 9 sweeps folders 1-2 (round robin), slot 10 (final) all
     assert r.returncode == 0, r.stderr[-2000:]
@@ -376,6 +377,9 @@ def test_late_file_in_a_sealed_folder_is_recorded_as_dropped_once(run_root: tupl
     assert [s for s, e in entries.items() if e.get("late_files")] == [9]
     assert entries[9]["late_files"] == [late] and late in entries[9]["ingested_files"]
     drops = [d for d in dropped_rows(store) if d["source_file"] == late]
-    assert sorted(d["rollout_id"] for d in drops) == ["late-0-0", "late-0-1", "late-0-2"]
-    assert {d["reason"] for d in drops} == {"stale"}
+    assert sorted(d["rollout_id"] for d in drops) == ["late-0-0", "late-0-1", "late-0-2", "late-1-0", "late-1-1"]
+    assert {d["rollout_id"]: d["reason"] for d in drops} == {
+        **dict.fromkeys(["late-0-0", "late-0-1", "late-0-2"], "stale"),
+        **dict.fromkeys(["late-1-0", "late-1-1"], "zero_variance"),
+    }
     assert not any(rid.startswith("late-") for rid in batch_uses(store))

@@ -32,6 +32,7 @@ import pytest
 
 from pipeline.config import ConfigError, ServerInferenceConfig
 from pipeline.environments.base import Completion
+from pipeline.environments.endpoint import GenerateEndpoint
 from pipeline.process.listener import BoundedHandler, BoundedHTTPServer
 from pipeline.process.ports import (
     ServerIdentity,
@@ -40,7 +41,6 @@ from pipeline.process.ports import (
     read_announcement,
     reserve_port,
 )
-from pipeline.rollout.endpoint import GenerateEndpoint
 from policy.inference.adapters import ServerLoadError
 from policy.inference.server import ServerBackend
 

@@ -139,6 +139,10 @@ def _write_run(root: Path) -> None:
                     "tokens_per_s": 120.0,
                     "truncation_rate": 0.0,
                     "lag": 0,
+                    "rows": 8,
+                    "env/n_examples": 4.0,
+                    "env/n_skipped_prompts": 1.0,
+                    "env/n_retested_prompts": float(i),
                 }
             )
     workers[1].log(samples_record(to_samples([_rollout_row(N_STEPS - 1, "r-old", 0.5)], TINY.decode), "f"))
@@ -251,6 +255,12 @@ def test_report_of_a_small_run(tmp_path: Path) -> None:
     curriculum = _section(page, "Curriculum events")
     assert curriculum.count("locked -&gt; active") == 1 and "cats reached 0.8" in curriculum
     assert "curriculum/state-00000005.json is not valid JSON" in summary
+    generated = 2 * N_STEPS * 8  # two workers' writes of 8 rows each
+    assert f"<td>rollout rows generated</td><td>{generated}</td>" in summary
+    assert f"<td>{report.sections.GENERATED_TRAINED_LABEL}</td><td>{report.fmt(20 / generated)}</td>" in summary
+    # one draw of four passed over in each write: a skip rate of 1 / (1 + 4)
+    assert f"<td>{report.sections.SKIP_RATE_LABEL}</td><td>{report.fmt(0.2)}</td>" in summary
+    assert f"<td>{2 * N_STEPS} / {N_STEPS}</td>" in summary  # passed over / kept as re-tests (worker 1's)
 
     learner = _section(page, "Learner")
     for term in ("learner_loss", "learner_kl"):

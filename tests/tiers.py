@@ -23,6 +23,7 @@ HEAVY_FILES = (
     "test_evaluate_step.py",
     "test_exit_codes.py",
     "test_forkserver.py",
+    "test_harness_pool.py",
     "test_hf_export.py",
     "test_hf_structure.py",
     "test_import_set.py",
@@ -72,6 +73,11 @@ HEAVY_FILES = (
 """Test files all (or most) of whose tests are heavy."""
 
 HEAVY_TESTS = (
+    "test_bpe_tokenizer.py::test_fewer_tokens_than_tiny_on_held_out_reasoning_gym_questions",
+    "test_bpe_tokenizer.py::test_hf_export_folder_encodes_like_the_rollout_workers",
+    "test_bpe_tokenizer.py::test_same_ids_in_another_process",
+    "test_bpe_tokenizer.py::test_shipped_file_regenerates_identically",
+    "test_bpe_tokenizer.py::test_vocab_size_and_special_ids",
     "test_generate_endpoint.py::test_verifiers_training_client_through_inference_generate",
     "test_architecture.py::test_layers_import_one_way",
     "test_architecture.py::test_no_import_cycles_at_any_depth",
@@ -84,6 +90,7 @@ HEAVY_TESTS = (
     "test_curriculum_run.py::test_second_lesson_unlocks_with_recorded_reason",
     "test_dense_config.py::test_max_seq_len_and_dtype_from_config",
     "test_dense_one_batch.py::test_mixed_buckets_sample_as_one_batch_with_the_same_tokens",
+    "test_dense_warm_up.py::test_warm_up_compiles_the_longer_prompt_bucket_before_a_call_needs_it",
     "test_docs_commands.py::test_a_python_command_names_a_module_and_its_flags_parse",
     "test_docs_commands.py::test_a_step_process_with_jax_platforms_unset_logs_no_tpu_line",
     "test_docs_commands.py::test_every_documented_module_starts_in_a_fresh_shell",

@@ -15,7 +15,10 @@ Ingestion (`add_rollouts(table, source_file, slot=T, latest_policy=S)`), in orde
 1. malformed rows (list lengths disagree, empty prompt, non-finite reward/logprob/token reward,
    negative or wrong policy step, bad temperature, empty ids) -> `malformed` (the detail says which);
 2. policy_step > S (the newest published policy) -> `future_policy`;
-   policy_step < T-1-max_lag (too old for slot T and every later slot) -> `stale`;
+   policy_step < T-1-max_lag (too old for slot T and every later slot) -> `stale`, except rows rule 3 drops for
+   want of signal: a row of a zero-variance group stays `zero_variance` and a zero-advantage row `zero_advantage`
+   however old (it could not have been trained fresh either, so `stale` counts only what the lag cost;
+   `maker.KEPT_BEFORE_STALE`);
 3. groups = episodes of this file sharing (group_key, policy_step); an episode is the rows sharing a non-empty
    `episode_id` (its segments; one sample whose reward is the episode's, its policy step its oldest segment's),
    else one row; advantages per group of episodes with the configured estimator

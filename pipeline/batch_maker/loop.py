@@ -319,7 +319,7 @@ class BatchMakerLoop:
         rep = st.bm.add_rollouts(
             table, path, slot=slot, latest_policy=latest, dir_policy_step=p, admit_no_signal=log["no_signal_fill"]
         )
-        if rep.admitted == 0 and rep.filtered_groups.get("zero_variance", 0):
+        if rep.admitted == 0 and rep.fresh_zero_variance_groups:
             log["no_signal_files"] += 1
         if log["no_signal_fill"]:
             log["filled_no_signal"] += rep.admitted_no_signal

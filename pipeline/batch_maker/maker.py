@@ -24,6 +24,11 @@ from schemas.dropped import DROP_REASONS, DROPPED
 
 logger = logging.getLogger(__name__)
 
+KEPT_BEFORE_STALE = ("malformed", "future_policy", "zero_variance", "zero_advantage")
+"""Drop reasons a row keeps when it is also too old for the slot: a malformed row or a row of a future policy is
+that first, and a row without learning signal (`zero_variance`, `zero_advantage`) could not have been trained even
+when fresh, so counting it `stale` would blame the lag for rows the task's difficulty cost."""
+
 
 @dataclasses.dataclass
 class IngestReport:
@@ -39,6 +44,10 @@ class IngestReport:
     """Groups dropped whole, per reason (zero_variance)."""
     admitted_no_signal: int = 0
     """Admitted rows whose advantage is exactly 0 (only under `admit_no_signal`, or without filtering)."""
+    fresh_zero_variance_groups: int = 0
+    """Groups of `filtered_groups["zero_variance"]` young enough for the slot: a file whose groups were all
+    filtered for want of signal *within* the lag window is what `train.no_signal_fill_after` counts (a file too
+    old for the slot could not fill it either way)."""
 
 
 def recency_weights(n: int, alpha: float) -> np.ndarray:
@@ -189,7 +198,7 @@ class BatchMaker:
         st = stage(
             table, source_file, dir_policy_step, self.params, self._estimator, filter_no_signal=not admit_no_signal
         )
-        self._refuse_for_slot(st, slot, latest_policy)
+        too_old = self._refuse_for_slot(st, slot, latest_policy)
         spread_over_episodes(st.reason, st.detail, st.chunk.episode)  # the oldest (newest) segment decides
         if (st.reason == "").any():
             self._retain_latest(st)
@@ -200,6 +209,7 @@ class BatchMaker:
         n_groups = len(np.unique(chunk.group[admit])) if admit.any() else 0
         zv = st.reason == "zero_variance"
         filtered = {"zero_variance": len(np.unique(chunk.group[zv]))} if zv.any() else {}
+        fresh_zv = zv & ~too_old
         if admit.any():
             chunk.alive = admit.copy()
             chunk.seq = self._next_seq
@@ -217,11 +227,13 @@ class BatchMaker:
             n_groups=n_groups,
             filtered_groups=filtered,
             admitted_no_signal=int((admit & (chunk.advantage == 0.0)).sum()),
+            fresh_zero_variance_groups=len(np.unique(chunk.group[fresh_zv])) if fresh_zv.any() else 0,
         )
 
-    def _refuse_for_slot(self, st: Staged, slot: int, latest_policy: int) -> None:
-        """Mark rows of a policy newer than `latest_policy` (`future_policy`) or too old for `slot` (`stale`), whole
-        episodes at a time."""
+    def _refuse_for_slot(self, st: Staged, slot: int, latest_policy: int) -> np.ndarray:
+        """Mark rows of a policy newer than `latest_policy` (`future_policy`) or too old for `slot` (`stale`, unless
+        staging gave them a reason in `KEPT_BEFORE_STALE`), whole episodes at a time; return which rows are too old
+        for `slot` (whatever their reason)."""
         reason, detail = st.reason, st.detail
         # an episode's segments share one verdict: its newest segment decides `future_policy`, its oldest `stale`
         episode = st.chunk.episode
@@ -235,9 +247,14 @@ class BatchMaker:
         reason[future] = "future_policy"
         detail[future] = f"newest published policy is {latest_policy}"
         low = staleness.oldest_allowed_policy(slot, self.params.max_lag)
-        stale = (reason != "malformed") & (reason != "future_policy") & (policy < low)
+        old = policy < low
+        # a row without learning signal (its group's rewards all equal, or its own advantage 0) could never have
+        # been trained, fresh or not: its verdict stays `zero_variance` / `zero_advantage`, so `stale` counts only
+        # rows that the lag alone cost
+        stale = ~np.isin(reason, KEPT_BEFORE_STALE) & old
         reason[stale] = "stale"
         detail[stale] = f"lag > max_lag {self.params.max_lag} for batch {slot}"
+        return old
 
     def _retain_latest(self, st: Staged) -> None:
         """Latest-version retention per problem among live rows: the older policy's rows are `superseded`

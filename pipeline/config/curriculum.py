@@ -183,6 +183,22 @@ class CurriculumConfig:
     seed: int = 0
     """Recorded with the run's curriculum (part of its contract); no step draws from it today (lesson draws use each
     rollout worker's `seed`)."""
+    skip_after: int = 0
+    """Difficulty-aware prompt sampling (0: off). The curriculum records, per lesson and prompt (example id), how
+    many of the prompt's newest training draws in a row had no reward spread with the same reward each time (solved
+    by every sample, or by none); once that streak reaches `skip_after`, rollout workers stop drawing the prompt
+    (except for re-tests, `retest_rate`): its groups would be dropped `zero_variance` anyway. A draw with spread
+    clears the prompt's record, so a re-tested prompt that is learnable again comes back. Folded from committed
+    files like every curriculum statistic, so changing it on an existing run needs its `curriculum/` rebuilt. Only
+    helps where prompts recur (a fixed prompt list or dataset); generated tasks with a fresh id per draw (e.g.
+    reasoning-gym's item seeds) rarely see a prompt twice."""
+    retest_rate: float = 0.1
+    """With `skip_after` > 0: the probability that a training draw keeps a skipped prompt anyway (a re-test), so a
+    prompt the policy has come to fail, or has stopped failing, is seen again. In [0, 1]."""
+    max_tracked_prompts: int = 1024
+    """With `skip_after` > 0: at most this many prompt records per lesson in the curriculum state (only prompts
+    whose newest draws had no reward spread are recorded); beyond it the least recently drawn records are dropped
+    (their prompts are drawn again). Bounds the state files' size."""
 
     def __post_init__(self) -> None:
         require(len(self.lessons) > 0, "curriculum.lessons", self.lessons, "must hold at least one lesson")
@@ -224,6 +240,14 @@ class CurriculumConfig:
             self.micro_eval_n_examples >= 1,
             "curriculum.micro_eval_n_examples",
             self.micro_eval_n_examples,
+            "must be >= 1",
+        )
+        require(self.skip_after >= 0, "curriculum.skip_after", self.skip_after, "must be >= 0 (0: off)")
+        require(0.0 <= self.retest_rate <= 1.0, "curriculum.retest_rate", self.retest_rate, "must be in [0, 1]")
+        require(
+            self.max_tracked_prompts >= 1,
+            "curriculum.max_tracked_prompts",
+            self.max_tracked_prompts,
             "must be >= 1",
         )
         for key in self.lessons:

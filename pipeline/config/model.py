@@ -90,7 +90,8 @@ class ModelSpec:
     or gs://; its newest committed policy) or one of its `policies/step-S` folders, e.g. an SFT run's
     (`steps.sft`). Its shape and tokenizer must be this spec's; a resumed run reads its own checkpoints instead."""
     tokenizer: str = "builtin:tiny"
-    """A local tokenizer folder, or `builtin:tiny` (built deterministically in code)."""
+    """A local tokenizer folder, `builtin:tiny` (built deterministically in code) or `builtin:bpe` (a byte-level BPE
+    for real text, shipped with rlpipe)."""
     seed: int = 0
     """Seeds the from-scratch initial weights (and LoRA's A matrices)."""
     compute_dtype: str = "float32"

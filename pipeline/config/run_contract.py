@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 from typing import Any
@@ -75,11 +76,23 @@ def contract_diff(
     return [f"{k}: run.json has {a!r}, this config has {b!r}" for k, a, b in _changes(recorded, current, fields)]
 
 
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    return flatten(encode_config(RLJobConfig()))
+
+
 def _changes(recorded: dict[str, Any], current: dict[str, Any], fields: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
-    """(dotted field, value in run.json, value now) for every differing leaf of the contract `fields`."""
+    """(dotted field, value in run.json, value now) for every differing leaf of the contract `fields`. A field
+    run.json does not have (recorded by an rlpipe that predates it) that is at its default now is no change: the
+    run ran with what the default does."""
     a = flatten({k: recorded.get(k) for k in fields})
     b = flatten({k: current.get(k) for k in fields})
-    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    defaults = _defaults()
+    return [
+        (k, a.get(k), b.get(k))
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k) and not (k not in a and k in defaults and b.get(k) == defaults[k])
+    ]
 
 
 class RunConfigMismatchError(ConfigError):

@@ -220,7 +220,25 @@ class RolloutStepConfig:
 
 
 @dataclass(frozen=True)
-class EvaluateStepConfig:
+class EvaluateTargets:
+    """What an evaluation evaluates: the evaluator's config and the `python -m steps.evaluate` command's flags."""
+
+    steps: list[int] = field(default_factory=list)
+    """Policy steps to evaluate: `3,5` or `[3,5]`."""
+    all: bool = False
+    """Evaluate every committed policy."""
+    follow: bool = False
+    """Evaluate each new policy as it appears, until the learner finishes or control/STOP."""
+    hf_checkpoint: str | None = None
+    """Evaluate an external HF checkpoint folder as a baseline (written under evals/external-<name>)."""
+    force: bool = False
+    """Re-evaluate what is already there."""
+    n_examples: int | None = None
+    """Examples per lesson; None: curriculum.eval_n_examples."""
+
+
+@dataclass(frozen=True)
+class EvaluateStepConfig(EvaluateTargets):
     """`python -m steps.evaluate`."""
 
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -233,18 +251,6 @@ class EvaluateStepConfig:
         default_factory=lambda: CurriculumConfig(lessons={"cats": LessonConfig(lesson_id="cats")})
     )
     """The lessons evaluated, their evaluation sampling and example counts."""
-    steps: list[int] = field(default_factory=list)
-    """Policy steps to evaluate."""
-    all: bool = False
-    """Evaluate every committed policy."""
-    follow: bool = False
-    """Evaluate each new policy as it appears, until the learner finishes or control/STOP."""
-    hf_checkpoint: str | None = None
-    """Evaluate an external HF checkpoint folder as a baseline (written under evals/external-<name>)."""
-    force: bool = False
-    """Re-evaluate what is already there."""
-    n_examples: int | None = None
-    """Examples per lesson; None: curriculum.eval_n_examples."""
     stop_after_step: int | None = None
     """Follow mode: exit once this policy step (the last of training) is evaluated."""
     polling: PollingConfig = field(default_factory=lambda: PollingConfig(interval_s=1.0))

@@ -34,6 +34,15 @@ Semantics (Marin's curriculum, with its weak spots fixed; the constants are in `
   while some active lesson is not saturated. Marin's weight was base·(1 + bonus), zero for lessons at 0% or 100%
   whatever the bonus, and its floor was applied before renormalising, so the floor did not hold.
 
+- Difficulty-aware prompt sampling (`curriculum.skip_after` = k > 0): per lesson and prompt (example id), the
+  streak of its newest training draws (groups) in a row without reward spread and with the same reward each time
+  (solved by every sample, or by none), capped at k, with that reward and the slot of its newest draw. A draw with
+  spread removes the record, so only prompts on such a streak are kept, at most `max_tracked_prompts` per lesson
+  (the least recently drawn go first). Rollout workers pass over a prompt whose streak reached k, keeping it with
+  probability `retest_rate` (a re-test: a draw with spread brings it back). The records are folded from the same
+  committed files in the same order as every other statistic (`fold_prompts`), so they survive a restart and a
+  rebuild byte for byte.
+
 Every status change appends a `CurriculumEvent` with a human reason, e.g.
 "`addition_medium` unlocked at step 40: `addition_easy` reached 0.82 ≥ 0.8 and plateaued over 50 samples".
 
@@ -76,6 +85,7 @@ from pipeline.curriculum.rules import (
     fit_trend,
     fold_eval,
     fold_groups,
+    fold_prompts,
     fold_training,
     initial_state,
     is_plateaued,
@@ -84,7 +94,7 @@ from pipeline.curriculum.rules import (
     sampling_weights,
     success_rate,
 )
-from schemas.curriculum import LESSON_STATUSES, CurriculumEvent, LessonRecord
+from schemas.curriculum import LESSON_STATUSES, CurriculumEvent, LessonRecord, PromptRecord
 
 __all__ = [
     "EVAL_EMA_ALPHA",
@@ -105,6 +115,7 @@ __all__ = [
     "CurriculumWriter",
     "DamagedCurriculumStateError",
     "LessonRecord",
+    "PromptRecord",
     "Trend",
     "bell_weight",
     "clip_reward",
@@ -114,6 +125,7 @@ __all__ = [
     "fit_trend",
     "fold_eval",
     "fold_groups",
+    "fold_prompts",
     "fold_training",
     "initial_state",
     "is_plateaued",

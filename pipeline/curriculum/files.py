@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from pipeline.curriculum.rules import (
     CurriculumSyncError,
     fold_eval,
     fold_groups,
+    fold_prompts,
     fold_training,
     initial_state,
 )
@@ -263,11 +265,14 @@ class CurriculumWriter:
         lessons = table.column("lesson_id").to_pylist()
         rewards = table.column("episode_reward").to_pylist()
         groups = zip(table.column("group_key").to_pylist(), table.column("policy_step").to_pylist(), strict=True)
+        examples = table.column("example_id").to_pylist()
         by_lesson: dict[str, list[float]] = {}
         by_group: dict[str, dict[tuple[str, int], list[float]]] = {}  # per lesson, groups in order of first row
-        for lid, r, g in zip(lessons, rewards, groups, strict=True):
+        example_of: dict[tuple[str, int], str] = {}  # a group is one draw of one prompt: its first row's example id
+        for lid, r, g, ex in zip(lessons, rewards, groups, examples, strict=True):
             by_lesson.setdefault(lid, []).append(r)
             by_group.setdefault(lid, {}).setdefault(g, []).append(r)
+            example_of.setdefault(g, ex)
         for lid in sorted(by_lesson):
             if lid not in state.lessons:
                 logger.warning(
@@ -276,6 +281,11 @@ class CurriculumWriter:
                 continue
             state = fold_training(state, lid, by_lesson[lid], slot)
             state = fold_groups(state, lid, [max(v) == min(v) for v in by_group[lid].values()])
+            outcomes = [
+                (example_of[g], v[0] if max(v) == min(v) and math.isfinite(v[0]) else None)
+                for g, v in by_group[lid].items()
+            ]
+            state = fold_prompts(state, lid, outcomes, slot)
         return state
 
     def _fold_eval_file(

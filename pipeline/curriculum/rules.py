@@ -20,6 +20,7 @@ from schemas.curriculum import (
     CurriculumEvent,
     CurriculumStateRecord,
     LessonRecord,
+    PromptRecord,
 )
 
 TRAIN_EMA_ALPHA = 0.05
@@ -182,9 +183,11 @@ def success_rate(lesson: LessonRecord) -> float | None:
 def config_fingerprint(cfg: CurriculumConfig) -> str:
     """sha256 (16 hex) of what the folding depends on: lessons, dependencies, thresholds, windows, floor, RULES.
 
-    Sampling params, environments and eval frequencies are left out: changing them does not change the state.
+    Sampling params, environments, eval frequencies and `retest_rate` are left out: changing them does not change
+    the state. `skip_after` and `max_tracked_prompts` are in only when `skip_after` > 0 (they decide the per-prompt
+    records then; a curriculum without them keeps the fingerprint it had before they existed).
     """
-    doc = {
+    doc: dict[str, object] = {
         "minimum_sample_probability": cfg.minimum_sample_probability,
         "rules": RULES,
         "lessons": {
@@ -198,6 +201,8 @@ def config_fingerprint(cfg: CurriculumConfig) -> str:
             for k, v in sorted(cfg.lessons.items())
         },
     }
+    if cfg.skip_after > 0:
+        doc["prompt_skip"] = {"skip_after": cfg.skip_after, "max_tracked_prompts": cfg.max_tracked_prompts}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -230,6 +235,14 @@ class CurriculumState:
     def saturated(self, lesson_id: str) -> bool:
         """Whether the lesson's recent training groups were (almost) all without signal (`is_saturated`)."""
         return is_saturated(self._lesson(lesson_id).recent_groups)
+
+    def skipped_prompts(self, lesson_id: str) -> frozenset[str]:
+        """The example ids training draws of this lesson pass over (`curriculum.skip_after` > 0): prompts whose
+        newest `skip_after` draws in a row had no reward spread, with the same reward each time. Empty when off."""
+        k = self.config.skip_after
+        if k <= 0:
+            return frozenset()
+        return frozenset(p for p, r in self._lesson(lesson_id).prompts.items() if r.streak >= k)
 
     def plateaued(self, lesson_id: str) -> bool:
         """Whether the lesson's training rewards have plateaued (`is_plateaued` with its window and threshold)."""
@@ -389,6 +402,39 @@ def fold_groups(state: CurriculumState, lesson_id: str, zero_variance: Sequence[
     return dataclasses.replace(
         state, lessons={**state.lessons, lesson_id: dataclasses.replace(rec, recent_groups=recent)}
     )
+
+
+def fold_prompts(
+    state: CurriculumState, lesson_id: str, outcomes: Sequence[tuple[str, float | None]], step: int
+) -> CurriculumState:
+    """Fold one rollout file's training groups of one lesson into its per-prompt records, in order (difficulty-aware
+    sampling; a no-op unless `curriculum.skip_after` > 0).
+
+    `outcomes[i]` is group i's (example id, common reward), the reward None when the group's rewards differ. A group
+    with spread removes its prompt's record; a group without spread sets streak ← min(streak + 1, skip_after) when
+    its reward equals the recorded one (within EPS), else streak ← 1 and reward ← its reward; last_slot ← `step`.
+    Then, beyond `max_tracked_prompts` records, those with the smallest (last_slot, streak, example id) are dropped.
+    Deterministic: a function of the state and the outcomes only.
+    """
+    cfg = state.config
+    if cfg.skip_after <= 0 or len(outcomes) == 0:
+        return state
+    rec = state._lesson(lesson_id)
+    prompts = dict(rec.prompts)
+    for example_id, reward in outcomes:
+        if reward is None:
+            prompts.pop(example_id, None)
+            continue
+        old = prompts.get(example_id)
+        same = old is not None and abs(old.reward - reward) <= EPS
+        streak = min(old.streak + 1, cfg.skip_after) if old is not None and same else 1
+        prompts[example_id] = PromptRecord(streak=streak, reward=float(reward), last_slot=step)
+    excess = len(prompts) - cfg.max_tracked_prompts
+    if excess > 0:
+        for example_id in sorted(prompts, key=lambda p: (prompts[p].last_slot, prompts[p].streak, p))[:excess]:
+            del prompts[example_id]
+    new = dataclasses.replace(rec, prompts=prompts)
+    return dataclasses.replace(state, lessons={**state.lessons, lesson_id: new})
 
 
 def fold_eval(

@@ -1,6 +1,6 @@
 """Any OpenAI-speaking program as an episode runner: `AgentEnv` (`env_class: pipeline.environments.agent.AgentEnv`).
 
-Each `sample` call starts a generate endpoint (`pipeline.rollout.endpoint.GenerateEndpoint`) over the worker's
+Each `sample` call starts a generate endpoint (`pipeline.environments.endpoint.GenerateEndpoint`) over the worker's
 sampler, and for each drawn task runs the configured program `n_generations` times (an RLOO group), each run an
 episode with its own URL prefix, so its calls are captured and become rollout rows
 (`pipeline.environments.episodes.rollouts_from_calls`: exact sampled ids and logprobs, mask 0 on what the program
@@ -269,7 +269,7 @@ class AgentEnv(Environment):
         """Exactly one of `entry_point` / `command`; `tasks` (and `eval_tasks`) loadable; a non-loopback `host` needs
         a `token` or a set `token_env` variable; positive `timeout_s` and `concurrency`. As a config check, raises
         `ConfigError(<arg>, value, why)`; else ValueError."""
-        from pipeline.rollout.endpoint import is_loopback
+        from pipeline.process.ports import is_loopback
 
         def fail(arg: str, value: Any, why: str) -> None:
             if as_config:
@@ -323,7 +323,7 @@ class AgentEnv(Environment):
     # -- sampling -----------------------------------------------------------------------------------
 
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
-        from pipeline.rollout.endpoint import GenerateEndpoint
+        from pipeline.environments.endpoint import GenerateEndpoint
 
         check_mode(spec.mode)
         tasks = self._draw(spec.n_examples, rng, spec.mode)

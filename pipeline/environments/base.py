@@ -24,7 +24,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -34,6 +34,12 @@ logger = logging.getLogger(__name__)
 
 MODES = ("train", "eval")
 FINISH_REASONS = ("stop", "length")
+SKIP_DRAW_ROUNDS = 4
+"""Draws of replacements for skipped prompts per sample call (`draw_skipping`) before skipped ones are used."""
+SKIP_METRICS = ("n_skipped_prompts", "n_retested_prompts")
+"""The metrics of `draw_skipping` a sample call reports (prefixed `env/` in rollout records; summed over retries)."""
+
+_T = TypeVar("_T")
 
 
 # ---------------------------------------------------------------------------------------
@@ -65,6 +71,16 @@ class Tokenizer(Protocol):
 
 
 @dataclass(frozen=True)
+class PromptSkip:
+    """Prompts (example ids) that training draws pass over (difficulty-aware sampling, `curriculum.skip_after`):
+    each drawn prompt in `example_ids` is kept only with probability `retest_rate` (a re-test), else replaced by
+    another draw (`draw_skipping`)."""
+
+    example_ids: frozenset[str]
+    retest_rate: float = 0.0
+
+
+@dataclass(frozen=True)
 class SampleSpec:
     """What one `Environment.sample` call asks for: `n_examples` examples, `n_generations` completions each, at
     `temperature`, at most `max_tokens` new tokens per completion (per turn in multi-turn environments), stopping at
@@ -78,6 +94,9 @@ class SampleSpec:
     stop_tokens: Sequence[int] | None
     mode: str
     chat: bool = False
+    skip: PromptSkip | None = None
+    """Prompts a training draw passes over (`draw_skipping`); None: none. Ignored in eval mode (the eval stream is
+    fixed)."""
 
 
 @runtime_checkable
@@ -204,6 +223,44 @@ def check_mode(mode: str) -> None:
     """Raise ValueError unless mode is 'train' or 'eval'."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: must be one of {MODES}")
+
+
+def draw_skipping(
+    draw: Callable[[int], list[_T]],
+    n: int,
+    rng: np.random.Generator,
+    skip: PromptSkip | None,
+    example_id: Callable[[_T], str],
+) -> tuple[list[_T], dict[str, float]]:
+    """`n` items from `draw(k)` (k fresh items of the example stream) that pass over the prompts of `skip`, and the
+    `SKIP_METRICS` of the draw ({} without a skip set: then exactly `draw(n)`, the rng untouched by the skip).
+
+    A drawn item whose `example_id` is in `skip.example_ids` is kept with probability `retest_rate` (counted in
+    `n_retested_prompts`), else passed over (`n_skipped_prompts`) and replaced by a further draw, for up to
+    `SKIP_DRAW_ROUNDS` rounds; if items are still missing then (nearly every prompt is skipped), the passed-over
+    ones fill them (as re-tests), so a call never yields fewer than `n` items. Deterministic given `rng` and `draw`.
+    """
+    if skip is None or not skip.example_ids:
+        return draw(n), {}
+    kept: list[_T] = []
+    passed: list[_T] = []
+    retested = 0
+    for _ in range(SKIP_DRAW_ROUNDS):
+        need = n - len(kept)
+        if need <= 0:
+            break
+        for item in draw(need):
+            if example_id(item) not in skip.example_ids:
+                kept.append(item)
+            elif rng.random() < skip.retest_rate:
+                kept.append(item)
+                retested += 1
+            else:
+                passed.append(item)
+    fill = passed[: max(0, n - len(kept))]
+    kept += fill
+    skipped, retests = len(passed) - len(fill), retested + len(fill)
+    return kept, {"n_skipped_prompts": float(skipped), "n_retested_prompts": float(retests)}
 
 
 def draw_seed(rng: np.random.Generator) -> int:
@@ -465,7 +522,14 @@ class SingleTurnEnvironment(Environment):
         stop = effective_stop_tokens(tok, spec.stop_tokens)
         failures: list[ExampleFailure] = []
         ready: list[tuple[Example, list[int]]] = []
-        for ex in self.examples(n_examples, rng, mode):
+        drawn, skip_metrics = draw_skipping(
+            lambda k: self.examples(k, rng, mode),
+            n_examples,
+            rng,
+            spec.skip if mode == "train" else None,
+            lambda ex: ex.example_id,
+        )
+        for ex in drawn:
             if ex.error is not None or ex.prompt is None:
                 failures.append(ExampleFailure(ex.example_id, ex.error or "example has no prompt"))
                 continue
@@ -531,4 +595,5 @@ class SingleTurnEnvironment(Environment):
             n_examples=n_examples,
             success=lambda r: r.info.get("success", 0.0) > 0,
         )
+        metrics.update(skip_metrics)
         return SampleResult(groups, failures, metrics)

@@ -179,6 +179,39 @@ def final_answer(text: str) -> Fraction | None:
     return Fraction(nums[-1]) if nums else None
 
 
+def answer_rollout(
+    env_name: str,
+    expr: str,
+    target: Fraction,
+    text: str,
+    *,
+    prompt: list[int],
+    tokens: list[int],
+    logprobs: list[float],
+    mask: list[int],
+    finish_reason: str,
+    info: dict[str, float],
+) -> EnvRollout:
+    """The scored rollout of one arithmetic episode (both calculator environments): reward 1 when the final
+    answer in `text` equals `target`, else 0, on the loss-masked response tokens; `info` gains `parse_failure`
+    (1 when `text` holds no final answer). Copies the token lists."""
+    answer = final_answer(text)
+    reward = 1.0 if answer is not None and answer == target else 0.0
+    return EnvRollout(
+        env_name=env_name,
+        example_id=expr,
+        prompt_tokens=list(prompt),
+        response_tokens=list(tokens),
+        response_logprobs=list(logprobs),
+        token_rewards=token_rewards_for(len(tokens), reward, mask),
+        response_loss_mask=list(mask),
+        episode_reward=reward,
+        truncated=finish_reason == "length",
+        finish_reason=finish_reason,
+        info={**info, "parse_failure": float(answer is None)},
+    )
+
+
 def _encode_plain(tokenizer: Any, text: str) -> list[int]:
     """Encode without special tokens where the tokenizer supports the flag."""
     try:
@@ -278,9 +311,22 @@ class ArithmeticProblems:
     """Integer expressions of `n_terms` operands in 1..`max_operand` joined by `+ - *`, and a fixed eval list
     (`eval_problems`, set by the environment from its own seeded generator)."""
 
+    max_turns: int
     n_terms: int
     max_operand: int
     eval_problems: list[str]
+
+    def _init_problems(self, max_turns: int, n_terms: int, max_operand: int, eval_seed: list[int], n_eval: int) -> None:
+        """Check (each >= 1, else ValueError naming it) and keep the shared knobs, and draw the fixed eval list
+        of `n_eval` problems from `default_rng(eval_seed)`."""
+        for name, v in (("max_turns", max_turns), ("n_terms", n_terms), ("max_operand", max_operand)):
+            if v < 1:
+                raise ValueError(f"{name}={v!r}: must be >= 1")
+        self.max_turns = max_turns
+        self.n_terms = n_terms
+        self.max_operand = max_operand
+        erng = np.random.default_rng(eval_seed)
+        self.eval_problems = [self._problem(erng) for _ in range(n_eval)]
 
     def _problem(self, rng: np.random.Generator) -> str:
         nums = rng.integers(1, self.max_operand + 1, size=self.n_terms)
@@ -318,23 +364,12 @@ class CalculatorEnv(ArithmeticProblems, Environment):
         max_prompt_tokens: int | None = None,
         add_bos: bool = True,
     ) -> None:
-        for name, v, lo in (
-            ("max_turns", max_turns, 1),
-            ("n_terms", n_terms, 1),
-            ("max_operand", max_operand, 1),
-        ):
-            if v < lo:
-                raise ValueError(f"{name}={v!r}: must be >= {lo}")
+        self._init_problems(max_turns, n_terms, max_operand, [seed, 2], n_eval)
         if max_prompt_tokens is not None and max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens!r}: must be >= 1 or None")
-        self.max_turns = max_turns
-        self.n_terms = n_terms
-        self.max_operand = max_operand
         self.prompt_template = prompt_template
         self.max_prompt_tokens = max_prompt_tokens
         self.add_bos = add_bos
-        erng = np.random.default_rng([seed, 2])
-        self.eval_problems = [self._problem(erng) for _ in range(n_eval)]
 
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
         check_mode(spec.mode)
@@ -451,27 +486,22 @@ class CalculatorEnv(ArithmeticProblems, Environment):
         ep: _Episode,
         stop: set[int],
     ) -> EnvRollout:
-        text = str(tok.decode([t for t in ep.tokens if t not in stop]))
-        answer = final_answer(text)
-        reward = 1.0 if answer is not None and answer == target else 0.0
         if not ep.done:  # ran out of turns while still calling the tool (cannot happen: last turn finishes)
             ep.finish_reason = "length"
-        return EnvRollout(
-            env_name=self.name,
-            example_id=expr,
-            prompt_tokens=list(prompt),
-            response_tokens=list(ep.tokens),
-            response_logprobs=list(ep.logprobs),
-            token_rewards=token_rewards_for(len(ep.tokens), reward, ep.mask),
-            response_loss_mask=list(ep.mask),
-            episode_reward=reward,
-            truncated=ep.finish_reason == "length",
+        return answer_rollout(
+            self.name,
+            expr,
+            target,
+            str(tok.decode([t for t in ep.tokens if t not in stop])),
+            prompt=prompt,
+            tokens=ep.tokens,
+            logprobs=ep.logprobs,
+            mask=ep.mask,
             finish_reason=ep.finish_reason,
             info={
                 "turns": float(ep.turns),
                 "tool_calls": float(ep.tool_calls),
                 "tool_errors": float(ep.tool_errors),
                 "unanswered_calls": float(ep.unanswered_calls),
-                "parse_failure": float(answer is None),
             },
         )

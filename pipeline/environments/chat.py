@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.environments.base import Completion, check_completions, effective_stop_tokens
-from pipeline.environments.generation import NO_CONTROLS, GenerationRequest, SamplingControls
+from pipeline.environments.generation import NO_CONTROLS, GenerationRequest, SamplingControls, check_budget
 
 Message = dict[str, Any]
 
@@ -54,10 +54,7 @@ class ChatRequest:
     controls: SamplingControls = NO_CONTROLS
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0")
+        check_budget(self.max_tokens, self.temperature)
 
 
 @dataclasses.dataclass

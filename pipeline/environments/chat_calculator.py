@@ -40,9 +40,14 @@ from pipeline.environments.base import (
     draw_seed,
     group_key,
     summarize,
-    token_rewards_for,
 )
-from pipeline.environments.calculator import ArithmeticProblems, ToolError, final_answer, format_value, safe_eval
+from pipeline.environments.calculator import (
+    ArithmeticProblems,
+    ToolError,
+    answer_rollout,
+    format_value,
+    safe_eval,
+)
 from pipeline.environments.chat import ChatRequest, ChatTranscript, ChatTurn, Message, chat_turns
 from pipeline.environments.turns import play_turns
 
@@ -110,16 +115,9 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
         system_prompt: str | None = None,
         n_eval: int = 256,
     ) -> None:
-        for name, v in (("max_turns", max_turns), ("n_terms", n_terms), ("max_operand", max_operand)):
-            if v < 1:
-                raise ValueError(f"{name}={v!r}: must be >= 1")
-        self.max_turns = max_turns
-        self.n_terms = n_terms
-        self.max_operand = max_operand
+        self._init_problems(max_turns, n_terms, max_operand, [seed, 3], n_eval)
         self.prompt_template = prompt_template
         self.system_prompt = system_prompt
-        erng = np.random.default_rng([seed, 3])
-        self.eval_problems = [self._problem(erng) for _ in range(n_eval)]
 
     def first_messages(self, expr: str) -> list[Message]:
         """The conversation an episode starts from."""
@@ -176,23 +174,19 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
 
     def _rollout(self, expr: str, target: Fraction, conv: _Conversation) -> EnvRollout:
         tr = conv.transcript
-        answer = final_answer(conv.answer)
-        reward = 1.0 if answer is not None and answer == target else 0.0
-        return EnvRollout(
-            env_name=self.name,
-            example_id=expr,
-            prompt_tokens=list(tr.prompt_tokens),
-            response_tokens=list(tr.tokens),
-            response_logprobs=list(tr.logprobs),
-            token_rewards=token_rewards_for(len(tr.tokens), reward, tr.mask),
-            response_loss_mask=list(tr.mask),
-            episode_reward=reward,
-            truncated=conv.finish_reason == "length",
+        return answer_rollout(
+            self.name,
+            expr,
+            target,
+            conv.answer,
+            prompt=tr.prompt_tokens,
+            tokens=tr.tokens,
+            logprobs=tr.logprobs,
+            mask=tr.mask,
             finish_reason=conv.finish_reason,
             info={
                 "turns": float(tr.turns),
                 "tool_calls": float(conv.tool_calls),
                 "tool_errors": float(conv.tool_errors),
-                "parse_failure": float(answer is None),
             },
         )

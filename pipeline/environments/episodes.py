@@ -1,6 +1,6 @@
 """One episode's captured endpoint calls as rollout rows (`rollouts_from_calls`).
 
-An episode served through the generate endpoint (`pipeline.rollout.endpoint`) is a list of `CapturedCall`s in
+An episode served through the generate endpoint (`pipeline.environments.endpoint`) is a list of `CapturedCall`s in
 arrival order: each the exact prompt ids the sampler conditioned on, the ids it sampled and their logprobs. They
 become rows the way `ChatTranscript` builds a multi-turn rollout, without ever re-tokenising text:
 
@@ -28,7 +28,7 @@ from pipeline.environments.base import EnvRollout, checked_reward, token_rewards
 
 
 class Call(Protocol):
-    """What a captured call gives (`pipeline.rollout.endpoint.CapturedCall` satisfies it)."""
+    """What a captured call gives (`pipeline.environments.endpoint.CapturedCall` satisfies it)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]

@@ -62,7 +62,13 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"n={self.n}: must be >= 1")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0")
+        check_budget(self.max_tokens, self.temperature)
+
+
+def check_budget(max_tokens: int, temperature: float) -> None:
+    """ValueError (naming the value) unless `max_tokens >= 1` and `temperature >= 0`: what every sampling request
+    (completions or chat) must hold."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}: must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: must be >= 0")

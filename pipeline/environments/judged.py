@@ -39,6 +39,7 @@ import numpy as np
 
 from pipeline.config.base import ConfigError
 from pipeline.environments.base import (
+    SKIP_METRICS,
     EnvGroup,
     Environment,
     EnvRollout,
@@ -217,6 +218,7 @@ class JudgedEnv(Environment):
             stats = ScorerStats()
             stats.add(outcomes[s.name])
             metrics.update(scorer_metrics(s.name, stats))
+        metrics.update({k: v for k, v in result.metrics.items() if k in SKIP_METRICS})  # the base's prompt draw
         return SampleResult(groups, failures, metrics)
 
     def _rescored(self, r: EnvRollout, req: ScoreRequest, scores: Mapping[str, float | None]) -> EnvRollout:

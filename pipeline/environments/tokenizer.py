@@ -1,4 +1,4 @@
-"""Tokenizers: a local Hugging Face tokenizer folder, or the built-in tiny tokenizer.
+"""Tokenizers: a local Hugging Face tokenizer folder, or a built-in one (`builtin:tiny`, `builtin:bpe`).
 
 `builtin:tiny` is built deterministically in code with the `tokenizers` library (no hub, no
 training): a Unigram model with an explicit vocabulary
@@ -20,10 +20,18 @@ Every piece costs the same score, plus a tiny bonus per character, so encoding p
 segmentation with the fewest tokens (ties: longer pieces). There is no normaliser and no
 pre-tokeniser, spaces are ordinary characters, and the decoder concatenates pieces, so
 `decode(encode(s)) == s` for every ASCII string `s`. `encode` adds no special tokens.
+
+`builtin:bpe` is a byte-level BPE of `BPE_VOCAB_SIZE` tokens for real text: trained on reasoning-gym questions and
+answers, calculator tool-call conversations and the chat template's strings (`pipeline/environments/bpe_training.py`
+makes it, deterministically) and shipped as `BPE_TOKENIZER_FILE`, which is what loading reads. Every string, unicode
+included, encodes and decodes back exactly (all 256 bytes are tokens); the special tokens are the tiny one's at the
+same ids 0..3, its chat template is `TINY_CHAT_TEMPLATE`, and `encode` adds no special tokens. On reasoning-gym
+questions it makes ~3.3 characters per token, 2.3x fewer tokens than `builtin:tiny` (docs/guides/reasoning-tasks.md).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import string
 from collections.abc import Mapping
@@ -36,11 +44,18 @@ if TYPE_CHECKING:
     import transformers
 
 BUILTIN_TINY = "builtin:tiny"
+BUILTIN_BPE = "builtin:bpe"
+BUILTIN_SPECS: tuple[str, ...] = (BUILTIN_TINY, BUILTIN_BPE)
+"""Every built-in tokenizer spec `load_tokenizer` accepts."""
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 TINY_VOCAB_SIZE = 512
 """Size of the built-in tiny vocabulary (a multiple of 64; the tail is `<unused_N>` filler)."""
+BPE_VOCAB_SIZE = 4096
+"""Size of the built-in BPE vocabulary (a multiple of 64)."""
+BPE_TOKENIZER_FILE = Path(__file__).with_name("bpe_tokenizer.json")
+"""The trained `builtin:bpe` (a `tokenizers` JSON file), written by `python -m pipeline.environments.bpe_training`."""
 
 _WORDS_TEXT = """
     cat cats Cat Cats CAT CATS kitty kitten kittens meow purr moar more feline paw paws whiskers tabby
@@ -140,12 +155,32 @@ def build_tiny_tokenizer_object() -> Tokenizer:
     return tok
 
 
-def build_tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """The `builtin:tiny` tokenizer as a transformers fast tokenizer (pad=0, bos=1, eos=2, unk=3)."""
+@functools.cache
+def _bpe_tokenizer_text() -> str:
+    return BPE_TOKENIZER_FILE.read_text(encoding="utf-8")
+
+
+def build_bpe_tokenizer_object() -> Tokenizer:
+    """The raw `tokenizers.Tokenizer` of `builtin:bpe`, a fresh object each call, read from `BPE_TOKENIZER_FILE`
+    (the file's text is read once per process)."""
+    return Tokenizer.from_str(_bpe_tokenizer_text())
+
+
+def build_builtin_tokenizer_object(spec: str) -> Tokenizer:
+    """The raw `tokenizers.Tokenizer` of the built-in `spec` (one of `BUILTIN_SPECS`); ValueError for another."""
+    if spec == BUILTIN_TINY:
+        return build_tiny_tokenizer_object()
+    if spec == BUILTIN_BPE:
+        return build_bpe_tokenizer_object()
+    raise ValueError(f"unknown builtin tokenizer {spec!r}; known: {', '.join(map(repr, BUILTIN_SPECS))}")
+
+
+def _fast_tokenizer(backend: Tokenizer) -> transformers.PreTrainedTokenizerFast:
+    """`backend` as a transformers fast tokenizer with the built-in specials and chat template."""
     import transformers  # lazy: importing transformers is slow and environments do not need it
 
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=build_tiny_tokenizer_object(),
+        tokenizer_object=backend,
         pad_token=PAD_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -154,6 +189,11 @@ def build_tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
         model_max_length=1 << 20,
         chat_template=TINY_CHAT_TEMPLATE,
     )
+
+
+def build_tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The `builtin:tiny` tokenizer as a transformers fast tokenizer (pad=0, bos=1, eos=2, unk=3)."""
+    return _fast_tokenizer(build_tiny_tokenizer_object())
 
 
 def save_tiny_tokenizer(directory: str | os.PathLike[str]) -> str:
@@ -211,19 +251,21 @@ def render_chat(
 
 
 def load_tokenizer(spec: str) -> transformers.PreTrainedTokenizerFast:
-    """Load a tokenizer: `builtin:tiny`, or a local folder holding a Hugging Face tokenizer.
+    """Load a tokenizer: `builtin:tiny`, `builtin:bpe`, or a local folder holding a Hugging Face tokenizer.
 
     Never downloads (`local_files_only=True`). Raises TokenizerLoadError naming the spec when the
     folder is missing or holds no loadable fast tokenizer.
     """
     import transformers
 
-    if spec == BUILTIN_TINY:
-        return build_tiny_tokenizer()
     if spec.startswith("builtin:"):
-        raise TokenizerLoadError(f"unknown builtin tokenizer {spec!r}; known: {BUILTIN_TINY!r}")
+        try:
+            return _fast_tokenizer(build_builtin_tokenizer_object(spec))
+        except ValueError as e:
+            raise TokenizerLoadError(str(e)) from e
     if not Path(spec).is_dir():
-        raise TokenizerLoadError(f"tokenizer folder {spec!r} does not exist (or spec is not {BUILTIN_TINY!r})")
+        known = " or ".join(map(repr, BUILTIN_SPECS))
+        raise TokenizerLoadError(f"tokenizer folder {spec!r} does not exist (or spec is not {known})")
     try:
         tok = transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True, use_fast=True)
     except Exception as e:  # re-raised with the path named

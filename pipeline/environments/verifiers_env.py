@@ -15,15 +15,23 @@ Config (`EnvConfig`): `env_class: pipeline.environments.verifiers_env.VerifiersE
   `<tool_call>{json}</tool_call>` blocks in the decoded text, the built-in tiny tokenizer's chat-template format;
   `qwen3` where `<tool_call>` is one token); `max_seq_len`: the endpoint's bound on prompt + completion tokens;
   `capture_log`: a local file the endpoint appends each sampled choice to (a debug record; tests compare rows with it).
+- `harness_pool_size` (default 16): how many warm harness processes run verifiers' chat program (the `null`/`bash`
+  harnesses' program), one episode at a time each, reused across episodes (`pipeline.environments.harness_pool`):
+  at most this many episodes run their program at once, the others wait for a free process; 0: a new process per
+  episode, verifiers' own subprocess runtime unchanged. `harness_pool_max_episodes` (default 1000): a pool process
+  is replaced after this many episodes (0: never).
 
 Examples are tasks: an example id is the task's durable `data.id` when it has one, else `key:` plus the task's
 content key (stable across processes and runs). Each example runs `n_generations` episodes (an RLOO group).
 
-An episode is `vf.Agent(config).run(task)`, exactly as verifiers runs a single-agent rollout: it starts the harness
-program (a subprocess runtime on this machine), verifiers' interception server between the program and the model,
-and the task's tool servers (the taskset's shared ones start once per environment); the interception answers each
+An episode is `vf.Agent(config).run(task)`, exactly as verifiers runs a single-agent rollout: it runs the harness
+program (a subprocess runtime on this machine; with the pool, a `PooledRuntime` the episode owns and places the run
+in, whose chat program runs in a warm pool process instead of a new one), verifiers' interception server between the
+program and the model, and the task's tool servers (the taskset's shared ones start once per environment, and again
+when one stops answering, checked at the start of each `sample`; a task's own start per episode, as in verifiers);
+`close()` ends the pool's processes and the shared tool servers. The interception answers each
 model call through verifiers' training client (`TrainClient`, `TrainClientConfig` pointed at the episode's capture
-URL of a `pipeline.rollout.endpoint.GenerateEndpoint`), which renders the prompt to token ids with the policy
+URL of a `pipeline.environments.endpoint.GenerateEndpoint`), which renders the prompt to token ids with the policy
 tokenizer's chat template and calls `/inference/v1/generate`; the finished trace is scored by the task
 (`@vf.reward` functions, judges) and the harness (`@vf.metric`). The episode reward is `Trace.reward` (the weighted
 sum) and each reward function's weighted value is its own entry of `reward_components` (and, averaged per episode, the
@@ -65,7 +73,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -82,6 +90,9 @@ from pipeline.environments.base import (
     checked_reward,
     group_key,
 )
+
+if TYPE_CHECKING:
+    from pipeline.environments.harness_pool import HarnessPool
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +276,32 @@ def expose_env_module(ref: str) -> None:
             os.environ["PYTHONPATH"] = os.pathsep.join([*current, *missing])
 
 
+def share_client_ssl_context() -> None:
+    """Make the httpx clients verifiers builds for its model clients share one SSL context.
+
+    verifiers builds a new `TrainClient` (with a new `httpx.AsyncClient`) for every rollout whose endpoint URL is
+    new, and every episode has its own capture URL; each new httpx client builds a new SSL context, parsing the CA
+    bundle again (about 0.08 CPU s, most of an episode's cost in this process once the harness pool is warm).
+    This replaces `verifiers.v1.clients.base.build_async_httpx` (what `build_async_openai` calls) with the same
+    client built on one context made once by httpx's own defaults (`httpx.create_ssl_context()`): the same
+    verification, built once. Idempotent."""
+    import httpx
+    from verifiers.v1.clients import base
+
+    with _prepared:
+        if getattr(base.build_async_httpx, "rlpipe_shared_ssl", False):
+            return
+        context = httpx.create_ssl_context()
+
+        def build_async_httpx(config: Any) -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                timeout=httpx.Timeout(**config.timeout.model_dump()), limits=base.DEFAULT_LIMITS, verify=context
+            )
+
+        build_async_httpx.rlpipe_shared_ssl = True  # type: ignore[attr-defined]
+        base.build_async_httpx = build_async_httpx
+
+
 @dataclass
 class EpisodeResult:
     """One episode as verifiers' rollout loop left it: its scored trace, or why there is none."""
@@ -320,6 +357,21 @@ def tokens_disagree(trace: Any, calls: list[Any]) -> str | None:
     return None
 
 
+async def _answers(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether a server accepts a TCP connection at `url`'s host and port (a liveness probe of a tool server)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, parts.port or 80), timeout_s)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
 # ---------------------------------------------------------------------------------------
 # the environment
 # ---------------------------------------------------------------------------------------
@@ -346,6 +398,8 @@ class VerifiersEnv(Environment):
         max_seq_len: int = 4096,
         name: str | None = None,
         capture_log: str | None = None,
+        harness_pool_size: int = 16,
+        harness_pool_max_episodes: int = 1000,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns}: must be >= 1")
@@ -353,6 +407,11 @@ class VerifiersEnv(Environment):
             raise ValueError(f"eval_holdout={eval_holdout}: must be >= 0")
         if episode_timeout_s <= 0:
             raise ValueError(f"episode_timeout_s={episode_timeout_s}: must be > 0")
+        if harness_pool_size < 0 or harness_pool_max_episodes < 0:
+            raise ValueError(
+                f"harness_pool_size={harness_pool_size}, harness_pool_max_episodes={harness_pool_max_episodes}: "
+                "must be >= 0"
+            )
         from verifiers.v1.utils.loaders import harness_config_type
 
         self.name = name or env_name(env)
@@ -365,7 +424,8 @@ class VerifiersEnv(Environment):
         for ref in (env, eval_env):
             if ref is not None and ":" in ref:
                 expose_env_module(ref)
-        prepare_local_chat_program()
+        self._chat_program = prepare_local_chat_program()
+        share_client_ssl_context()
         taskset = load_taskset(env, env_kwargs or {})
         tasks = _tasks_of(taskset, max_tasks)
         if eval_env is not None:
@@ -384,8 +444,13 @@ class VerifiersEnv(Environment):
         self._tokenizer_dir: str | None = None
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._shared: dict[str, Any] = {}
-        self._stacks: list[contextlib.AsyncExitStack] = []
+        self._shared: dict[str, tuple[Any, contextlib.AsyncExitStack]] = {}
+        self._pool: HarnessPool | None = None
+        if harness_pool_size:
+            from pipeline.environments.harness_pool import HarnessPool
+
+            self._pool = HarnessPool(harness_pool_size, harness_pool_max_episodes)
+        self._closed = False
 
     @classmethod
     def check_args(cls, env_args: Mapping[str, Any]) -> None:
@@ -425,6 +490,34 @@ class VerifiersEnv(Environment):
                 self._tokenizer_dir = path
             return self._tokenizer_dir
 
+    @property
+    def harness_pool(self) -> HarnessPool | None:
+        """The environment's pool of harness processes (None when `harness_pool_size` is 0)."""
+        return self._pool
+
+    def close(self) -> None:
+        """End the harness pool's processes, stop the shared tool servers and the event loop, and remove the
+        tokenizer folder; waits for all of it. Idempotent; `sample` after `close` raises RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            loop = self._loop
+        if loop is not None:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+        if self._tokenizer_dir:
+            shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
+            self._tokenizer_dir = None
+
+    async def _shutdown(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+        for _, stack in self._shared.values():
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+        self._shared.clear()
+
     def __del__(self) -> None:
         if getattr(self, "_tokenizer_dir", None):
             shutil.rmtree(self._tokenizer_dir, ignore_errors=True)  # type: ignore[arg-type]
@@ -432,6 +525,8 @@ class VerifiersEnv(Environment):
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         """The environment's event loop (started on first use in a daemon thread)."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"environment {self.name!r} is closed")
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, name=f"verifiers-{self.name}", daemon=True).start()
@@ -440,20 +535,33 @@ class VerifiersEnv(Environment):
 
     async def _shared_tools(self, mode: str) -> Any:
         """The taskset's shared (taskset-scoped) tool servers, started once for the environment's life (verifiers'
-        `serve_shared`, as its `Env.serving` does for an eval); task-scoped ones start per rollout."""
+        `serve_shared`, as its `Env.serving` does for an eval) and started again when one stops answering (checked
+        once per `sample`, before its episodes start); task-scoped ones start per rollout."""
         from verifiers.v1.mcp.launch import serve_shared
 
         taskset = self._tasksets[mode]
         key = str(id(taskset))
-        if key not in self._shared:
-            stack = contextlib.AsyncExitStack()
-            self._shared[key] = await stack.enter_async_context(serve_shared(taskset.toolsets(taskset.config)))
-            self._stacks.append(stack)
-        return self._shared[key]
+        if key in self._shared:
+            servers, stack = self._shared[key]
+            dead = [name for name, s in servers.items() if not s.external and not await _answers(s.url)]
+            if not dead:
+                return servers
+            logger.warning("shared tool server(s) %s stopped answering: starting them again", dead)
+            del self._shared[key]
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+        stack = contextlib.AsyncExitStack()
+        servers = await stack.enter_async_context(serve_shared(taskset.toolsets(taskset.config)))
+        self._shared[key] = (servers, stack)
+        return servers
 
-    async def _run_episode(self, task: Any, mode: str, base_url: str, tokenizer_dir: str, spec: SampleSpec) -> Any:
+    async def _run_episode(
+        self, task: Any, base_url: str, tokenizer_dir: str, spec: SampleSpec, tools: Mapping[str, Any]
+    ) -> Any:
         """One episode of `task`: a verifiers `Agent` (the configured harness in a subprocess runtime, its client
-        verifiers' `TrainClient` on the episode's capture URL) runs it and returns its scored trace."""
+        verifiers' `TrainClient` on the episode's capture URL) runs it and returns its scored trace. With a pool,
+        the runtime is a `PooledRuntime` the episode owns (started and stopped here, placed with verifiers'
+        `run(runtime=...)`), whose chat program runs in a warm pool process."""
         import verifiers.v1 as vf
         from renderers import DefaultRendererConfig
         from verifiers.v1.configs.agent import TimeoutConfig
@@ -474,24 +582,38 @@ class VerifiersEnv(Environment):
             max_turns=self.max_turns,
             timeout=TimeoutConfig(rollout=self.episode_timeout_s),
         )
-        return await vf.Agent(config).run(task, tools=await self._shared_tools(mode))
+        if self._pool is None:
+            return await vf.Agent(config).run(task, tools=tools)
+        from pipeline.environments.harness_pool import PooledRuntime
 
-    async def _run_all(self, jobs: list[tuple[Any, str, str]], tokenizer_dir: str, spec: SampleSpec) -> list[Any]:
-        async def one(task: Any, mode: str, url: str) -> EpisodeResult:
+        runtime = PooledRuntime(self._pool, self._chat_program)
+        try:
+            await runtime.start()
+            return await vf.Agent(config).run(task, runtime=runtime, tools=tools)
+        finally:
+            await runtime.stop()
+
+    async def _run_all(self, jobs: list[tuple[Any, str]], mode: str, tokenizer_dir: str, spec: SampleSpec) -> list[Any]:
+        try:
+            tools = await self._shared_tools(mode)
+        except Exception as e:  # the shared tool servers do not start: every episode fails with the reason
+            return [EpisodeResult(error=f"starting the shared tool servers: {type(e).__name__}: {e}")] * len(jobs)
+
+        async def one(task: Any, url: str) -> EpisodeResult:
             try:
-                return EpisodeResult(trace=await self._run_episode(task, mode, url, tokenizer_dir, spec))
+                return EpisodeResult(trace=await self._run_episode(task, url, tokenizer_dir, spec, tools))
             except Exception as e:  # verifiers raising outside its own error capture: this episode fails
                 return EpisodeResult(error=f"{type(e).__name__}: {e}")
 
-        return await asyncio.gather(*(one(t, m, u) for t, m, u in jobs))
+        return await asyncio.gather(*(one(t, u) for t, u in jobs))
 
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
         """Run `n_generations` episodes of each of `n_examples` tasks (drawn with rng in train mode; the eval
         split's tasks in order in eval mode) concurrently through verifiers' rollout loop against the endpoint;
         one group or failure per task."""
+        from pipeline.environments.endpoint import GenerateEndpoint
         from pipeline.environments.episodes import rollouts_from_calls
         from pipeline.environments.generation import SamplingControls
-        from pipeline.rollout.endpoint import GenerateEndpoint
 
         check_mode(spec.mode)
         register_tool_parser()
@@ -520,11 +642,11 @@ class VerifiersEnv(Environment):
                 for g in range(spec.n_generations):
                     episode_id = f"{self.name}-{run_id}-{i}-{g}"
                     episodes.append((i, episode_id, endpoint.open_episode(episode_id)))
-            jobs = [(picks[i], spec.mode, capture.base_url) for i, _, capture in episodes]
+            jobs = [(picks[i], capture.base_url) for i, _, capture in episodes]
             # One event loop for the environment's life, in its own thread: verifiers/renderers keep asyncio locks
             # and the shared tool servers bound to it.
             done: Future[list[EpisodeResult]] = asyncio.run_coroutine_threadsafe(
-                self._run_all(jobs, tokenizer_dir, spec), self._event_loop()
+                self._run_all(jobs, spec.mode, tokenizer_dir, spec), self._event_loop()
             )
             endpoint.serve_until(done)
             results = done.result()

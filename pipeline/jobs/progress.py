@@ -2,9 +2,11 @@
 staleness, and rollout rows per second over the last `ROWS_WINDOW_S` seconds.
 
 A learner step counts once it is committed (its policy, or its metrics record, is in the run root). Each step's
-reward and staleness are those of its own batch slot's record, shown only once that record is in the run root
-(metrics files are written a few seconds apart, so a value may come a tick late; it is never another slot's). The
-batch slot and the rollout rate are "now" values, shown on the newest step's line.
+line carries that step's own numbers: its loss (the learner's record of the step) and its batch's reward and
+staleness (the BatchMaker's record of its slot), never another step's. The learner and the BatchMaker each commit
+one metrics file per step, so a committed step's line waits for those two records, in step order, at most
+`STEP_RECORDS_WAIT_S` (then it is printed with what is there, so the display never stalls) and never past
+`finish()`. The batch slot and the rollout rate are "now" values, shown on the newest step's line.
 
 On a terminal (stderr is a tty) it is one tqdm bar that reaches N when the learner finishes. Otherwise it is
 plain log lines: one at start, one per learner step, and one every `QUIET_LOG_S` seconds while the learner
@@ -32,6 +34,8 @@ REFRESH_S = 1.0
 """How often the run root is read for progress."""
 QUIET_LOG_S = 10.0
 """Without a terminal: how often a line says the job still waits for the next learner step."""
+STEP_RECORDS_WAIT_S = 30.0
+"""Without a terminal: how long a committed learner step's line waits for the step's own metrics records."""
 ROWS_WINDOW_S = 30.0
 """`rollout_rows_per_s`: rows the rollout workers committed over the last this many seconds (or since the job
 started, when shorter), by each write's commit time."""
@@ -74,6 +78,10 @@ class RunProgress:
             self._writes.popleft()
         window = max(min(ROWS_WINDOW_S, now - self._t0), 1e-9)
         return sum(rows for _, rows in self._writes) / window
+
+    def has_step_records(self, step: int) -> bool:
+        """Whether both records of learner step `step` were read: the learner's and its batch slot's."""
+        return step in self._learner and step in self._batches
 
     def step_fields(self, step: int) -> dict[str, Any]:
         """The fields of learner step `step` itself: its batch's reward and staleness, its loss (when known)."""
@@ -152,10 +160,14 @@ class JobProgress:
         self._terminal = sys.stderr.isatty() if terminal is None else terminal
         self._last_read = 0.0
         self._shown_step = -1
+        """The last learner step whose line was printed (or that was committed before this job started)."""
+        self._committed_at: dict[int, float] = {}
+        """Committed learner steps whose line is not printed yet -> monotonic time they were first seen."""
         self._last_line = time.monotonic()
         self._bar: Any = None
         self._redirect: Any = None
         self._finished = False
+        self._finishing = False
         if self._terminal:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -189,16 +201,9 @@ class JobProgress:
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix(shown, refresh=True)
+            self._shown_step = max(self._shown_step, step)
         elif step > self._shown_step and step > 0:
-            # one line per committed step, each with its own batch's values; "now" values on the newest only
-            for s in range(max(self._shown_step + 1, 1), step + 1):
-                fields = self._run.step_fields(s)
-                if s == step:
-                    fields = {"batch_slot": info["batch_slot"], **fields}
-                    fields["rollout_rows_per_s"] = info["rollout_rows_per_s"]
-                text = " ".join(f"{k}={v}" for k, v in fields.items())
-                logger.info("learner step %d/%d (%.0fs) %s", s, self._total, info["elapsed_s"], text)
-            self._last_line = now
+            self._show_steps(step, info, now, everything=self._finishing)
         elif now - self._last_line >= QUIET_LOG_S:
             logger.info(
                 "waiting for learner step %d/%d (%.0fs): batch slot %d committed, %s rollout rows/s",
@@ -209,18 +214,41 @@ class JobProgress:
                 info["rollout_rows_per_s"],
             )
             self._last_line = now
-        self._shown_step = max(self._shown_step, step)
         if self._callback:
             self._callback(info)
         return info
 
+    def _show_steps(self, step: int, info: dict[str, Any], now: float, *, everything: bool) -> None:
+        """One line per committed step up to `step`, in order, each once its own records are in (or it waited
+        STEP_RECORDS_WAIT_S, or `everything`: the learner finished and flushed its records); "now" values on the
+        line of `step` only."""
+        for s in range(max(self._shown_step + 1, 1), step + 1):
+            self._committed_at.setdefault(s, now)
+        while self._shown_step < step:
+            s = max(self._shown_step + 1, 1)
+            waited = now - self._committed_at[s]
+            if not (everything or self._run.has_step_records(s) or waited >= STEP_RECORDS_WAIT_S):
+                return
+            fields = self._run.step_fields(s)
+            if s == step:
+                fields = {"batch_slot": info["batch_slot"], **fields}
+                fields["rollout_rows_per_s"] = info["rollout_rows_per_s"]
+            text = " ".join(f"{k}={v}" for k, v in fields.items())
+            logger.info("learner step %d/%d (%.0fs) %s", s, self._total, info["elapsed_s"], text)
+            del self._committed_at[s]
+            self._shown_step = s
+            self._last_line = now
+
     def finish(self) -> None:
-        """The learner finished: show its last steps now, and nothing after."""
+        """The learner finished (its records are flushed): show its last steps now, and nothing after."""
+        self._finishing = True
         self.update(force=True)
         self._finished = True
 
     def close(self) -> None:
-        """Show the final state (the bar reaches the last step the learner committed) and release the terminal."""
+        """Show the final state (the bar reaches the last step the learner committed, every committed step's line
+        is printed) and release the terminal."""
+        self._finishing = True
         self.update(force=True)
         if self._bar is not None:
             self._bar.close()

@@ -21,7 +21,8 @@ until its last has stopped, renewing it as it supervises. A second job on a run 
 before anything starts, in one line naming the holder's host, process id and start time (`JobRunningError`, exit 6
 "lease held"); the lease of a job that died on this host (SIGKILL, a crash) is taken over at once, one that died
 on another host lapses `JOB_LEASE_TTL_S` after its last renewal. Bounded steps started on their own (`steps.run
-step …`, scheduled jobs) do not take it: they run side by side as before.
+step …`, scheduled jobs) do not take it: they run side by side as before, but never beside a job
+(`pipeline.jobs.job_lease`: either side is refused in one line, exit 6).
 
 Every step is the same program on every backend: `python -m steps.<module> --config_path <yaml>`, with the step
 config written as YAML (no pickle). The run root is the only channel between steps, so a restart of any step is
@@ -46,16 +47,24 @@ import draccus
 
 from pipeline.config import check_run_config
 from pipeline.jobs.job import RLJob
+from pipeline.jobs.job_lease import (  # noqa: F401  (JOB_LEASE, JOB_LEASE_TTL_S: the lease's names, used here)
+    JOB_LEASE,
+    JOB_LEASE_TTL_S,
+    JobRunningError,
+    ScheduledStepsRunningError,
+    job_lease,
+    refuse_beside_scheduled_steps,
+)
 from pipeline.jobs.launchers.base import STOP_GRACE_S, StepSpec, make_launcher
 from pipeline.jobs.pool import PoolController
 from pipeline.jobs.progress import JobProgress, RunProgress
 from pipeline.jobs.step_logs import LogTarget, location, log_target, read_reason
 from pipeline.process.backoff import backoff_delay
-from pipeline.process.exits import LABELS, NEVER_RESTARTED, Exit
+from pipeline.process.exits import LABELS, NEVER_RESTARTED, Exit, StorageFaultError
 from pipeline.process.interrupts import exit_code
 from pipeline.process.step_kind import StepKind
 from pipeline.store import layout, run_state
-from pipeline.store.committed import StorageUnavailableError
+from pipeline.store.committed import StorageError, StorageUnavailableError
 from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError
 
 STORAGE_OUTAGE_S = 600.0
@@ -65,37 +74,6 @@ HEALTHY_AFTER_S = 60.0
 """A step that has run this long since its start after a storage outage has seen the outage end."""
 
 logger = logging.getLogger(__name__)
-
-JOB_LEASE = "job"
-"""The lease a job runner holds on its run root (`leases/job/`): one job per run root."""
-JOB_LEASE_TTL_S = 60.0
-"""How long after its last renewal the job lease of a job that died on another host lapses (the runner renews it
-every `JOB_LEASE_TTL_S / 4`); a job that died on this host is taken over at once."""
-
-
-def job_lease(store: Any) -> Lease:
-    """The job lease of `store`'s run root as this process's job runner holds it (holder `job@<host>-<pid>`)."""
-    return Lease(store, JOB_LEASE, f"job@{socket.gethostname()}-{os.getpid()}", JOB_LEASE_TTL_S)
-
-
-class JobRunningError(LeaseHeldError):
-    """Another job (its runner alive) holds the run root's job lease: one line naming its host, pid and start."""
-
-    def __init__(self, held: LeaseHeldError, run_root: str) -> None:
-        super().__init__(held.holder, held.expires_in, held.name, held.epoch, host=held.host, pid=held.pid,
-                         claimed_at=held.claimed_at)  # fmt: skip
-        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(held.claimed_at)) if held.claimed_at else "?"
-        elsewhere = held.host and held.host != socket.gethostname()
-        after = f"{held.expires_in:.0f} s after its last renewal" if elsewhere else "at once"
-        self.args = (
-            f"another job is running on {run_root}: host {held.host or '?'}, pid {held.pid or '?'}, started "
-            f"{started} (lease {held.name!r} epoch {held.epoch}); wait for it to end or stop it (Ctrl-C, or kill "
-            f"{held.pid or 'its runner'}); the lease of a job that died is taken over {after}",
-        )
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
 
 EVALUATOR_DRAIN_S = 300.0
 """After the learner finishes, how long the evaluator may take to score the last policies."""
@@ -173,16 +151,21 @@ class JobRunner:
 
     # the job lease ----------------------------------------------------------------------
     def _take_job_lease(self) -> None:
-        """Claim the run root's job lease; JobRunningError (exit 6) when another job holds it. A run root whose
-        storage refuses the claim for good (full, read-only) is left to the steps, which report the fault."""
+        """Claim the run root's job lease; JobRunningError (exit 6) when another job holds it,
+        ScheduledStepsRunningError (exit 6) when a scheduled BatchMaker runs there. A run root whose storage
+        refuses the claim for good (full, read-only) is left to the steps, which report the fault."""
         lease = job_lease(self.store)
         try:
+            refuse_beside_scheduled_steps(self.store)
             lease.acquire(take_over_own=True)  # own: this host and pid, a restarted container's runner
+        except ScheduledStepsRunningError:
+            raise
         except LeaseHeldError as held:
             raise JobRunningError(held, self.cfg.store.run_root) from None
-        except StorageUnavailableError:
-            raise
-        except Exception as e:  # the lease is advisory (commits are create-if-absent): the steps name the fault
+        except (StorageFaultError, StorageError) as e:
+            # a storage fault a restart cannot fix (full, read-only, a damaged object): the lease is advisory
+            # (commits are create-if-absent), so the job starts and its steps name the fault; a transient outage
+            # (StorageUnavailableError) propagates, and anything else is a bug and is not swallowed
             logger.warning("job lease not taken (%s); starting without it", e)
             return
         self._lease = lease

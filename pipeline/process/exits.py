@@ -93,27 +93,26 @@ class ExpectedFailure(Exception):
     exit_code: ClassVar[Exit] = Exit.FAILED
 
 
-class DamagedInputError(ExpectedFailure):
+class _PathFailure(ExpectedFailure):
+    """An expected failure about one file or folder: the line is `<path>: <reason>`."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class DamagedInputError(_PathFailure):
     """A committed object failed verification on read and cannot be recovered by a documented rule."""
 
     exit_code = Exit.DAMAGED_INPUT
 
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
 
-
-class StorageFaultError(ExpectedFailure):
+class StorageFaultError(_PathFailure):
     """The run root's storage refused an operation for a reason a restart cannot fix (no space, read-only, a file
     where a folder must be); `path` is what was being written, `reason` says why (and the free space)."""
 
     exit_code = Exit.STORAGE_FAULT
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
 
 
 class NoProgressError(ExpectedFailure):

@@ -27,6 +27,7 @@ from pipeline.store import layout
 from pipeline.store.storage import CorruptFileError, RunStore, SchemaMismatchError
 from pipeline.telemetry.metrics import read_metrics
 from schemas import BATCH, EVAL_SUMMARY
+from schemas.base import TableSpec
 from schemas.dropped import DROPPED
 from schemas.records import BatchLogEntry, RecordError
 
@@ -152,6 +153,16 @@ def _read_run_config(store: RunStore, data: RunData) -> None:
         data.notes.append(f"{layout.RUN_CONFIG} is not a JSON object")
 
 
+def _parse_or_note(data: RunData, blob: bytes, spec: TableSpec[Any], rel: str, what: str) -> pa.Table | None:
+    """The parquet table of `blob` (read through `spec`), or None with a note "skipped <what> <rel>: why"
+    when it is damaged or of another schema."""
+    try:
+        return RunStore.parse_parquet(blob, spec, rel)
+    except (CorruptFileError, SchemaMismatchError) as e:
+        data.notes.append(f"skipped {what} {rel}: {e}")
+        return None
+
+
 def _read_eval_summaries(store: RunStore, data: RunData, bad: set[str]) -> None:
     """Every evaluation summary `evals/step-S/<lesson>.summary.parquet` (its presence commits it)."""
     rels = [
@@ -163,10 +174,8 @@ def _read_eval_summaries(store: RunStore, data: RunData, bad: set[str]) -> None:
     for rel, blob in zip(rels, _get_many(store, rels), strict=True):
         if blob is None:
             continue
-        try:
-            table = RunStore.parse_parquet(blob, EVAL_SUMMARY, rel)
-        except (CorruptFileError, SchemaMismatchError) as e:
-            data.notes.append(f"skipped evaluation summary {rel}: {e}")
+        table = _parse_or_note(data, blob, EVAL_SUMMARY, rel, "evaluation summary")
+        if table is None:
             continue
         folder = rel.split("/")[-2]
         external = folder[len(EXTERNAL_PREFIX) :] if folder.startswith(EXTERNAL_PREFIX) else None
@@ -273,10 +282,8 @@ def _read_dropped(store: RunStore, data: RunData, named: Sequence[str], attempts
         if blob is None:
             data.notes.append(f"dropped-rollout file {rel} is missing")
             continue
-        try:
-            table = RunStore.parse_parquet(blob, DROPPED, rel)
-        except (CorruptFileError, SchemaMismatchError) as e:
-            data.notes.append(f"skipped dropped-rollout file {rel}: {e}")
+        table = _parse_or_note(data, blob, DROPPED, rel, "dropped-rollout file")
+        if table is None:
             continue
         for rid, reason in zip(table.column("rollout_id").to_pylist(), table.column("reason").to_pylist(), strict=True):
             reason_of[str(rid)] = str(reason)

@@ -47,6 +47,12 @@ _MAX_EVENT_ROWS = 500
 _GROUPS_FILTERED_PREFIX = "groups_filtered_"
 _LESSON_REWARD_PREFIX = "reward/"
 _FUNCTION_REWARD_PREFIX = "env/reward/"
+_SKIPPED = "env/n_skipped_prompts"
+_RETESTED = "env/n_retested_prompts"
+GENERATED_TRAINED_LABEL = "generated rows trained (distinct rows used / rows generated)"
+"""The summary row of the fraction of generated rollout rows that went into a batch."""
+SKIP_RATE_LABEL = "prompt draws skipped as solved or hopeless (curriculum.skip_after)"
+"""The summary row of the skip rate: skipped draws / (skipped + kept draws), from the rollout records."""
 
 
 def summary_section(data: RunData) -> Section:
@@ -73,6 +79,7 @@ def summary_section(data: RunData) -> Section:
     dropped = sum(data.dropped_by_reason.values())
     rows.append(("rollouts dropped", dropped if data.dropped_by_reason else None))
     rows.append((WASTE_LABEL, waste_ratio(data.dropped_by_reason, data.rollouts_used or 0)))
+    rows += generation_rows(data)
     if data.pool:  # the elastic rollout pool: its size at the start and after each change (`pipeline.jobs.pool`)
         t_pool = float(data.pool[0].get("time", 0.0))
         sizes = [f"{r.get('workers')} ({fmt(float(r.get('time', 0.0)) - t_pool)} s)" for r in data.pool
@@ -107,6 +114,29 @@ def summary_section(data: RunData) -> Section:
         items = "".join(f"<li>{html.escape(n)}</li>" for n in data.notes)
         sec.body.append(f'<p class="warn">Problems met while reading the run root:</p><ul>{items}</ul>')
     return sec
+
+
+def generation_rows(data: RunData) -> list[tuple[str, Any]]:
+    """Summary rows of what was generated and how much of it trained, and (`curriculum.skip_after`) the prompt
+    draws difficulty-aware sampling passed over, from the rollout workers' records (`rows`; `env/n_examples`,
+    `env/n_skipped_prompts`, `env/n_retested_prompts`); none without rollout records."""
+    recs = [r for r in data.metrics.get(StepKind.ROLLOUT, []) if r.get("event") in ("write", "empty")]
+    if not recs:
+        return []
+
+    def total(key: str) -> float:
+        return sum(v for r in recs if (v := num(r, key)) is not None)
+
+    generated = total("rows")
+    out: list[tuple[str, Any]] = [("rollout rows generated", int(generated))]
+    if data.rollouts_used is not None and generated > 0:
+        out.append((GENERATED_TRAINED_LABEL, data.rollouts_used / generated))
+    if any(num(r, _SKIPPED) is not None for r in recs):
+        skipped, drawn = total(_SKIPPED), total("env/n_examples")
+        out.append((SKIP_RATE_LABEL, skipped / (skipped + drawn) if skipped + drawn > 0 else None))
+        retested = int(total(_RETESTED))
+        out.append(("draws of skipped prompts: passed over / kept as re-tests", f"{int(skipped)} / {retested}"))
+    return out
 
 
 def quarantine_table(data: RunData) -> str:
@@ -150,23 +180,22 @@ def reward_section(data: RunData) -> Section:
         ax.set(title="Batch mean reward (BatchMaker)", xlabel="batch slot (learner step)", ylabel="mean reward")
         add_legend(ax)
     if by_lesson:
-        ax = axes[i]
-        for lesson, per_step in sorted(by_lesson.items()):
-            steps = sorted(per_step)
-            ax.plot(steps, [sum(per_step[s]) / len(per_step[s]) for s in steps], marker=".", label=lesson)
-        ax.set(title="Rollout mean reward (rollout workers)", xlabel="policy step", ylabel="mean reward")
-        add_legend(ax)
+        _plot_step_means(axes[i], by_lesson, "Rollout mean reward (rollout workers)", "mean reward")
         i += 1
     if by_function:
-        ax = axes[i]
-        for name, per_step in sorted(by_function.items()):
-            steps = sorted(per_step)
-            ax.plot(steps, [sum(per_step[s]) / len(per_step[s]) for s in steps], marker=".", label=name)
-        ax.set(title="Reward per function (rollout workers)", xlabel="policy step", ylabel="mean weighted value")
-        add_legend(ax)
+        _plot_step_means(axes[i], by_function, "Reward per function (rollout workers)", "mean weighted value")
     caption = "Mean episode reward per lesson" + ("; each reward function's mean value." if by_function else ".")
     sec.plots.append(Plot("reward", to_png(fig), caption))
     return sec
+
+
+def _plot_step_means(ax: Any, curves: dict[str, dict[int, list[float]]], title: str, ylabel: str) -> None:
+    """One curve per name (sorted) on `ax`: the mean of its values at each policy step."""
+    for name, per_step in sorted(curves.items()):
+        steps = sorted(per_step)
+        ax.plot(steps, [sum(per_step[s]) / len(per_step[s]) for s in steps], marker=".", label=name)
+    ax.set(title=title, xlabel="policy step", ylabel=ylabel)
+    add_legend(ax)
 
 
 def _eval_name(row: dict[str, Any]) -> str:

@@ -88,14 +88,14 @@ def samples_record(samples: Sequence[Sample], file: str) -> dict[str, Any]:
 
 
 def tokenizer_decoder(spec: str) -> Decode:
-    """A decoder for tokenizer `spec` (`builtin:tiny` or a local folder with tokenizer.json), without JAX or
+    """A decoder for tokenizer `spec` (a built-in one or a local folder with tokenizer.json), without JAX or
     transformers: only the `tokenizers` library. Raises ValueError naming the spec when it cannot be loaded."""
     from tokenizers import Tokenizer
 
-    from pipeline.environments.tokenizer import BUILTIN_TINY, build_tiny_tokenizer_object
+    from pipeline.environments.tokenizer import BUILTIN_SPECS, build_builtin_tokenizer_object
 
-    if spec == BUILTIN_TINY:
-        tok = build_tiny_tokenizer_object()
+    if spec in BUILTIN_SPECS:
+        tok = build_builtin_tokenizer_object(spec)
     else:
         path = Path(spec) / "tokenizer.json"
         if not path.is_file():

@@ -24,6 +24,7 @@ import numpy as np
 from pipeline.batch_maker.slot_metrics import fills_at_once
 from pipeline.config import RolloutStepConfig
 from pipeline.curriculum import load_latest_curriculum, sample_lesson, sampling_weights
+from pipeline.environments.base import PromptSkip
 from pipeline.environments.tokenizer import check_chat_lessons, load_tokenizer
 from pipeline.jobs.step_logs import run_root_of, server_log
 from pipeline.process.backoff import Backoff
@@ -498,9 +499,14 @@ class RolloutWorker:
             self._stop.wait(self._claims.collision_pause_s(c.polling.interval_s))
         return decision
 
-    def _choose_lesson(self) -> str:
-        state = load_latest_curriculum(self.store, self.config.curriculum)
-        return sample_lesson(sampling_weights(state, self.config.curriculum), self._rng)
+    def _choose_lesson(self) -> tuple[str, PromptSkip | None]:
+        """A lesson drawn by the newest curriculum state's weights, and the prompts its training draw passes over
+        (difficulty-aware sampling, `curriculum.skip_after`; None when off or none is skipped)."""
+        cur = self.config.curriculum
+        state = load_latest_curriculum(self.store, cur)
+        lesson_id = sample_lesson(sampling_weights(state, cur), self._rng)
+        skipped = state.skipped_prompts(lesson_id)
+        return lesson_id, PromptSkip(skipped, cur.retest_rate) if skipped else None
 
     def write(self, batch: RolloutBatch, timing: dict[str, float] | None = None) -> str:
         """Commit the batch as `rollouts/step-P/<name>-<seq>.parquet` (+ ready marker); return the path.
@@ -614,7 +620,8 @@ class RolloutWorker:
         if not (decision.reason.startswith("ahead") and stalled >= self._stall_grace_s):
             logger.debug("pausing: %s", decision.reason)
             t0 = time.monotonic()
-            if self._waker.sleep(self._backoff.next(self._waker.event_driven), self._mark):
+            # idle time compiles a sampler shape a later file may need (then pacing is checked again at once)
+            if self._warm_up() or self._waker.sleep(self._backoff.next(self._waker.event_driven), self._mark):
                 self._backoff.reset()
             self._pause_s += time.monotonic() - t0
             self._report_pause(time.monotonic() - t0, decision.reason)
@@ -626,6 +633,13 @@ class RolloutWorker:
         )
         self._progress = (*state, time.monotonic())
         return False
+
+    def _warm_up(self) -> bool:
+        """While paused: have the sampler compile one shape a later file is likely to need (`RolloutManager.warm_up`:
+        a prompt bucket next to the first one used), so that the compile does not land inside a later generation,
+        which the learner may be waiting for; True if it did (seconds of work), False when nothing is left (cheap)."""
+        warm = getattr(self._manager, "warm_up", None) if self._manager is not None else None
+        return bool(warm()) if warm is not None else False
 
     def _report_pause(self, dt: float, reason: str, *, end: bool = False) -> None:
         """Count `dt` more seconds paused for `reason`; log a `pause` record of the seconds not yet logged once
@@ -648,7 +662,7 @@ class RolloutWorker:
         """Sample a lesson, generate one batch under the watchdog and commit it; True if a file was written."""
         c = self.config
         t0 = time.monotonic()
-        lesson_id = self._choose_lesson()
+        lesson_id, skip = self._choose_lesson()
         t_lesson = time.monotonic() - t0
         sp = c.curriculum.sampling_for(lesson_id)
         n_examples = sp.n_prompts
@@ -673,6 +687,7 @@ class RolloutWorker:
                 policy,
                 self.worker_id,
                 batch_id=self._batch_id(),
+                skip=skip,
             )
         self.summary.failures += int(m["failures"])
         if batch is None:

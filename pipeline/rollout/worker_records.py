@@ -21,6 +21,8 @@ METRICS: dict[str, str] = {
     "mean_reward": "mean episode reward of the rows of this write",
     "reward/<lesson>": "mean episode reward of this write, keyed by its lesson",
     "truncation_rate": "fraction of rows whose response hit max_tokens",
+    "env/n_skipped_prompts": "prompt draws passed over as solved or hopeless (curriculum.skip_after)",
+    "env/n_retested_prompts": "draws of skipped prompts kept anyway as re-tests (curriculum.retest_rate)",
     "policy_lag": "learner's newest committed policy minus the policy that sampled this write, at write time",
     "slot_lag": "(T-1) - P for the next batch slot T at write time (usable iff 0 <= slot_lag <= max_lag)",
     "time/generate_s": "seconds in manager.sample_batch",

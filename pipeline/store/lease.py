@@ -197,6 +197,19 @@ class Lease:
             return None
         return obj if isinstance(obj, dict) else None
 
+    def live_holder(self) -> LeaseHeldError | None:
+        """The refusal acquire() would give now, without claiming anything: a LeaseHeldError naming the live
+        holder, or None when the lease is free (never claimed, released, lapsed, or its holder dead on this
+        host)."""
+        state = self._latest()
+        if state is None or state.released or state.holder_dead():
+            return None
+        expires_in = state.last_activity + state.ttl_s - self._clock()
+        if expires_in <= 0:
+            return None
+        return LeaseHeldError(state.holder, expires_in, self.name, state.epoch, host=state.host, pid=state.pid,
+                              claimed_at=state.claimed_at)  # fmt: skip
+
     # operations ----------------------------------------------------------------------
     def acquire(self, *, take_over_own: bool = False) -> int:
         """Claim the lease; return the epoch now held. Raises LeaseHeldError naming the current holder.

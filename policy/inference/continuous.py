@@ -18,15 +18,29 @@ Algorithm (a host scheduler over three compiled programs of fixed shapes):
   slots, each slot naming its prompt's row (a scatter whose unused indices are dropped). The n samples of a prompt
   share one prefill: the prompt's KV is prefilled once and copied into each sample's slot (`prefill_tokens` counts
   the prompt tokens prefilled, padding included).
-- `decode` (one program): a `while_loop` of decode steps over all slots (token t of a sequence is sampled from
-  its carried logits with key `fold_in(fold_in(PRNGKey(seed), sample_id), t)`, the static sampler's stream, by
-  the static sampler's own function: `sample_tokens_fast` when no top-p/top-k/min-p is set, a static flag, else
-  `sample_tokens`; then fed at its own position, its keys/values written into the loop-carried cache by one
-  in-place scatter per layer) that returns to the host as soon as a sequence finishes while others wait in the
-  queue (else when all are done). The host then reads the finished sequences and refills their slots from the
-  queue. Attention reads the whole cache length L every step (masked past each slot's position).
+- `decode` (one program per attention length): a `while_loop` of decode steps over all slots (token t of a
+  sequence is sampled from its carried logits with key `fold_in(fold_in(PRNGKey(seed), sample_id), t)`, the static
+  sampler's stream, by the static sampler's own function: `sample_tokens_fast` when no top-p/top-k/min-p is set, a
+  static flag, else `sample_tokens`; then fed at its own position through the static sampler's decode step
+  (`_Model.decode_step_cached`, the fast decode loop's, with one cache slot per row: one in-place scatter per layer
+  and cache) that runs up to `check_steps` steps on the device. It returns to the host (a host check, the one
+  device-to-host transfer of a program: `host_syncs`) after those steps, once `refill_slots` sequences finished
+  while others wait in the queue (so finished slots are refilled in batches, not one round trip per finish), when a
+  live sequence reaches the end of its attention length, or when all are done. The host then reads the finished
+  sequences and refills their slots from the queue.
+- Length buckets: a decode program attends over the first `length` cache slots only, `length` the smallest of the
+  static sampler's phase lengths (`phase_lengths`: 128·2^k above the prompt bucket, then L) that holds every live
+  sequence's next `check_steps` positions; those slots are copied out of the cache once per program and back in
+  place after it (a slice inside the loop would be copied every step), so only lengths up to L / 2 are used, above
+  that the program reads the whole cache.
 
-So a finished sequence's slot is refilled at the next decode step instead of idling until the longest sequence of
+Why a step used to cost ~5x a static one on the long-tailed CPU bench: the decode program returned to the host at
+every finish (about 300 programs, each followed by a prefill and an insert, for 776 steps) and attended over the
+whole cache. The steps themselves are now the static loop's (the same decode step, sampling and cache layout); what
+remains above a static step is the attention length: a static batch starts at its shortest phase while here one long
+sequence in flight keeps every slot's attention at that sequence's bucket (docs/benchmarks.md).
+
+So a finished sequence's slot is refilled at the next host check instead of idling until the longest sequence of
 its batch ends. Samples are those of the static sampler: the same per-sequence PRNG streams and the same math
 (greedy tokens identical; logprobs equal within float rounding, since only the cache layout differs).
 
@@ -40,10 +54,10 @@ so its policy step is the step of the weights that computed those logits: after 
 token still belongs to the old policy and the ones after it to the new one. `SeqResult.policy_steps` records that
 step per token, and its logprob is that policy's.
 
-Shapes compiled: prefill per (Bp, Pb); insert per (Bp, Pb, slots, L, K); decode per (slots, L, T, K) and whether
-controls are set; L = bucket(longest prompt) + T, T = bucket(largest budget) >= 16 and K = bucket(stop tokens) >= 4,
-as the static path buckets them (Bp takes at most log2(slots) + 1 values per Pb). Refilling slots compiles nothing
-beyond those buckets; `trace_count` counts traces.
+Shapes compiled: prefill per (Bp, Pb); insert per (Bp, Pb, slots, L, K); decode per (slots, L, T, K), attention
+length (at most log2(L / 128) + 1 of them) and whether controls are set; L = bucket(longest prompt) + T,
+T = bucket(largest budget) >= 16 and K = bucket(stop tokens) >= 4, as the static path buckets them (Bp takes at most
+log2(slots) + 1 values per Pb). Refilling slots compiles nothing beyond those buckets; `trace_count` counts traces.
 """
 
 from __future__ import annotations
@@ -61,7 +75,7 @@ import numpy as np
 
 from policy.inference.base import NO_CONTROLS, SamplingControls
 from policy.inference.dense_params import extract_params
-from policy.inference.dense_sampler import DenseSampler, bucket, rms_norm, sample_tokens, sample_tokens_fast
+from policy.inference.dense_sampler import DenseSampler, bucket, phase_lengths, sample_tokens, sample_tokens_fast
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +103,11 @@ class SeqResult:
 
 SWAP_CHECK_STEPS = 8
 """With partial rollouts, the most decode steps the decode program runs before it returns to the host, which then
-swaps in a staged policy (a host round trip per this many steps, small against 8 decode steps of a real model;
-none without partial rollouts)."""
+swaps in a staged policy (a host round trip per this many steps, small against 8 decode steps of a real model)."""
 
-NO_STEP_LIMIT = 1 << 30
-"""The decode program's step limit without partial rollouts (it returns only when a sequence finishes)."""
+CHECK_STEPS = 32
+"""The most decode steps a decode program runs between host checks (where finished slots are refilled and the
+attention length bucket is chosen again): one device-to-host transfer per this many steps at most, none per token."""
 
 
 class ContinuousSampler:
@@ -112,11 +126,18 @@ class ContinuousSampler:
         partial: bool = False,
         swap_check_steps: int = SWAP_CHECK_STEPS,
         policy_step: int | None = None,
+        check_steps: int = CHECK_STEPS,
+        refill_slots: int = 0,
+        min_drain_slots: int = 8,
     ):
         """Over `dense`'s model and weights; `partial`: partial rollouts (see the module docstring), the weights
-        of `dense` being those of `policy_step` (None: unknown until a policy is staged)."""
-        if swap_check_steps < 1:
-            raise ValueError(f"swap_check_steps={swap_check_steps}: must be >= 1")
+        of `dense` being those of `policy_step` (None: unknown until a policy is staged). `check_steps`,
+        `refill_slots`: when a decode program returns to the host (the attributes of the same names)."""
+        if swap_check_steps < 1 or check_steps < 1 or refill_slots < 0:
+            raise ValueError(
+                f"swap_check_steps={swap_check_steps}, check_steps={check_steps}: must be >= 1; "
+                f"refill_slots={refill_slots}: must be >= 0"
+            )
         self.dense = dense
         self._m = dense._m
         self.trace_count = 0
@@ -124,6 +145,17 @@ class ContinuousSampler:
         self.decode_steps = 0
         self.partial = partial
         self.swap_check_steps = swap_check_steps
+        self.check_steps = check_steps
+        """The most decode steps a decode program runs before it returns to the host (which refills finished slots
+        and picks the attention length bucket)."""
+        self.refill_slots = refill_slots
+        """Finished sequences that make a decode program return to refill their slots while requests wait (0: an
+        eighth of the slots, at least one)."""
+        self.min_drain_slots = max(1, min_drain_slots)
+        """Once the queue is empty, the live sequences move into a state of bucket(live) slots when that halves the
+        slots or more, down to this many."""
+        self.host_syncs = 0
+        """Device-to-host transfers so far: one per decode program (its results), none per token."""
         self.policy_step = policy_step
         """The policy step of the weights in use (None: unknown)."""
         self.swaps = 0
@@ -133,8 +165,12 @@ class ContinuousSampler:
         options = {"xla_backend_optimization_level": 0} if dense.fast_compile else None
         self._prefill = jax.jit(self._prefill_impl, compiler_options=options)
         self._insert = jax.jit(self._insert_impl, donate_argnums=(0,), compiler_options=options)
+        self._compact = jax.jit(self._compact_impl, compiler_options=options)
         self._decode = jax.jit(
-            self._decode_impl, donate_argnums=(1,), static_argnames=("truncate",), compiler_options=options
+            self._decode_impl,
+            donate_argnums=(1,),
+            static_argnames=("length", "truncate"),
+            compiler_options=options,
         )
         self.head_major = dense.decode.head_major_cache
         """KV cache layout [S, kv_heads, L, head_dim] (else [S, L, kv_heads, head_dim]), from `dense.decode`."""
@@ -250,31 +286,41 @@ class ContinuousSampler:
             "out_lp": state["out_lp"],
         }
 
+    def _compact_impl(self, state: dict[str, Any], keep: jax.Array) -> dict[str, Any]:
+        """The state of the slots `keep` [S'] (slot j of the result is slot keep[j])."""
+        self.trace_count += 1
+        logger.info("continuous sampler: tracing compaction slots=%d -> %d", state["pos"].shape[0], keep.shape[0])
+        return jax.tree.map(lambda a: jnp.take(a, keep, axis=0), state)  # type: ignore[no-any-return]
+
     def _decode_impl(
         self,
         params: dict[str, Any],
         state: dict[str, Any],
-        stop_on_finish: jax.Array,
+        refill_at: jax.Array,
         controls: tuple[jax.Array, jax.Array, jax.Array],
         max_steps: jax.Array,
         *,
+        length: int,
         truncate: bool = True,
     ) -> tuple[dict[str, Any], jax.Array]:
-        """Decode steps over all slots until a sequence finishes (when `stop_on_finish`), all are done, or
-        `max_steps` steps ran (a traced scalar: partial rollouts return to the host to swap weights).
-        `truncate` (static): sample through the top-p/top-k/min-p machinery (`sample_tokens`), else with
-        `sample_tokens_fast` (the controls are then off; the same tokens and logprobs within float rounding)."""
+        """Decode steps over all slots until `refill_at` sequences finished, all are done, `max_steps` steps ran,
+        or a live sequence's next position reaches `length` (all traced scalars but `length`). Attention reads the
+        first `length` cache slots only (static: one program per length bucket). `truncate` (static): sample through
+        the top-p/top-k/min-p machinery (`sample_tokens`), else with `sample_tokens_fast` (the controls are then
+        off; the same tokens and logprobs within float rounding)."""
         self.trace_count += 1
         S, T = state["out_tok"].shape
-        L = state["k"][0].shape[2 if self.head_major else 1]
-        logger.info("continuous sampler: tracing decode slots=%d cache=%d new=%d", S, L, T)
+        logger.info("continuous sampler: tracing decode slots=%d attention=%d new=%d", S, length, T)
         m = self._m
         rows = jnp.arange(S, dtype=jnp.int32)
-        cache_idx = jnp.arange(L, dtype=jnp.int32)
+        cache_idx = jnp.arange(length, dtype=jnp.int32)
+        opts = self.dense.decode
 
         def cond(carry: tuple[dict[str, Any], jax.Array, jax.Array]) -> jax.Array:
             st, finished, steps = carry
-            return jnp.any(~st["done"]) & ~(stop_on_finish & finished) & (steps < max_steps)
+            live = ~st["done"]
+            fits = jnp.all(~live | (st["pos"] < length))
+            return jnp.any(live) & (finished < refill_at) & (steps < max_steps) & fits
 
         def body(carry: tuple[dict[str, Any], jax.Array, jax.Array]) -> tuple[dict[str, Any], jax.Array, jax.Array]:
             st, finished, steps = carry
@@ -289,36 +335,22 @@ class ContinuousSampler:
             n_gen = st["n_gen"] + live.astype(jnp.int32)
             stopped = st["stopped"] | (live & jnp.any(tok[:, None] == st["stops"], axis=-1))
             newly = live & (stopped | (n_gen >= st["limits"]))
-            # feed the token at each sequence's own position (a finished slot writes harmlessly: a new sequence
-            # overwrites or masks every cache entry before it reads it)
-            pos = jnp.minimum(st["pos"], L - 1)
-            x = m.embed(params, tok[:, None])
-            key_mask = cache_idx[None, :] <= pos[:, None]  # [S, L]
-            eps = m.arch.norm_eps
-            new_k, new_v = [], []
-            for lp_, kc, vc in zip(params["layers"], st["k"], st["v"], strict=True):
-                h = rms_norm(x, lp_["ln1"], eps)
-                q, k, v = m.qkv(lp_, h, pos[:, None])
-                if self.head_major:
-                    # one [K, h] row per slot at its own position: a scatter with unique indices, which XLA runs
-                    # in place on the loop-carried cache (no per-step copy; tests/test_decode_efficiency.py)
-                    kc = kc.at[rows, :, pos].set(k[:, 0].astype(kc.dtype), unique_indices=True)
-                    vc = vc.at[rows, :, pos].set(v[:, 0].astype(vc.dtype), unique_indices=True)
-                    att = m.attend_cache(q, kc, vc, key_mask, self.dense.decode.reduce_attention)
-                else:
-                    kc = kc.at[rows, pos].set(k[:, 0].astype(kc.dtype), unique_indices=True)
-                    vc = vc.at[rows, pos].set(v[:, 0].astype(vc.dtype), unique_indices=True)
-                    att = m.attend(q, kc, vc, key_mask[:, None, :])
-                o = m.attn_out(lp_, att)
-                x = x + rms_norm(o, lp_["post_attn_ln"], eps)
-                x = m.mlp_block(lp_, x)
-                new_k.append(kc)
-                new_v.append(vc)
+            # feed the token at each sequence's own position, through the static sampler's decode step with one
+            # slot per row (a finished slot writes harmlessly: a new sequence overwrites or masks every cache entry
+            # before it reads it)
+            pos = jnp.minimum(st["pos"], length - 1)
+            key_mask = cache_idx[None, :] <= pos[:, None]  # [S, length]
+            if self.head_major:
+                x, new_k, new_v = m.decode_step_cached(
+                    params, tok, pos, pos, key_mask, st["k"], st["v"], opts.reduce_attention
+                )
+            else:
+                x, new_k, new_v = m.decode_step(params, tok, pos, pos, key_mask, st["k"], st["v"])
             new = {
                 **st,
                 "k": new_k,
                 "v": new_v,
-                "logits": m.logits(params, x[:, 0]),
+                "logits": m.logits(params, x),
                 "pos": st["pos"] + live.astype(jnp.int32),
                 "n_gen": n_gen,
                 "done": st["done"] | newly,
@@ -326,9 +358,21 @@ class ContinuousSampler:
                 "out_tok": out_tok,
                 "out_lp": out_lp,
             }
-            return new, finished | jnp.any(newly), steps + 1
+            return new, finished + jnp.sum(newly, dtype=jnp.int32), steps + 1
 
-        state, _, steps = jax.lax.while_loop(cond, body, (state, jnp.bool_(False), jnp.int32(0)))
+        # the loop runs over the first `length` cache slots, copied out once per call and written back in place
+        # after it (a slice inside the loop would be copied every step: XLA's CPU dot reads no strided view)
+        axis = 2 if self.head_major else 1
+        full = state["k"], state["v"]
+        if length < full[0][0].shape[axis]:
+            cut = jax.lax.slice_in_dim
+            state = {**state, "k": [cut(c, 0, length, axis=axis) for c in full[0]]}
+            state["v"] = [cut(c, 0, length, axis=axis) for c in full[1]]
+        state, _, steps = jax.lax.while_loop(cond, body, (state, jnp.int32(0), jnp.int32(0)))
+        if length < full[0][0].shape[axis]:
+            put = jax.lax.dynamic_update_slice_in_dim
+            state["k"] = [put(c, part, 0, axis=axis) for c, part in zip(full[0], state["k"], strict=True)]
+            state["v"] = [put(c, part, 0, axis=axis) for c, part in zip(full[1], state["v"], strict=True)]
         return state, steps
 
     # -- the host scheduler ------------------------------------------------------------------
@@ -388,7 +432,11 @@ class ContinuousSampler:
         if self.partial:
             self._swap_in_staged()
         params = self.dense.params
-        max_steps = np.int32(self.swap_check_steps if self.partial else NO_STEP_LIMIT)
+        check = min(self.check_steps, self.swap_check_steps) if self.partial else self.check_steps
+        # attention lengths: the static sampler's length phases over this call's cache (one program each)
+        # (the lengths above L / 2 are not worth their copy: such a program reads the whole cache)
+        lengths = [n for n in phase_lengths(L - T, L, self.dense.decode.length_bucket) if 2 * n <= L] + [L]
+        refill_batch = self.refill_slots or max(1, S // 8)
         ctrl = jax.device_put((np.float32(controls.top_p), np.int32(controls.top_k), np.float32(controls.min_p)))
         truncate = not controls.is_default or not self.dense.decode.fast_sampling
         shared = jax.device_put((np.float32(temperature), stops))
@@ -469,10 +517,21 @@ class ContinuousSampler:
                 ks, vs, logits, plens = out
                 host = jax.device_put((plens, src, idx, lim, seeds, ids))
                 state = self._insert(state, ks, vs, logits, *host, *shared)
-            state, steps = self._decode(params, state, np.bool_(bool(queue)), ctrl, max_steps, truncate=truncate)
+            # return for a refill once `refill_at` sequences finished (a batch of slots, or all the queue fills),
+            # never while the queue is empty; the attention length covers every live sequence's next `check` steps
+            # (the program returns early if one would pass it)
+            queued = sum(len(members) for _, members in queue)
+            refill_at = min(refill_batch, queued) if queued else S + 1
+            reach = max(len(requests[i].prompt) + host_ngen[s] for s, i in owner.items()) + check
+            length = next((n for n in lengths if n >= reach), L)
+            state, steps = self._decode(
+                params, state, np.int32(refill_at), ctrl, np.int32(check), length=length, truncate=truncate
+            )
+            # the one device-to-host transfer of a decode program (tests/test_continuous_batching.py counts them)
             done, n_gen, stopped, out_tok, out_lp, steps = jax.device_get(
                 (state["done"], state["n_gen"], state["stopped"], state["out_tok"], state["out_lp"], steps)
             )
+            self.host_syncs += 1
             self.decode_steps += int(steps)
             for slot in owner:
                 new = int(n_gen[slot]) - host_ngen[slot]
@@ -488,4 +547,16 @@ class ContinuousSampler:
                     np.array(out_tok[slot, :k]), np.array(out_lp[slot, :k]), bool(stopped[slot]), steps_k
                 )
                 free.append(slot)
+            if not queue and owner and bucket(len(owner)) <= S // 2 and self.min_drain_slots <= S // 2:
+                # draining: the live sequences move into a state of fewer slots, so that each step of the long
+                # sequences left computes (and reads the caches of) fewer finished slots
+                S = max(bucket(len(owner)), self.min_drain_slots)
+                keep = sorted(owner) + [f for f in free if f not in owner][: S - len(owner)]
+                state = self._compact(state, jax.device_put(np.asarray(keep, np.int32)))
+                moved = {old: j for j, old in enumerate(keep)}
+                owner = {moved[o]: r for o, r in owner.items()}
+                host_ngen = {moved[o]: n for o, n in host_ngen.items() if o in moved}
+                logit_step = {moved[o]: n for o, n in logit_step.items() if o in moved}
+                token_steps = {moved[o]: n for o, n in token_steps.items() if o in moved}
+                free = [j for j in range(S) if j not in owner]
         return [r for r in results if r is not None]

@@ -7,7 +7,8 @@ own bucket, never to a longer prompt's, except that a call whose rows fit one de
 padded to its longest bucket when that padding is cheap (`MERGE_PADDING_RATIO`: one decode loop, not one per
 bucket). `max_tokens` is padded to a power of two >= 16; the KV cache of a batch
 holds `prompt bucket + token bucket` slots per row (so it follows `max_seqs`, `max_seq_len` and `max_tokens`).
-New weights of the same structure (`update_model`) never recompile.
+New weights of the same structure (`update_model`) never recompile. `warm_up` compiles, when the caller is idle, the
+prompt buckets half and twice the first one a call used (a rollout worker calls it while pacing pauses it).
 
 Sizing from config (`inference: {type: dense, max_seq_len, compute_dtype}`): `max_seq_len` (<= the model's;
 None: the model's) caps prompt + completion, so a row's KV cache holds at most `prompt bucket + bucket(max_seq_len)`
@@ -16,13 +17,16 @@ auto (float32 on CPU, bfloat16 on an accelerator); None: the dtype `make_backend
 or auto when none was. `kv_cache_bytes` says what a batch's cache costs.
 
 `continuous_batching: true` serves a call through `policy.inference.continuous` instead: `max_seqs` slots, a
-finished sequence's slot refilled from the call's queue at the next decode step, and the n samples of a prompt
-sharing one prefill. Same samples (same PRNG streams); faster when completion lengths vary (docs/benchmarks.md).
+finished sequence's slot refilled from the call's queue at the next host check (every few decode steps), and the n
+samples of a prompt sharing one prefill. Same samples (same PRNG streams); faster when completion lengths vary
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any
 
 from pipeline.config import DenseInferenceConfig
@@ -76,6 +80,7 @@ class DenseBackend(LocalBackend):
         self.decode = decode
         self.sampler: DenseSampler | None = DenseSampler(model, compute_dtype, fast_compile=fast_compile, decode=decode)
         self._continuous: ContinuousSampler | None = None
+        self._shapes = _ShapeLedger()
 
     @classmethod
     def from_config(cls, config: Any, build: BackendBuild) -> DenseBackend:
@@ -204,6 +209,8 @@ class DenseBackend(LocalBackend):
         for idx in self._chunks_by_prompt_bucket(rows):
             chunk = [rows[i] for i in idx]
             B = bucket(len(chunk), maximum=self.max_seqs)
+            P = bucket(max(len(r.prompt) for r in chunk), minimum=8)
+            self._shapes.used(self.sampler, _Shape(B, P, T, tuple(stops), temperature, controls), self.max_seq_len)
             out = self.sampler.generate(
                 [r.prompt for r in chunk],
                 [r.sample_id for r in chunk],
@@ -219,6 +226,46 @@ class DenseBackend(LocalBackend):
                 k = int(out.lengths[i])
                 results[row_index] = self._completion(out.tokens[i, :k], out.logprobs[i, :k], stops) if k > 0 else None
         return results
+
+    def warm_up(self) -> bool:
+        """Compile one static-batch shape a later call is likely to need, before it is needed; True if it compiled
+        one (seconds of work), False when none is left (cheap). Meant for idle time (a rollout worker paused by
+        pacing): the likely shapes are the prompt buckets next to the first one a real call used, for each (batch,
+        token, stop) bucket (`_ShapeLedger`), so a prompt one bucket longer or shorter than the first file's does not
+        compile in the middle of the run, on the learner's critical path (the cats task: 15 prompts of <= 8 tokens,
+        one of 9; each rollout worker compiled the 16-token bucket when it first drew that prompt, ~2 s per worker).
+        The warm-up runs one row for one token and changes no state a caller sees: `prefill_tokens` is restored;
+        `trace_count` counts its trace. The continuous-batching path is not warmed."""
+        shape = self._shapes.next_pending(self.sampler)
+        if shape is None or self.sampler is None:
+            return False
+        prefill = self.sampler.prefill_tokens
+        t0 = time.monotonic()
+        self.sampler.generate(
+            [[self._pad_id()] * shape.prompt_bucket],
+            [0],
+            batch_size=shape.batch_bucket,
+            max_tokens=[1],
+            max_new_bucket=shape.token_bucket,
+            stop_tokens=list(shape.stops),
+            temperature=shape.temperature,
+            seed=0,
+            controls=shape.controls,
+        )
+        self.sampler.prefill_tokens = prefill
+        logger.info(
+            "dense sampler: warmed batch=%d prompt=%d new=%d in %.2fs",
+            shape.batch_bucket,
+            shape.prompt_bucket,
+            shape.token_bucket,
+            time.monotonic() - t0,
+        )
+        return True
+
+    def _pad_id(self) -> int:
+        """A token id every model of this vocabulary accepts (the tokenizer's pad id, else 0)."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return int(pad) if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
 
     def _chunks_by_prompt_bucket(self, rows: list[SampleRow]) -> list[list[int]]:
         """Row indices in device batches of at most `max_seqs`. When every row fits one device batch and padding all
@@ -241,3 +288,64 @@ class DenseBackend(LocalBackend):
             for _, group in sorted(by_bucket.items())
             for k in range(0, len(group), self.max_seqs)
         ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What one static sampler call compiles for (its buckets), with the runtime arguments to replay it."""
+
+    batch_bucket: int
+    prompt_bucket: int
+    token_bucket: int
+    stops: tuple[int, ...]
+    temperature: float
+    controls: SamplingControls
+
+    def family(self) -> tuple[Any, ...]:
+        """Everything but the prompt bucket that selects the compiled program."""
+        truncate = not self.controls.is_default
+        return (self.batch_bucket, self.token_bucket, bucket(len(self.stops), minimum=4), truncate)
+
+    def key(self) -> tuple[Any, ...]:
+        return (*self.family(), self.prompt_bucket)
+
+
+class _ShapeLedger:
+    """The static shapes one sampler has run, and the ones `DenseBackend.warm_up` should compile: for each shape
+    family (batch, token and stop buckets), the prompt buckets half and twice the first one a real call used (at
+    least 8, and twice only where a longer prompt still fits `max_seq_len`). Only the first real shape of a family
+    adds neighbours, so warming never chains into ever longer buckets. A new sampler (new model structure) starts
+    a new ledger."""
+
+    def __init__(self) -> None:
+        self._sampler: Any = None
+        self._seen: set[tuple[Any, ...]] = set()
+        self._families: set[tuple[Any, ...]] = set()
+        self._pending: list[_Shape] = []
+
+    def _follow(self, sampler: Any) -> None:
+        if sampler is not self._sampler:
+            self._sampler, self._seen, self._families, self._pending = sampler, set(), set(), []
+
+    def used(self, sampler: Any, shape: _Shape, max_seq_len: int) -> None:
+        """A real call ran `shape` on `sampler`."""
+        self._follow(sampler)
+        self._seen.add(shape.key())
+        if shape.family() in self._families:
+            return
+        self._families.add(shape.family())
+        p = shape.prompt_bucket
+        for q in (p // 2, 2 * p):
+            longer_fits = q < p or p + 2 <= max_seq_len  # a prompt of p + 1 tokens leaves room for one new token
+            if q >= 8 and longer_fits:
+                self._pending.append(dataclasses.replace(shape, prompt_bucket=q))
+
+    def next_pending(self, sampler: Any) -> _Shape | None:
+        """The next shape to warm (marked seen), or None."""
+        self._follow(sampler)
+        while self._pending:
+            shape = self._pending.pop(0)
+            if shape.key() not in self._seen:
+                self._seen.add(shape.key())
+                return shape
+        return None

@@ -225,7 +225,8 @@ class _Model:
         k_caches: list[jax.Array],
         v_caches: list[jax.Array],
     ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
-        """One token per sequence (token [B], pos [B]) written at cache `slot`; returns hidden [B, D]."""
+        """One token per sequence (token [B], pos [B]) written at cache `slot` (one slot for all rows, or each
+        row's own [B]); returns hidden [B, D]."""
         eps = self.arch.norm_eps
         x = self.embed(params, token[:, None])
         pos2 = pos[:, None]
@@ -234,8 +235,7 @@ class _Model:
         for lp, kc, vc in zip(params["layers"], k_caches, v_caches, strict=True):
             h = rms_norm(x, lp["ln1"], eps)
             q, k, v = self.qkv(lp, h, pos2)
-            kc = jax.lax.dynamic_update_slice_in_dim(kc, k.astype(kc.dtype), slot, axis=1)
-            vc = jax.lax.dynamic_update_slice_in_dim(vc, v.astype(vc.dtype), slot, axis=1)
+            kc, vc = write_slot(kc, k, slot, 1), write_slot(vc, v, slot, 1)
             o = self.attn_out(lp, self.attend(q, kc, vc, mask))
             x = x + rms_norm(o, lp["post_attn_ln"], eps)
             x = self.mlp_block(lp, x)
@@ -272,7 +272,8 @@ class _Model:
         reduce: bool = False,
     ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
         """`decode_step` over head-major caches [B, K, L, h] (key_mask [B, L]): the new keys/values are written in
-        place at `slot` and attention reads the L slots of the cache as it is (no transposed copy)."""
+        place at `slot` (scalar, or [B]: each row its own) and attention reads the L slots of the cache as it is (no
+        transposed copy)."""
         eps = self.arch.norm_eps
         x = self.embed(params, token[:, None])
         pos2 = pos[:, None]
@@ -280,14 +281,28 @@ class _Model:
         for lp, kc, vc in zip(params["layers"], k_caches, v_caches, strict=True):
             h = rms_norm(x, lp["ln1"], eps)
             q, k, v = self.qkv(lp, h, pos2)
-            kc = jax.lax.dynamic_update_slice_in_dim(kc, k.transpose(0, 2, 1, 3).astype(kc.dtype), slot, axis=2)
-            vc = jax.lax.dynamic_update_slice_in_dim(vc, v.transpose(0, 2, 1, 3).astype(vc.dtype), slot, axis=2)
+            kc = write_slot(kc, k.transpose(0, 2, 1, 3), slot, 2)
+            vc = write_slot(vc, v.transpose(0, 2, 1, 3), slot, 2)
             o = self.attn_out(lp, self.attend_cache(q, kc, vc, key_mask, reduce))
             x = x + rms_norm(o, lp["post_attn_ln"], eps)
             x = self.mlp_block(lp, x)
             new_k.append(kc)
             new_v.append(vc)
         return x[:, 0], new_k, new_v
+
+
+def write_slot(cache: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+    """`cache` with `new` (one slot per row: size 1 on `axis`) written at slot `slot` on `axis` (1 or 2): the same
+    slot for every row (a scalar: a dynamic-update-slice) or each row's own (`slot` [B]: a scatter with unique
+    indices, continuous batching). XLA runs both in place on a loop-carried cache (tests/test_decode_efficiency.py)."""
+    new = new.astype(cache.dtype)
+    if jnp.ndim(slot) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, slot, axis=axis)
+    rows = jnp.arange(cache.shape[0], dtype=jnp.int32)
+    one = jnp.squeeze(new, axis)
+    if axis == 1:
+        return cache.at[rows, slot].set(one, unique_indices=True)
+    return cache.at[rows, :, slot].set(one, unique_indices=True)
 
 
 def truncate_logits(z: jax.Array, top_p: jax.Array, top_k: jax.Array, min_p: jax.Array) -> jax.Array:

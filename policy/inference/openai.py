@@ -49,6 +49,7 @@ import os
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -93,6 +94,19 @@ def policy_step_from_model_name(name: str | None) -> int | None:
         return None
     m = _STEP_IN_NAME.search(name)
     return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One `/v1/completions` request: `n` samples of each entry, one token budget for all."""
+
+    entries: list[list[int]]
+    n: int
+    temperature: float
+    max_tokens: int
+    stops: list[int]
+    seed: int
+    controls: SamplingControls = NO_CONTROLS
 
 
 @register_backend(OpenAIInferenceConfig)
@@ -259,13 +273,7 @@ class OpenAIBackend(InferenceBackend):
         jobs = [
             self._pool.submit(
                 self._complete_chunk,
-                [p for _, p in chunk],
-                per_entry_n,
-                temperature,
-                b,
-                stops,
-                seed + 7919 * ci,
-                request.controls,
+                _Chunk([p for _, p in chunk], per_entry_n, temperature, b, stops, seed + 7919 * ci, request.controls),
             )
             for ci, (b, chunk) in enumerate(chunks)
         ]
@@ -360,23 +368,15 @@ class OpenAIBackend(InferenceBackend):
             texts.append(text)
         return texts
 
-    def _body(
-        self,
-        entries: list[list[int]],
-        n: int,
-        temperature: float,
-        max_tokens: int,
-        stops: list[int],
-        seed: int,
-        controls: SamplingControls = NO_CONTROLS,
-    ) -> dict[str, Any]:
+    def _body(self, chunk: _Chunk) -> dict[str, Any]:
+        entries, stops, controls = chunk.entries, chunk.stops, chunk.controls
         body: dict[str, Any] = {
             "model": self.config.openai_model,
             "prompt": self._prompt_payload(entries),
-            "n": n,
-            "temperature": temperature,
-            "max_tokens": max_tokens,
-            "seed": seed,
+            "n": chunk.n,
+            "temperature": chunk.temperature,
+            "max_tokens": chunk.max_tokens,
+            "seed": chunk.seed,
             "logprobs": 1,
             "echo": False,
             # vLLM extensions (ignored by servers that do not know them):
@@ -415,23 +415,15 @@ class OpenAIBackend(InferenceBackend):
             delay *= 2
         raise AssertionError("unreachable")
 
-    def _complete_chunk(
-        self,
-        entries: list[list[int]],
-        n: int,
-        temperature: float,
-        max_tokens: int,
-        stops: list[int],
-        seed: int,
-        controls: SamplingControls = NO_CONTROLS,
-    ) -> tuple[list[Completion], int | None]:
-        r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed, controls))
+    def _complete_chunk(self, chunk: _Chunk) -> tuple[list[Completion], int | None]:
+        entries, n = chunk.entries, chunk.n
+        r = self._post(self._body(chunk))
         if r.status_code == 422 and self._prompt_format == "auto" and "prompt" in r.text:
             logger.warning(
                 "server %s refused token-id prompts (422); sending verified text prompts from now on", self.base_url
             )
             self._prompt_format = "text"
-            r = self._post(self._body(entries, n, temperature, max_tokens, stops, seed, controls))
+            r = self._post(self._body(chunk))
         if r.status_code != 200:
             raise OpenAIBackendError(f"POST {self._completions_url} -> {r.status_code}: {r.text[:500]}")
         payload = r.json()
@@ -443,7 +435,7 @@ class OpenAIBackend(InferenceBackend):
             raise OpenAIResponseError(
                 f"{self._completions_url}: asked for {len(entries) * n} choices, got {len(choices)}"
             )
-        return [self._parse_choice(c, max_tokens, stops) for c in choices], step
+        return [self._parse_choice(c, chunk.max_tokens, chunk.stops) for c in choices], step
 
     def _check_prompts(self, payload: dict[str, Any], entries: list[list[int]]) -> None:
         """The server saw exactly the prompt ids sent: `prompt_token_ids` per choice (vLLM) or the prompt token

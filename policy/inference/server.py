@@ -54,8 +54,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -78,6 +79,8 @@ from policy.inference.openai import OpenAIBackend, OpenAIBackendError
 from policy.inference.registry import register_backend
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 PORT_CLASH_RETRIES = 5
 """Starts in a row on a port the worker picked that another program held, each retried on a new port."""
@@ -460,25 +463,22 @@ class ServerBackend(OpenAIBackend):
 
     def generate(self, request: GenerationRequest) -> Any:
         """As `OpenAIBackend.generate`; a dead child server is restarted, reloaded and the call retried once."""
-        try:
-            return super().generate(request)
-        except OpenAIBackendError:
-            if self.loaded_step is None or not self._died():
-                raise
-            logger.warning("server died during generation; restarting it with policy %d", self.loaded_step)
-            self.load_policy(self.loaded_step)
-            return super().generate(request)
+        return self._restarting("generation", lambda: super(ServerBackend, self).generate(request))
 
     def chat(self, request: ChatRequest) -> list[ChatTurn]:
         """As `OpenAIBackend.chat`; a dead child server is restarted, reloaded and the call retried once."""
+        return self._restarting("a chat call", lambda: super(ServerBackend, self).chat(request))
+
+    def _restarting(self, what: str, call: Callable[[], _T]) -> _T:
+        """`call()`; when it fails because the child server died, restart and reload it and call once more."""
         try:
-            return super().chat(request)
+            return call()
         except OpenAIBackendError:
             if self.loaded_step is None or not self._died():
                 raise
-            logger.warning("server died during a chat call; restarting it with policy %d", self.loaded_step)
+            logger.warning("server died during %s; restarting it with policy %d", what, self.loaded_step)
             self.load_policy(self.loaded_step)
-            return super().chat(request)
+            return call()
 
     def shutdown(self) -> None:
         """Close the client and stop a child server."""

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import policy.losses.terms as T
 from pipeline.config import CriticPPOLossConfig
 from policy.losses.batch import Batch
-from policy.losses.modules import LOSS_MODULES, LogprobFn, LossFn, _ClipLossBase, split_frozen
+from policy.losses.modules import LOSS_MODULES, LogprobFn, LossFn, _ClipLossBase, _correction, split_frozen
 
 Array = jax.Array
 
@@ -77,9 +77,8 @@ class CriticPPOLoss(_ClipLossBase):
             config,
             config.clip_epsilon,
             config.clip_epsilon,
-            tis_cap=config.tis_cap,
             overlong_filter=False,
-            tis_level=config.tis_level,
+            **_correction(config),  # mis_level is None: ppo_critic refuses masked IS
             gamma=config.gamma,
             lam=config.lam,
             value_clip=config.value_clip,

@@ -179,6 +179,25 @@ class _LossModuleBase:
     def sequence_aggregation(self) -> bool:
         return self.config.aggregation == "sequence"
 
+    def ratio_metrics(
+        self,
+        ratio: Array,
+        adv: Array,
+        weight: Array,
+        mean: Callable[[Array], Array],
+        clamped: Array,
+        clamp_mask: Array,
+    ) -> dict[str, Array]:
+        """The metrics of a clipped-ratio policy term: `ratio_mean`, `clip_fraction` (of `[eps_low, eps_high]`)
+        and `tis_weight_mean`, each averaged by `mean` (over tokens or sequences), and `clamped_*` over
+        `clamp_mask`."""
+        return {
+            "ratio_mean": mean(jax.lax.stop_gradient(ratio)),
+            "clip_fraction": mean(T.clip_indicator(ratio, adv, self.eps_low, self.eps_high)),
+            "tis_weight_mean": mean(weight),
+            **_clamp_metrics(clamped, clamp_mask),
+        }
+
     def metric_normaliser(self, name: str) -> str:
         """How metric `name` of microbatches combines into the slot's: "sum" (a count), "max", or the name of the
         count metric that is its mean's denominator (each microbatch's value weighted by its own count).
@@ -435,13 +454,7 @@ class _ClipLossBase(_LossModuleBase):
             weight = _tis_weight(self, logp_old, batch, mask)
         surrogate = weight * T.clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
         pg_loss = -self.aggregate(surrogate, mask, batch.seq_index)
-        metrics = {
-            "ratio_mean": T.token_mean(jax.lax.stop_gradient(ratio), mask),
-            "clip_fraction": T.token_mean(T.clip_indicator(ratio, adv, self.eps_low, self.eps_high), mask),
-            "tis_weight_mean": T.token_mean(weight, mask),
-            **_clamp_metrics(clamped, mask),
-        }
-        return pg_loss, metrics
+        return pg_loss, self.ratio_metrics(ratio, adv, weight, lambda x: T.token_mean(x, mask), clamped, mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,15 +475,7 @@ class RLOOLoss(_ClipLossBase):
     @classmethod
     def from_config(cls, config: RLOOLossConfig) -> RLOOLoss:
         return cls(
-            config,
-            config.clip_low,
-            config.clip_high,
-            config.tis_cap,
-            config.overlong_filter,
-            config.tis_level,
-            config.mis_level,
-            config.mis_low,
-            config.mis_high,
+            config, config.clip_low, config.clip_high, overlong_filter=config.overlong_filter, **_correction(config)
         )
 
 
@@ -537,13 +542,7 @@ class GSPOLoss(_LossModuleBase):
         w_seq = jnp.ones_like(s) if weight is None else T.segment_means(weight, mask, seq_index, n)[0]
         pg_loss = -T.mean_over_sequences(w_seq * surrogate, counts)
         has = (counts > 0).astype(jnp.float32)
-        metrics = {
-            "ratio_mean": T.mean_over_sequences(jax.lax.stop_gradient(s), counts),
-            "clip_fraction": T.mean_over_sequences(T.clip_indicator(s, adv, self.eps_low, self.eps_high), counts),
-            "tis_weight_mean": T.mean_over_sequences(w_seq, counts),
-            **_clamp_metrics(clamped, has),
-        }
-        return pg_loss, metrics
+        return pg_loss, self.ratio_metrics(s, adv, w_seq, lambda x: T.mean_over_sequences(x, counts), clamped, has)
 
 
 @dataclasses.dataclass(frozen=True)

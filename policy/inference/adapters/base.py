@@ -59,6 +59,15 @@ class ServerAdapter(abc.ABC):
         except httpx.HTTPError:
             return False
 
+    def _get_info(self, path: str) -> dict[str, Any]:
+        """The JSON object `GET <path>` answers; {} when the server cannot be reached or does not answer 200 (a
+        step report is then "not known yet")."""
+        try:
+            r = self.client.get(f"{self.root_url}{path}", timeout=30.0)
+        except httpx.HTTPError:
+            return {}
+        return dict(r.json()) if r.status_code == 200 else {}
+
     def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         url = f"{self.root_url}{path}"
         try:

@@ -35,8 +35,6 @@ import socket
 import threading
 from typing import Any
 
-import httpx
-
 from pipeline.process.ports import ServerIdentity, bind_listener, is_loopback
 from policy.inference.adapters.base import ServerAdapter, ServerLoadError
 
@@ -62,13 +60,7 @@ class LevanterServerAdapter(ServerAdapter):
 
     def served_step(self) -> int | None:
         """The step `GET /rlpipe/policy_step` reports."""
-        try:
-            r = self.client.get(f"{self.root_url}{STEP_ROUTE}", timeout=30.0)
-        except httpx.HTTPError:
-            return None
-        if r.status_code != 200:
-            return None
-        step = r.json().get("step")
+        step = self._get_info(STEP_ROUTE).get("step")
         return None if step is None else int(step)
 
 

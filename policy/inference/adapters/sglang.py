@@ -13,8 +13,6 @@ https://docs.sglang.ai/backend/native_api.html (and `python/sglang/srt/entrypoin
 
 from __future__ import annotations
 
-import httpx
-
 from policy.inference.adapters.base import ServerAdapter, ServerLoadError, step_from_path
 
 
@@ -32,10 +30,4 @@ class SGLangAdapter(ServerAdapter):
 
     def served_step(self) -> int | None:
         """The step in the `model_path` SGLang reports."""
-        try:
-            r = self.client.get(f"{self.root_url}/get_model_info", timeout=30.0)
-        except httpx.HTTPError:
-            return None
-        if r.status_code != 200:
-            return None
-        return step_from_path(r.json().get("model_path"))
+        return step_from_path(self._get_info("/get_model_info").get("model_path"))
