@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import sys
 import tempfile
 import uuid
@@ -49,8 +50,11 @@ from tiers import is_heavy
 from pipeline.store.storage import RunStore
 
 # A `make …` a test runs is a user's make in a fresh shell: not a sub-make of the `make test` that started pytest,
-# whose command-line variables (`make test ARGS="-k x"`) would otherwise reach it through MAKEFLAGS.
-for _name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):
+# whose command-line variables (`make test ARGS="-k x"`) would otherwise reach it through MAKEFLAGS and, exported by
+# make to its recipes, as environment variables (ARGS would become every target's program flags).
+_outer_command_line = os.environ.get("MAKEFLAGS", "").partition(" -- ")[2]
+_outer_make_variables = re.findall(r"(?:^| )([A-Za-z_][A-Za-z0-9_]*)=", _outer_command_line)
+for _name in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", *_outer_make_variables):
     os.environ.pop(_name, None)
 # Every test process, and every process it starts, compiles with `TEST_XLA_FLAGS` (see tests/jobs.py).
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):

@@ -276,12 +276,12 @@ def test_worker_picks_up_newer_policy_and_never_moves_back(
         _wait(lambda: _committed(store, 0), what="a rollout file from policy 0")
         write_policy(store, 2, _scaled(model, 1.5))
         n0_at_publish = len(_committed(store, 0))
-        _wait(lambda: worker._current_step == 2, what="pickup of policy 2")
+        _wait(lambda: worker.follower.current_step == 2, what="pickup of policy 2")
         _wait(lambda: _committed(store, 2), what="a rollout file from policy 2")
         write_policy(store, 1, _scaled(model, 0.5))  # an older step published later (restarted learner)
         n2 = len(_committed(store, 2))
         _wait(lambda: len(_committed(store, 2)) >= n2 + 2, what="two more files from policy 2")
-        assert worker._current_step == 2
+        assert worker.follower.current_step == 2
         assert not _committed(store, 1)
     finally:
         run.stop()

@@ -132,6 +132,7 @@ HEAVY_TESTS = (
     "test_partial_rollouts.py::test_full_weight_swap_keeps_earlier_tokens_and_refills_slots",
     "test_partial_rollouts.py::test_job_with_partial_rollouts_and_killed_rollout_worker",
     "test_partial_rollouts.py::test_swap_between_decode_steps_tags_tokens_and_matches_teacher_forcing",
+    "test_policy_follower.py::test_follower_moves_to_the_newest_intact_policy_never_back",
     "test_ports.py::test_fifty_concurrent_starts_each_talk_to_their_own_server",
     "test_publish_dtype.py::test_bf16_policy_is_published_loaded_and_sampled",
     "test_readme_gcs.py::test_make_run_on_gcs_completes_and_logs_every_step_under_the_run_root",

@@ -2,16 +2,18 @@
 
 A whole job's runner holds the run root's job lease (`leases/job/`, `job_lease`: the lease machinery of
 `pipeline.store.lease`, whose claims record host and process id). Scheduled steps (`rlpipe learn|rollout|batches`
-started on their own, several side by side) do not take it, but they must not run beside a job: two learners or
-two BatchMakers on one run root would compete for the same slots. So:
+started on their own, several side by side) do not take it, but a learner or BatchMaker must not run beside a job:
+two learners or two BatchMakers on one run root would compete for the same slots (a rollout worker joining a live
+job is a feature: `make rollout`). So:
 
-- a training step started on its own (not by a job runner: `RLPIPE_STEP` unset) on a run root whose job is alive
-  is refused in one line naming the job's host, pid and start (`StepBesideJobError`, exit 6 "lease held");
+- a learner or BatchMaker started on its own (not by a job runner: `RLPIPE_STEP` unset) on a run root whose job is
+  alive is refused in one line naming the job's host, pid and start (`StepBesideJobError`, exit 6 "lease held");
 - a job started on a run root where a scheduled BatchMaker holds the BatchMaker lease is refused the same way
-  (`ScheduledStepsRunningError`); a job's own BatchMaker holds it under `batchmaker@<host>-<runner pid>`, a
+  (`ScheduledStepsRunningError`); a job's own BatchMaker holds it under `batches@<host>-<runner pid>`, a
   scheduled one under `<host>-<pid>`.
 
-Evaluation (`rlpipe evaluate`), retention (`rlpipe gc`) and the read-only tools run beside a job as before.
+Rollout workers (`rlpipe rollout`: joining a job), evaluation (`rlpipe evaluate`), retention (`rlpipe gc`) and the
+read-only tools run beside a job as before.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ JOB_LEASE = "job"
 JOB_LEASE_TTL_S = 60.0
 """How long after its last renewal the job lease of a job that died on another host lapses (the runner renews it
 every `JOB_LEASE_TTL_S / 4`); a job that died on this host is taken over at once."""
-TRAINING_PROGRAMS = ("steps.learn", "steps.rollout", "steps.make_batches")
-"""The step programs that may not run on their own beside a live job."""
+TRAINING_PROGRAMS = ("steps.learn", "steps.make_batches")
+"""The step programs that may not run on their own beside a live job: a second learner or BatchMaker would compete
+for the job's slots. A rollout worker may (`make rollout` joins a running job: more samplers, nothing competes)."""
 JOB_MAKER_PREFIX = f"{StepKind.BATCHMAKER.job_name}@"
 """How a job's own BatchMaker names itself in the BatchMaker lease (`<prefix><host>-<runner pid>`)."""
 
@@ -74,7 +77,7 @@ class JobRunningError(_HolderNamedError):
 
 
 class StepBesideJobError(_HolderNamedError):
-    """A training step started on its own while a job runs on its run root: one line naming the job."""
+    """A learner or BatchMaker started on its own while a job runs on its run root: one line naming the job."""
 
     def __init__(self, held: LeaseHeldError, run_root: str, program: str) -> None:
         super().__init__(held, (
@@ -96,7 +99,7 @@ class ScheduledStepsRunningError(_HolderNamedError):
 
 
 def refuse_beside_a_live_job(store: Any, program: str) -> None:
-    """Raise StepBesideJobError when `program` is a training step started on its own (not by a job runner) and
+    """Raise StepBesideJobError when `program` is a learner or BatchMaker started on its own (not by a job runner) and
     a job is alive on `store`'s run root; nothing otherwise. Reads the lease only."""
     if program not in TRAINING_PROGRAMS or os.environ.get(STEP_ENV):
         return
