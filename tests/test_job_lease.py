@@ -1,4 +1,4 @@
-"""One job per run root: a whole job (`rlpipe run`) holds the run root's job lease (`pipeline.jobs.runner.job_lease`,
+"""One job per run root: a whole job (`rlpipe run`) holds the run root's job lease (`pipeline.jobs.job_lease.job_lease`,
 the lease machinery of `pipeline.store.lease`) from before its first step starts.
 
 The first job here is a live process that holds that very lease, taken with the runner's own `job_lease` (what a
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.jobs.runner import JOB_LEASE, JOB_LEASE_TTL_S
+from pipeline.jobs.job_lease import JOB_LEASE, JOB_LEASE_TTL_S
 from pipeline.process.exits import Exit
 from pipeline.store import layout
 
@@ -39,7 +39,7 @@ RLPIPE = Path(sys.executable).parent / "rlpipe"
 
 HOLD = """
 import sys
-from pipeline.jobs.runner import job_lease
+from pipeline.jobs.job_lease import job_lease
 from pipeline.store.storage import RunStore
 
 lease = job_lease(RunStore(sys.argv[1]))

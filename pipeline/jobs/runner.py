@@ -47,8 +47,7 @@ import draccus
 
 from pipeline.config import check_run_config
 from pipeline.jobs.job import RLJob
-from pipeline.jobs.job_lease import (  # noqa: F401  (JOB_LEASE, JOB_LEASE_TTL_S: the lease's names, used here)
-    JOB_LEASE,
+from pipeline.jobs.job_lease import (
     JOB_LEASE_TTL_S,
     JobRunningError,
     ScheduledStepsRunningError,
