@@ -100,7 +100,7 @@ docs: setup ## Regenerate docs/reference/configuration.md from the config datacl
 # use (CPU torch comes with setup). If it cannot be installed, the TRL part is skipped with a note.
 BENCH_PKGS := trl==1.16.0 accelerate==1.15.0
 
-bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo, step start, rlpipe vs TRL, latency, retention, continuous batching, scale simulation
+bench: setup ## CPU benchmarks: storage, BatchMaker, learner, rollout, end-to-end demo, step start, rlpipe vs TRL, latency, retention, continuous batching, verifiers lessons, scale simulation
 	@$(PY) -c "import trl, accelerate" 2>/dev/null || $(UV) pip install -q --python $(PY) $(BENCH_PKGS) || \
 	  echo "note: could not install $(BENCH_PKGS); the TRL comparison is skipped"
 	$(PY) -m bench.run_all $$($(PY) -c "import trl, torch" 2>/dev/null || echo --skip_trl) $(ARGS)
