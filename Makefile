@@ -93,8 +93,9 @@ format: setup ## Apply ruff format and autofixes
 typecheck: setup ## mypy on pipeline/, schemas/ and policy/
 	$(VENV)/bin/mypy pipeline schemas policy
 
-docs: setup ## Regenerate docs/reference/configuration.md from the config dataclasses (a test fails when it is stale)
+docs: setup ## Regenerate docs/reference/configuration.md and docs/benchmarks.md's figures table (tests fail when stale)
 	$(PY) -m pipeline.config.reference
+	$(PY) -m bench.figures
 
 # The bench dependency group (pyproject.toml): TRL for the side-by-side comparison, installed into .venv on first
 # use (CPU torch comes with setup). If it cannot be installed, the TRL part is skipped with a note.

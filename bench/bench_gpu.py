@@ -200,7 +200,8 @@ def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
 # ---------------------------------------------------------------------------------------------
 
 DECODE_VARIANTS = ("legacy", "fast", "continuous")
-"""The decode bench's main variants, run at every `--decode-batches` size."""
+"""The decode bench's main variants, run at every `--decode-batches` size. `fast-tail` and `continuous-tail` (not
+in the default list) are the static and continuous paths on long-tailed lengths (`tail_budgets`)."""
 DECODE_ABLATIONS = ("sampling-only", "layout-only", "fast-no-phases", "fast-reduce-attn")
 """One change at a time (at `--ablation-batch` only): the fast sampling alone, the head-major cache alone, the
 fast path without length phases, and the fast path with multiply-and-sum attention."""
@@ -249,9 +250,14 @@ def _decode_case(model: Any, variant: str, B: int, args: argparse.Namespace, ban
     P, T = args.prompt_len, args.new_tokens
     vocab = model.Vocab.size
     rng = np.random.default_rng(B)
-    prompts = [rng.integers(0, vocab, P).tolist() for _ in range(B)]
-    sampler = DenseSampler(model, args.dtype, decode=decode_options(variant))
+    tail = variant.endswith("-tail")
+    prompts = [rng.integers(0, vocab, P).tolist() for _ in range(TAIL_REQUESTS_PER_SLOT * B if tail else B)]
+    sampler = DenseSampler(model, args.dtype, decode=decode_options(variant.removesuffix("-tail")))
     row: dict[str, Any] = {"variant": variant, "batch": B, "prompt_len": P, "new_tokens": T}
+    if tail:
+        budgets = tail_budgets(len(prompts), T, seed=B)
+        row.update(requests=len(prompts), mean_new_tokens=float(np.mean(budgets)))
+        return _tail_case(sampler, prompts, budgets, B, row, args, bandwidth)
     if variant == "continuous":
         cont = ContinuousSampler(sampler)
 
@@ -292,6 +298,84 @@ def _decode_case(model: Any, variant: str, B: int, args: argparse.Namespace, ban
             decode_tokens_per_s=B / step,
             decode_roofline_ratio=B / step / roof,
         )
+    return row
+
+
+TAIL_REQUESTS_PER_SLOT = 4
+"""Long-tailed decode cases: requests per slot (batch), so that continuous batching has sequences to refill with."""
+
+
+def tail_budgets(n: int, max_new: int, seed: int) -> list[int]:
+    """`n` long-tailed completion lengths: geometric with mean `max_new` / 4, capped at `max_new` (the shape of
+    `bench.bench_continuous`'s workload: most completions short, a few at the cap)."""
+    import numpy as np
+
+    mean = max(1, max_new // 4)
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.minimum(rng.geometric(1.0 / mean, n), max_new)]
+
+
+def _tail_case(
+    sampler: Any,
+    prompts: list[list[int]],
+    budgets: list[int],
+    B: int,
+    row: dict[str, Any],
+    args: argparse.Namespace,
+    bandwidth: float,
+) -> dict[str, Any]:
+    """Long-tailed lengths: `fast-tail` decodes the requests in static batches of `B` rows (each batch until its
+    longest row ends), `continuous-tail` keeps `B` slots busy, refilling finished ones; both generate exactly
+    `budgets` tokens (no stop token). The roofline is that of `B` busy slots at the mean length."""
+    import numpy as np
+
+    from policy.inference.continuous import ContinuousSampler, SeqRequest
+
+    P, T = args.prompt_len, args.new_tokens
+    if row["variant"].startswith("continuous"):
+        cont = ContinuousSampler(sampler)
+
+        def call(seed: int) -> int:
+            reqs = [SeqRequest(p, b, i, seed) for i, (p, b) in enumerate(zip(prompts, budgets, strict=True))]
+            out = cont.run(reqs, slots=B, stop_tokens=[], temperature=1.0)
+            return sum(len(o.tokens) for o in out)
+    else:
+
+        def call(seed: int) -> int:
+            total = 0
+            for i in range(0, len(prompts), B):
+                got = sampler.generate(
+                    prompts[i : i + B],
+                    list(range(i, i + len(prompts[i : i + B]))),
+                    batch_size=B,
+                    max_tokens=budgets[i : i + B],
+                    max_new_bucket=T,
+                    stop_tokens=[],
+                    temperature=1.0,
+                    seed=seed,
+                )
+                total += int(np.asarray(got.lengths).sum())
+            return total
+
+    t0 = time.perf_counter()
+    call(0)
+    row["first_call_s"] = time.perf_counter() - t0
+    times, toks = [], 0
+    for r in range(args.repeats):
+        t0 = time.perf_counter()
+        toks = call(r + 1)
+        times.append(time.perf_counter() - t0)
+    full = statistics.median(times)
+    roof, weight_bytes, kv_mean = decode_roofline(sampler, B, P, max(1, round(row["mean_new_tokens"])), bandwidth)
+    row.update(
+        call_s=full,
+        tokens=toks,
+        tokens_per_s=toks / full,
+        roofline_tokens_per_s=roof,
+        roofline_ratio=toks / full / roof,
+        weight_gb=weight_bytes / 1e9,
+        kv_mean_gb=kv_mean / 1e9,
+    )
     return row
 
 

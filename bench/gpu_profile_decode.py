@@ -1,7 +1,7 @@
 """Where a dense-sampler decode step's device time goes: one traced call, kernel time grouped by name.
 
 Run on the GPU machine after `bench/gpu_decode.sh` set up the path:
-    python3 -m bench.gpu_profile_decode [--tiny] [--batch 128] [--out DIR]
+    python3 -m bench.gpu_profile_decode [--tiny] [--batch 128] [--continuous] [--out DIR]
 Prints the top kernels by total device time per decode step, the device-busy share of the call's wall time and
 time by category (matmul, attention/fusion, reduce, copy/other)."""
 
@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--device-compat", action="store_true")
+    ap.add_argument("--continuous", action="store_true", help="profile continuous batching (B slots, B requests)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/prof"))
     args = ap.parse_args()
     if args.device_compat:
@@ -50,16 +51,29 @@ def main() -> None:
                                stop_tokens=[], temperature=1.0, seed=seed)  # fmt: skip
         int(out.lengths.sum())
 
+    if args.continuous:
+        from policy.inference.continuous import ContinuousSampler, SeqRequest
+
+        cont = ContinuousSampler(sampler)
+
+        def call(seed: int) -> None:  # the variant under --continuous
+            cont.run([SeqRequest(p, T, i, seed) for i, p in enumerate(prompts)], slots=B, stop_tokens=[],
+                     temperature=1.0)  # fmt: skip
+
     call(0)
     call(1)
     t0 = time.perf_counter()
     call(2)
     wall = time.perf_counter() - t0
-    d = "/tmp/rlpipe-decode-trace"
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="rlpipe-decode-trace-")  # a fresh folder: an earlier run's trace is not read
     with jax.profiler.trace(d, create_perfetto_trace=True):
         call(3)
     files = glob.glob(os.path.join(d, "**", "*perfetto*.json.gz"), recursive=True)
     print(f"untraced call {wall * 1e3:.1f} ms for {T} tokens x {B}; trace files: {files}")
+    if args.continuous:
+        print(f"continuous: {cont.decode_steps} decode steps, {cont.host_syncs} host syncs, {cont.trace_count} traces")
     if not files:
         return
     with gzip.open(files[0], "rt") as f:

@@ -30,7 +30,9 @@ JSON; this program prints each part's own table as it finishes, then the summary
     python -m bench.run_all                      # everything (~15-25 min on 2 cores)
     python -m bench.run_all --quick              # smaller sizes, for a smoke check (~5 min)
     python -m bench.run_all --only storage,e2e   # some parts
-Results: `<out>/bench-<time>.json` (default out: runs/bench).
+Results: `<out>/bench-<time>.json` (default out: runs/bench). A full run (not `--quick`) also sets the figures it
+measured in docs/bench_summary.json and renders docs/benchmarks.md's table from it (`bench.figures`; `--summary ''`
+leaves both alone).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import figures
 from bench.common import machine_name
 
 logger = logging.getLogger("rlpipe.bench")
@@ -612,12 +615,28 @@ def _versions() -> str:
     return ", ".join(f"{p} {version(p)}" for p in ("pyarrow", "jax", "levanter", "haliax"))
 
 
+def record_figures(results: dict[str, Any], path: Path, summary_path: Path) -> None:
+    """Set the figures this run measured in the committed summary and render docs/benchmarks.md's table from it (a
+    `--quick` run sets none). The README's lines that cite a changed figure then fail tests/test_bench_figures.py
+    until they are updated: a stated figure is refreshed or flagged, never silently old."""
+    summary = figures.load(summary_path)
+    done = figures.record_run(summary, results, str(path))
+    if not done:
+        print(f"figures: none updated in {summary_path} (quick run, or no part measured one)")
+        return
+    figures.save(summary, summary_path)
+    if summary_path == figures.SUMMARY:
+        figures.write_page(summary, dt.datetime.now(dt.UTC).date())
+    print(f"figures updated in {summary_path}: {', '.join(done)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke check, not the stated goals)")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     ap.add_argument("--out", default="runs/bench", help="folder for the results JSON")
     ap.add_argument("--skip_trl", action="store_true", help="leave out the TRL comparison (no bench env)")
+    ap.add_argument("--summary", default=str(figures.SUMMARY), help="figures summary to update ('': none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     parts = [p for p in args.only.split(",") if p and not (args.skip_trl and p == "trl")]
@@ -664,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(results, indent=2, default=str))
     print_summary(results)
     print(f"results: {path}")
+    if args.summary:
+        record_figures(results, path, Path(args.summary))
     if failed:
         print(f"FAILED parts: {', '.join(failed)}")
         return 1

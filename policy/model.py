@@ -132,8 +132,11 @@ def _init_program(config: Any, vocab_size: int) -> Callable[[jax.Array], LmHeadM
     return eqx.filter_jit(lambda k: config.build(vocab, key=k))
 
 
+@functools.lru_cache(maxsize=16)
 def model_template(spec: ModelSpec, vocab_size: int) -> LmHeadModel:
-    """The model's structure with ShapeDtypeStruct leaves (no weights computed or loaded)."""
+    """The model's structure with ShapeDtypeStruct leaves (no weights computed or loaded). Kept per (spec, vocab):
+    it is immutable, and a rollout worker or evaluator reads every policy into it (one trace of the model's
+    initialisation per process, not one per policy loaded)."""
     config = levanter_config(spec)
     vocab = hax.Axis("vocab", vocab_size)
     return eqx.filter_eval_shape(lambda: config.build(vocab, key=jax.random.PRNGKey(0)))  # nothing computed

@@ -26,6 +26,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -140,14 +141,23 @@ class RolloutManager:
             self._backend.update_model(model)
         logger.info("policy model updated")
 
-    def warm_up(self) -> bool:
-        """Compile one sampler shape a later sampling call is likely to need (`DenseBackend.warm_up`), between calls;
-        True if it did (seconds of work), False when the backend has nothing to warm (cheap). For idle time only."""
+    def expect_prompt_lengths(self, lengths: Collection[int]) -> None:
+        """Tell the backend the token counts of prompts later calls will likely sample (`DenseBackend.
+        expect_prompt_lengths`: the prompt buckets `warm_up` compiles); a backend that does not warm ignores them."""
+        expect = getattr(self._backend, "expect_prompt_lengths", None)
+        if expect is not None:
+            with self._lock:
+                expect(lengths)
+
+    def warm_up(self, draws_left: float | None = None) -> bool:
+        """Compile one sampler shape a later sampling call is likely to need (`DenseBackend.warm_up`; `draws_left`: how
+        many prompts the caller may still sample, None: unbounded), between calls; True if it did (seconds of work),
+        False when the backend has nothing to warm (cheap). For idle time only."""
         warm = getattr(self._backend, "warm_up", None)
         if warm is None:
             return False
         with self._lock:
-            return bool(warm())
+            return bool(warm(draws_left))
 
     def shutdown(self) -> None:
         """Release the inference backend."""
@@ -429,15 +439,16 @@ class RolloutManager:
         return batch_stats(batch)
 
 
-def policy_runtime(config: Any, tokenizer: Any) -> Any:
-    """The `pipeline.rollout.worker.PolicyRuntime` of a rollout step config: its backend's manager, the policy
-    models of committed steps, and the Hugging Face folders a server backend loads."""
+def policy_runtime(config: Any, tokenizer: Any, prompt_lengths: Collection[int] = ()) -> Any:
+    """The `pipeline.rollout.worker.PolicyRuntime` of a rollout step config: its backend's manager (told that its
+    prompts will have about `prompt_lengths` tokens: `RolloutManager.expect_prompt_lengths`), the policy models of
+    committed steps, and the Hugging Face folders a server backend loads."""
     from pipeline.rollout.worker import PolicyRuntime
     from policy.inference import backend_class
     from policy.policy_format import policy_metadata, publish_hf_if_needed, read_policy
 
     def build_manager(model: Any) -> RolloutManager:
-        return RolloutManager(
+        manager = RolloutManager(
             config.inference,
             config.model,
             config.curriculum,
@@ -445,6 +456,8 @@ def policy_runtime(config: Any, tokenizer: Any) -> Any:
             model,
             max_example_retries=config.max_example_retries,
         )
+        manager.expect_prompt_lengths(prompt_lengths)
+        return manager
 
     def load_model(store: Any, step: int) -> Any:
         return read_policy(store, step, config.model, policy_metadata(store, step).vocab_size)

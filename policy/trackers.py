@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeline.config import (
     ConfigError,
@@ -30,6 +30,9 @@ from pipeline.config import (
 from pipeline.process.step_kind import StepKind
 from pipeline.store.poll import WaitTimeout, poll_until
 from pipeline.store.urls import is_local, split_location
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 Tracker = Any
 """A `levanter.tracker.Tracker`: `log(metrics, step=)`, `finish()`."""
@@ -161,7 +164,7 @@ class RunTracker:
     step logged) so that every tracker sees non-decreasing steps. `finish()` forwards what is committed by then.
     """
 
-    def __init__(self, tracker: Tracker, store: Any, *, forward_every_s: float = FORWARD_EVERY_S) -> None:
+    def __init__(self, tracker: Tracker, store: RunStore, *, forward_every_s: float = FORWARD_EVERY_S) -> None:
         import threading
 
         from pipeline.telemetry.metrics import MetricsTail
@@ -281,7 +284,7 @@ def rollout_summary(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def make_run_tracker(config: TrackerConfig, run_root: str, store: Any) -> RunTracker | None:
+def make_run_tracker(config: TrackerConfig, run_root: str, store: RunStore) -> RunTracker | None:
     """The run's tracker (`make_tracker`) with the other steps' metrics forwarded from `store` (the run root's
     RunStore); None for `type: none`."""
     tracker = make_tracker(config, run_root)

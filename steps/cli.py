@@ -37,9 +37,10 @@ from typing import TypeVar
 
 import draccus
 
-from pipeline.config import ALLOW_CHANGE_FLAG, ConfigError, dump_yaml, resolve_overrides
+from pipeline.config import ConfigError, dump_yaml, resolve_overrides
 from pipeline.process.exits import LABELS, Exit, ExpectedFailure
 from pipeline.process.interrupts import interrupted, stop_signals
+from pipeline.run_contract import ALLOW_CHANGE_FLAG
 from pipeline.store.committed import StorageUnavailableError
 from pipeline.store.faults import storage_fault
 from pipeline.store.lease import LeaseHeldError, LeaseLostError
@@ -114,8 +115,8 @@ def check_against_run(config: object, program: str, allow_change: bool) -> None:
     root's run.json, unless `allow_change` (then recorded in run.json's history); and (ConfigError) a local run root
     that is a regular file. A run root that becomes a file later is a storage fault (exit 8) at the first write.
     A training step started on its own beside a live job is refused (StepBesideJobError, exit 6)."""
-    from pipeline.config import check_step_config
     from pipeline.jobs.job_lease import refuse_beside_a_live_job
+    from pipeline.run_contract import check_step_config
     from pipeline.store.storage import RunStore, require_run
 
     store_config = getattr(config, "store", None)

@@ -95,8 +95,10 @@ def main(config: RolloutStepConfig) -> int:
     """Run one rollout worker until stopped; returns the exit status (0: clean stop)."""
     check_rollout_step(config)
     tokenizer = load_tokenizer(config.model.tokenizer)
-    check_lessons(config, tokenizer)  # a lesson none of whose examples can be sampled or trained: exit 2 now
-    worker = RolloutWorker(config, runtime=policy_runtime(config, tokenizer), tokenizer=tokenizer)
+    # a lesson none of whose examples can be sampled or trained: exit 2 now; the prompts drawn tell the sampler
+    # which prompt-length buckets to compile while paused (`DenseBackend.warm_up`)
+    prompt_lengths = check_lessons(config, tokenizer)
+    worker = RolloutWorker(config, runtime=policy_runtime(config, tokenizer, prompt_lengths), tokenizer=tokenizer)
     worker.install_signal_handlers()
     try:
         worker.run()  # phase 1 (wait for a policy, load it), then phase 2 (the loop) until stopped

@@ -44,18 +44,11 @@ from typing import Any
 
 import draccus
 
-from pipeline.config import (
-    ALLOW_CHANGE_FLAG,
-    ConfigError,
-    RLJobConfig,
-    check_run_config,
-    check_step_config,
-    dump_yaml,
-)
-from pipeline.config.run_contract import with_step_contract
+from pipeline.config import ConfigError, RLJobConfig, dump_yaml
 from pipeline.jobs.job import RLJob
 from pipeline.jobs.job_lease import refuse_beside_a_live_job
 from pipeline.process.step_kind import StepKind, cli_names
+from pipeline.run_contract import ALLOW_CHANGE_FLAG, check_run_config, check_step_config, with_step_contract
 from pipeline.store import layout
 from pipeline.store.run_state import read_run_record
 from pipeline.store.storage import RunStore, require_run, storage_options_from

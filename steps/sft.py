@@ -46,10 +46,10 @@ from typing import Any
 
 import jax
 
-from pipeline.config.run_contract import encode_config
 from pipeline.config.sft import SFTStepConfig, validate_sft
 from pipeline.environments.tokenizer import load_tokenizer
 from pipeline.process.step_kind import StepKind
+from pipeline.run_contract import encode_config
 from pipeline.sft_data import RowStream, load_examples, too_long
 from pipeline.store import layout
 from pipeline.store.storage import RunStore

@@ -7,6 +7,8 @@
 
 - `default_job` (session): the test job (configs/test_cats.yaml as it is) run once on a local root, shared
   read-only by the tests that check what a finished job leaves behind.
+- `learner_group_crash_run` (session): a job whose two-process learner group was SIGKILLed at random points
+  (tests/test_job_crash_learner_group.py), shared read-only by that crash test and the two-process replay tests.
 
 Scheduling over xdist workers (`make test` runs `-n 3 --dist loadgroup`): a test that uses a module- or
 class-scoped fixture (a job shared by several assertions) is kept on one worker with the other users of that
@@ -41,6 +43,13 @@ os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 # (measured: a 6-step test job with a warm cache 22.5 -> 20.1 s of CPU).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# ... and with no size limit, in the test processes and the steps they start (the Makefile's is 4 GiB): with a limit,
+# JAX's cache scans the whole cache folder (a stat and an access-time read per entry) under its file lock at every
+# write, and a clean-clone `make test` writes ~1,340 programs into a folder that grows to as many (measured:
+# tests/test_loss_terms.py's 323 programs written into a folder of 4,000 entries, 82 s of CPU with the limit, 10 s
+# without). Without a limit JAX takes no lock: a program read while another process writes it is a miss with a
+# warning, compiled again. A checkout's `.cache/jax` holds only the suite's programs (`make clean` removes it).
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gcs_emulator import GcsEmulator
@@ -85,7 +94,7 @@ _GROUPS_ENV = "RLPIPE_XDIST_GROUPS"
 
 
 # Session-scoped fixtures that run a job: every test using one is kept on one worker, so the job runs once.
-SHARED_SESSION_JOBS = ("default_job",)
+SHARED_SESSION_JOBS = ("default_job", "learner_group_crash_run")
 
 # Wall seconds (fixtures included) of the longest tests and test groups on the 2-core CI machine under `make test`
 # (the clean-clone run of 2026-11-26; tests cut since then: scaled by their measured CPU),
@@ -98,20 +107,20 @@ EXPECTED_SECONDS = {
     # an SFT run, then one job with both verifiers lessons (was two jobs of 81 s each)
     "tests/test_verifiers_env.py::test_whole_job_trains_on_a_single_turn_and_a_tool_using_verifiers_env": 75,
     "tests/test_rescore.py::test_rescore_sigkilled_at_random_points_rescores_every_file_exactly_once": 30,
-    "tests/test_replay_multiprocess.py": 103,  # a two-process learner job, then two two-process replays
     "tests/test_eval_passk.py": 36,
     "tests/test_scale_sim.py::test_objects_listed_per_poll_do_not_grow_with_old_files": 25,  # run roots of 2,000 files
     "tests/test_agent_env.py": 40,
-    "tests/test_job_crash_learner_group.py": 100,
+    # its crash test (8 steps; the job, then a reference group: 84 s scaled by CPU from 100 at 12) and two replays
+    "learner_group_crash_run": 84,
     "tests/test_mesh.py": 125,  # five processes compiling the mesh cases (setup 119 s)
     "tests/test_parallel_publish.py": 50,  # two two-process learner starts (killed mid-publish, restarted)
-    "tests/test_job_crash.py": 97,
-    "tests/test_partial_rollouts.py::test_job_with_partial_rollouts_and_killed_rollout_worker": 50,  # job + 2 replays
+    "tests/test_job_crash.py": 86,  # 14 steps, 20-22 kills (97 s with 20 steps and 24 kills)
+    "tests/test_partial_rollouts.py::test_job_with_partial_rollouts_and_killed_rollout_worker": 45,  # job + replay
     "tests/test_inference.py": 46,  # not slow, but a module of in-process sampler tests
     "tests/test_decode_efficiency.py": 40,  # not slow: three sampler pairs compiled, and two programs' HLO
     "tests/test_make_batches_crash.py": 43,
     "tests/test_evaluate_step.py": 32,  # 8 evaluate processes where 11 ran (shared kill/--all and make fixtures)
-    "tests/test_readme_gcs.py": 135,  # two gs:// runs; the scheduled one 16 step processes (114 s)
+    "tests/test_readme_gcs.py": 105,  # two gs:// runs; the scheduled one 12 step processes (3 rounds, ~82 s)
     "default_job": 40,
     "tests/test_server_job.py": 45,
     "tests/test_lora.py::test_lora_learns_cats": 36,  # the demo job (no evaluator, 14 steps), then a replay
@@ -127,7 +136,7 @@ EXPECTED_SECONDS = {
     "tests/test_job_ray.py::test_ray_backend_runs_the_same_steps": 62,  # a local Ray cluster start
     "tests/test_job_interrupt.py": 37,
     "tests/test_elastic_pool.py": 100,  # a 30-step job, a worker then the learner held (67-82 s), Ray start/stop (30 s)
-    "tests/test_retention.py": 24,
+    "tests/test_retention.py": 16,  # the gs:// job (the local tests use `default_job`)
     "tests/test_demo.py": 22,
     "tests/test_rollout_worker.py": 21,
     "tests/test_curriculum_run.py": 19,
@@ -354,6 +363,16 @@ def default_job(tmp_path_factory: pytest.TempPathFactory) -> FinishedJob:
     proc = run_job(job_config(tmp, str(root)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return FinishedJob(root, proc)
+
+
+@pytest.fixture(scope="session")
+def learner_group_crash_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The crash job of tests/test_job_crash_learner_group.py (a two-process learner group × 2 simulated devices,
+    SIGKILLed at random points, then run to its end; a checkpoint at every slot), run once: a
+    `CrashedGroupRun`. Shared by several test files: a user must not write into its `root` (copy it first)."""
+    from test_job_crash_learner_group import crashed_group_run
+
+    return crashed_group_run(tmp_path_factory.mktemp("learner-group-crash"))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -19,15 +19,12 @@ from pipeline.config import (
     LessonConfig,
     LessonDependency,
     RLJobConfig,
-    RunConfigMismatchError,
     SamplingParams,
     TrainParams,
-    check_run_config,
-    contract_diff,
-    encode_config,
 )
 from pipeline.jobs.job import RLJob
 from pipeline.process.exits import Exit
+from pipeline.run_contract import RunConfigMismatchError, check_run_config, contract_diff, encode_config
 from pipeline.store.storage import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,7 +273,7 @@ def test_allowed_config_change_is_recorded_in_run_json_history(tmp_path: Path) -
 
 
 def test_step_config_is_checked_field_by_field_against_run_json(tmp_path: Path) -> None:
-    from pipeline.config import check_step_config
+    from pipeline.run_contract import check_step_config
 
     cfg = dataclasses.replace(_demo(), store=dataclasses.replace(_demo().store, run_root=str(tmp_path)))
     store = RunStore(str(tmp_path))

@@ -12,6 +12,9 @@ both processes, from the newest committed checkpoint at its start (so a checkpoi
 without COMMITTED was never loaded); the lineage of checkpoint markers covers batch slots 1..N exactly once;
 the final policy equals, bitwise, the one an uninterrupted run of the same two-process learner group trains on
 the job's committed batches in a fresh run root (same mesh over the same devices: the same XLA programs).
+
+The job runs once per test session (`crashed_group_run`, the `learner_group_crash_run` fixture of
+tests/conftest.py): tests/test_replay_multiprocess.py replays its last slot as two processes.
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ from schemas.records import CommitMarker
 
 pytest.importorskip("jax")
 
-STEPS = 12
+STEPS = 8
+"""Learner steps of the job. Kills that train no slot (start-up points) are the only ones drawn once 4 or fewer
+slots are left, so the first ~4 slots take the checkpoint and trained-slot kills and the job cannot end before
+every kill has landed; 12 steps (before) only added slots to the last attempt and to the reference group."""
 MIN_KILLS = 10
 START_UP = (None, b"rlpipe.cli: config", b"jax.distributed: process", b"learner mesh", b"learner at step")
 """Start-up points to kill at, by the line the attempt's process 0 has logged (None: as soon as both run)."""
@@ -185,24 +191,45 @@ def _check_resumes(store: RunStore, attempts: list[tuple[str, int | None, list[s
     return [newest for _, newest, _ in attempts]
 
 
-@pytest.mark.slow
-def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_env: None) -> None:
+@dataclasses.dataclass(frozen=True)
+class CrashedGroupRun:
+    """A finished job whose two-process learner group was SIGKILLed at random points (`crashed_group_run`)."""
+
+    root: Path
+    config: Path
+    kills: int
+    points: list[str]
+    attempts: list[tuple[str, int | None, list[str]]]
+    """(attempt id, newest committed checkpoint and half-written checkpoint folders at its start), in order"""
+    crash_s: float
+    total_s: float
+
+
+def crashed_group_run(tmp_path: Path) -> CrashedGroupRun:
+    """The job of `_config` run by `python -m steps.run` under `tmp_path`, one process of its learner group
+    SIGKILLed at a random point of each attempt until MIN_KILLS kills landed, then run to its end. Its processes
+    see 2 simulated CPU devices each. Asserts the job ended with exit 0.
+
+    The session fixture `learner_group_crash_run` (tests/conftest.py) runs it once for this test and for
+    tests/test_replay_multiprocess.py (a two-process run to replay): one job, many assertions on what it left."""
     t0 = time.monotonic()
     run_root = tmp_path / "run"
     store = RunStore(str(run_root))
     config_path = _config(tmp_path, run_root)
     runner_log = tmp_path / "runner.log"  # a file, not a pipe: nobody reads while the kills go on
-    runner = subprocess.Popen(
-        [sys.executable, "-m", "steps.run", "--config_path", str(config_path)],
-        cwd=ROOT,
-        stdout=runner_log.open("w"),
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     rng = random.Random(2468)
     kills, seen, points = 0, set(), []
-    # (attempt id, newest committed checkpoint and half-written checkpoint folders at its start)
     attempts: list[tuple[str, int | None, list[str]]] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLA_FLAGS", simulated_devices(2))
+        mp.setenv("PYTHONHASHSEED", "0")
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "steps.run", "--config_path", str(config_path)],
+            cwd=ROOT,
+            stdout=runner_log.open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     try:
         while runner.poll() is None and kills < MIN_KILLS:
             found = _learner_group(runner, seen)
@@ -231,8 +258,18 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
     finally:
         if runner.poll() is None:
             runner.kill()
-    assert kills >= MIN_KILLS, f"only {kills} kills before the job ended; points: {points}"
     assert runner.returncode == 0, runner_log.read_text()[-4000:]
+    return CrashedGroupRun(run_root, config_path, kills, points, attempts, crash_s, time.monotonic() - t0)
+
+
+@pytest.mark.slow
+def test_sigkill_one_learner_process_job_restarts_group(
+    learner_group_crash_run: CrashedGroupRun, tmp_path: Path, group_env: None
+) -> None:
+    run = learner_group_crash_run
+    run_root, kills, points, attempts = run.root, run.kills, run.points, run.attempts
+    store = RunStore(str(run_root))
+    assert kills >= MIN_KILLS, f"only {kills} kills before the job ended; points: {points}"
     check_finished_run(store, num_steps=STEPS, max_lag=1, evaluated=False)
 
     resumed = _check_resumes(store, attempts)
@@ -243,12 +280,12 @@ def test_sigkill_one_learner_process_job_restarts_group(tmp_path: Path, group_en
         rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(step)), path=layout.checkpoint_marker(step))
         assert rec.format == "rlpipe-sharded-safetensors-v2" and sorted(rec.files) == ["p0", "p1"], rec
 
-    ref = _reference_group(tmp_path, config_path, run_root)
+    ref = _reference_group(tmp_path, run.config, run_root)
     a, b = policy_arrays(store, STEPS), policy_arrays(ref, STEPS)
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     half = {f for _, _, h in attempts for f in h}
     print(
         f"job with a two-process learner: {kills} kills at {points}; attempts resumed from {resumed}; lineage "
         f"{chain}; half-written checkpoint folders left by kills (never loaded) {sorted(half)}; "
-        f"{crash_s:.0f} s under kills, {time.monotonic() - t0:.0f} s in all"
+        f"{run.crash_s:.0f} s under kills, {run.total_s:.0f} s for the job"
     )

@@ -161,7 +161,8 @@ def test_learner_trains_publishes_and_replays(tmp_path):
 def test_rewarded_token_logprob_rises(tmp_path):
     root = str(tmp_path / "run")
     store = RunStore(root)
-    cfg = tiny_config(root, steps=1)
+    # one step of a 3-step schedule (a constant rate): the train step program of the test above, not another
+    cfg = tiny_config(root, steps=3, max_steps=1)
     model0 = M.build_model(cfg.model, VOCAB)
     rows = make_rows(1, token=TOKEN)
     arrays = learner.batch_arrays(rows, cfg.train, VOCAB, "x")

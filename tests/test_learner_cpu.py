@@ -45,7 +45,8 @@ def test_profile_env_writes_a_cprofile_of_the_learner(tmp_path: Path, monkeypatc
     root = str(tmp_path / "run")
     write_batches(RunStore(root), range(1, 3))
     monkeypatch.setenv(learn.PROFILE_ENV, str(prof_dir))
-    assert learn.main(tiny_config(root, steps=2)) == 0
+    # 2 steps of a 3-step schedule: the train step program of the test above (the schedule's length is compiled in)
+    assert learn.main(tiny_config(root, steps=3, max_steps=2)) == 0
     path = prof_dir / f"learner-{os.getpid()}.prof"
     assert path.is_file()
     funcs = {f"{os.path.basename(f)}:{name}" for f, _, name in pstats.Stats(str(path)).stats}  # type: ignore[attr-defined]

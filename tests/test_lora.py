@@ -35,11 +35,10 @@ from pipeline.config import (
     ModelSpec,
     RLJobConfig,
     RLOOLossConfig,
-    RunConfigMismatchError,
     StoreConfig,
-    check_run_config,
     validate_learner,
 )
+from pipeline.run_contract import RunConfigMismatchError, check_run_config
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 

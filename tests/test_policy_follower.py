@@ -6,6 +6,7 @@ damaged policy, quarantining it, or keeps the one it holds.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -31,7 +32,7 @@ from pipeline.store.notify import waker_for
 from pipeline.store.poll import WaitTimeout
 from pipeline.store.storage import RunStore
 from pipeline.telemetry.metrics import MetricsWriter, read_metrics
-from policy.model import build_model, model_vocab_size
+from policy.model import build_model, model_template, model_vocab_size
 from policy.policy_format import read_policy, write_policy
 from policy.rollout_manager import RolloutManager
 
@@ -113,3 +114,43 @@ def test_follower_moves_to_the_newest_intact_policy_never_back(tmp_path: Path, c
     follower.metrics.flush()
     weights = [r for r in read_metrics(store, "rollout") if r.get("event") == "weights"]
     assert [(w["from_step"], w["policy_step"]) for w in weights] == [(None, 0), (0, 1)]
+
+
+class _WarmCounter:
+    """Stands in for the manager: records the prompts-left bound each warm-up is given."""
+
+    def __init__(self) -> None:
+        self.draws: list[float | None] = []
+
+    def warm_up(self, draws_left: float | None = None) -> bool:
+        self.draws.append(draws_left)
+        return False
+
+
+def test_warm_up_is_told_how_many_prompts_the_run_has_left(tmp_path: Path) -> None:
+    """A following worker's warm-up gets the prompts it may still draw: the rows of the learner steps left after the
+    policy it holds, in groups of `n_generations_per_prompt`; no bound before it holds one or when not following."""
+    config = _config(tmp_path / "run")
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, num_train_steps=6, batch_size=16))
+    store = RunStore(config.store.run_root)
+    manager = _WarmCounter()
+    follower = _follower(store, config, threading.Event(), manager=manager, load_model=lambda step: None)
+    follower.warm_up()
+    follower.current_step = 2
+    follower.warm_up()
+    follower.current_step = 9  # past the end (a run extended, then shortened): nothing left
+    follower.warm_up()
+    scheduled = _follower(
+        store, dataclasses.replace(config, follow=False), threading.Event(), manager=manager, load_model=lambda s: None
+    )
+    scheduled.current_step = 2
+    scheduled.warm_up()
+    assert manager.draws == [None, (6 - 2) * 16 / SAMPLING.n_generations_per_prompt, 0.0, None]
+
+
+def test_policies_are_read_into_one_model_template() -> None:
+    """Every policy a worker (or evaluator) loads is read into the same cached template: the model's initialisation is
+    traced once per process, not once per policy (`policy.model.model_template`)."""
+    vocab = model_vocab_size(load_tokenizer("builtin:tiny"))
+    assert model_template(SPEC, vocab) is model_template(SPEC, vocab)
+    assert model_template(SPEC, vocab + 1) is not model_template(SPEC, vocab)

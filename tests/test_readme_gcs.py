@@ -41,6 +41,10 @@ from pipeline.store.storage import RunStore
 pytestmark = pytest.mark.slow
 
 NUM_STEPS = 2
+SCHEDULED_STEPS = 1
+"""Learner steps of the scheduled-jobs run: one step is a complete run, and each step more is a round more of the
+block's four lines (a round moves the run on by at least one learner step): round 1 publishes policy 0 and fills
+slot 1, round 2 trains it (the learner finishes), round 3 starts with the learner finished and stops every line."""
 STEP_TIMEOUT_S = 600
 MAX_ROUNDS = 6
 README = docs_text()  # README.md and every page under docs/
@@ -245,7 +249,7 @@ def scheduled_run(emulator: Emulator, tmp_path_factory: pytest.TempPathFactory) 
     stderr line."""
     tmp = tmp_path_factory.mktemp("readme-gcs-scheduled")
     url = f"gs://{emulator.bucket}/runs/scheduled"
-    config = job_config(tmp, url, **{"train.num_train_steps": str(NUM_STEPS), "polling.bounded_wait_s": "2"})
+    config = job_config(tmp, url, **{"train.num_train_steps": str(SCHEDULED_STEPS), "polling.bounded_wait_s": "2"})
     values = {"$CFG": str(config), "$ROOT": url, "$N": "1"}
     store = store_of(emulator, url)
 
@@ -257,7 +261,7 @@ def scheduled_run(emulator: Emulator, tmp_path_factory: pytest.TempPathFactory) 
 
     last_lines = []
     for _ in range(MAX_ROUNDS):
-        finished = store.exists(layout.policy_marker(NUM_STEPS))
+        finished = store.exists(layout.policy_marker(SCHEDULED_STEPS))
         for words in scheduled_block():
             proc = subprocess.run(argv(words), cwd=REPO, env=emulator.env, capture_output=True, text=True,
                                   timeout=STEP_TIMEOUT_S)  # fmt: skip
@@ -272,9 +276,10 @@ def scheduled_run(emulator: Emulator, tmp_path_factory: pytest.TempPathFactory) 
 def test_the_scheduled_steps_make_a_complete_run_and_stop_on_their_own(
     scheduled_run: tuple[RunStore, list[str]],
 ) -> None:
-    store, _ = scheduled_run
-    check_finished_run(store, num_steps=NUM_STEPS, max_lag=1)
+    store, last_lines = scheduled_run
+    print(f"{len(last_lines) // 4} rounds: {last_lines}")
+    check_finished_run(store, num_steps=SCHEDULED_STEPS, max_lag=1)
     files = [r for d in store.list(layout.ROLLOUTS) for r in store.list_committed(d)]
     assert files and all("/job1." in f for f in files), files  # --worker_id job$N with N=1
     # evaluate --all true: every committed policy
-    assert all(store.exists(layout.eval_summary_file(s, "cats")) for s in range(NUM_STEPS + 1))
+    assert all(store.exists(layout.eval_summary_file(s, "cats")) for s in range(SCHEDULED_STEPS + 1))

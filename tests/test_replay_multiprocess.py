@@ -4,7 +4,9 @@ policy bit for bit; a batch slot whose contents were changed (and its log entry 
 makes replay exit 10 (`Exit.REPLAY_MISMATCH`) naming each differing tensor and its first differing element, and
 the first one in its one `error: replay mismatch: …` line.
 
-One job (3 slots, a checkpoint at every slot) serves both tests; each replays slot 3 from checkpoint 2.
+The run both tests replay is the session's `learner_group_crash_run` (tests/conftest.py): the job of
+tests/test_job_crash_learner_group.py, whose two-process learner group was SIGKILLed at random points and resumed
+(a checkpoint at every slot, the newest two kept); each test replays its last slot from the checkpoint before it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import ROOT, TEST_XLA_FLAGS, job_config, run_job, simulated_devices, tamper_batch
+import test_job_crash_learner_group as crash_group  # its importorskip("jax") is this module's too
+from jobs import ROOT, TEST_XLA_FLAGS, tamper_batch
 from makefile import make_env, recipe_command
 
 from pipeline.process.exits import LABELS, Exit
@@ -26,28 +29,16 @@ from pipeline.store.storage import RunStore
 
 pytest.importorskip("jax")
 
-STEPS = 3
+STEPS = crash_group.STEPS
+"""The crashed job's learner steps: both tests replay slot STEPS from checkpoint STEPS - 1."""
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run root of a finished job whose learner was a group of two processes × 2 devices."""
-    tmp = tmp_path_factory.mktemp("replay2")
-    run_root = tmp / "run"
-    overrides = {
-        "train.num_train_steps": str(STEPS),
-        "learner.num_processes": "2",
-        "evaluator": "false",
-        "num_rollout_workers": "1",
-        "cadence.checkpoint_interval": "1",
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XLA_FLAGS", simulated_devices(2))
-        mp.setenv("PYTHONHASHSEED", "0")
-        job = run_job(job_config(tmp, str(run_root), None, **overrides))
-    assert job.returncode == 0, job.stderr[-3000:]
-    marker = json.loads((run_root / layout.checkpoint_marker(2)).read_text())
-    assert sorted(marker["files"]) == ["p0", "p1"], marker["files"]  # both learner processes wrote checkpoint 2
+def two_process_run(learner_group_crash_run: crash_group.CrashedGroupRun) -> Path:
+    """The run root of a finished job whose learner was a group of two processes × 2 devices (read only)."""
+    run_root = learner_group_crash_run.root
+    marker = json.loads((run_root / layout.checkpoint_marker(STEPS - 1)).read_text())
+    assert sorted(marker["files"]) == ["p0", "p1"], marker["files"]  # both learner processes wrote the checkpoint
     return run_root
 
 
@@ -61,11 +52,12 @@ def _replay_env() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_make_replay_of_a_two_process_run_is_bitwise(two_process_run: Path, tmp_path: Path) -> None:
-    cmd = recipe_command("replay", RUN=str(two_process_run), FROM="2", TO="3", ARGS=f"--scratch {tmp_path / 's'}")
+    cmd = recipe_command("replay", RUN=str(two_process_run), FROM=str(STEPS - 1), TO=str(STEPS),
+                         ARGS=f"--scratch {tmp_path / 's'}")  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=_replay_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "replaying as 2 processes (2 processes × 2 devices (mesh fsdp=4))" in proc.stdout
-    assert "replayed slots 3..3 from checkpoint 2 on 2 processes" in proc.stdout
+    assert f"replayed slots {STEPS}..{STEPS} from checkpoint {STEPS - 1} on 2 processes" in proc.stdout
     assert "bitwise equal" in proc.stdout
     for i in range(2):  # both replay processes joined one jax.distributed group on the recorded mesh
         assert f"jax.distributed: process {i} of 2" in proc.stderr
@@ -76,7 +68,7 @@ def test_make_replay_of_a_two_process_run_is_bitwise(two_process_run: Path, tmp_
 def test_replay_of_a_tampered_batch_names_tensor_and_element(two_process_run: Path, tmp_path: Path) -> None:
     run_root = tmp_path / "run"
     shutil.copytree(two_process_run, run_root)
-    tamper_batch(RunStore(str(run_root)), 3)
+    tamper_batch(RunStore(str(run_root)), STEPS)
     cmd = [
         sys.executable,
         "-m",
@@ -84,13 +76,13 @@ def test_replay_of_a_tampered_batch_names_tensor_and_element(two_process_run: Pa
         "--store.run_root",
         str(run_root),
         "--from_step",
-        "2",
+        str(STEPS - 1),
         "--to_step",
-        "3",
+        str(STEPS),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_replay_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == Exit.REPLAY_MISMATCH, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "NOT equal to the run's committed policy 3" in proc.stdout
+    assert f"NOT equal to the run's committed policy {STEPS}" in proc.stdout
     lines = re.findall(r"^  (\.\S.*?): max abs difference (\S+); first at \[(\d+(?:, \d+)*)\]", proc.stdout, re.M)
     assert lines, proc.stdout[-2000:]
     assert all(float(diff) > 0 for _, diff, _ in lines)

@@ -20,9 +20,10 @@ import pytest
 from jobs import ROOT, TEST_CONFIG
 from test_scoring import JudgeServer, completion
 
-from pipeline.config import RLJobConfig, check_run_config
+from pipeline.config import RLJobConfig
 from pipeline.environments.exact_answer import normalized_match
 from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.run_contract import check_run_config
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 from schemas import ROLLOUT, RolloutRow

@@ -1,6 +1,11 @@
 """Retention end to end: a real job (GC off) on a local run root, fates computed from its files, then real
 `python -m steps.gc` processes on copies of the root: lineage equals the fates, old data is gone, markers never
-outlive their data, what the next slot reads stays, the report renders; SIGKILLed collections rerun to the end."""
+outlive their data, what the next slot reads stays, the report renders; SIGKILLed collections rerun to the end.
+
+The local job is the session's `default_job` (configs/test_cats.yaml as it is: 6 learner steps, checkpoints every
+2 steps), shared read-only with the other tests that check a finished job (copied before every collection). With
+`keep_every` 3 and `keep_policies` 2 the kept policies {0, 3, 5, 6} tell the two rules apart: 3 is kept only as a
+multiple, 5 only as one of the newest two, and 1, 2, 4 are collected."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import ROOT, job_config, run_job
+from jobs import ROOT, FinishedJob, job_config, run_job
 
 from pipeline.retention import read_index
 from pipeline.store import layout, run_state, staleness
@@ -25,13 +30,17 @@ from schemas.dropped import DROPPED
 
 pytestmark = pytest.mark.slow
 
-N_STEPS = 10
+N_STEPS = 6
+"""Learner steps of the session's `default_job` (configs/test_cats.yaml), and of the job on the GCS emulator."""
 WINDOW = 2
+KEEP_EVERY = 3
+KEPT_POLICIES = {0, KEEP_EVERY, N_STEPS - 1, N_STEPS}
+"""Policy 0, every `KEEP_EVERY`th and the newest two."""
 GC_FLAGS = [
     "--retention.keep_policies",
     "2",
     "--retention.keep_every",
-    "5",
+    str(KEEP_EVERY),
     "--retention.data_window_slots",
     str(WINDOW),
 ]
@@ -53,13 +62,11 @@ def fates(store: RunStore) -> dict[str, collections.Counter[tuple[str, int]]]:
 
 
 @pytest.fixture(scope="module")
-def finished_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    tmp = tmp_path_factory.mktemp("retention")
-    root = tmp / "run"
-    cfg = job_config(tmp, str(root), **{"train.num_train_steps": str(N_STEPS), "cadence.checkpoint_interval": "2"})
-    proc = run_job(cfg)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root, fates(RunStore(str(root)))
+def finished_root(default_job: FinishedJob) -> tuple[Path, dict]:
+    """The session's finished test job (read only: every test collects on a copy) and its fates."""
+    store = RunStore(str(default_job.root))
+    assert run_state.last_committed_slot(store) == N_STEPS
+    return default_job.root, fates(store)
 
 
 def gc(root: Path, *extra: str) -> subprocess.Popen[bytes]:
@@ -106,7 +113,7 @@ def check_collected(store: RunStore, before: dict) -> None:
     for rel in store.list(layout.BATCH_DATA):
         assert layout.parse_step(rel) > horizon, rel  # batch data of old slots is gone
     policies = run_state.committed_steps(store, layout.POLICIES)
-    assert set(policies) == {0, 5, N_STEPS - 1, N_STEPS}, policies
+    assert set(policies) == KEPT_POLICIES, policies
     deleted = [rid for rid, c in before.items() if c and max(s for _, s in c) <= horizon]
     assert deleted, "nothing old enough to delete"
 
@@ -227,15 +234,18 @@ def test_killed_gc_is_safe_and_a_rerun_completes(finished_root: tuple[Path, dict
 
 
 def test_job_with_retention_on_gcs_emulator(tmp_path: Path, gcs_endpoint) -> None:
-    """The job runner collects while the job runs (every 3 slots) and at the end, on a gs:// run root."""
+    """The job runner collects while the job runs (every 3 slots) and at the end, on a gs:// run root. One rollout
+    worker and no evaluator: collection reads neither (each would be a further process start on the emulator)."""
     run_root = f"gs://{gcs_endpoint.bucket}/retention-{os.getpid()}"
     overrides = {
         "train.num_train_steps": str(N_STEPS),
+        "num_rollout_workers": "1",
+        "evaluator": "false",
         "cadence.checkpoint_interval": "2",
         "retention.enabled": "true",
         "retention.gc_every_slots": "3",
         "retention.keep_policies": "2",
-        "retention.keep_every": "5",
+        "retention.keep_every": str(KEEP_EVERY),
         "retention.data_window_slots": str(WINDOW),
     }
     proc = run_job(job_config(tmp_path, run_root, gcs_endpoint.storage_options, **overrides))
@@ -268,7 +278,7 @@ def test_job_with_retention_on_gcs_emulator(tmp_path: Path, gcs_endpoint) -> Non
             d = store.read_parquet(entry.dropped_file, DROPPED)  # dropped records stay, and the index has them
             for rid in d.column("rollout_id").to_pylist():
                 assert (rid, slot) in dropped, (rid, slot)
-    assert set(run_state.committed_steps(store, layout.POLICIES)) == {0, 5, N_STEPS - 1, N_STEPS}
+    assert set(run_state.committed_steps(store, layout.POLICIES)) == KEPT_POLICIES
     check_rollouts_collected(store, index)
     from pipeline.report import load_run
 

@@ -29,9 +29,10 @@ import pytest
 from gcs_emulator import GcsEmulator
 from jobs import FinishedJob
 
-from pipeline.config import RLJobConfig, run_record
+from pipeline.config import RLJobConfig
 from pipeline.jobs.job import RLJob
 from pipeline.process.exits import LABELS, Exit
+from pipeline.run_contract import run_record
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
 

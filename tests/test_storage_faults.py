@@ -131,9 +131,13 @@ def test_a_full_disk_stops_the_job_in_one_line_and_the_same_command_completes_th
     """(a) only `policies/` full from policy 2 on: the learner's queued publish fails, the learner stops (it does
     not train on while the BatchMaker waits for that policy), the job stops with the cause; (b) the whole run root
     full: every step log is unwritable, the job still names the cause; then, space back, the same command
-    completes the run: exactly-once, contiguous slots and policies, lineage (tests/invariants.py)."""
+    completes the run: exactly-once, contiguous slots and policies, lineage (tests/invariants.py). One rollout
+    worker and no evaluator: three job starts, and neither changes what a full disk does to the learner, the step
+    logs or the runner."""
     root = tmp_path / "run"
-    config = job_config(tmp_path, str(root), None, **{"train.num_train_steps": "4"})
+    config = job_config(
+        tmp_path, str(root), None, **{"train.num_train_steps": "4", "num_rollout_workers": "1", "evaluator": "false"}
+    )
 
     first = _job(config, f"ENOSPC:{layout.POLICIES}/step-00000002@100")
     assert first.returncode == Exit.STORAGE_FAULT, first.stderr[-4000:]
@@ -154,7 +158,7 @@ def test_a_full_disk_stops_the_job_in_one_line_and_the_same_command_completes_th
     third = _job(config, None)
     assert third.returncode == Exit.OK, third.stderr[-4000:]
     assert "waiting up to that long for it to lapse" not in third.stderr  # no dead lease blocked the rerun
-    check_finished_run(store, 4, max_lag=1)
+    check_finished_run(store, 4, max_lag=1, evaluated=False)
 
 
 def _policy_0_root(tmp_path: Path) -> Path:

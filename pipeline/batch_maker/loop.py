@@ -125,8 +125,16 @@ class BatchMakerLoop:
             self.raise_if_stopped()
             return None
 
+        return self._poll(done, what, progress)
+
+    def _poll(
+        self, round_: Callable[[], bool | None], what: Callable[[], str], progress: Callable[[], Any] | None = None
+    ) -> float:
+        """Call `round_` until it returns True, under the loop's one wait policy (its deadline and setting, its
+        polling interval, the lease kept and the previous commit settled before each sleep, woken by the run
+        root's changes); returns seconds waited."""
         _, waited = poll_until(
-            done,
+            round_,
             timeout_s=self.wait_s,
             what=what,
             interval_s=self.config.polling.interval_s,
@@ -253,15 +261,7 @@ class BatchMakerLoop:
                 f"{window_high} (newest published policy {latest})"
             )
 
-        _, waited = poll_until(
-            one_round,
-            timeout_s=self.wait_s,
-            what=what,
-            interval_s=self.config.polling.interval_s,
-            setting=self.wait_setting,
-            on_wait=self._before_sleep,
-            waker=self.waker,
-        )
+        waited = self._poll(one_round, what)
         log["wait_s"] += max(0.0, waited - (log["ingest_s"] - ingest_before))
         log["batch_noticed_at"] = time.time()
 

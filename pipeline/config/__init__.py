@@ -4,8 +4,9 @@ Every error names the offending field (dotted path) and its value. Configs are c
 not subclassed; a choice between real variants (loss modules, job backends) is a registered subclass.
 Cross-field checks live in `pipeline.config.validate` (one `validate_<step>` per step config, `validate_job`).
 The job config is `pipeline.config.job.RLJobConfig`; the parameter objects it shares with the step configs are in
-`pipeline.config.pacing`; the run.json contract is `pipeline.config.run_contract`; `python -m
-pipeline.config.reference` writes docs/reference/configuration.md from these dataclasses.
+`pipeline.config.pacing`; the run.json contract is `pipeline.run_contract`, outside this package (it reads and
+writes the run root); `python -m pipeline.config.reference` writes docs/reference/configuration.md from these
+dataclasses.
 Importable without JAX: the JAX side (`policy/`) turns these into levanter objects. One module per
 area; every name is re-exported here, so `from pipeline.config import X` is the way to import from outside the
 package (its own modules import their siblings directly, never this package).
@@ -38,17 +39,6 @@ from pipeline.config.overrides import dump_yaml, resolve_overrides
 from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing
 from pipeline.config.rescore import RescoreStepConfig
 from pipeline.config.retention import GcStepConfig, RetentionConfig
-from pipeline.config.run_contract import (
-    ALLOW_CHANGE_FLAG,
-    CONTRACT_FIELDS,
-    RunConfigMismatchError,
-    check_run_config,
-    check_step_config,
-    contract_diff,
-    encode_config,
-    flatten,
-    run_record,
-)
 from pipeline.config.steps import (
     WANDB_MODES,
     BatchMakerStepConfig,
@@ -91,8 +81,6 @@ from pipeline.config.validate import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
-    "ALLOW_CHANGE_FLAG",
-    "CONTRACT_FIELDS",
     "INFERENCE_BACKENDS",
     "KL_ESTIMATORS",
     "MODEL_FAMILIES",
@@ -136,7 +124,6 @@ __all__ = [
     "RetentionConfig",
     "RolloutPacing",
     "RolloutStepConfig",
-    "RunConfigMismatchError",
     "SamplingParams",
     "ServerInferenceConfig",
     "StepResources",
@@ -147,16 +134,10 @@ __all__ = [
     "WandbTrackerConfig",
     "check_importable",
     "check_learner_layout",
-    "check_run_config",
-    "check_step_config",
-    "contract_diff",
     "dump_yaml",
-    "encode_config",
     "find_cycle",
-    "flatten",
     "require",
     "resolve_overrides",
-    "run_record",
     "validate_batch_maker",
     "validate_evaluate",
     "validate_job",

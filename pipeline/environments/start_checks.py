@@ -123,9 +123,11 @@ def _single_turn(env: Environment) -> tuple[SingleTurnEnvironment | None, bool]:
     return None, False
 
 
-def check_lessons(config: RolloutStepConfig, tokenizer: Any) -> None:
+def check_lessons(config: RolloutStepConfig, tokenizer: Any) -> list[int]:
     """Every start check of the module docstring for each lesson of a rollout worker's config; ConfigError naming
-    the lesson, the field and the lengths when one fails."""
+    the lesson, the field and the lengths when one fails. Returns the token counts of the prompts drawn (the
+    sampler's likely prompt lengths)."""
+    drawn_lengths: list[int] = []
     limit = getattr(config.inference, "max_seq_len", None)
     field = "inference.max_seq_len" if limit is not None else "model.max_seq_len"
     limit = limit if limit is not None else config.model.max_seq_len
@@ -146,6 +148,7 @@ def check_lessons(config: RolloutStepConfig, tokenizer: Any) -> None:
         if not examples:
             continue
         lengths = [n for _, n in examples]
+        drawn_lengths.extend(lengths)
         if min(lengths) >= limit:
             raise ConfigError(
                 field,
@@ -155,6 +158,7 @@ def check_lessons(config: RolloutStepConfig, tokenizer: Any) -> None:
             )
         answers = _check_reference_answers(config, lesson_id, env, examples, tokenizer) if scored else None
         _check_rows_fit(config, lesson_id, lengths, answers)
+    return drawn_lengths
 
 
 def _sampling_field(config: RolloutStepConfig, lesson_id: str) -> str:

@@ -5,12 +5,12 @@ dataclass, cross-field checks in `pipeline.config.validate.validate_job`) and `t
 per-step configs, handing the job's shared parameter objects (`cadence`, `polling`, `pacing`) to the steps as they
 are. Running it is `pipeline.jobs.runner.JobRunner(job).run()`; where the steps run is the `backend` choice
 (`pipeline.config.backend`, launchers in `pipeline.jobs.launchers`). The run.json contract (`check_run_config`,
-`check_step_config`, ...) lives in `pipeline.config.run_contract`.
+`check_step_config`, ...) lives in `pipeline.run_contract`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config.job import RLJobConfig
 from pipeline.config.mesh import DistributedConfig
@@ -18,6 +18,9 @@ from pipeline.config.model import DenseInferenceConfig
 from pipeline.config.steps import BatchMakerStepConfig, EvaluateStepConfig, LearnerStepConfig, RolloutStepConfig
 from pipeline.config.validate import validate_job
 from pipeline.process.step_kind import StepKind
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 
 class RLJob:
@@ -91,7 +94,7 @@ class RLJob:
         }
 
 
-def recorded_step_config(store: Any, kind: StepKind) -> Any:
+def recorded_step_config(store: RunStore, kind: StepKind) -> Any:
     """The config of step `kind` as the run's run.json gives it (the job's own step config, as the job runner would
     start it): what read-only commands (evaluate, replay) run with. ConfigError naming `store.run_root` when
     run.json holds no readable job config."""

@@ -21,11 +21,14 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipeline.process.interrupts import STEP_ENV
 from pipeline.process.step_kind import StepKind
 from pipeline.store.lease import Lease, LeaseHeldError
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 JOB_LEASE = "job"
 """The lease a job runner holds on its run root (`leases/job/`): one job per run root."""
@@ -39,7 +42,7 @@ JOB_MAKER_PREFIX = f"{StepKind.BATCHMAKER.job_name}@"
 """How a job's own BatchMaker names itself in the BatchMaker lease (`<prefix><host>-<runner pid>`)."""
 
 
-def job_lease(store: Any) -> Lease:
+def job_lease(store: RunStore) -> Lease:
     """The job lease of `store`'s run root as this process's job runner holds it (holder `job@<host>-<pid>`)."""
     return Lease(store, JOB_LEASE, f"job@{socket.gethostname()}-{os.getpid()}", JOB_LEASE_TTL_S)
 
@@ -98,7 +101,7 @@ class ScheduledStepsRunningError(_HolderNamedError):
         ))  # fmt: skip
 
 
-def refuse_beside_a_live_job(store: Any, program: str) -> None:
+def refuse_beside_a_live_job(store: RunStore, program: str) -> None:
     """Raise StepBesideJobError when `program` is a learner or BatchMaker started on its own (not by a job runner) and
     a job is alive on `store`'s run root; nothing otherwise. Reads the lease only."""
     if program not in TRAINING_PROGRAMS or os.environ.get(STEP_ENV):
@@ -108,7 +111,7 @@ def refuse_beside_a_live_job(store: Any, program: str) -> None:
         raise StepBesideJobError(held, store.url, program)
 
 
-def refuse_beside_scheduled_steps(store: Any) -> None:
+def refuse_beside_scheduled_steps(store: RunStore) -> None:
     """Raise ScheduledStepsRunningError when a BatchMaker started on its own (a scheduled one, not a job's) holds
     `store`'s BatchMaker lease; nothing otherwise. Reads the lease only."""
     held = Lease(store, StepKind.BATCHMAKER, "probe", 1.0).live_holder()

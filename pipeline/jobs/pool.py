@@ -30,11 +30,14 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config.pacing import RolloutPoolConfig
 from pipeline.process.step_kind import StepKind
 from pipeline.telemetry.metrics import MetricsTail
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ class PoolDecision:
 class PoolSignalReader:
     """Follows the learner, BatchMaker and rollout metrics records of a run root (each file read once)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: RunStore) -> None:
         self._tail = MetricsTail(store, (StepKind.LEARNER, StepKind.BATCHMAKER, StepKind.ROLLOUT))
         self._records: list[dict[str, Any]] = []
 
@@ -134,7 +137,7 @@ def decide(cfg: RolloutPoolConfig, workers: int, s: PoolSignals) -> PoolDecision
 class PoolController:
     """Decides the pool's changes from the run root's records and records each under `pool/`."""
 
-    def __init__(self, store: Any, cfg: RolloutPoolConfig, *, now: float | None = None) -> None:
+    def __init__(self, store: RunStore, cfg: RolloutPoolConfig, *, now: float | None = None) -> None:
         self._store = store
         self.cfg = cfg
         self._reader = PoolSignalReader(store)
@@ -167,7 +170,7 @@ class PoolController:
             logger.warning("could not write the pool record %s: %s", rel, e)
 
 
-def read_pool_records(store: Any) -> list[dict[str, Any]]:
+def read_pool_records(store: RunStore) -> list[dict[str, Any]]:
     """Every pool record of a run root (`start`, `up`, `down`, `end`; each with `time` and `workers`), oldest
     first; [] for a run without an elastic pool."""
     out: list[dict[str, Any]] = []

@@ -22,11 +22,14 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.process.step_kind import StepKind
 from pipeline.store import run_state
 from pipeline.telemetry.metrics import MetricsTail, read_metrics
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 logger = logging.getLogger("pipeline.jobs.runner")
 
@@ -44,7 +47,7 @@ started, when shorter), by each write's commit time."""
 class RunProgress:
     """What a run root says about progress (see the module docstring); reads each metrics file once."""
 
-    def __init__(self, store: Any, t0: float | None = None) -> None:
+    def __init__(self, store: RunStore, t0: float | None = None) -> None:
         self._store = store
         self._tail = MetricsTail(store, (StepKind.LEARNER, StepKind.BATCHMAKER, StepKind.ROLLOUT))
         self._t0 = time.time() if t0 is None else t0
@@ -112,7 +115,7 @@ class RunProgress:
         return info
 
 
-def summary_lines(store: Any, run_root: str) -> list[str]:
+def summary_lines(store: RunStore, run_root: str) -> list[str]:
     """The job's closing summary: the first and last batch reward, the last evaluation (if any), and the
     `make report` command line that renders the run's report."""
     batches = sorted(
@@ -148,7 +151,7 @@ class JobProgress:
 
     def __init__(
         self,
-        store: Any,
+        store: RunStore,
         total: int,
         callback: Callable[[dict[str, Any]], None] | None = None,
         *,

@@ -41,11 +41,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import draccus
 
-from pipeline.config import check_run_config
 from pipeline.jobs.job import RLJob
 from pipeline.jobs.job_lease import (
     JOB_LEASE_TTL_S,
@@ -62,9 +61,13 @@ from pipeline.process.backoff import backoff_delay
 from pipeline.process.exits import LABELS, NEVER_RESTARTED, Exit, StorageFaultError
 from pipeline.process.interrupts import exit_code
 from pipeline.process.step_kind import StepKind
+from pipeline.run_contract import check_run_config
 from pipeline.store import layout, run_state
 from pipeline.store.committed import StorageError, StorageUnavailableError
 from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 STORAGE_OUTAGE_S = 600.0
 """How long a step that exits with Exit.STORAGE_UNAVAILABLE (its run root's storage cannot be reached) is
@@ -498,7 +501,7 @@ class _Collections:
     """With `retention.enabled`: one garbage collection in a background thread each time `gc_every_slots` new
     batch slots are committed, and a last one when the job ends (`pipeline.retention`)."""
 
-    def __init__(self, store: Any, retention: Any) -> None:
+    def __init__(self, store: RunStore, retention: Any) -> None:
         self._store = store
         self._retention = retention
         self._done_slot = 0
@@ -566,6 +569,6 @@ def failure_reason(log_text: str) -> str | None:
     return config_reason(log_text)
 
 
-def snapshot(store: Any) -> dict[str, Any]:
+def snapshot(store: RunStore) -> dict[str, Any]:
     """What a run root says about progress right now (see `pipeline.jobs.progress.RunProgress.snapshot`)."""
     return RunProgress(store).snapshot()

@@ -27,10 +27,13 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from pipeline.store import layout
 from pipeline.store.faults import logs_full
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class LogTarget:
         return location(RunStore(self.run_root, self.storage_options), self.rel)
 
 
-def location(store: Any, rel: str) -> str:
+def location(store: RunStore, rel: str) -> str:
     """What a user types to find `rel` of `store`'s run root: an OS path (local) or a URL (`gs://bucket/…`)."""
     full = str(store.full_path(rel))
     return full if store.is_local else f"{store.protocol}://{full}"
@@ -202,12 +205,12 @@ def pump(source: IO[bytes], sink: IO[bytes], *, echo_prefix: str | None = None) 
             sys.stdout.flush()
 
 
-def run_root_of(store: Any) -> str:
+def run_root_of(store: RunStore) -> str:
     """The run root as a server on this machine names it (absolute local path, or the gs:// URL)."""
     return str(store.root if store.is_local else store.url).rstrip("/")
 
 
-def server_log(store: Any, worker_id: str) -> StepLog:
+def server_log(store: RunStore, worker_id: str) -> StepLog:
     """The open log of this worker's child server, `logs/<step>/<attempt>.server.log`: the step and attempt of the
     worker's own log when the job runner started it, else `rollout-<worker_id>` and a fresh attempt. The caller
     closes it (the final upload on a remote run root)."""

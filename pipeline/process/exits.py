@@ -93,13 +93,18 @@ class ExpectedFailure(Exception):
     exit_code: ClassVar[Exit] = Exit.FAILED
 
 
-class _PathFailure(ExpectedFailure):
-    """An expected failure about one file or folder: the line is `<path>: <reason>`."""
+class PathError(Exception):
+    """An error about one file or folder: its message is `<path>: <reason>`, and it keeps both. Mixed into the
+    expected failures below and into the storage layer's `CorruptFileError`."""
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
         self.path = path
         self.reason = reason
+
+
+class _PathFailure(PathError, ExpectedFailure):
+    """An expected failure about one file or folder: the line is `<path>: <reason>`."""
 
 
 class DamagedInputError(_PathFailure):

@@ -324,10 +324,24 @@ class PolicyFollower:
 
     def warm_up(self) -> bool:
         """While paused: have the sampler compile one shape a later file is likely to need (`RolloutManager.warm_up`:
-        a prompt bucket next to the first one used), so that the compile does not land inside a later generation,
-        which the learner may be waiting for; True if it did (seconds of work), False when nothing is left (cheap)."""
+        a prompt bucket of the lessons' prompts not yet run for a batch shape used, likely to be drawn among the
+        prompts still to sample: `draws_left`), so that the compile does not land inside a later
+        generation, which the learner may be waiting for; True if it did (seconds of work), False when nothing is
+        left (cheap)."""
         warm = getattr(self._manager, "warm_up", None) if self._manager is not None else None
-        return bool(warm()) if warm is not None else False
+        return bool(warm(self.draws_left())) if warm is not None else False
+
+    def draws_left(self) -> float | None:
+        """At most how many more prompts this worker samples (None: no bound known): a following worker's run ends
+        at learner step `train.num_train_steps`, so it samples at most the rows of the steps left after the policy it
+        holds, `train.batch_size` each, in groups of the smallest `n_generations_per_prompt` of its lessons (all of
+        them, should no other worker share them)."""
+        c = self.config
+        if not c.follow or self.current_step is None or not c.curriculum.lessons:
+            return None
+        group = min(c.curriculum.sampling_for(lesson).n_generations_per_prompt for lesson in c.curriculum.lessons)
+        steps_left = max(0, c.train.num_train_steps - self.current_step)
+        return steps_left * c.train.batch_size / max(1, group)
 
     def shutdown(self) -> None:
         """Release the manager's backend."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from pipeline.process.config_error import ConfigError
-from pipeline.process.exits import DamagedInputError
+from pipeline.process.exits import DamagedInputError, PathError
 from pipeline.store import layout
 from schemas.base import SchemaMismatchError, TableSpec
 from schemas.records import BatchLogEntry, ReadyMarker, RecordError
@@ -67,13 +67,9 @@ class StorageUnavailableError(Exception):
         self.why = why
 
 
-class CorruptFileError(StorageError):
-    """A stored file is unreadable or does not match its commit marker (permanent; quarantine it)."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
+class CorruptFileError(PathError, StorageError):
+    """A stored file is unreadable or does not match its commit marker (permanent; quarantine it); `str()` is
+    `<path>: <reason>`."""
 
 
 class MissingDataError(StorageError):

@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Any
 
-from pipeline.store.storage import TMP_PREFIX
+from pipeline.store.storage import TMP_PREFIX, RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ _wakers: dict[str, Waker] = {}
 _lock = threading.Lock()
 
 
-def waker_for(store: Any) -> Waker:
+def waker_for(store: RunStore) -> Waker:
     """The process's shared Waker for a RunStore (one observer per local root, started on first use)."""
     key = f"{store.protocol}://{store.root}"
     with _lock:

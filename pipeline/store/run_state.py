@@ -12,16 +12,19 @@ import json
 import logging
 import re
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.process.exits import DamagedInputError
 from pipeline.store import layout
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 RUN_SCHEMA_VERSION = 1
 """The version of run.json this code writes (`run_schema_version`) and the newest it reads."""
 
 
-def read_run_record(store: Any) -> dict[str, Any]:
+def read_run_record(store: RunStore) -> dict[str, Any]:
     """The run root's `run.json`, checked against its schema: a JSON object whose `config` is an object and whose
     `run_schema_version` (absent: 1) this reader knows. Raises FileNotFoundError when there is none, and
     DamagedInputError naming run.json and the field (exit code 7) when it is cut, of a newer version or missing
@@ -52,7 +55,7 @@ def read_run_record(store: Any) -> dict[str, Any]:
 logger = logging.getLogger(__name__)
 
 
-def step_folders(store: Any, root: str) -> list[int]:
+def step_folders(store: RunStore, root: str) -> list[int]:
     """Steps S of the `root/step-S` folders that exist under `root` (committed or not), ascending."""
     steps: set[int] = set()
     for rel in store.list(root):
@@ -65,7 +68,7 @@ def step_folders(store: Any, root: str) -> list[int]:
     return sorted(steps)
 
 
-def committed_steps(store: Any, root: str) -> list[int]:
+def committed_steps(store: RunStore, root: str) -> list[int]:
     """Steps under `root` (`policies` or `checkpoints`) whose COMMITTED marker exists, ascending."""
     return [
         s
@@ -74,7 +77,7 @@ def committed_steps(store: Any, root: str) -> list[int]:
     ]
 
 
-def latest_policy_step(store: Any) -> int | None:
+def latest_policy_step(store: RunStore) -> int | None:
     """The newest committed policy step, or None before policy 0 is published.
 
     O(new policies) per call, however many the run kept: from a floor (the newest this store object found before,
@@ -101,7 +104,7 @@ def latest_policy_step(store: Any) -> int | None:
     return None
 
 
-def learner_done_step(store: Any) -> int | None:
+def learner_done_step(store: RunStore) -> int | None:
     """The step recorded in `control/LEARNER_DONE` (written once the learner trained `train.num_train_steps`), or
     None while it is absent or unreadable."""
     try:
@@ -112,7 +115,7 @@ def learner_done_step(store: Any) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def _latest_hint(store: Any) -> int | None:
+def _latest_hint(store: RunStore) -> int | None:
     """The step `policies/LATEST` names (None: absent or unreadable); a hint, never trusted without its marker."""
     try:
         step = json.loads(store.get(layout.POLICY_LATEST)).get("step")
@@ -121,7 +124,7 @@ def _latest_hint(store: Any) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
-def _remember_floor(store: Any, step: int) -> None:
+def _remember_floor(store: RunStore, step: int) -> None:
     """Keep the newest committed policy found on the store object (committed policies are never uncommitted;
     retention keeps the newest), so the next call lists only what came after it."""
     with contextlib.suppress(AttributeError):
@@ -143,7 +146,7 @@ _GAPS_LOGGED: set[tuple[str, tuple[int, ...]]] = set()
 _GAPS_LOCK = threading.Lock()
 
 
-def last_committed_slot(store: Any) -> int:
+def last_committed_slot(store: RunStore) -> int:
     """The highest committed batch slot (0 if none). Logs an error, once per run root and set of missing
     slots, if the slots are not contiguous from 1."""
     slots = sorted(layout.parse_step(p) for p in store.list(layout.BATCH_LOG) if p.endswith(".json"))
@@ -163,7 +166,7 @@ def last_committed_slot(store: Any) -> int:
     return slots[-1] if slots else 0
 
 
-def newest_slot_after(store: Any, floor: int) -> int:
+def newest_slot_after(store: RunStore, floor: int) -> int:
     """The highest committed batch slot, knowing slot `floor` (0: none) is committed: lists only `batches/log`
     entries after slot `floor`'s (`RunStore.list_after`), so a poll costs O(new slots), not O(slots of the run).
     Without `list_after` (another store type) it is `last_committed_slot`."""
@@ -174,7 +177,7 @@ def newest_slot_after(store: Any, floor: int) -> int:
     return max([floor, *slots])
 
 
-def rollout_folders(store: Any, low: int = 0) -> list[int]:
+def rollout_folders(store: RunStore, low: int = 0) -> list[int]:
     """Policy steps P >= `low` that have a `rollouts/step-P` folder, ascending. With `low` > 0 only the folder
     names from `low` on are listed (`RunStore.list_after`), so the cost does not grow with the folders below it."""
     if low > 0 and hasattr(store, "list_after"):

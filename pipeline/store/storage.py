@@ -312,6 +312,9 @@ class RunStore(CommittedData):
         """On local disk (`pipeline.store.urls.is_local`: a plain path, `file://…` or `local://…`)."""
         self._quarantine_cache: dict[str, str] = {}
         self._cache_lock = threading.Lock()
+        self._policy_floor: int | None = None
+        """The newest committed policy step this object found (`pipeline.store.run_state.latest_policy_step`
+        lists only what came after it)."""
         if self.is_local:
             self.root = local_path(root)
             self.fs: fsspec.AbstractFileSystem = fsspec.filesystem("file")

@@ -8,7 +8,8 @@ padded to its longest bucket when that padding is cheap (`MERGE_PADDING_RATIO`: 
 bucket). `max_tokens` is padded to a power of two >= 16; the KV cache of a batch
 holds `prompt bucket + token bucket` slots per row (so it follows `max_seqs`, `max_seq_len` and `max_tokens`).
 New weights of the same structure (`update_model`) never recompile. `warm_up` compiles, when the caller is idle, the
-prompt buckets half and twice the first one a call used (a rollout worker calls it while pacing pauses it).
+prompt buckets the caller's prompts will likely use before it is done (`expect_prompt_lengths`) for each shape family a
+real call used (a rollout worker calls it while pacing pauses it).
 
 Sizing from config (`inference: {type: dense, max_seq_len, compute_dtype}`): `max_seq_len` (<= the model's;
 None: the model's) caps prompt + completion, so a row's KV cache holds at most `prompt bucket + bucket(max_seq_len)`
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from pipeline.config import DenseInferenceConfig
@@ -81,6 +83,13 @@ class DenseBackend(LocalBackend):
         self.sampler: DenseSampler | None = DenseSampler(model, compute_dtype, fast_compile=fast_compile, decode=decode)
         self._continuous: ContinuousSampler | None = None
         self._shapes = _ShapeLedger()
+
+    def expect_prompt_lengths(self, lengths: Iterable[int]) -> None:
+        """The token counts of prompts later calls will likely sample, as drawn (e.g. a rollout worker's start-check
+        draws of its lessons; a length drawn twice is twice as likely): `warm_up` compiles their prompt buckets, and
+        no other unseen bucket. A prompt too long to leave room for one new token is never sampled, so its bucket is
+        not expected."""
+        self._shapes.expect(bucket(n, minimum=8) for n in lengths if 0 < n < self.max_seq_len)
 
     @classmethod
     def from_config(cls, config: Any, build: BackendBuild) -> DenseBackend:
@@ -210,7 +219,7 @@ class DenseBackend(LocalBackend):
             chunk = [rows[i] for i in idx]
             B = bucket(len(chunk), maximum=self.max_seqs)
             P = bucket(max(len(r.prompt) for r in chunk), minimum=8)
-            self._shapes.used(self.sampler, _Shape(B, P, T, tuple(stops), temperature, controls), self.max_seq_len)
+            self._shapes.used(self.sampler, _Shape(B, P, T, tuple(stops), temperature, controls))
             out = self.sampler.generate(
                 [r.prompt for r in chunk],
                 [r.sample_id for r in chunk],
@@ -227,16 +236,20 @@ class DenseBackend(LocalBackend):
                 results[row_index] = self._completion(out.tokens[i, :k], out.logprobs[i, :k], stops) if k > 0 else None
         return results
 
-    def warm_up(self) -> bool:
+    def warm_up(self, draws_left: float | None = None) -> bool:
         """Compile one static-batch shape a later call is likely to need, before it is needed; True if it compiled
         one (seconds of work), False when none is left (cheap). Meant for idle time (a rollout worker paused by
-        pacing): the likely shapes are the prompt buckets next to the first one a real call used, for each (batch,
-        token, stop) bucket (`_ShapeLedger`), so a prompt one bucket longer or shorter than the first file's does not
-        compile in the middle of the run, on the learner's critical path (the cats task: 15 prompts of <= 8 tokens,
-        one of 9; each rollout worker compiled the 16-token bucket when it first drew that prompt, ~2 s per worker).
-        The warm-up runs one row for one token and changes no state a caller sees: `prefill_tokens` is restored;
-        `trace_count` counts its trace. The continuous-batching path is not warmed."""
-        shape = self._shapes.next_pending(self.sampler)
+        pacing): the likely shapes are, for each (batch, token, stop) bucket family a real call used, the expected
+        prompt buckets (`expect_prompt_lengths`; `_ShapeLedger`) not yet run, each only when `draws_left` (how many
+        prompts the caller may still sample; None: no end in sight) makes it at least `WARM_UP_MIN_CHANCE` likely
+        that one of them falls in it. So a prompt of another bucket than the first file's does not compile in the
+        middle of a long run, on the learner's critical path (the cats task: 15 prompts of <= 8 tokens, one of 9;
+        each rollout worker compiled the 16-token bucket when it first drew that prompt, ~2 s per worker), while a
+        bucket no expected prompt falls in, or one a short run will likely never draw, is not compiled for nothing
+        (a warm-up costs a trace and a compile whether or not its bucket is drawn). The warm-up runs one row for
+        one token and changes no state a caller sees: `prefill_tokens` is restored; `trace_count` counts its trace.
+        The continuous-batching path is not warmed."""
+        shape = self._shapes.next_pending(self.sampler, draws_left)
         if shape is None or self.sampler is None:
             return False
         prefill = self.sampler.prefill_tokens
@@ -310,42 +323,56 @@ class _Shape:
         return (*self.family(), self.prompt_bucket)
 
 
+WARM_UP_MIN_CHANCE = 0.9
+"""A prompt bucket is warmed only when a prompt of it is at least this likely among the prompts the caller may still
+sample: a warm-up spends its compile whether or not the bucket is drawn, while not warming costs that compile (on
+the critical path) only if it is, so a bucket that may well never be drawn before the run ends (a short run, a rare
+prompt length) is left to compile when first drawn."""
+
+
 class _ShapeLedger:
     """The static shapes one sampler has run, and the ones `DenseBackend.warm_up` should compile: for each shape
-    family (batch, token and stop buckets), the prompt buckets half and twice the first one a real call used (at
-    least 8, and twice only where a longer prompt still fits `max_seq_len`). Only the first real shape of a family
-    adds neighbours, so warming never chains into ever longer buckets. A new sampler (new model structure) starts
-    a new ledger."""
+    family (batch, token and stop buckets) a real call used, every expected prompt bucket (`expect`) not yet run in
+    that family and likely enough to be drawn (`next_pending`); families in the order of their first use, buckets
+    ascending. With no expectation nothing is warmed. A new sampler (new model structure) starts
+    a new ledger (the expectation stays)."""
 
     def __init__(self) -> None:
         self._sampler: Any = None
         self._seen: set[tuple[Any, ...]] = set()
-        self._families: set[tuple[Any, ...]] = set()
-        self._pending: list[_Shape] = []
+        self._warm: dict[tuple[Any, ...], _Shape] = {}  # family -> its first real shape (runtime arguments to replay)
+        self._expected: dict[int, int] = {}  # prompt bucket -> how many expected prompts fall in it
 
     def _follow(self, sampler: Any) -> None:
         if sampler is not self._sampler:
-            self._sampler, self._seen, self._families, self._pending = sampler, set(), set(), []
+            self._sampler, self._seen, self._warm = sampler, set(), {}
 
-    def used(self, sampler: Any, shape: _Shape, max_seq_len: int) -> None:
+    def expect(self, prompt_buckets: Iterable[int]) -> None:
+        """The prompt buckets of prompts later calls will likely sample (one entry per prompt: their frequencies)."""
+        for p in prompt_buckets:
+            self._expected[int(p)] = self._expected.get(int(p), 0) + 1
+
+    def used(self, sampler: Any, shape: _Shape) -> None:
         """A real call ran `shape` on `sampler`."""
         self._follow(sampler)
         self._seen.add(shape.key())
-        if shape.family() in self._families:
-            return
-        self._families.add(shape.family())
-        p = shape.prompt_bucket
-        for q in (p // 2, 2 * p):
-            longer_fits = q < p or p + 2 <= max_seq_len  # a prompt of p + 1 tokens leaves room for one new token
-            if q >= 8 and longer_fits:
-                self._pending.append(dataclasses.replace(shape, prompt_bucket=q))
+        self._warm.setdefault(shape.family(), shape)
 
-    def next_pending(self, sampler: Any) -> _Shape | None:
-        """The next shape to warm (marked seen), or None."""
+    def next_pending(self, sampler: Any, draws_left: float | None = None) -> _Shape | None:
+        """The next shape to warm (marked seen), or None. `draws_left`: how many prompts may still be sampled (None:
+        unbounded); a bucket whose share p of the expected prompts gives 1 - (1 - p)^draws_left <
+        `WARM_UP_MIN_CHANCE` is not warmed."""
         self._follow(sampler)
-        while self._pending:
-            shape = self._pending.pop(0)
-            if shape.key() not in self._seen:
-                self._seen.add(shape.key())
-                return shape
+        total = sum(self._expected.values())
+        buckets = sorted(
+            b
+            for b, n in self._expected.items()
+            if draws_left is None or 1.0 - (1.0 - n / total) ** max(draws_left, 0.0) >= WARM_UP_MIN_CHANCE
+        )
+        for first in self._warm.values():
+            for p in buckets:
+                shape = dataclasses.replace(first, prompt_bucket=p)
+                if shape.key() not in self._seen:
+                    self._seen.add(shape.key())
+                    return shape
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import fsspec
@@ -34,6 +34,9 @@ from policy.policy_format.committed import (
     tree_from_safetensors,
     tree_to_safetensors,
 )
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 PEFT_PREFIX = "base_model.model"
 
@@ -66,7 +69,7 @@ def marker_lora(extra: dict[str, Any]) -> LoraSpec | None:
     return LoraSpec(r=int(shape["r"]), alpha=float(shape["alpha"]), target_modules=tuple(shape["target_modules"]))
 
 
-def read_adapters(store: Any, folder: str, record: Any, base: Any) -> Any:
+def read_adapters(store: RunStore, folder: str, record: Any, base: Any) -> Any:
     """The loraized `base` (a plain model) with the adapters of the committed `folder` (verified by the marker).
 
     Raises CheckpointError when the marker has no adapters or their tensors do not fit."""

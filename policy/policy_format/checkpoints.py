@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 
@@ -34,6 +34,9 @@ from policy.policy_format.committed import (
     tree_from_safetensors,
 )
 
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,7 +51,7 @@ class LearnerState:
     """The checkpoint this process resumed from (None: initialised)."""
 
 
-def committed_checkpoints(store: Any) -> list[int]:
+def committed_checkpoints(store: RunStore) -> list[int]:
     """Committed, not garbage-collected checkpoint steps, ascending."""
     return [
         s
@@ -57,7 +60,7 @@ def committed_checkpoints(store: Any) -> list[int]:
     ]
 
 
-def write_checkpoint(store: Any, state: LearnerState, config: LearnerStepConfig, lineage_start: int) -> bool:
+def write_checkpoint(store: RunStore, state: LearnerState, config: LearnerStepConfig, lineage_start: int) -> bool:
     """Commit `checkpoints/step-S` sharded: model + optimizer state, then COMMITTED recording the slots consumed.
     Every learner process must call it (it contains collectives); True on the process that committed."""
     meta = {
@@ -80,7 +83,7 @@ def write_checkpoint(store: Any, state: LearnerState, config: LearnerStepConfig,
 
 
 def read_checkpoint(
-    store: Any,
+    store: RunStore,
     step: int,
     spec: ModelSpec,
     vocab_size: int,
@@ -123,7 +126,7 @@ def read_checkpoint(
     return LearnerState(step=step, model=model, opt_state=opt_state, parent=step)
 
 
-def collect_old_checkpoints(store: Any, keep: int) -> None:
+def collect_old_checkpoints(store: RunStore, keep: int) -> None:
     """Garbage-collect all but the newest `keep` checkpoints: tombstone first, then delete their data files.
 
     The COMMITTED markers stay (commit objects are never deleted), so the lineage remains auditable. Only the

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import fsspec
@@ -30,6 +30,9 @@ from policy.hf_checkpoint import hf_converter as _hf_converter
 from policy.hf_checkpoint import host_mesh as _host_mesh
 from policy.policy_format.policies import policy_metadata, read_policy
 from schemas.records import CommitFile, HfFolderMarker
+
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ def hf_marker_path(step: int) -> str:
     return f"{layout.policy_dir(step)}/{HF_DIR}/{HF_MARKER}"
 
 
-def read_hf_marker(store: Any, step: int) -> HfFolderMarker | None:
+def read_hf_marker(store: RunStore, step: int) -> HfFolderMarker | None:
     """The commit marker of policy `step`'s Hugging Face folder (None: not committed); RecordError naming the
     file and the field when it is not a valid `HfFolderMarker`."""
     path = hf_marker_path(step)
@@ -103,7 +106,7 @@ def read_hf_marker(store: Any, step: int) -> HfFolderMarker | None:
     return HfFolderMarker.from_json(store.get(path), path=path)
 
 
-def publish_hf_if_needed(store: Any, config: Any, step: int, tokenizer: Any) -> bool:
+def publish_hf_if_needed(store: RunStore, config: Any, step: int, tokenizer: Any) -> bool:
     """Write `policies/step-S/hf/` unless present or not asked for; True when this call wrote it."""
     inference = config.inference
     if not isinstance(inference, ServerInferenceConfig) or not inference.export_hf:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,9 @@ from policy.policy_format.committed import (
 )
 from schemas.records import CommitMarker, LatestPointer, RecordError
 
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,7 +56,7 @@ class PolicyNotFoundError(FileNotFoundError):
 
 
 def write_policy(
-    store: Any,
+    store: RunStore,
     step: int,
     model: LmHeadModel,
     extra: dict[str, Any] | None = None,
@@ -118,7 +121,7 @@ def single_writer_policy(
     return PolicyPublish(step, single=(model, dict(extra or {}), dtype, spec))
 
 
-def commit_policy(store: Any, pub: PolicyPublish, wait_s: float | None = None) -> bool:
+def commit_policy(store: RunStore, pub: PolicyPublish, wait_s: float | None = None) -> bool:
     """Write policy `pub.step` (from any thread; no collective): every learner process its own blocks on parallel
     threads, then process 0 the COMMITTED marker once every process's manifest is there (waiting at most `wait_s`,
     default `sharded.MANIFEST_WAIT_S`: else `sharded.PublishTimeoutError`), then the LATEST hint. True on the
@@ -133,7 +136,7 @@ def commit_policy(store: Any, pub: PolicyPublish, wait_s: float | None = None) -
     return created
 
 
-def _advance_latest(store: Any, step: int) -> None:
+def _advance_latest(store: RunStore, step: int) -> None:
     try:
         current = LatestPointer.from_json(store.get(layout.POLICY_LATEST), path=layout.POLICY_LATEST).step
     except (FileNotFoundError, RecordError):
@@ -142,7 +145,7 @@ def _advance_latest(store: Any, step: int) -> None:
         store.put_unique(layout.POLICY_LATEST, LatestPointer(step=step).to_json())
 
 
-def read_policy(store: Any, step: int, spec: ModelSpec, vocab_size: int) -> LmHeadModel:
+def read_policy(store: RunStore, step: int, spec: ModelSpec, vocab_size: int) -> LmHeadModel:
     """Load committed policy `step`, verifying each file's size and checksum (crc32c or sha256) against its marker.
 
     A policy published as LoRA adapters comes back merged into its base policy's weights, so the result is always
@@ -182,13 +185,13 @@ def _stored_dtype(template: Any, record: CommitMarker) -> Any:
     )
 
 
-def read_policy_adapters(store: Any, step: int, base: LmHeadModel) -> Any:
+def read_policy_adapters(store: RunStore, step: int, base: LmHeadModel) -> Any:
     """The loraized `base` with the adapters of committed policy `step` (for a PEFT export; not merged).
 
     Raises CheckpointError when the policy holds no adapters."""
     return adapters.read_adapters(store, layout.policy_dir(step), policy_metadata(store, step), base)
 
 
-def policy_metadata(store: Any, step: int) -> CommitMarker:
+def policy_metadata(store: RunStore, step: int) -> CommitMarker:
     """The COMMITTED marker of policy `step` (batch slot, tokenizer, seq_len, files)."""
     return read_marker(store, layout.policy_dir(step))

@@ -229,15 +229,7 @@ class Routes:
                 choice["token_ids"] = [int(t) for t in c.tokens]
                 choice["prompt_token_ids"] = prompt
             choices.append(choice)
-        answer = {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": str(req.get("model") or self.model_name),
-            "choices": choices,
-            "usage": usage(prompt, comps),
-            "policy_step": step,
-        }
+        answer = self._response(req, rid, "text_completion", choices, prompt, comps, step)
         return answer, captured_calls(prompt, comps, step, "completions", rid)
 
     def chat(self, req: dict[str, Any]) -> Answer:
@@ -274,18 +266,32 @@ class Routes:
             if want_ids:
                 choice["token_ids"] = [int(t) for t in c.tokens]
             choices.append(choice)
-        answer: dict[str, Any] = {
+        answer = self._response(req, rid, "chat.completion", choices, prompt, comps, step)
+        if want_ids:
+            answer["prompt_token_ids"] = prompt
+        return answer, captured_calls(prompt, comps, step, "chat", rid)
+
+    def _response(
+        self,
+        req: dict[str, Any],
+        rid: str,
+        kind: str,
+        choices: list[dict[str, Any]],
+        prompt: list[int],
+        comps: list[Completion],
+        step: int,
+    ) -> dict[str, Any]:
+        """OpenAI's response object (`object`: `kind`) around `choices`: the model name asked for (else the one
+        served), `usage`, and `policy_step`, the policy that sampled every choice."""
+        return {
             "id": rid,
-            "object": "chat.completion",
+            "object": kind,
             "created": int(time.time()),
             "model": str(req.get("model") or self.model_name),
             "choices": choices,
             "usage": usage(prompt, comps),
             "policy_step": step,
         }
-        if want_ids:
-            answer["prompt_token_ids"] = prompt
-        return answer, captured_calls(prompt, comps, step, "chat", rid)
 
 
 def text(tokenizer: Any, completion: Completion, stop: set[int]) -> str:

@@ -41,6 +41,44 @@ class StepProcess(Protocol):
         ...
 
 
+class StepGroup:
+    """One step run as N cooperating members (a multi-process learner under `jax.distributed`), on any backend.
+
+    The group has ended when every member has; its exit code is the first non-zero one. When one member fails the
+    others are killed at once (they would block in a collective), so the supervisor restarts the whole group. A
+    backend's group adds what its members need once the group has ended (`_ended`)."""
+
+    def __init__(self, members: Sequence[StepProcess]) -> None:
+        self._members = list(members)
+
+    def poll(self) -> int | None:
+        """None while any member runs and none has failed; else the group's exit code."""
+        codes = [m.poll() for m in self._members]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for m in self._members:
+                m.kill()
+            self._ended(killed=True)
+            return failed[0]
+        if any(c is None for c in codes):
+            return None
+        self._ended(killed=False)
+        return 0
+
+    def _ended(self, *, killed: bool) -> None:
+        """Called once `poll` finds the group ended (`killed`: after a failure killed the others)."""
+
+    def terminate(self) -> None:
+        """Ask every member to stop (SIGTERM to its step program)."""
+        for m in self._members:
+            m.terminate()
+
+    def kill(self) -> None:
+        """Stop every member at once."""
+        for m in self._members:
+            m.kill()
+
+
 @dataclasses.dataclass
 class StepSpec:
     """One supervised step of the job."""

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from pipeline.config import LocalBackendConfig
-from pipeline.jobs.launchers.base import StepProcess, StepSpec
+from pipeline.jobs.launchers.base import StepGroup, StepProcess, StepSpec
 from pipeline.jobs.launchers.forkserver import ForkedProcess, ForkServer
 from pipeline.jobs.step_logs import LogTarget, StepLog
 from pipeline.process.ports import ReservedPort, reserve_port
@@ -108,17 +108,16 @@ class LocalLauncher:
             self.fork_server = None
 
 
-class ProcessGroup:
-    """One step run as N cooperating processes (a multi-process learner under `jax.distributed`).
+class ProcessGroup(StepGroup):
+    """One step run as N cooperating local processes (the group contract: `StepGroup`).
 
     Process i gets `RLPIPE_COORDINATOR`, `RLPIPE_NUM_PROCESSES`, `RLPIPE_PROCESS_ID`; logs go to
-    `logs/<step>/<attempt>.p<i>.log`. The group has ended when every process has; its exit code is the first
-    non-zero one. When one process fails, the others are killed at once (they would block in a collective), so
-    the supervisor restarts the whole group. The coordinator's port is reserved by the runner
+    `logs/<step>/<attempt>.p<i>.log`. The coordinator's port is reserved by the runner
     (`pipeline.process.ports.reserve_port`) until the group has ended: no other program can bind it meanwhile,
     while process 0's coordinator (gRPC, SO_REUSEPORT) can."""
 
     def __init__(self, procs: list[LocalProcess], port: ReservedPort | None = None) -> None:
+        super().__init__(procs)
         self._procs = procs
         self._port = port
 
@@ -137,37 +136,14 @@ class ProcessGroup:
         """The processes, in process-id order."""
         return list(self._procs)
 
-    def poll(self) -> int | None:
-        """None while any process runs and none has failed; else the group's exit code."""
-        codes = [p.poll() for p in self._procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            for p in self._procs:
-                p.kill()
+    def _ended(self, *, killed: bool) -> None:
+        """Reap the killed processes (their logs then complete) and release the coordinator's port."""
+        if killed:
             for p in self._procs:
                 p._proc.wait()
                 p.poll()
-            self._release()
-            return failed[0]
-        if any(c is None for c in codes):
-            return None
-        self._release()
-        return 0
-
-    def _release(self) -> None:
-        """Release the coordinator's port (the group has ended)."""
         if self._port is not None:
             self._port.close()
-
-    def terminate(self) -> None:
-        """SIGTERM every process."""
-        for p in self._procs:
-            p.terminate()
-
-    def kill(self) -> None:
-        """SIGKILL every process."""
-        for p in self._procs:
-            p.kill()
 
 
 def start_group(spec: StepSpec, log: LogTarget, processes: int, fork_server: ForkServer | None = None) -> StepProcess:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, RayBackendConfig
-from pipeline.jobs.launchers.base import STOP_GRACE_S, StepProcess, StepSpec
+from pipeline.jobs.launchers.base import STOP_GRACE_S, StepGroup, StepProcess, StepSpec
 from pipeline.jobs.step_logs import LogTarget, StepLog, pump
 
 logger = logging.getLogger(__name__)
@@ -96,40 +96,17 @@ def new_actor(num_cpus: float, num_gpus: float, resources: dict[str, float] | No
     )
 
 
-class RayProcessGroup:
-    """One step run as N cooperating Ray actors (a multi-process learner under `jax.distributed`).
-
-    The same contract as the local backend's `ProcessGroup`: ended when every member has; the exit code is the
-    first non-zero one; when one member fails the others are killed at once (they would block in a collective),
-    so the supervisor restarts the whole group."""
+class RayProcessGroup(StepGroup):
+    """One step run as N cooperating Ray actors (the group contract: `StepGroup`)."""
 
     def __init__(self, members: list[RayProcess]) -> None:
+        super().__init__(members)
         self.members = members
 
     @property
     def pid(self) -> int | None:
         """None: the processes run on Ray workers."""
         return None
-
-    def poll(self) -> int | None:
-        """None while any member runs and none has failed; else the group's exit code."""
-        codes = [m.poll() for m in self.members]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            for m in self.members:
-                m.kill()
-            return failed[0]
-        return None if any(c is None for c in codes) else 0
-
-    def terminate(self) -> None:
-        """SIGTERM every member's step program."""
-        for m in self.members:
-            m.terminate()
-
-    def kill(self) -> None:
-        """Kill every member at once."""
-        for m in self.members:
-            m.kill()
 
 
 def start_ray_group(spec: StepSpec, log: LogTarget, config_yaml: str, cpus: float, gpus: float,

@@ -4,6 +4,9 @@
 differing field; `check_step_config()` does the same for one step's config (every step program, started by the
 runner, by `steps.run step NAME` or directly). `--allow_config_change true` accepts the change: run.json then
 holds the new values and its `history` lists what changed, when and by which step.
+
+Its own module, above both `pipeline.config` and `pipeline.store`: the contract is the job config's fields kept
+in a run-root file, so the config package does not import the store for it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import datetime
 import functools
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import draccus
 
@@ -22,9 +25,10 @@ from pipeline.config.job import RLJobConfig
 from pipeline.store import layout
 from pipeline.store.run_state import RUN_SCHEMA_VERSION, read_run_record
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from pipeline.store.storage import RunStore
 
-__all__ = ["RUN_SCHEMA_VERSION"]
+logger = logging.getLogger(__name__)
 
 CONTRACT_FIELDS = ("model", "train", "optimizer", "loss", "curriculum")
 """The fields of run.json that define the run's data contract: a step started with a different value of one of
@@ -110,7 +114,7 @@ class RunConfigMismatchError(ConfigError):
         self.changes = changes
 
 
-def check_run_config(store: Any, c: RLJobConfig, *, allow_change: bool = False, by: str = "job") -> None:
+def check_run_config(store: RunStore, c: RLJobConfig, *, allow_change: bool = False, by: str = "job") -> None:
     """Write run.json if absent; otherwise refuse (RunConfigMismatchError) when the contract differs, unless
     `allow_change`: then run.json takes the new values and its `history` records what changed, when, by `by`."""
     record = run_record(c)
@@ -132,7 +136,7 @@ def with_step_contract(c: RLJobConfig, step_config: Any) -> RLJobConfig:
     return dataclasses.replace(c, **fields) if fields else c
 
 
-def check_step_config(store: Any, step_config: Any, *, by: str, allow_change: bool = False) -> None:
+def check_step_config(store: RunStore, step_config: Any, *, by: str, allow_change: bool = False) -> None:
     """Refuse (RunConfigMismatchError) a step config whose contract fields (those it has of model, train,
     optimizer, loss, curriculum) differ from the run root's run.json, unless `allow_change` (then recorded as in
     `check_run_config`). A run root without run.json is not checked."""
@@ -145,7 +149,7 @@ def check_step_config(store: Any, step_config: Any, *, by: str, allow_change: bo
 
 
 def _check_against_run(
-    store: Any, current: dict[str, Any], fields: tuple[str, ...], *, allow_change: bool, by: str
+    store: RunStore, current: dict[str, Any], fields: tuple[str, ...], *, allow_change: bool, by: str
 ) -> None:
     existing = read_run_record(store)  # DamagedInputError naming run.json and the field when it is damaged
     changes = _changes(existing.get("config", {}), current, fields)
