@@ -5,8 +5,9 @@ response), so the loss is on response tokens only. Examples come from `pipeline.
 
 - files: jsonl / parquet records of `prompt` + `response` (the prompt encoded as a lesson encodes it:
   `pipeline.environments.base.encode_prompt`, BOS + text, or the chat template with `chat`; the response's tokens
-  then EOS), or `messages` (a chat rendered by the tokenizer's chat template; loss on the tokens each assistant
-  message adds);
+  then EOS), or `messages` (a chat rendered by the tokenizer's chat template, with the record's `tools` function
+  schemas when it has them, as a tool-using lesson renders its prompts; loss on the tokens each assistant message
+  adds);
 - reasoning_gym: the lesson's own training draws (`ReasoningGymEnv.examples(n, rng, "train")`), the reference
   answer rendered in the lesson's answer format.
 
@@ -90,7 +91,8 @@ def _record_example(
         return prompt_response_example(tokenizer, prompt, response, chat)
     messages = record.get(source.messages_field)
     if isinstance(messages, list) and messages:
-        return chat_example(tokenizer, messages)
+        tools = record.get("tools")
+        return chat_example(tokenizer, messages, tools if isinstance(tools, list) else None)
     raise ConfigError(
         "source.paths",
         where,
@@ -106,15 +108,19 @@ def prompt_response_example(tokenizer: Any, prompt: str, response: str, chat: bo
     return SFTExample(p + r, [0] * len(p) + [1] * len(r))
 
 
-def chat_example(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> SFTExample:
-    """A chat rendered by the tokenizer's chat template, loss on the tokens each assistant message adds.
+def chat_example(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+) -> SFTExample:
+    """A chat rendered by the tokenizer's chat template (offering `tools`, OpenAI function schemas, when given),
+    loss on the tokens each assistant message adds.
 
     The rendering of messages[:i+1] must extend that of messages[:i] (with the generation prompt before an
     assistant message), as chat templates do; ValueError otherwise."""
     render: Any = tokenizer.apply_chat_template
 
     def ids(msgs: Sequence[dict[str, Any]], gen: bool) -> list[int]:
-        out: Any = render(list(msgs), tokenize=True, add_generation_prompt=gen)
+        kwargs: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools else {}
+        out: Any = render(list(msgs), tokenize=True, add_generation_prompt=gen, **kwargs)
         return [int(t) for t in (out if isinstance(out, list) else out["input_ids"])]
 
     tokens: list[int] = []

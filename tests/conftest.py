@@ -102,6 +102,7 @@ SHARED_SESSION_JOBS = ("default_job", "learner_group_crash_run")
 # are scheduled longest first, so no long test starts last while the other worker sits idle.
 EXPECTED_SECONDS = {
     "tests/test_recipe.py": 217,  # SFT, then 40 RL steps of 512 rollouts (263 s with 50 in clean-clone make test)
+    "tests/test_tool_recipe.py::test_tool_recipe_rl_gains_held_out_success": 300,  # SFT, then 20 two-turn RL steps
     # a job plus its judge (steps.serve), killed and restarted (was 106 with levanter's InferenceServer as the judge)
     "tests/test_judge_job.py::test_judged_lesson_with_a_served_policy_as_judge_survives_the_judge_dying": 85,
     # an SFT run, then one job with both verifiers lessons (was two jobs of 81 s each)

@@ -178,3 +178,19 @@ def tamper_batch(store: RunStore, slot: int) -> int:
     entry.update(data_size=len(data), data_sha256=hashlib.sha256(data).hexdigest())
     Path(store.full_path(entry_path)).write_text(json.dumps(entry))
     return row
+
+
+def run_sft_then_rl(tmp_path: Path, sft: dict, rl: dict, env: dict[str, str], timeout: float) -> Path:
+    """Write the recipe's two configs (SFT, then RL from the SFT run) under `tmp_path` and run `steps.sft` then
+    `steps.run` on them as real processes from the repository root (each must exit 0); returns the RL run root."""
+    import yaml
+
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
+    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(rl))
+    for module, cfg in (("steps.sft", "sft.yaml"), ("steps.run", "rl.yaml")):
+        done = subprocess.run(
+            [sys.executable, "-m", module, "--config_path", str(tmp_path / cfg)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+    return Path(rl["store"]["run_root"])

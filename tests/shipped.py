@@ -17,6 +17,7 @@ STEP_CONFIGS: dict[str, type] = {
     "configs/basic_arithmetic_sft.yaml": SFTStepConfig,
     "configs/judge_rescore.yaml": RescoreStepConfig,
     "configs/prime_factorization_sft.yaml": SFTStepConfig,
+    "configs/tool_calculator_sft.yaml": SFTStepConfig,
 }
 """Shipped configs of a single step program, by the config class they parse as."""
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from jobs import run_sft_then_rl
 
 REPO = Path(__file__).resolve().parents[1]
 RL_STEPS = 50
@@ -40,15 +39,8 @@ def test_recipe_rl_gains_held_out_accuracy(tmp_path: Path) -> None:
     rl["model"]["init_policy"] = str(tmp_path / "sft")
     rl["train"]["num_train_steps"] = RL_STEPS
     rl["curriculum"]["eval_frequency"] = RL_STEPS
-    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
-    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(rl))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
-    for module, cfg in (("steps.sft", "sft.yaml"), ("steps.run", "rl.yaml")):
-        done = subprocess.run(
-            [sys.executable, "-m", module, "--config_path", str(tmp_path / cfg)],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
+    run_sft_then_rl(tmp_path, sft, rl, env, timeout=900)
     p0, final = _success(tmp_path / "rl", 0), _success(tmp_path / "rl", RL_STEPS)
     print(f"held-out success: policy 0 {p0:.3f}, policy {RL_STEPS} {final:.3f}")
     assert p0 > 0

@@ -327,6 +327,11 @@ class ArithmeticProblems:
         self.max_operand = max_operand
         erng = np.random.default_rng(eval_seed)
         self.eval_problems = [self._problem(erng) for _ in range(n_eval)]
+        # Training draws skip the eval problems, unless those are a large share of every problem there is (a tiny
+        # problem space, where skipping them could leave few or no problems to train on).
+        space = max_operand**n_terms * 3 ** (n_terms - 1)
+        held_out = frozenset(self.eval_problems)
+        self._held_out = held_out if space >= 4 * len(held_out) else frozenset()
 
     def _problem(self, rng: np.random.Generator) -> str:
         nums = rng.integers(1, self.max_operand + 1, size=self.n_terms)
@@ -334,11 +339,18 @@ class ArithmeticProblems:
         return str(int(nums[0])) + "".join(f"{op}{int(x)}" for op, x in zip(ops, nums[1:], strict=True))
 
     def problems(self, n: int, rng: np.random.Generator, mode: str) -> list[str]:
-        """`n` expressions: drawn with rng (train) or the first `n` of the fixed eval list, cycling (eval)."""
+        """`n` expressions: the first `n` of the fixed eval list, cycling (eval), or drawn with rng (train), a draw
+        that is one of the eval problems drawn again (so no evaluated problem is trained on) unless they are over a
+        quarter of all the problems there are."""
         check_mode(mode)
         if mode == "eval":
             return [self.eval_problems[i % len(self.eval_problems)] for i in range(n)]
-        return [self._problem(rng) for _ in range(n)]
+        out: list[str] = []
+        while len(out) < n:
+            expr = self._problem(rng)
+            if expr not in self._held_out:
+                out.append(expr)
+        return out
 
 
 class CalculatorEnv(ArithmeticProblems, Environment):

@@ -99,7 +99,8 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
 
     Problems: `n_terms` integer operands in [1, max_operand] joined by random `+ - *` (train: drawn with the
     call's rng; eval: a fixed list of `n_eval` problems from `default_rng([seed, 3])`). Metrics add `turns`,
-    `tool_calls`, `tool_errors` and `parse_failure`, each as `_mean` and `_total`.
+    `tool_calls`, `tool_errors`, `parse_failure`, and for each turn k `ended_at_turn<k>` (the episode ended at
+    turn k) and `reward_at_turn<k>` (its reward if so, else 0), each as `_mean` and `_total`.
     """
 
     name = "chat_calculator"
@@ -174,7 +175,7 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
 
     def _rollout(self, expr: str, target: Fraction, conv: _Conversation) -> EnvRollout:
         tr = conv.transcript
-        return answer_rollout(
+        rollout = answer_rollout(
             self.name,
             expr,
             target,
@@ -190,3 +191,10 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
                 "tool_errors": float(conv.tool_errors),
             },
         )
+        # Per-turn outcome: the episode ended at turn k (1..max_turns) with this reward, so the summary's
+        # `reward_at_turn<k>_total / ended_at_turn<k>_total` is the mean reward of the episodes that ended there.
+        for k in range(1, self.max_turns + 1):
+            ended = float(tr.turns == k)
+            rollout.info[f"ended_at_turn{k}"] = ended
+            rollout.info[f"reward_at_turn{k}"] = ended * rollout.episode_reward
+        return rollout

@@ -20,7 +20,8 @@ report), and the same PNGs as `<out>/plots/<name>.png` for use elsewhere. The de
 options; `--out` writes elsewhere, e.g. a local folder when the reader of a gs:// run may not write to it).
 
 Sections, in page order (`SECTION_TITLES`): the curves first — reward per lesson, scorers (per reward function,
-LLM judge or reward model: values, latency, failures, and why sampling calls committed nothing), evaluation, the learner
+LLM judge or reward model: values, latency, failures, and why sampling calls committed nothing), tool use (turns,
+tool calls and tool errors per episode, reward by the turn an episode ended at), evaluation, the learner
 (one plot per term of its metrics record: loss, KL, entropy, clip fraction, ratio, grad norm, mismatch KL,
 clamped fraction, skipped non-finite updates), staleness, throughput, learner idle time — then sample
 completions (latest policy and recent ones), the summary table, rollout fates, curriculum events, and the run
@@ -31,9 +32,9 @@ report is still written.
 Run it:
     python -m pipeline.report RUN_ROOT [--out DIR]      (or `make report RUN=...`)
 
-Modules: `data` reads the run root into `RunData`, `sections` (with `learner` for the learner's curves and
-`text` for the samples and config) turns it into titled sections with plots (`plots` holds the figure and table
-helpers), `page` renders and writes the HTML, `cli` is the command line.
+Modules: `data` reads the run root into `RunData`, `sections` (with `learner` for the learner's curves, `text` for
+the samples and config, `scorers` and `tools` for their sections) turns it into titled sections with plots (`plots`
+holds the figure and table helpers), `page` renders and writes the HTML, `cli` is the command line.
 """
 
 from pipeline.report.cli import main

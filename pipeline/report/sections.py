@@ -22,10 +22,13 @@ from pipeline.report.plots import Plot, Section, add_legend, fmt, html_table, ne
 from pipeline.report.scorers import TITLE as SCORERS_TITLE
 from pipeline.report.scorers import scorers_section
 from pipeline.report.text import answers_section, config_section, samples_section
+from pipeline.report.tools import TITLE as TOOL_USE_TITLE
+from pipeline.report.tools import tool_use_section
 
 SECTION_TITLES = (
     "Reward per lesson",
     SCORERS_TITLE,
+    TOOL_USE_TITLE,
     "Evaluation",
     "Learner",
     "Staleness",
@@ -472,6 +475,7 @@ def curriculum_section(data: RunData) -> Section:
 SECTIONS: tuple[Callable[[RunData], Section], ...] = (
     reward_section,
     scorers_section,
+    tool_use_section,
     eval_section,
     learner_section,
     staleness_section,
