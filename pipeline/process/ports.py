@@ -47,8 +47,10 @@ ADDRESS_IN_USE = ("address already in use", "errno 98", "eaddrinuse", "only one 
 
 
 def new_secret() -> str:
-    """A fresh random secret for one start of a server (URL-safe, 256 bits)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random secret for one start of a server (256 bits, 64 hex digits): safe in a URL, a header and as
+    a command-line option's value (a URL-safe token starts with `-` once in 64 draws, which argparse-based servers
+    such as vLLM's and the test launcher read as a missing `--api_key` value)."""
+    return secrets.token_hex(32)
 
 
 def bearer_ok(authorization: str | None, token: str | None) -> bool:
