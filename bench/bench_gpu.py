@@ -279,16 +279,7 @@ def _decode_case(model: Any, variant: str, B: int, args: argparse.Namespace, ban
         toks = call(r + 1, T)
         times.append(time.perf_counter() - t0)
     full = statistics.median(times)
-    roof, weight_bytes, kv_mean = decode_roofline(sampler, B, P, T, bandwidth)
-    row.update(
-        call_s=full,
-        tokens=toks,
-        tokens_per_s=toks / full,
-        roofline_tokens_per_s=roof,
-        roofline_ratio=toks / full / roof,
-        weight_gb=weight_bytes / 1e9,
-        kv_mean_gb=kv_mean / 1e9,
-    )
+    _record_call(row, sampler, full, toks, (B, P, T), bandwidth)
     if variant != "continuous" and T > 1:
         one = _timeit(lambda: call(args.repeats + 1, 1), max(1, args.repeats))
         step = max(full - one, 1e-9) / (T - 1)
@@ -296,7 +287,7 @@ def _decode_case(model: Any, variant: str, B: int, args: argparse.Namespace, ban
             prefill_call_s=one,
             decode_step_ms=step * 1e3,
             decode_tokens_per_s=B / step,
-            decode_roofline_ratio=B / step / roof,
+            decode_roofline_ratio=B / step / row["roofline_tokens_per_s"],
         )
     return row
 
@@ -366,17 +357,24 @@ def _tail_case(
         toks = call(r + 1)
         times.append(time.perf_counter() - t0)
     full = statistics.median(times)
-    roof, weight_bytes, kv_mean = decode_roofline(sampler, B, P, max(1, round(row["mean_new_tokens"])), bandwidth)
+    _record_call(row, sampler, full, toks, (B, P, max(1, round(row["mean_new_tokens"]))), bandwidth)
+    return row
+
+
+def _record_call(
+    row: dict[str, Any], sampler: Any, call_s: float, tokens: int, shape: tuple[int, int, int], bandwidth: float
+) -> None:
+    """Add a timed call's tokens/s and its share of the decode roofline of `shape` (batch, prompt, new tokens)."""
+    roof, weight_bytes, kv_mean = decode_roofline(sampler, *shape, bandwidth)
     row.update(
-        call_s=full,
-        tokens=toks,
-        tokens_per_s=toks / full,
+        call_s=call_s,
+        tokens=tokens,
+        tokens_per_s=tokens / call_s,
         roofline_tokens_per_s=roof,
-        roofline_ratio=toks / full / roof,
+        roofline_ratio=tokens / call_s / roof,
         weight_gb=weight_bytes / 1e9,
         kv_mean_gb=kv_mean / 1e9,
     )
-    return row
 
 
 def _sample_all(sampler: Any, prompts: list[list[int]], budget: int, bucket: int, seed: int) -> Any:
