@@ -12,7 +12,8 @@ under `gpu`. Who writes it:
 `python -m bench.figures` (what `make docs` runs) renders the summary into docs/benchmarks.md between the markers
 of its "Current figures" section; `--check` exits 1 when the page is not the summary's rendering. A figure measured
 more than `stale_after_days` days before the rendering date is marked stale in the table, never shown as current.
-tests/test_bench_figures.py checks the page against the summary and the README's figures against it.
+tests/test_bench_figures.py checks the page against the summary, the README's figures against it (an entry's
+`readme` template) and the guides' (its `docs` templates: page -> the sentence with `{value}`).
 
     .venv/bin/python -m bench.figures              # render docs/benchmarks.md's table (dated today)
     .venv/bin/python -m bench.figures --check      # exit 1 if the page's table is not the summary's rendering
@@ -53,7 +54,7 @@ def load(path: Path = SUMMARY) -> Summary:
 
 
 def save(summary: Summary, path: Path = SUMMARY) -> None:
-    path.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    path.write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
 
 
 def figures(summary: Summary) -> dict[str, Figure]:
@@ -72,6 +73,12 @@ def readme_text(fig: Figure) -> str | None:
     """What the README says for this figure (its `readme` template filled with the value), or None."""
     template = fig.get("readme")
     return None if template is None else str(template).format(value=number(fig))
+
+
+def doc_texts(fig: Figure) -> dict[str, str]:
+    """What the docs pages say for this figure: page (from the repository root) -> its `docs` template filled with
+    the value (none when the figure has no `docs` templates)."""
+    return {page: str(t).format(value=number(fig)) for page, t in (fig.get("docs") or {}).items()}
 
 
 def measured_on(fig: Figure) -> dt.date:
@@ -192,6 +199,16 @@ def _get(*path: str) -> Callable[[dict[str, Any]], Any]:
     return get
 
 
+def _percent(get: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], float | None]:
+    """`get`'s fraction as a percentage (None stays None)."""
+
+    def percent(res: dict[str, Any]) -> float | None:
+        x = get(res)
+        return None if x is None else 100.0 * float(x)
+
+    return percent
+
+
 def _mesh_ratio(res: dict[str, Any]) -> float | None:
     rows = res.get("learner_mesh") or []
     return rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"] if len(rows) > 1 else None
@@ -226,6 +243,8 @@ CPU_EXTRACTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "retention_ratio": _get("retention", "ratio_on_to_off"),
     "verifiers_pool_ratio": _get("verifiers", "verifiers_pool", "ratio"),
     "verifiers_pool_speedup": _verifiers_pool_speedup,
+    "rows_trained_demo": _percent(_get("rows_trained", "demo", "fraction")),
+    "rows_trained_recipe": _percent(_get("rows_trained", "recipe", "fraction")),
 }
 
 

@@ -24,6 +24,9 @@ JSON; this program prints each part's own table as it finishes, then the summary
 - verifiers: the same single-turn task as a verifiers lesson (warm harness pool, and one step with a process per
   episode) and as an rlpipe environment class on the same sampler: rows/s ratio (goal <= 2) and the per-episode
   overhead in CPU seconds (`bench.bench_verifiers`);
+- rows_trained: the share of generated rollout rows trained on (distinct rows in batches / rows generated) of the
+  demo job (run here) and of the recipe's run root `runs/basic_arithmetic` when `make recipe` left one
+  (`bench.bench_rows_trained`);
 - trl: rlpipe vs TRL's GRPOTrainer on the cats task at the tiny and ~50M sizes (needs `trl` and CPU torch, the
   `bench` dependency group that `make bench` installs; `--skip_trl` leaves it out).
 
@@ -71,6 +74,7 @@ PARTS = (
     "scale",
     "publish",
     "verifiers",
+    "rows_trained",
 )
 
 
@@ -190,6 +194,13 @@ def part_e2e(tmp: Path, quick: bool) -> dict[str, Any]:
     figs = e2e_figures(run_root, wall)
     figs["config"] = config
     return figs
+
+
+def part_rows_trained(tmp: Path, quick: bool) -> dict[str, Any]:
+    out = tmp / "rows_trained.json"
+    cmd = [sys.executable, "-m", "bench.bench_rows_trained", "--json", str(out), *(["--quick"] if quick else [])]
+    _run(cmd, 1800)
+    return dict(json.loads(out.read_text()))
 
 
 def part_latency(tmp: Path, quick: bool) -> dict[str, Any]:
@@ -414,6 +425,23 @@ def _rows_e2e(results: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _rows_rows_trained(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `rows_trained` part (none when it did not run; a row saying so when no recipe run)."""
+    r = results.get("rows_trained")
+    if not r:
+        return []
+    rows: list[Row] = []
+    for name, label in (("demo", "demo job"), ("recipe", "recipe (runs/basic_arithmetic)")):
+        fig = r.get(name)
+        if fig is None:
+            rows.append((f"generated rows trained, {label}", "not measured", "no finished run", "-", ">= 70%"))
+            continue
+        goal = ">= 80%" if name == "demo" else ">= 70%"
+        rows.append((f"generated rows trained, {label}", f"{fig['fraction']:.1%}",
+                     f"{fig['trained']:,} of {fig['generated']:,} rows", "-", goal))  # fmt: skip
+    return rows
+
+
 def _rows_startup(results: dict[str, Any]) -> list[Row]:
     """Summary rows of the `startup` part (none when it did not run)."""
     rows: list[Row] = []
@@ -591,6 +619,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         _rows_scale,
         _rows_publish,
         _rows_verifiers,
+        _rows_rows_trained,
     )
     return [row for build in builders for row in build(results)]
 
@@ -665,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         "scale": part_scale,
         "publish": part_publish,
         "verifiers": part_verifiers,
+        "rows_trained": part_rows_trained,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlpipe-bench-"))
     failed = []

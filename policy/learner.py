@@ -393,6 +393,33 @@ def load_reference(store: RunStore, config: LearnerStepConfig, vocab_size: int, 
     return frozen_models(module.build(M.cast_params(policy0, config.model.param_dtype)), teacher)
 
 
+def replay_slots(store: RunStore, config: LearnerStepConfig, from_step: int, to_step: int) -> LearnerState:
+    """The learner state after training slots from_step+1..to_step from checkpoint `from_step` (read-only): what
+    `steps.replay` compares with the run's committed policy `to_step`."""
+    from pipeline.environments.tokenizer import load_tokenizer
+
+    vocab = M.model_vocab_size(load_tokenizer(config.model.tokenizer))
+    optimizer = build_optimizer(config.optimizer, config.train.num_train_steps)
+    lm = mesh_lib.build_mesh(config.mesh)
+    # the learner's own slot step (epochs, minibatches, microbatches) on the same mesh: bitwise the same updates
+    # restored onto the mesh as the learner resumes (each process reads what its devices hold)
+    # with critic PPO the checkpoint's value head too (it shapes the policy's updates through the shared trunk)
+    with_head = VH.needs_value_head(config.loss)
+    state = shard_state(
+        pf.read_checkpoint(store, from_step, config.model, vocab, optimizer, lm, value_head=with_head), lm
+    )
+    reference = load_reference(store, config, vocab, loss_module_from_config(config.loss))
+    if reference is not None:
+        reference = mesh_lib.shard_params(reference, lm)
+    train_step = mesh_train_step(config, lm)
+    for slot in range(from_step + 1, to_step + 1):
+        batch, data_file = read_batch(store, slot, store.read_log_entry(slot), config.train, vocab, lm)
+        model, opt_state, _ = train_step(state.model, state.opt_state, reference, batch)
+        state = LearnerState(slot, model, opt_state, state.parent)
+        logger.info("replayed batch slot %d (%s)", slot, data_file)
+    return state
+
+
 def publish_policy(store: RunStore, state: LearnerState, config: LearnerStepConfig) -> None:
     """Commit policy `state.step` unless it already is (markers record the batch slot, tokenizer, seq_len).
     Every learner process must call it (`prepare_publish`, then `pf.commit_policy` on this thread)."""

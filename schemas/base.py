@@ -1,12 +1,18 @@
 """The machinery shared by every declared schema: a named, versioned Arrow schema
-bound to a row dataclass, with lossless conversion both ways and validation."""
+bound to a row dataclass, with lossless conversion both ways and validation.
+
+A table's columns are declared once, as its row dataclass: `arrow_schema` reads the Arrow schema off the
+fields (their order, their types, `| None` for a nullable column). A Python type names the widest Arrow type
+(`int` int64, `float` float64); a narrower column says so with `Int32`, `Int8` or `Float32`."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, TypeVar
 
 import pyarrow as pa
 
@@ -14,6 +20,45 @@ SCHEMA_NAME_KEY = b"rlpipe.schema"
 SCHEMA_VERSION_KEY = b"rlpipe.schema_version"
 
 R = TypeVar("R")
+
+Int32 = Annotated[int, pa.int32()]
+"""An int column stored as int32 (token ids, small counters)."""
+Int8 = Annotated[int, pa.int8()]
+"""An int column stored as int8 (0/1 masks)."""
+Float32 = Annotated[float, pa.float32()]
+"""A float column stored as float32 (log-probabilities, sampling controls)."""
+
+_ARROW_SCALARS: dict[Any, pa.DataType] = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+
+
+def _arrow_type(tp: Any) -> pa.DataType:
+    """The Arrow type of a (non-None) field annotation: a scalar, `Annotated[_, arrow type]`, `list[T]`,
+    `dict[K, V]`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        return tp.__metadata__[0]
+    if origin is list:
+        return pa.list_(_arrow_type(args[0]))
+    if origin is dict:
+        return pa.map_(_arrow_type(args[0]), _arrow_type(args[1]))
+    if tp in _ARROW_SCALARS:
+        return _ARROW_SCALARS[tp]
+    raise TypeError(f"no Arrow type for the annotation {tp!r}")
+
+
+def arrow_schema(row_type: type) -> pa.Schema:
+    """The Arrow schema of a row dataclass: one column per field, in field order (a base class's first), of the
+    field's type; nullable exactly when the annotation allows None (`X | None`)."""
+    hints = typing.get_type_hints(row_type, include_extras=True)
+    fields = []
+    for f in dataclasses.fields(row_type):
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        nullable = typing.get_origin(tp) in (types.UnionType, typing.Union) and type(None) in args
+        if nullable:
+            (tp,) = [a for a in args if a is not type(None)]
+        fields.append(pa.field(f.name, _arrow_type(tp), nullable=nullable))
+    return pa.schema(fields)
 
 
 class ValidationError(ValueError):
@@ -45,6 +90,19 @@ class TableSpec(Generic[R]):
     row_type: type[R]
     validate_row: Callable[[R], None]
     upgrades: Mapping[int, Callable[[pa.Table], pa.Table]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        row_type: type[R],
+        name: str,
+        validate_row: Callable[[R], None],
+        *,
+        version: int,
+        upgrades: Mapping[int, Callable[[pa.Table], pa.Table]] | None = None,
+    ) -> TableSpec[R]:
+        """The spec of `row_type`'s table, its Arrow schema read off the row dataclass (`arrow_schema`)."""
+        return cls(name, version, arrow_schema(row_type), row_type, validate_row, dict(upgrades or {}))
 
     @property
     def tag(self) -> str:
@@ -118,6 +176,12 @@ def check_nonempty(name: str, value: str) -> None:
     """Raise ValidationError if the string is empty."""
     if not value:
         raise ValidationError(f"{name} must be a non-empty string")
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """Raise ValidationError unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValidationError(f"{name} {value!r} is not one of {choices}")
 
 
 def check_same_length(names: Iterable[str], values: Iterable[Sequence[Any]]) -> None:

@@ -15,48 +15,29 @@ from typing import Any
 
 import pyarrow as pa
 
-from schemas.base import TableSpec, ValidationError, check_int_list, check_same_length
+from schemas.base import Float32, Int8, Int32, TableSpec, ValidationError, check_int_list, check_same_length
 
 
 @dataclasses.dataclass
 class BatchRow:
     """One fixed-length training row (one or more packed segments)."""
 
-    tokens: list[int]
-    loss_mask: list[int]
-    segment_ids: list[int]
-    position_ids: list[int]
-    advantages: list[float]
-    generator_logprobs: list[float]
-    reference_logprobs: list[float] | None
+    tokens: list[Int32]
+    loss_mask: list[Int8]
+    segment_ids: list[Int32]
+    position_ids: list[Int32]
+    advantages: list[Float32]
+    generator_logprobs: list[Float32]
+    reference_logprobs: list[Float32] | None
     truncated: list[bool]
-    temperatures: list[float]
+    temperatures: list[Float32]
     policy_steps: list[int]
     rollout_ids: list[str]
     source_files: list[str]
-    token_rewards: list[float] | None = None
+    token_rewards: list[Float32] | None = None
     """Per-token rewards of the segments' response tokens (the rollouts' `token_rewards`: the episode reward on
     the last policy token plus any process rewards), 0 on prompt tokens and padding; read by critic PPO's GAE
     (`loss.type: ppo_critic`). None in batch files of version 1, written before the column existed."""
-
-
-BATCH_ARROW = pa.schema(
-    [
-        pa.field("tokens", pa.list_(pa.int32()), nullable=False),
-        pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
-        pa.field("segment_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("position_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("advantages", pa.list_(pa.float32()), nullable=False),
-        pa.field("generator_logprobs", pa.list_(pa.float32()), nullable=False),
-        pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=True),
-        pa.field("truncated", pa.list_(pa.bool_()), nullable=False),
-        pa.field("temperatures", pa.list_(pa.float32()), nullable=False),
-        pa.field("policy_steps", pa.list_(pa.int64()), nullable=False),
-        pa.field("rollout_ids", pa.list_(pa.string()), nullable=False),
-        pa.field("source_files", pa.list_(pa.string()), nullable=False),
-        pa.field("token_rewards", pa.list_(pa.float32()), nullable=True),
-    ]
-)
 
 
 def _add_token_rewards(table: pa.Table) -> pa.Table:
@@ -93,11 +74,6 @@ def validate_batch_row(row: BatchRow) -> None:
             raise ValidationError("loss_mask is set on a padding position (segment_id -1)")
 
 
-BATCH: TableSpec[BatchRow] = TableSpec(
-    name="batch",
-    version=2,
-    schema=BATCH_ARROW,
-    row_type=BatchRow,
-    validate_row=validate_batch_row,
-    upgrades={1: _add_token_rewards},
+BATCH: TableSpec[BatchRow] = TableSpec.of(
+    BatchRow, "batch", validate_batch_row, version=2, upgrades={1: _add_token_rewards}
 )

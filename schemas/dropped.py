@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import pyarrow as pa
-
-from schemas.base import TableSpec, ValidationError, check_nonempty
+from schemas.base import TableSpec, check_choice, check_nonempty
 
 DROP_REASONS = (
     "stale",
@@ -50,30 +48,10 @@ class DroppedRow:
     slot: int
 
 
-DROPPED_ARROW = pa.schema(
-    [
-        pa.field("rollout_id", pa.string(), nullable=False),
-        pa.field("source_file", pa.string(), nullable=False),
-        pa.field("row_index", pa.int64(), nullable=False),
-        pa.field("policy_step", pa.int64(), nullable=False),
-        pa.field("reason", pa.string(), nullable=False),
-        pa.field("detail", pa.string(), nullable=False),
-        pa.field("slot", pa.int64(), nullable=False),
-    ]
-)
-
-
 def validate_dropped(row: DroppedRow) -> None:
     """Raise ValidationError unless the reason is a known one and the file is named."""
     check_nonempty("source_file", row.source_file)
-    if row.reason not in DROP_REASONS:
-        raise ValidationError(f"reason {row.reason!r} is not one of {DROP_REASONS}")
+    check_choice("reason", row.reason, DROP_REASONS)
 
 
-DROPPED: TableSpec[DroppedRow] = TableSpec(
-    name="dropped",
-    version=1,
-    schema=DROPPED_ARROW,
-    row_type=DroppedRow,
-    validate_row=validate_dropped,
-)
+DROPPED: TableSpec[DroppedRow] = TableSpec.of(DroppedRow, "dropped", validate_dropped, version=1)

@@ -6,8 +6,8 @@ import dataclasses
 
 import pyarrow as pa
 
-from schemas.base import TableSpec, ValidationError, check_finite, check_nonempty
-from schemas.rollout import ROLLOUT_ARROW, RolloutRow, upgrade_to_v4, validate_rollout
+from schemas.base import Float32, TableSpec, ValidationError, check_finite, check_nonempty
+from schemas.rollout import ROLLOUT, RolloutRow, validate_rollout
 
 
 @dataclasses.dataclass
@@ -17,9 +17,6 @@ class EvalRow(RolloutRow):
     eval_type: str = "eval"
 
 
-EVAL_ARROW = ROLLOUT_ARROW.append(pa.field("eval_type", pa.string(), nullable=False))
-
-
 def validate_eval_row(row: EvalRow) -> None:
     """Rollout validation plus a known eval type."""
     validate_rollout(row)
@@ -27,13 +24,8 @@ def validate_eval_row(row: EvalRow) -> None:
         raise ValidationError(f"eval_type must be 'eval' or 'micro_eval', got {row.eval_type!r}")
 
 
-EVAL_ROW: TableSpec[EvalRow] = TableSpec(
-    name="eval_rollout",
-    version=4,
-    schema=EVAL_ARROW,
-    row_type=EvalRow,
-    validate_row=validate_eval_row,
-    upgrades={1: upgrade_to_v4, 2: upgrade_to_v4, 3: upgrade_to_v4},
+EVAL_ROW: TableSpec[EvalRow] = TableSpec.of(
+    EvalRow, "eval_rollout", validate_eval_row, version=4, upgrades=ROLLOUT.upgrades
 )
 """Versions 2, 3 and 4 added the columns `schemas.ROLLOUT` versions 2, 3 and 4 added; older files are read with
 them off or empty (version 4: every token at the row's policy step)."""
@@ -62,7 +54,7 @@ class EvalSummaryRow:
     success_rate: float
     mean_response_tokens: float
     truncation_rate: float
-    temperature: float
+    temperature: Float32
     source: str
     timestamp: float
     samples_per_problem: int = 0
@@ -71,27 +63,6 @@ class EvalSummaryRow:
     mean_at_k: float | None = None
     n_failures: int = 0
 
-
-EVAL_SUMMARY_ARROW = pa.schema(
-    [
-        pa.field("policy_step", pa.int64(), nullable=False),
-        pa.field("lesson_id", pa.string(), nullable=False),
-        pa.field("eval_type", pa.string(), nullable=False),
-        pa.field("n_examples", pa.int64(), nullable=False),
-        pa.field("mean_reward", pa.float64(), nullable=False),
-        pa.field("success_rate", pa.float64(), nullable=False),
-        pa.field("mean_response_tokens", pa.float64(), nullable=False),
-        pa.field("truncation_rate", pa.float64(), nullable=False),
-        pa.field("temperature", pa.float32(), nullable=False),
-        pa.field("source", pa.string(), nullable=False),
-        pa.field("timestamp", pa.float64(), nullable=False),
-        pa.field("samples_per_problem", pa.int64(), nullable=False),
-        pa.field("pass_k", pa.int64(), nullable=False),
-        pa.field("pass_at_k", pa.float64(), nullable=True),
-        pa.field("mean_at_k", pa.float64(), nullable=True),
-        pa.field("n_failures", pa.int64(), nullable=False),
-    ]
-)
 
 PASS_AT_K_COLUMNS_V2: tuple[tuple[str, object], ...] = (
     ("samples_per_problem", 0),
@@ -111,7 +82,7 @@ def add_pass_at_k_columns(table: pa.Table) -> pa.Table:
     values."""
     for name, value in (*PASS_AT_K_COLUMNS_V2, *N_FAILURES_COLUMNS_V3):
         if name not in table.column_names:
-            table = table.append_column(name, pa.array([value] * table.num_rows, EVAL_SUMMARY_ARROW.field(name).type))
+            table = table.append_column(name, pa.array([value] * table.num_rows, EVAL_SUMMARY.schema.field(name).type))
     return table
 
 
@@ -136,12 +107,11 @@ def validate_eval_summary(row: EvalSummaryRow) -> None:
         raise ValidationError(f"n_failures must be >= 0, got {row.n_failures}")
 
 
-EVAL_SUMMARY: TableSpec[EvalSummaryRow] = TableSpec(
-    name="eval_summary",
+EVAL_SUMMARY: TableSpec[EvalSummaryRow] = TableSpec.of(
+    EvalSummaryRow,
+    "eval_summary",
+    validate_eval_summary,
     version=3,
-    schema=EVAL_SUMMARY_ARROW,
-    row_type=EvalSummaryRow,
-    validate_row=validate_eval_summary,
     upgrades={1: add_pass_at_k_columns, 2: add_pass_at_k_columns},
 )
 """Version 2 added samples_per_problem, pass_k, pass_at_k and mean_at_k, version 3 n_failures (older files are read

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import pyarrow as pa
-
-from schemas.base import TableSpec, ValidationError, check_nonempty
+from schemas.base import TableSpec, ValidationError, check_choice, check_nonempty
 from schemas.dropped import DROP_REASONS
 
 USED = "used"
@@ -38,30 +36,12 @@ class LineageRow:
     slot: int
 
 
-LINEAGE_ARROW = pa.schema(
-    [
-        pa.field("rollout_id", pa.string(), nullable=False),
-        pa.field("source_file", pa.string(), nullable=False),
-        pa.field("policy_step", pa.int64(), nullable=False),
-        pa.field("fate", pa.string(), nullable=False),
-        pa.field("slot", pa.int64(), nullable=False),
-    ]
-)
-
-
 def validate_lineage(row: LineageRow) -> None:
     """Raise ValidationError unless the fate is known, the file is named and the slot is a batch slot."""
     check_nonempty("source_file", row.source_file)
-    if row.fate not in FATES:
-        raise ValidationError(f"fate {row.fate!r} is not one of {FATES}")
+    check_choice("fate", row.fate, FATES)
     if row.slot < 1:
         raise ValidationError(f"slot must be >= 1, got {row.slot}")
 
 
-LINEAGE: TableSpec[LineageRow] = TableSpec(
-    name="lineage",
-    version=1,
-    schema=LINEAGE_ARROW,
-    row_type=LineageRow,
-    validate_row=validate_lineage,
-)
+LINEAGE: TableSpec[LineageRow] = TableSpec.of(LineageRow, "lineage", validate_lineage, version=1)

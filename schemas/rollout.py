@@ -15,6 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from schemas.base import (
+    Float32,
+    Int8,
+    Int32,
     TableSpec,
     ValidationError,
     check_finite,
@@ -54,61 +57,29 @@ class RolloutRow:
     example_id: str
     lesson_id: str
     group_key: str
-    prompt_tokens: list[int]
-    response_tokens: list[int]
-    response_logprobs: list[float]
-    token_rewards: list[float]
-    response_loss_mask: list[int]
+    prompt_tokens: list[Int32]
+    response_tokens: list[Int32]
+    response_logprobs: list[Float32]
+    token_rewards: list[Float32]
+    response_loss_mask: list[Int8]
     episode_reward: float
     truncated: bool
     finish_reason: str
-    temperature: float
+    temperature: Float32
     policy_step: int
     worker_id: str
     timestamp: float
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    top_p: Float32 = 1.0
+    top_k: Int32 = 0
+    min_p: Float32 = 0.0
     response_text: str = ""
     extracted_answer: str | None = None
     ground_truth: str = ""
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
     episode_id: str = ""
-    segment_index: int = 0
-    token_policy_steps: list[int] = dataclasses.field(default_factory=list)
+    segment_index: Int32 = 0
+    token_policy_steps: list[Int32] = dataclasses.field(default_factory=list)
 
-
-ROLLOUT_ARROW = pa.schema(
-    [
-        pa.field("rollout_id", pa.string(), nullable=False),
-        pa.field("env_name", pa.string(), nullable=False),
-        pa.field("example_id", pa.string(), nullable=False),
-        pa.field("lesson_id", pa.string(), nullable=False),
-        pa.field("group_key", pa.string(), nullable=False),
-        pa.field("prompt_tokens", pa.list_(pa.int32()), nullable=False),
-        pa.field("response_tokens", pa.list_(pa.int32()), nullable=False),
-        pa.field("response_logprobs", pa.list_(pa.float32()), nullable=False),
-        pa.field("token_rewards", pa.list_(pa.float32()), nullable=False),
-        pa.field("response_loss_mask", pa.list_(pa.int8()), nullable=False),
-        pa.field("episode_reward", pa.float64(), nullable=False),
-        pa.field("truncated", pa.bool_(), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=False),
-        pa.field("temperature", pa.float32(), nullable=False),
-        pa.field("policy_step", pa.int64(), nullable=False),
-        pa.field("worker_id", pa.string(), nullable=False),
-        pa.field("timestamp", pa.float64(), nullable=False),
-        pa.field("top_p", pa.float32(), nullable=False),
-        pa.field("top_k", pa.int32(), nullable=False),
-        pa.field("min_p", pa.float32(), nullable=False),
-        pa.field("response_text", pa.string(), nullable=False),
-        pa.field("extracted_answer", pa.string(), nullable=True),
-        pa.field("ground_truth", pa.string(), nullable=False),
-        pa.field("reward_components", pa.map_(pa.string(), pa.float64()), nullable=False),
-        pa.field("episode_id", pa.string(), nullable=False),
-        pa.field("segment_index", pa.int32(), nullable=False),
-        pa.field("token_policy_steps", pa.list_(pa.int32()), nullable=False),
-    ]
-)
 
 SAMPLING_COLUMNS_V2 = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0))
 """Columns version 2 added, with the value a version-1 file (which did not record them) is read with."""
@@ -128,7 +99,7 @@ TEXT_COLUMNS_V3: tuple[tuple[str, object], ...] = (
 def _add_columns(table: pa.Table, columns: tuple[tuple[str, object], ...]) -> pa.Table:
     for name, value in columns:
         if name not in table.column_names:
-            table = table.append_column(name, pa.array([value] * table.num_rows, ROLLOUT_ARROW.field(name).type))
+            table = table.append_column(name, pa.array([value] * table.num_rows, ROLLOUT.schema.field(name).type))
     return table
 
 
@@ -155,7 +126,7 @@ def add_token_policy_steps(table: pa.Table) -> pa.Table:
     lengths = pc.list_value_length(table.column("response_tokens")).to_pylist()
     steps = table.column("policy_step").to_pylist()
     values = [[int(s)] * int(n or 0) for s, n in zip(steps, lengths, strict=True)]
-    return table.append_column("token_policy_steps", pa.array(values, ROLLOUT_ARROW.field("token_policy_steps").type))
+    return table.append_column("token_policy_steps", pa.array(values, ROLLOUT.schema.field("token_policy_steps").type))
 
 
 def upgrade_to_v4(table: pa.Table) -> pa.Table:
@@ -210,13 +181,8 @@ def validate_rollout(row: RolloutRow) -> None:
             )
 
 
-ROLLOUT: TableSpec[RolloutRow] = TableSpec(
-    name="rollout",
-    version=4,
-    schema=ROLLOUT_ARROW,
-    row_type=RolloutRow,
-    validate_row=validate_rollout,
-    upgrades={1: upgrade_to_v4, 2: upgrade_to_v4, 3: upgrade_to_v4},
+ROLLOUT: TableSpec[RolloutRow] = TableSpec.of(
+    RolloutRow, "rollout", validate_rollout, version=4, upgrades={1: upgrade_to_v4, 2: upgrade_to_v4, 3: upgrade_to_v4}
 )
 """Version 2 added top_p, top_k and min_p (version-1 files are read with those controls off); version 3 added
 response_text, extracted_answer, ground_truth, reward_components, episode_id and segment_index (older files are

@@ -53,6 +53,11 @@ def default_jax_platforms() -> str | None:
 
 if sys.argv[:1] == ["-m"]:  # while `python -m steps.<name>` locates the module, sys.argv[0] is "-m"
     step_process_defaults()
+    # A step the job runner (or its fork server) started ends when the runner is gone; one started from a shell
+    # outlives it (pipeline.process.parent_watch).
+    from pipeline.process.parent_watch import end_with_starter
+
+    end_with_starter()
     # Ctrl-C (or SIGTERM) while the program's modules import: one line, 130 (143), not a traceback; the program's
     # own handling (steps.cli.run_command) takes over once it runs.
     from pipeline.process.interrupts import exit_at_once_on_signals

@@ -1,16 +1,17 @@
 """Checks a step program makes before it imports JAX: whether it has anything to do at all.
 
-A scheduled job (cron, a cloud scheduler) keeps starting the steps of a run after the run finished; each such
-start would otherwise import JAX and levanter, build a model and restore a checkpoint (several CPU seconds)
-only to find nothing to do. These checks read one or two small objects of the run root and end the program the
-way its full path would: the same log line, exit 0.
+A scheduled job (cron, a cloud scheduler) keeps starting the steps of a run after the run finished, and a job's
+evaluator is restarted with its job; each such start would otherwise import JAX and levanter, build a model and
+restore a checkpoint (several CPU seconds) only to find nothing to do. These checks read a few small objects of the
+run root (the evaluator's: the policy listing and one summary per policy and lesson) and end the program the way its
+full path would: the same log line, exit 0.
 """
 
 from __future__ import annotations
 
 import logging
 
-from pipeline.config import LearnerStepConfig, RolloutStepConfig
+from pipeline.config import EvaluateStepConfig, LearnerStepConfig, RolloutStepConfig
 from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore
 from schemas.records import CommitMarker, RecordError
@@ -54,4 +55,41 @@ def rollout_nothing_to_do(config: RolloutStepConfig) -> int | None:
     logging.getLogger("pipeline.rollout.worker").info(
         "rollout worker %s stopped (%s) before starting: 0 files, 0 rows, 0 failures", config.worker_id, reason
     )
+    return 0
+
+
+def _policy_set_aside(store: RunStore) -> bool:
+    """Whether a file of some policy is quarantined: left to the evaluator's full path, which reports it."""
+    return any(path.startswith(f"{layout.POLICIES}/") for path in store.quarantined())
+
+
+def evaluate_nothing_to_do(config: EvaluateStepConfig) -> int | None:
+    """0 when the evaluator would evaluate nothing: following, the final policy (`stop_after_step`) is committed
+    and every policy it follows (multiples of `curriculum.eval_frequency`, and the final one) has a committed
+    summary for every lesson (logged as its own closing line); with `--all` / `--steps`, every policy named is
+    committed and has them. None otherwise (something to evaluate, `--force`, `--hf_checkpoint`, an uncommitted
+    `--steps` policy or a policy set aside as damaged: the full path evaluates or reports it)."""
+    if config.force or config.hf_checkpoint:
+        return None
+    store = RunStore(config.store.run_root, config.store.storage_options)
+    committed = run_state.committed_steps(store, layout.POLICIES)
+    final = config.stop_after_step
+    if config.follow and not (config.all or config.steps):
+        if final is None or final not in committed:
+            return None  # the learner has not published its final policy: the evaluator waits for it
+        freq = max(1, config.curriculum.eval_frequency)
+        targets = [s for s in committed if s % freq == 0 or s == final]
+        lines = [f"final policy {final} evaluated; done"]
+    else:
+        targets = committed if config.all else sorted(set(config.steps))
+        if not set(targets) <= set(committed):
+            return None
+        lines = [f"policy {s}: every lesson already evaluated" for s in targets]
+    lessons = sorted(config.curriculum.lessons)
+    if any(not store.exists(layout.eval_summary_file(s, lesson)) for s in targets for lesson in lessons):
+        return None
+    if _policy_set_aside(store):
+        return None
+    for line in lines:  # the full path's own lines
+        logging.getLogger("rlpipe.evaluate").info("%s", line)
     return 0

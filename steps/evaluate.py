@@ -22,7 +22,8 @@ appear; explicit `--steps`/`--all`/`--hf_checkpoint` win over a `follow` inherit
 (or with `--force`): evaluate with the lesson's eval sampling params (temperature 0 by default)
 through a `RolloutManager` with a seed derived from (seed, lesson) (see `lesson_seed`), write
 rollouts then the summary. Idempotent: a rerun writes nothing new; a run killed midway completes
-the missing (policy, lesson) pairs on the next run.
+the missing (policy, lesson) pairs on the next run. With nothing left to evaluate (every policy it would evaluate
+has its summaries; following: and the final policy is committed) it ends before importing JAX (`steps.early`).
 The BatchMaker folds the summaries into the curriculum (it is the one curriculum writer).
 
 Config: `python -m steps.evaluate --store.run_root R …` (what `make evaluate RUN=R` runs) is read-only towards
@@ -325,6 +326,10 @@ class Evaluator:
 
 def main(cfg: EvaluateStepConfig) -> int:
     """Evaluate what the config names (phases: external baseline, then follow or the explicit targets); 0."""
+    from steps.early import evaluate_nothing_to_do
+
+    if (rc := evaluate_nothing_to_do(cfg)) is not None:  # before the checks and the evaluator import JAX
+        return rc
     check_evaluate_step(cfg)
     evaluator = Evaluator(cfg)
     try:

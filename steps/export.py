@@ -22,31 +22,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import draccus
 
-from pipeline.config import ConfigError, ModelSpec, StoreConfig
+from pipeline.config import ConfigError, ExportConfig, ModelSpec
 from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore
 
 logger = logging.getLogger("steps.export")
-
-
-@dataclass(frozen=True)
-class ExportConfig:
-    """`python -m steps.export`: write a committed policy as a transformers-loadable folder."""
-
-    store: StoreConfig = field(default_factory=StoreConfig)
-    model: ModelSpec | None = None
-    """The policy's model; None: the model recorded in the run root's run.json."""
-    step: int | None = None
-    """Policy step to export; None: the newest committed policy."""
-    out: str = "hf_export"
-    """Output folder (local or fsspec URL)."""
-    peft: bool = False
-    """Also write the policy's LoRA adapters as a PEFT folder `<out>/peft/` (a run trained with `model.lora`)."""
 
 
 def main(config: ExportConfig) -> int:

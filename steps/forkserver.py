@@ -174,6 +174,10 @@ def become_step(request: dict[str, Any]) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # the runner is this process's parent now (it confirmed so before the go): end with it, as a fresh step does
+    from pipeline.process.parent_watch import end_with_starter
+
+    end_with_starter()
     module, argv = request["module"], list(request["argv"])
     command = [sys.executable, "-m", module, *argv]
     _set_title(" ".join(command))
@@ -184,14 +188,28 @@ def become_step(request: dict[str, Any]) -> None:
     sys.exit(0)
 
 
+def end_with_runner(mark: str) -> None:
+    """End this server when the runner that started it is gone (`mark`: `<pid>`, or `<pid>:poll` from a runner's
+    other thread, or empty). Its socket's EOF ends it once it serves; the kernel's death signal (SIGTERM, whose
+    default action ends this process) also ends it while it imports. No watch thread: it would make forking unsafe
+    (`fork_hazard`); a step it forks does not inherit the death signal and sets its own (`become_step`)."""
+    pid, _, mode = mark.partition(":")
+    if pid and mode != "poll":
+        from pipeline.process.parent_watch import end_with_parent
+
+        end_with_parent(int(pid), watch=False, on_gone=lambda _: os._exit(0))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Serve fork requests on the socket passed as `--fd` (see the module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m steps.forkserver", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fd", type=int, required=True, help="this end of the runner's socket pair")
     parser.add_argument("--preload", default="", help="comma-separated modules to import before serving")
+    parser.add_argument("--parent", default="", help="the runner's mark (pipeline.process.parent_watch.PARENT_ENV)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner stops us by closing the socket
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a step forked but not yet running dies silently, as the server
+    end_with_runner(args.parent)
     _prepare_title()
     sock = socket.socket(fileno=args.fd)
     request = serve(sock, [m for m in args.preload.split(",") if m])

@@ -38,10 +38,10 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import ConfigError, DistributedConfig, LearnerStepConfig, StoreConfig
+from pipeline.config import ConfigError, DistributedConfig, LearnerStepConfig, ReplayConfig
 from pipeline.jobs.job import recorded_step_config
 from pipeline.process.exits import ReplayMismatchError
 from pipeline.process.step_kind import StepKind
@@ -49,21 +49,6 @@ from pipeline.store import layout, run_state
 from pipeline.store.storage import RunStore, require_run
 
 logger = logging.getLogger("steps.replay")
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """`python -m steps.replay`: re-train committed batch slots from a committed checkpoint and compare."""
-
-    store: StoreConfig = field(default_factory=StoreConfig)
-    from_step: int = 0
-    """The committed checkpoint to start from (FROM): slots from_step+1..to_step are re-trained."""
-    to_step: int | None = None
-    """The committed policy to compare with (TO); None: the newest committed policy."""
-    scratch: str | None = None
-    """Scratch run root for the replayed policy (local or fsspec URL); None: a new temporary folder."""
-    keep_scratch: bool = False
-    """Keep the temporary scratch folder replay made (removed at the end by default); a `--scratch` is kept."""
 
 
 def main(config: ReplayConfig) -> int:
@@ -87,7 +72,7 @@ def main(config: ReplayConfig) -> int:
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
-    replayed = replay(store, learner_config, config.from_step, to_step)  # 1 + 2
+    replayed = L.replay_slots(store, learner_config, config.from_step, to_step)  # 1 + 2
     writer = mesh_lib.is_writer()  # process 0 of a group (or the only process) writes, reads back and compares
     scratch = RunStore(scratch_root(config, store), config.store.storage_options or None)
     temporary = config.scratch is None and not config.keep_scratch  # made here: removed once compared
@@ -316,38 +301,6 @@ def check_steps(store: RunStore, from_step: int, to_step: int | None) -> int:
         if not store.exists(layout.batch_log_entry(slot)):
             raise ConfigError("to_step", to_step, f"batch slot {slot} is not committed in {store.url}")
     return to_step
-
-
-def replay(store: RunStore, config: LearnerStepConfig, from_step: int, to_step: int) -> Any:
-    """The learner state after training slots from_step+1..to_step from checkpoint `from_step` (read-only)."""
-    from pipeline.environments.tokenizer import load_tokenizer
-    from policy import learner as L
-    from policy import mesh as mesh_lib
-    from policy import model as M
-    from policy import policy_format as pf
-    from policy.losses import loss_module_from_config
-    from policy.value_head import needs_value_head
-
-    vocab = M.model_vocab_size(load_tokenizer(config.model.tokenizer))
-    optimizer = L.build_optimizer(config.optimizer, config.train.num_train_steps)
-    lm = mesh_lib.build_mesh(config.mesh)
-    # the learner's own slot step (epochs, minibatches, microbatches) on the same mesh: bitwise the same updates
-    # restored onto the mesh as the learner resumes (each process reads what its devices hold)
-    # with critic PPO the checkpoint's value head too (it shapes the policy's updates through the shared trunk)
-    with_head = needs_value_head(config.loss)
-    state = L.shard_state(
-        pf.read_checkpoint(store, from_step, config.model, vocab, optimizer, lm, value_head=with_head), lm
-    )
-    reference = L.load_reference(store, config, vocab, loss_module_from_config(config.loss))
-    if reference is not None:
-        reference = mesh_lib.shard_params(reference, lm)
-    train_step = L.mesh_train_step(config, lm)
-    for slot in range(from_step + 1, to_step + 1):
-        batch, data_file = L.read_batch(store, slot, store.read_log_entry(slot), config.train, vocab, lm)
-        model, opt_state, _ = train_step(state.model, state.opt_state, reference, batch)
-        state = pf.LearnerState(slot, model, opt_state, state.parent)
-        logger.info("replayed batch slot %d (%s)", slot, data_file)
-    return state
 
 
 def scratch_root(config: ReplayConfig, store: RunStore) -> str:

@@ -128,10 +128,20 @@ def run_child(command: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`rlpipe COMMAND [flags …]`; the exit code of the program COMMAND runs."""
-    from pipeline.process.interrupts import exit_at_once_on_signals, interrupted
+    from pipeline.process.interrupts import end_process, exit_at_once_on_signals, exit_code, ignore_stop_signals
 
     exit_at_once_on_signals()
-    args = list(sys.argv[1:] if argv is None else argv)
+    code = dispatch(list(sys.argv[1:] if argv is None else argv))
+    if code in (exit_code(signal.SIGINT), exit_code(signal.SIGTERM)):
+        end_process(code)  # no interpreter teardown after a stop by a signal (see `end_process`)
+    ignore_stop_signals()  # the code is decided: a late Ctrl-C must not turn it into a death by SIGINT
+    return code
+
+
+def dispatch(args: list[str]) -> int:
+    """Run `rlpipe ARGS` in this process; its exit code."""
+    from pipeline.process.interrupts import interrupted
+
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), file=sys.stdout if args else sys.stderr)
         return 0 if args else 2

@@ -76,6 +76,16 @@ def test_every_readme_figure_equals_the_summary(summary: dict[str, Any]) -> None
     assert not uncovered, f"README figures that no summary entry covers (add one with a `readme` template): {uncovered}"
 
 
+def test_every_docs_figure_equals_the_summary(summary: dict[str, Any]) -> None:
+    """A guide that states a measured figure names it in the summary (`docs` templates) and says it as it is now."""
+    cited = {
+        (fid, page): text for fid, f in figures.figures(summary).items() for page, text in figures.doc_texts(f).items()
+    }
+    assert cited, "no summary entry names a docs page"
+    missing = {k: t for k, t in cited.items() if t not in one_line((REPO / k[1]).read_text())}
+    assert not missing, f"docs lines that do not state docs/bench_summary.json's figure as it is now: {missing}"
+
+
 def test_a_figure_older_than_the_limit_is_marked_stale(summary: dict[str, Any]) -> None:
     small = {"stale_after_days": 30, "cpu": copy.deepcopy(summary["cpu"][:2]), "gpu": []}
     old, new = small["cpu"]

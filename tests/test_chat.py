@@ -209,8 +209,9 @@ def test_chat_calculator_env_against_the_server(backend: OpenAIBackend, tok: Any
 
 
 def test_chat_calculator_env_locally_through_the_template(tok: Any) -> None:
-    """Without a chat endpoint the template renders the conversation and tool calls are parsed from the text; a
-    tool call formatted unlike the template's own rendering cannot extend the transcript and fails the example."""
+    """Without a chat endpoint the template renders the conversation and tool calls are parsed from the text; later
+    turns continue the transcript on the ids the model sampled, so a tool call the template would render otherwise
+    plays its episode on its own ids instead of failing the example."""
 
     def script(prompt_text: str) -> str:
         if "<bos>tool\n" in prompt_text:
@@ -224,11 +225,63 @@ def test_chat_calculator_env_locally_through_the_template(tok: Any) -> None:
     for g in res.groups:
         for r in g.rollouts:
             check_episode(tok, r)
-    squashed = ScriptedContext(
-        tok, lambda p: '<tool_call>{"name":"calculator","arguments":{"expression":"1"}}</tool_call>'
-    )
-    bad = ChatCalculatorEnv().sample(squashed, SampleSpec(1, 1, 1.0, 64, None, "train"), np.random.default_rng(1))
-    assert bad.groups == [] and "does not extend the transcript" in bad.failures[0].reason
+
+    def off_template(prompt_text: str) -> str:  # JSON without spaces, text after the call: re-renders otherwise
+        if "<bos>tool\n" in prompt_text:
+            return "Answer: " + prompt_text.split("<bos>tool\n")[-1].split("<eos>")[0]
+        expr = prompt_text.split("What is ")[-1].split("?")[0]
+        return f'<tool_call>{{"name":"calculator","arguments":{{"expression":"{expr}"}}}}</tool_call> so'
+
+    for max_tokens in (64, 60):  # 60: the first turn is cut before its EOS (finish "length")
+        res = ChatCalculatorEnv(max_turns=2).sample(ScriptedContext(tok, off_template),
+                                                    SampleSpec(2, 1, 1.0, max_tokens, None, "train"),
+                                                    np.random.default_rng(1))  # fmt: skip
+        assert res.failures == [] and len(res.groups) == 2
+        for g in res.groups:
+            (r,) = g.rollouts
+            check_episode(tok, r)
+            first = [int(t) for t in tok.encode(off_template(f"What is {r.example_id}?"))] + [EOS_ID]
+            assert r.response_tokens[: len(first)] == first[:max_tokens]  # the sampled ids, as sampled
+
+
+class SplitWords(ScriptedContext):
+    """Samples the scripted texts with the word `calculator` as its characters' ids: the same text, ids that the
+    tokenizer never produces for it (what a sampling policy can do)."""
+
+    def generate(self, request: Any) -> Any:
+        word = self.tokenizer.convert_tokens_to_ids("calculator")
+        chars = [int(t) for t in self.tokenizer.convert_tokens_to_ids(list("calculator"))]
+        out = super().generate(request)
+        for comps in out:
+            for c in comps:
+                split = [x for t in c.tokens for x in (chars if t == word else [t])]
+                c.tokens, c.logprobs = split, [-1.0] * len(split)
+        return out
+
+
+def test_chat_calculator_env_keeps_non_canonical_sampled_ids(tok: Any) -> None:
+    """A first turn sampled as ids that re-render to other ids continues on its own ids: the episode is played and
+    rewarded, its response holds the sampled ids, and the tool result follows them (no TranscriptMismatch)."""
+
+    def script(prompt_text: str) -> str:
+        if "<bos>tool\n" in prompt_text:
+            return "Answer: " + prompt_text.split("<bos>tool\n")[-1].split("<eos>")[0]
+        expr = prompt_text.split("What is ")[-1].split("?")[0]
+        return f'<tool_call>{{"name": "calculator", "arguments": {json.dumps({"expression": expr})}}}</tool_call>'
+
+    ctx = SplitWords(tok, script)
+    res = ChatCalculatorEnv(max_turns=2).sample(ctx, SampleSpec(3, 2, 1.0, 80, None, "train"),
+                                                np.random.default_rng(2))  # fmt: skip
+    assert res.failures == [] and len(res.groups) == 3
+    chars = [int(t) for t in tok.convert_tokens_to_ids(list("calculator"))]
+    for g in res.groups:
+        for r in g.rollouts:
+            check_episode(tok, r)
+            at = next(i for i in range(len(r.response_tokens)) if r.response_tokens[i : i + len(chars)] == chars)
+            assert all(m == 1 for m in r.response_loss_mask[: at + len(chars)])
+    # the second turn's prompt is the first turn's prompt and sampled ids, then the template's tool message
+    second = ctx.calls[1][0][0]
+    assert tok.decode(second).endswith("<eos><bos>assistant\n") and chars[0] in second
 
 
 def test_chat_lesson_rows_through_the_rollout_manager(server: FakeServer, tok: Any) -> None:

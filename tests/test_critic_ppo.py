@@ -37,7 +37,6 @@ from policy import value_head as VH  # noqa: E402
 from policy.losses import Batch, CriticPPOLoss, loss_module_from_config  # noqa: E402
 from steps import export as export_step  # noqa: E402
 from steps import learn  # noqa: E402
-from steps import replay as replay_step  # noqa: E402
 
 STEPS = 3
 
@@ -367,7 +366,7 @@ def test_value_head_checkpoint_resume_replay_bitwise_and_never_published(tmp_pat
     assert all(np.array_equal(a, b) for a, b in zip(head_arrays(ck3.model), head_arrays(again.model), strict=True))
 
     # replay (`make replay`'s function) from checkpoint 2: the same policy and value head
-    replayed = replay_step.replay(store, cfg, 2, 3)
+    replayed = learner.replay_slots(store, cfg, 2, 3)
     host = jax.device_get(replayed.model)
     assert all(np.array_equal(a, b) for a, b in zip(p3, params(VH.policy_of(host)), strict=True))
     assert all(np.array_equal(a, b) for a, b in zip(head_arrays(ck3.model), head_arrays(host), strict=True))
@@ -400,7 +399,7 @@ def test_several_updates_per_slot_replay_bitwise(tmp_path: Path) -> None:
     optimizer = learner.build_optimizer(cfg.optimizer, STEPS, learner.updates_per_slot(train))
     ck3 = pf.read_checkpoint(store, 3, cfg.model, VOCAB, optimizer, value_head=True)
     p3 = params(pf.read_policy(store, 3, cfg.model, VOCAB))
-    host = jax.device_get(replay_step.replay(store, cfg, 2, 3).model)
+    host = jax.device_get(learner.replay_slots(store, cfg, 2, 3).model)
     assert all(np.array_equal(a, b) for a, b in zip(p3, params(VH.policy_of(host)), strict=True))
     assert all(np.array_equal(a, b) for a, b in zip(head_arrays(ck3.model), head_arrays(host), strict=True))
 

@@ -1,9 +1,10 @@
-"""Scheduled steps on a finished run end before importing JAX (`steps.early`): `python -m steps.learn` and
-`python -m steps.rollout`, and the scheduled-jobs guide's `steps.run step learn|rollout` lines (through `make learn`
-and `rlpipe rollout`), started on a run whose learner finished, exit 0 with their usual line and import
-neither JAX nor levanter; a raised `train.num_train_steps`, a run still training, a damaged final policy marker
-(left to the worker's full path, which quarantines it) and `control/STOP` are told apart (the checks themselves,
-in-process)."""
+"""Scheduled steps on a finished run end before importing JAX (`steps.early`): `python -m steps.learn` and `python -m
+steps.rollout`, and the scheduled-jobs guide's `steps.run step learn|rollout` lines (through `make learn` and `rlpipe
+rollout`), started on a run whose learner finished, exit 0 with their usual line and import neither JAX nor levanter;
+so do the job's evaluator (restarted on a finished run whose evaluations are committed) and the guide's `steps.run
+step evaluate … --all true` line once every policy is scored; a raised `train.num_train_steps`, a run still training,
+a damaged final policy marker (left to the worker's full path, which quarantines it) and `control/STOP` are told
+apart (the checks themselves, in-process)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from jobs import TEST_CONFIG as JOB_CONFIG
 
 from pipeline.config import RLJobConfig
 from pipeline.jobs.job import RLJob
-from pipeline.store import layout
-from steps.early import learner_already_done, rollout_nothing_to_do
+from pipeline.store import layout, run_state
+from pipeline.store.storage import RunStore
+from steps.early import evaluate_nothing_to_do, learner_already_done, rollout_nothing_to_do
 
 NUM_STEPS = 6
 """configs/test_cats.yaml's learner steps (the `default_job` fixture)."""
@@ -118,3 +120,51 @@ def test_the_checks_tell_a_finished_run_from_one_that_trains_on(default_job: Fin
 
     (root / layout.LEARNER_DONE).unlink()  # a learner that has not finished (or a cut record): the full path
     assert learner_already_done(learner) is None
+
+
+@pytest.mark.slow
+def test_an_evaluator_with_nothing_left_to_evaluate_ends_without_jax(default_job: FinishedJob, tmp_path: Path) -> None:
+    """The job's evaluator (follow mode) on a finished run whose followed policies are evaluated, and the guide's
+    `--all true` line once every policy has its summaries: exit 0 with one line, no JAX, nothing written. A policy
+    without its summary, `--force`, a `--steps` policy not committed or a quarantined policy take the full path."""
+    root = tmp_path / "run"
+    shutil.copytree(default_job.root, root, ignore=shutil.ignore_patterns("leases", "logs"))
+    evaluator = step_configs(root)["evaluate"]
+    lesson = "cats"
+
+    follow = run_step("steps.evaluate", evaluator, tmp_path)
+    assert follow.returncode == 0, follow.stderr[-3000:]
+    assert f"final policy {NUM_STEPS} evaluated; done" in follow.stderr, follow.stderr[-3000:]
+    assert not {"jax", "levanter", "haliax"} & imported(follow.stderr), sorted(imported(follow.stderr))
+
+    everything = dataclasses.replace(evaluator, all=True)
+    policies = run_state.committed_steps(RunStore(str(root)), layout.POLICIES)
+    unscored = [s for s in policies if not (root / layout.eval_summary_file(s, lesson)).exists()]
+    assert unscored, "the job evaluates every eval_frequency-th policy only: --all has policies left to score"
+    assert evaluate_nothing_to_do(everything) is None
+    scored = root / layout.eval_summary_file(NUM_STEPS, lesson)
+    for s in unscored:  # a summary's presence commits a policy's evaluation of a lesson
+        target = root / layout.eval_summary_file(s, lesson)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(scored, target)
+    evals_before = sorted(str(p.relative_to(root)) for p in (root / layout.EVALS).rglob("*"))
+
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    line = [sys.executable, "-m", "steps.run", "step", "evaluate", "--config_path", str(JOB_CONFIG),
+            "--run_root", str(root), "--all", "true"]  # fmt: skip  # the scheduled-jobs guide's evaluate line
+    proc = subprocess.run(line, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mark = "INFO rlpipe.evaluate: "
+    said = [ln.split(mark, 1)[1] for ln in proc.stderr.splitlines() if mark in ln]
+    assert said == [f"policy {s}: every lesson already evaluated" for s in policies], proc.stderr[-3000:]
+    assert not {"jax", "levanter", "haliax"} & imported(proc.stderr), sorted(imported(proc.stderr))
+    assert sorted(str(p.relative_to(root)) for p in (root / layout.EVALS).rglob("*")) == evals_before
+
+    assert evaluate_nothing_to_do(everything) == 0
+    assert evaluate_nothing_to_do(dataclasses.replace(everything, force=True)) is None
+    assert evaluate_nothing_to_do(dataclasses.replace(evaluator, steps=[NUM_STEPS + 1])) is None
+    (root / layout.eval_summary_file(unscored[0], lesson)).unlink()
+    assert evaluate_nothing_to_do(everything) is None
+    assert evaluate_nothing_to_do(evaluator) == 0  # a policy the evaluator does not follow
+    RunStore(str(root)).quarantine(layout.policy_marker(NUM_STEPS), "a test's damaged marker")
+    assert evaluate_nothing_to_do(evaluator) is None

@@ -192,3 +192,39 @@ def test_ctrl_c_in_a_garbage_collection_callback_still_stops_the_program() -> No
     assert proc.returncode == Exit.INTERRUPTED, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [INTERRUPT_LINE], proc.stderr[-3000:]
     assert time.monotonic() - started < 60, "the interrupt was lost: the program waited to its end"
+
+
+def test_a_signal_after_the_code_is_decided_leaves_the_code() -> None:
+    """A program that ended on its own ignores a Ctrl-C or SIGTERM from then on (`ignore_stop_signals`, what `rlpipe`
+    does once its program returned): the signal does not replace its exit code. Found by the gc case above under
+    load: a SIGINT that landed in Python's teardown, which restores the default action of signals with a Python
+    handler, ended gc by the signal (-2, no line) after it had finished."""
+    script = (
+        "import os, signal, sys\n"
+        "from pipeline.process.interrupts import ignore_stop_signals\n"
+        "ignore_stop_signals()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.exit(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (3, "")
+
+
+def test_a_program_stopped_by_a_signal_skips_the_teardown() -> None:
+    """After a stop by a signal, `rlpipe`'s process ends with `end_process`: its output flushed, its atexit functions
+    run, its code kept, and no object finalized by the teardown (finalizing JAX/XLA objects while their threads
+    still hold the interrupted work can crash the process: SIGSEGV, -11 instead of 130)."""
+    script = (
+        "import atexit, sys\n"
+        "from pipeline.process.interrupts import end_process\n"
+        "class Finalized:\n"
+        "    def __del__(self):\n"
+        "        sys.stderr.write('finalized\\n')\n"
+        "kept = Finalized()\n"
+        "atexit.register(lambda: sys.stderr.write('atexit\\n'))\n"
+        "sys.stdout.write('buffered')\n"
+        "end_process(130)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "buffered", "atexit\n")

@@ -207,3 +207,38 @@ def test_scheduled_training_steps_and_a_job_never_run_side_by_side(tmp_path: Pat
     finally:
         own.kill()
         own.wait()
+
+
+def test_a_renewal_survives_a_storage_fault_but_not_a_bug(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Renewing the job lease (`JobRunner._renew_job_lease`) on a run root whose `leases/` is full logs the fault and
+    goes on (the next renewal retries); an error that is not the storage's (a bug) is not swallowed."""
+    import dataclasses
+
+    import draccus
+
+    from pipeline.config import RLJobConfig
+    from pipeline.jobs import runner as runner_module
+    from pipeline.jobs.job import RLJob
+    from pipeline.store.faults import FAULT_INJECTION_ENV
+
+    cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[])
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, run_root=str(tmp_path / "run")))
+    job_runner = runner_module.JobRunner(RLJob(cfg))
+    job_runner._take_job_lease()
+    assert job_runner._lease is not None
+    due = time.monotonic() + JOB_LEASE_TTL_S  # past every renewal's due time
+
+    monkeypatch.setenv(FAULT_INJECTION_ENV, f"ENOSPC:{layout.LEASES}/")
+    with caplog.at_level("WARNING", logger=runner_module.__name__):
+        assert job_runner._renew_job_lease(due) is True
+    assert "job lease not renewed" in caplog.text and "No space left on device" in caplog.text
+    monkeypatch.delenv(FAULT_INJECTION_ENV)
+
+    def broken() -> None:
+        raise KeyError("a bug in the renewal")
+
+    monkeypatch.setattr(job_runner._lease, "renew", broken)
+    with pytest.raises(KeyError, match="a bug in the renewal"):
+        job_runner._renew_job_lease(due + JOB_LEASE_TTL_S)

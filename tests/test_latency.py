@@ -175,16 +175,17 @@ def test_pacing_counts_no_row_whose_advantage_is_zero() -> None:
 
 
 def test_files_without_signal_count_only_once_they_would_fill_a_slot() -> None:
-    """The stall seen on the demo: 2 files with 8 signal rows and 4 without any (no_signal_fill_after=4) give a
-    BatchMaker 16 rows, not the 44 the old per-file share counted; a 5th file without signal is admitted whole."""
+    """The stall seen on the demo: 2 files with 8 signal rows and 4 without any (no_signal_fill_after=4; files of a
+    quarter batch, so the fill starts by their count) give a BatchMaker 16 rows, not the 44 the old per-file share
+    counted; a 5th file without signal is admitted whole."""
     from pipeline.rollout.pacing import count_unconsumed_rows, fill_credit
 
     assert fill_credit([32] * 4, 4) == 0 and fill_credit([32] * 5, 4) == 32 and fill_credit([32] * 9, 0) == 0
     files = {f"rollouts/step-00000017/f{i}.parquet": (17, 8 if i in (1, 3) else 0, 10.0 + i) for i in range(6)}
     no_signal = {path: 32 for path, (_, n, _) in files.items() if n == 0}
-    kw = {"last_slot": 18, "max_lag": 1, "batch_size": 32, "no_signal": no_signal, "no_signal_fill_after": 4}
+    kw = {"last_slot": 18, "max_lag": 1, "batch_size": 128, "no_signal": no_signal, "no_signal_fill_after": 4}
     cursor = {"cursor": {"seen": [], "reservoir": {"files": [{"policy_step": 16, "rows": [1, 2, 3]}]}}}
-    assert count_unconsumed_rows(files, cursor, **kw) == 16  # < 32: produce
+    assert count_unconsumed_rows(files, cursor, **kw) == 16  # < 128: produce
     files["rollouts/step-00000018/g.parquet"] = (18, 0, 20.0)
     no_signal["rollouts/step-00000018/g.parquet"] = 32
     assert count_unconsumed_rows(files, cursor, **kw) == 16 + 32  # the 5th file without signal fills the slot

@@ -31,7 +31,6 @@ from policy import learner  # noqa: E402
 from policy import model as M  # noqa: E402
 from policy import policy_format as pf  # noqa: E402
 from steps import learn  # noqa: E402
-from steps import replay as replay_step  # noqa: E402
 
 STEPS = 3
 
@@ -108,7 +107,7 @@ def test_epochs_replay_bitwise(tmp_path: Path) -> None:
     q3 = params(pf.read_policy(store2, 3, cfg.model, VOCAB))
     assert all(np.array_equal(a, b) for a, b in zip(p3, q3, strict=True))
 
-    replayed = replay_step.replay(store, cfg, 2, 3)
+    replayed = learner.replay_slots(store, cfg, 2, 3)
     r3 = params(jax.device_get(replayed.model))
     assert all(np.array_equal(a, b) for a, b in zip(p3, r3, strict=True))
 

@@ -116,7 +116,7 @@ def test_published_adapters_reference_the_base_and_replay_is_bitwise(trained: Tr
     assert marker.extra["base_policy"] == 0 and marker.extra["lora"]["r"] == LORA.r
     assert pf.POLICY_WEIGHTS in pf.policy_metadata(store, 0).files  # the base, in full
     # replaying slot STEPS from checkpoint STEPS-1 gives the learner's model bit for bit
-    replayed = replay_step.replay(store, cfg, STEPS - 1, STEPS)
+    replayed = L.replay_slots(store, cfg, STEPS - 1, STEPS)
     ours, theirs = M.numpy_params(replayed.model), M.numpy_params(trained.final.model)
     assert all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
     ours, theirs = M.numpy_params(replayed.opt_state), M.numpy_params(trained.final.opt_state)

@@ -151,21 +151,22 @@ def test_bounded_run_writes_slots_lineage_metrics_and_resumes(run_root: tuple[Pa
 
 
 def test_no_signal_slot_fills_after_the_stated_number_of_files(run_root: tuple[Path, RunStore]) -> None:
-    """A solved task (every group all-equal rewards) fills the slot after `no_signal_fill_after` files."""
+    """A solved task (every group all-equal rewards) fills the slot after `no_signal_fill_after` files (here fewer
+    than hold a batch of rows, which would start the fill as well)."""
     root, store = run_root
     paths = [commit_rollouts(store, 0, i, rows_for(0, f"s{i}", [[1.0, 1.0]], seed=i)) for i in range(5)]
     r = run_step(root, **{"train.no_signal_fill_after": 0, "train.max_batch_latency_s": 1})  # plain mode
     assert r.returncode == Exit.TIMEOUT and "have 0 eligible of 4" in r.stderr  # 0: never fill, fail loudly
     assert log_entries(store) == []
-    r = run_step(root, max_batches=1, **{"train.no_signal_fill_after": 3})
+    r = run_step(root, max_batches=1, **{"train.no_signal_fill_after": 1})
     assert r.returncode == 0, r.stderr
     (e,) = log_entries(store)
-    assert e["ingested_files"] == paths  # 3 files filtered, then 2 admitted with advantage 0
+    assert e["ingested_files"] == paths[:3]  # 1 file (2 rows of a batch of 4) filtered, then 2 admitted
     assert e["filled_no_signal"] == 4 and "admitting zero-variance groups" in r.stderr
     t = store.read_parquet(e["data_file"], BATCH)
-    assert {f for fs in t.column("source_files").to_pylist() for f in fs} == set(paths[3:])
+    assert {f for fs in t.column("source_files").to_pylist() for f in fs} == set(paths[1:3])
     assert all(a == 0.0 for row in t.column("advantages").to_pylist() for a in row)
-    assert len([d for d in dropped_rows(store) if d["reason"] == "zero_variance"]) == 6
+    assert len([d for d in dropped_rows(store) if d["reason"] == "zero_variance"]) == 2
     assert read_metrics(store, "batchmaker")[0]["rows_filled_no_signal"] == 4
 
 

@@ -19,7 +19,7 @@ from jobs import FinishedJob
 from test_make_batches import commit_rollouts, dropped_rows, log_entries, publish_policy, rows_for, run_step
 
 from pipeline.batch_maker.rebuild import rebuild_slot
-from pipeline.batch_maker.slot_metrics import WASTE_REASONS, fills_at_once
+from pipeline.batch_maker.slot_metrics import WASTE_REASONS, fill_starts, fills_at_once
 from pipeline.config import CurriculumConfig, LessonConfig, TrainParams
 from pipeline.curriculum import (
     SATURATION_WINDOW,
@@ -39,7 +39,11 @@ from pipeline.rollout.pacing import (
     claim_ttl,
     claimed_rows,
     count_unconsumed_rows,
+    fill_credit,
     pacing_decision,
+    prompts_for_room,
+    rows_for_room,
+    signal_fraction,
     standing_claims,
 )
 from pipeline.store import layout
@@ -135,14 +139,27 @@ def test_a_killed_workers_claim_expires_and_is_deleted_by_the_next_reader(tmp_pa
 # ---------------------------------------------------------------------------------------------- saturated runs
 
 
-def test_a_slot_fills_at_once_after_a_slot_that_had_to_fill_and_while_half_of_it_had_no_signal() -> None:
+def test_a_slot_fills_at_once_while_nearly_all_of_the_slot_before_had_no_signal() -> None:
     kw: dict[str, Any] = {"filter_zero_variance": True, "no_signal_fill_after": 4}
-    assert fills_at_once(8, False, 32, **kw)  # filtered as usual, still had to fill: saturated
+    assert fills_at_once(28, False, 32, **kw)  # filtered as usual, still had to fill 7/8 of it: saturated
     assert not fills_at_once(0, False, 32, **kw) and not fills_at_once(None, False, 32, **kw)
-    assert fills_at_once(16, True, 32, **kw) and fills_at_once(32, True, 32, **kw)  # filled at once, half no signal
-    assert not fills_at_once(15, True, 32, **kw)  # signal again: filter as usual
+    # a small fill (a few files without signal among files with it) is no saturation: filling the next slot from
+    # its start would admit every group without signal, and push the rows with signal past the batch (stale)
+    assert not fills_at_once(8, False, 32, **kw)
+    assert fills_at_once(28, True, 32, **kw) and fills_at_once(32, True, 32, **kw)  # filled at once, 7/8 no signal
+    assert not fills_at_once(27, True, 32, **kw) and not fills_at_once(16, True, 32, **kw)  # signal: filter again
     assert not fills_at_once(32, False, 32, filter_zero_variance=False, no_signal_fill_after=4)
     assert not fills_at_once(32, False, 32, filter_zero_variance=True, no_signal_fill_after=0)  # 0: never fill
+
+
+def test_a_worker_generates_the_missing_signal_rows_divided_by_the_recent_share_with_signal() -> None:
+    assert signal_fraction([]) == 1.0  # nothing known: every row counts
+    assert signal_fraction([(64, 16), (32, 8), (8, 0)]) == 24 / 104
+    # 512 signal rows missing at a quarter of rows with signal: 2,048 rows (the lesson's 64 prompts of 8 at most) ...
+    assert rows_for_room(512, 0.25) == 2048 and prompts_for_room(rows_for_room(512, 0.25), 64, 8) == 64
+    # ... and 40 missing: 20 prompts in one file, not 5 (then 4, 3, 2, 1: ever smaller files, the last without signal)
+    assert prompts_for_room(rows_for_room(40, 0.25), 64, 8) == 20 and prompts_for_room(40, 64, 8) == 5
+    assert rows_for_room(40, 1.0) == 40 and rows_for_room(40, 0.0) == 400  # at least a tenth assumed to count
 
 
 def test_pacing_counts_every_row_without_signal_once_the_run_is_saturated() -> None:
@@ -150,8 +167,18 @@ def test_pacing_counts_every_row_without_signal_once_the_run_is_saturated() -> N
     no_signal = dict.fromkeys(files, 32)
     kw: dict[str, Any] = {"last_slot": 18, "max_lag": 1, "batch_size": 32, "no_signal": no_signal}
     kw["no_signal_fill_after"] = 4
-    assert count_unconsumed_rows(files, None, **kw) == 0  # 4 files must be dropped before a fill: produce more
+    # the first file holds a batch of rows without signal: it starts the fill, and the second fills the slot
+    assert count_unconsumed_rows(files, None, **kw) == 32
     assert count_unconsumed_rows(files, None, saturated=True, **kw) == 64  # the next slot fills from these
+    # files of a quarter batch each: 4 files must be dropped before a fill: produce more
+    assert count_unconsumed_rows(files, None, **{**kw, "batch_size": 128}) == 0
+
+
+def test_a_fill_starts_after_no_signal_fill_after_files_or_a_batch_of_rows_without_signal() -> None:
+    assert not fill_starts(3, 24, 32, 4) and fill_starts(4, 32, 32, 4)  # small files: by their count
+    assert fill_starts(1, 32, 32, 4)  # one file of a batch of rows: the demo's files
+    assert not fill_starts(9, 999, 32, 0) and not fill_starts(3, 999, 0, 4)  # 0: never; batch 0: by files only
+    assert fill_credit([8] * 6, 4, 512) == 16 and fill_credit([32] * 3, 4, 32) == 64 and fill_credit([32] * 5, 4) == 32
 
 
 def test_batchmaker_fills_the_slot_after_a_no_signal_fill_from_its_first_file(tmp_path: Path) -> None:
@@ -162,17 +189,17 @@ def test_batchmaker_fills_the_slot_after_a_no_signal_fill_from_its_first_file(tm
     store = RunStore(str(root))
     publish_policy(store, 0)
     publish_policy(store, 1)
-    old = [commit_rollouts(store, 0, i, rows_for(0, f"s{i}", [[1.0, 1.0]], seed=i)) for i in range(5)]
-    new = [commit_rollouts(store, 1, i, rows_for(1, f"t{i}", [[0.0, 0.0]], seed=10 + i)) for i in range(5, 7)]
-    r = run_step(root, max_batches=2, **{"train.no_signal_fill_after": 3})
+    old = [commit_rollouts(store, 0, i, rows_for(0, f"s{i}", [[1.0, 1.0]], seed=i)) for i in range(4)]
+    new = [commit_rollouts(store, 1, i, rows_for(1, f"t{i}", [[0.0, 0.0]], seed=10 + i)) for i in range(4, 6)]
+    r = run_step(root, max_batches=2, **{"train.no_signal_fill_after": 2})
     assert r.returncode == 0, r.stderr
     e1, e2 = log_entries(store)
-    assert e1["ingested_files"] == old and e1["filled_no_signal"] == 4 and e1["dropped"] == {"zero_variance": 6}
+    assert e1["ingested_files"] == old and e1["filled_no_signal"] == 4 and e1["dropped"] == {"zero_variance": 4}
     assert e2["ingested_files"] == new and e2["filled_no_signal"] == 4 and "zero_variance" not in e2["dropped"]
     assert (e1["no_signal_fill_from_start"], e2["no_signal_fill_from_start"]) == (False, True)
     assert "from the first file" in r.stderr
-    assert len([d for d in dropped_rows(store) if d["reason"] == "zero_variance"]) == 6
-    train = TrainParams(batch_size=4, seq_len=16, max_lag=1, max_batches_ahead=1, no_signal_fill_after=3)
+    assert len([d for d in dropped_rows(store) if d["reason"] == "zero_variance"]) == 4
+    train = TrainParams(batch_size=4, seq_len=16, max_lag=1, max_batches_ahead=1, no_signal_fill_after=2)
     batch, snapshot = rebuild_slot(store, 2, train)
     entry = store.read_log_entry(2)
     assert sorted(set(batch.source_files)) == entry.lineage.source_files == new
@@ -249,3 +276,14 @@ def test_the_default_job_wastes_few_generated_rows(default_job: FinishedJob) -> 
     trained = sum(r["n_rollouts"] for r in recs)
     assert wasted / trained <= MAX_WASTE, (wasted, trained, [(r["slot"], r["rows_wasted"]) for r in recs])
     assert RunStore(str(root)).list(CLAIMS_DIR) == []  # every worker withdrew its last claim
+
+
+def test_the_bench_reads_the_share_of_generated_rows_a_finished_run_trained(default_job: FinishedJob) -> None:
+    """`bench.bench_rows_trained` (the `rows_trained` part of `make bench`) on the session job's run root: distinct
+    rows in its committed batches over the rows its workers committed, with every drop counted by reason."""
+    from bench.bench_rows_trained import rows_trained
+
+    fig = rows_trained(str(default_job.root))
+    assert glob.glob(str(default_job.root / "rollouts" / "step-*" / "*.parquet"))
+    assert 0 < fig["trained"] <= fig["generated"] and fig["fraction"] == fig["trained"] / fig["generated"]
+    assert fig["trained"] + sum(fig["dropped"].values()) <= fig["generated"]

@@ -16,8 +16,9 @@ from reasoning_gym.factory import create_curriculum
 from reasoning_gym.utils import extract_answer
 
 from pipeline.config import ConfigError
-from pipeline.config.curriculum import EnvConfig
-from pipeline.environments.base import SampleSpec
+from pipeline.config.curriculum import CurriculumConfig, EnvConfig, LessonConfig
+from pipeline.curriculum import fold_prompts, initial_state
+from pipeline.environments.base import PromptSkip, SampleSpec, draw_skipping
 from pipeline.environments.reasoning_gym_env import ReasoningGymEnv, extract, extract_strict
 from pipeline.environments.scripted import ScriptedContext
 from pipeline.environments.tokenizer import build_tiny_tokenizer
@@ -183,6 +184,30 @@ def test_answer_extraction_conventions(text: str, fmt: str, want: str | None) ->
     assert extract(text, fmt) == want
 
 
+def test_a_finite_training_pool_makes_prompts_recur_so_skip_records_fire() -> None:
+    cfg = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
+    env = ReasoningGymEnv("chain_sum", cfg, n_eval=16, n_train_items=8)
+    assert env.train_seed_range() == range(16, 24)
+    drawn = [ex.example_id for ex in env.examples(64, np.random.default_rng(2), "train")]
+    assert {int(i.rsplit("-", 1)[1]) for i in drawn} == set(range(16, 24))  # every pool item, no eval seed
+    # without a pool the same draws practically never repeat a prompt, so no record could reach skip_after
+    free = ReasoningGymEnv("chain_sum", cfg, n_eval=16)
+    assert len({ex.example_id for ex in free.examples(64, np.random.default_rng(2), "train")}) == 64
+    # the pool's prompts get records: four of them hopeless twice in a row are passed over by the next draws
+    lesson = LessonConfig("rg", env=EnvConfig("reasoning_gym", {"task": "chain_sum", "n_train_items": 8}))
+    state = initial_state(CurriculumConfig(lessons={"rg": lesson}, skip_after=2, retest_rate=0.0))
+    hopeless = sorted(set(drawn))[:4]
+    for slot in (1, 2):
+        state = fold_prompts(state, "rg", [(i, 0.0) for i in hopeless], slot)
+    skip = PromptSkip(state.skipped_prompts("rg"), 0.0)
+    assert skip.example_ids == set(hopeless)
+    rng = np.random.default_rng(3)
+    got, m = draw_skipping(lambda k: env.examples(k, rng, "train"), 32, rng, skip, lambda e: e.example_id)
+    # half the pool is skipped: without skipping ~16 of 32 draws would be theirs; only the fill of the last round is
+    again = sum(e.example_id in skip.example_ids for e in got)
+    assert len(got) == 32 and again == m["n_retested_prompts"] <= 4 and m["n_skipped_prompts"] >= 16, (again, m)
+
+
 @pytest.mark.parametrize(
     ("args", "field"),
     [
@@ -195,6 +220,8 @@ def test_answer_extraction_conventions(text: str, fmt: str, want: str | None) ->
         ({"tasks": [{"task": "chain_sum", "cfg": {}}]}, "tasks[0]"),
         ({"task": "chain_sum", "answer_format": "xml"}, "answer_format"),
         ({"task": "chain_sum", "strict_format": "yes"}, "strict_format"),
+        ({"task": "chain_sum", "n_train_items": 0}, "n_train_items"),
+        ({"task": "chain_sum", "n_train_items": 2.5}, "n_train_items"),
         ({}, "task"),
     ],
 )

@@ -7,7 +7,9 @@ Measured on the 2-core VM (2026-11-26), held-out success by RL step: 0.168 at po
 0.270 / 0.316 at steps 10 / 20 / 30 / 40 / 50 (one run evaluated every 10 steps); other runs: 0.289 at 50 (+12
 points), and 0.191-0.227 at step 25 (+2 to +5.5 points: too few steps for the margin). 40 steps gave +10.2 points
 in one run and +2.7 (0.168 -> 0.195) in a clean-clone CI run, so the test keeps 50.
-CPU: SFT 18 s, RL 166 s for 50 steps with six evaluations (two evaluations here)."""
+CPU: SFT 18 s, RL 166 s for 50 steps with six evaluations (two evaluations here). 2026-11-29 (the no-signal fill
+fixes, docs/guides/sft-and-recipe.md "Where the generated rows go"): 0.168 -> 0.289, 171 CPU-s for the test process
+and its children (/usr/bin/time -v), 5 min 52 s wall beside a `make recipe` run (load ~10)."""
 
 from __future__ import annotations
 

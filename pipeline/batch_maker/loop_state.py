@@ -55,6 +55,7 @@ def new_slot_log() -> dict[str, Any]:
         "write_s": 0.0,
         "groups_filtered_zero_variance": 0,
         "no_signal_files": 0,
+        "no_signal_rows": 0,
         "no_signal_fill": False,
         "filled_no_signal": 0,
         "dropped": {},

@@ -33,6 +33,7 @@ import pyarrow as pa
 
 from pipeline.batch_maker.maker import BatchMaker
 from pipeline.batch_maker.packing import BatchResult
+from pipeline.batch_maker.slot_metrics import fill_starts
 from pipeline.config import TrainParams
 from pipeline.process.exits import DamagedInputError
 from pipeline.store import layout
@@ -143,17 +144,19 @@ def rebuild_slot(store: RunStore, slot: int, train: TrainParams) -> tuple[BatchR
         bm.set_next_seq(reservoir.next_seq)
     # fed as `BatchMakerLoop.ingest` feeds them; every file was produced by a policy published before it was listed,
     # so the newest policy when the slot was committed refuses no row the live maker admitted
-    after = train.no_signal_fill_after
-    no_signal_files = 0
+    no_signal_files = no_signal_rows = 0
     fill = entry.no_signal_fill_from_start  # saturated: the live maker filled from the first file (`fills_at_once`)
     for path in entry.ingested_files:
         table = _rollouts(store, path, slot)
-        if train.filter_zero_variance and 0 < after <= no_signal_files:
+        if train.filter_zero_variance and fill_starts(
+            no_signal_files, no_signal_rows, train.batch_size, train.no_signal_fill_after
+        ):
             fill = True
         rep = bm.add_rollouts(table, path, slot=slot, latest_policy=entry.learner_step,
                               dir_policy_step=layout.parse_step(path), admit_no_signal=fill)  # fmt: skip
         if rep.admitted == 0 and rep.filtered_groups.get("zero_variance", 0):
             no_signal_files += 1
+            no_signal_rows += table.num_rows
     batch = bm.make_batch(slot)
     if batch is None:
         raise RebuildError(f"the recorded inputs of slot {slot} give too few eligible rollouts for a batch")

@@ -10,6 +10,10 @@ WASTE_REASONS = ("stale", "zero_variance", "superseded", "zero_advantage")
 """Drop reasons that are waste: rows generated (sampler compute spent) that trained nothing because of pacing or a
 saturated task, not because they were broken (too_long, malformed and future_policy are not counted)."""
 
+SATURATED_NO_SIGNAL = 0.875
+"""The share of a slot's rows admitted without signal (advantage 0) from which the next slot fills at once
+(`fills_at_once`): fewer than one row in 8 had signal, so filtering would read 8 times the batch to fill it."""
+
 METRICS = {
     "slot": "batch slot T",
     "n_rollouts": "rollout rows in the batch (segments)",
@@ -76,6 +80,19 @@ def waste_ratio(dropped_by_reason: dict[str, int], trained_rows: int) -> float |
     return wasted / trained_rows if trained_rows > 0 else None
 
 
+def fill_starts(no_signal_files: int, no_signal_rows: int, batch_size: int, no_signal_fill_after: int) -> bool:
+    """Whether the rollout files read for one slot so far, `no_signal_files` of them without any signal (holding
+    `no_signal_rows` rows), start its no-signal fill (`train.no_signal_fill_after`): that many such files, or as few
+    as hold a batch of rows. A file counts by its rows as well as by itself, so that large files (the demo's, of one
+    batch each) start the fill after one batch without signal rather than after `no_signal_fill_after` batches,
+    each one a slot's worth of generated rows dropped; small files still need `no_signal_fill_after` of them.
+    Never with `no_signal_fill_after` 0; by files only with `batch_size` 0. The live BatchMaker, its rebuild and
+    rollout pacing (`fill_credit`) decide by this one rule."""
+    if no_signal_fill_after <= 0:
+        return False
+    return no_signal_files >= no_signal_fill_after or 0 < batch_size <= no_signal_rows
+
+
 def fills_at_once(
     prev_filled_no_signal: int | None,
     prev_from_start: bool,
@@ -88,14 +105,20 @@ def fills_at_once(
     T-1's log entry (`filled_no_signal`, `no_signal_fill_from_start`): the run is saturated.
 
     - T-1 filtered as usual and still had to fill (`filled_no_signal > 0`: `no_signal_fill_after` files read for it
-      had no signal at all): every lesson sampled scores each group alike, so T fills at once instead of dropping
-      `no_signal_fill_after` more files first (slot after slot, that was most of the demo's waste).
-    - T-1 filled from its start: T does too while at least half of T-1's rows had no signal
-      (`2 × filled_no_signal >= batch_size`); fewer, and T filters as usual again (the lesson gives signal).
+      had no signal at all), and the fill made up at least `SATURATED_NO_SIGNAL` of T-1's rows: every lesson sampled
+      scores (nearly) each group alike, so T fills at once instead of dropping `no_signal_fill_after` more files
+      first (slot after slot, that was most of the demo's waste).
+    - T-1 filled from its start: T does too while at least `SATURATED_NO_SIGNAL` of T-1's rows had no signal;
+      fewer, and T filters as usual again (the lesson gives signal).
+    A smaller fill is a few files without signal among files with it (small files of a task where most groups are
+    solved or failed alike): filling from the start then would admit every such group with advantage 0 slot after
+    slot, and the rows with signal past the batch would go stale (the basic_arithmetic recipe, about half of whose
+    groups have no signal, trained batches of 17-45% rows with signal from its 38th step on under the old threshold
+    of a half).
     Off without zero-variance filtering or with `no_signal_fill_after` 0 (never fill). Recorded in T's entry
     (`no_signal_fill_from_start`), which a rebuild of T follows.
     """
     if not filter_zero_variance or no_signal_fill_after <= 0:
         return False
     filled = prev_filled_no_signal or 0
-    return 2 * filled >= batch_size if prev_from_start else filled > 0
+    return filled > 0 and filled >= SATURATED_NO_SIGNAL * batch_size

@@ -37,6 +37,7 @@ from pipeline.config.model import (
 )
 from pipeline.config.overrides import dump_yaml, resolve_overrides
 from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing
+from pipeline.config.programs import ExportConfig, ReplayConfig
 from pipeline.config.rescore import RescoreStepConfig
 from pipeline.config.retention import GcStepConfig, RetentionConfig
 from pipeline.config.steps import (
@@ -96,6 +97,7 @@ __all__ = [
     "DistributedConfig",
     "EnvConfig",
     "EvaluateStepConfig",
+    "ExportConfig",
     "GSPOLossConfig",
     "GcStepConfig",
     "InferenceConfig",
@@ -120,6 +122,7 @@ __all__ = [
     "RLJobConfig",
     "RLOOLossConfig",
     "RayBackendConfig",
+    "ReplayConfig",
     "RescoreStepConfig",
     "RetentionConfig",
     "RolloutPacing",

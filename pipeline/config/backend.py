@@ -12,6 +12,8 @@ from typing import ClassVar
 
 import draccus
 
+from pipeline.config.base import default_choice
+
 
 @dataclass(frozen=True)
 class JobBackendConfig(draccus.ChoiceRegistry):
@@ -20,9 +22,7 @@ class JobBackendConfig(draccus.ChoiceRegistry):
     launcher: ClassVar[str] = ""
     """"module:Class" of the launcher that starts steps on this backend."""
 
-    @classmethod
-    def default_choice_name(cls) -> str | None:
-        return "local"
+    default_choice_name = default_choice("local")
 
 
 @JobBackendConfig.register_subclass("local")

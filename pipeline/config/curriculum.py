@@ -191,7 +191,9 @@ class CurriculumConfig:
     clears the prompt's record, so a re-tested prompt that is learnable again comes back. Folded from committed
     files like every curriculum statistic, so changing it on an existing run needs its `curriculum/` rebuilt. Only
     helps where prompts recur (a fixed prompt list or dataset); generated tasks with a fresh id per draw (e.g.
-    reasoning-gym's item seeds) rarely see a prompt twice."""
+    reasoning-gym's item seeds) rarely see a prompt twice unless drawn from a finite pool (a reasoning-gym lesson's
+    `env_args.n_train_items`). A pool much smaller than the run's draws is mostly skipped after a while, and then
+    the re-tests (`retest_rate` of every draw that hits a skipped prompt) make up much of what is drawn."""
     retest_rate: float = 0.1
     """With `skip_after` > 0: the probability that a training draw keeps a skipped prompt anyway (a re-test), so a
     prompt the policy has come to fail, or has stopped failing, is seen again. In [0, 1]."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.config.backend import JobBackendConfig, LocalBackendConfig
-from pipeline.config.base import require
+from pipeline.config.base import at_least, require
 from pipeline.config.curriculum import CurriculumConfig, LessonConfig
 from pipeline.config.mesh import LearnerPlacement
 from pipeline.config.model import DenseInferenceConfig, InferenceConfig, ModelSpec
@@ -74,7 +74,7 @@ class RLJobConfig:
     """The learner's device mesh and process count (`learner: {mesh: {data, fsdp, model}, num_processes}`)."""
 
     def __post_init__(self) -> None:
-        require(self.num_rollout_workers >= 1, "num_rollout_workers", self.num_rollout_workers, "must be >= 1")
+        at_least(self, 1, "num_rollout_workers")
         if self.rollout_pool.enabled:
             pool = self.rollout_pool
             require(
@@ -84,5 +84,4 @@ class RLJobConfig:
                 f"must lie within rollout_pool.min_workers..max_workers ({pool.min_workers}..{pool.max_workers}): "
                 "the pool starts with num_rollout_workers",
             )
-        require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
-        require(self.restart_backoff_s >= 0, "restart_backoff_s", self.restart_backoff_s, "must be >= 0")
+        at_least(self, 0, "max_restarts", "restart_backoff_s")

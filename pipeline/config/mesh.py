@@ -9,8 +9,9 @@ parallelism: attention heads and MLP width split over devices). Batch rows are s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from pipeline.config.base import require
+from pipeline.config.base import at_least, require
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class DistributedConfig:
     Each field falls back to an environment variable (`RLPIPE_COORDINATOR`, `RLPIPE_NUM_PROCESSES`,
     `RLPIPE_PROCESS_ID`), which the job runners set when they start several learner processes."""
 
+    SECTION: ClassVar[str] = "distributed"
+
     coordinator_address: str | None = None
     """host:port of process 0's coordinator; None with num_processes 1: single-process (no jax.distributed)."""
     num_processes: int = 1
@@ -59,7 +62,7 @@ class DistributedConfig:
     """This process's index in [0, num_processes)."""
 
     def __post_init__(self) -> None:
-        require(self.num_processes >= 1, "distributed.num_processes", self.num_processes, "must be >= 1")
+        at_least(self, 1, "num_processes")
         if self.process_id is not None:
             require(
                 0 <= self.process_id < self.num_processes,
@@ -73,6 +76,8 @@ class DistributedConfig:
 class LearnerPlacement:
     """The job's `learner:` section: the learner's mesh and how many processes (hosts) run it."""
 
+    SECTION: ClassVar[str] = "learner"
+
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh over all learner processes' devices."""
     num_processes: int = 1
@@ -80,4 +85,4 @@ class LearnerPlacement:
     coordinator on loopback; one per host on a cluster)."""
 
     def __post_init__(self) -> None:
-        require(self.num_processes >= 1, "learner.num_processes", self.num_processes, "must be >= 1")
+        at_least(self, 1, "num_processes")

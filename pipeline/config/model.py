@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import draccus
 
-from pipeline.config.base import require
+from pipeline.config.base import at_least, default_choice, one_of, positive, require
 
 # ---------------------------------------------------------------------------------------
 # model, tokenizer, inference
@@ -31,6 +32,8 @@ class LoraSpec:
     Each wrapped layer computes `W x + (alpha / r) · B A x`, with A [r, in] and B [out, r]; B starts at zero, so
     the model at step 0 (policy 0, and the reference model of the KL term) is exactly the base model."""
 
+    SECTION: ClassVar[str] = "model.lora"
+
     r: int = 8
     """Rank of each adapter."""
     alpha: float = 16.0
@@ -43,8 +46,8 @@ class LoraSpec:
     format) or `adapters` (only the adapter tensors; readers add them to the base weights of policy 0)."""
 
     def __post_init__(self) -> None:
-        require(self.r >= 1, "model.lora.r", self.r, "must be >= 1")
-        require(self.alpha > 0, "model.lora.alpha", self.alpha, "must be > 0")
+        at_least(self, 1, "r")
+        positive(self, "alpha")
         targets = tuple(self.target_modules)
         require(len(targets) > 0, "model.lora.target_modules", list(targets), "must name at least one layer")
         for name in targets:
@@ -55,7 +58,7 @@ class LoraSpec:
                 f"{name!r} is not one of {LORA_TARGETS}",
             )
         require(len(set(targets)) == len(targets), "model.lora.target_modules", list(targets), "has a duplicate")
-        require(self.publish in LORA_PUBLISH, "model.lora.publish", self.publish, f"one of {LORA_PUBLISH}")
+        one_of(self, "publish", LORA_PUBLISH)
 
 
 ATTENTION_BACKENDS = ("default", "vanilla", "jax_flash", "splash", "nvte", "cudnn")
@@ -65,6 +68,8 @@ ATTENTION_BACKENDS = ("default", "vanilla", "jax_flash", "splash", "nvte", "cudn
 @dataclass(frozen=True)
 class ModelSpec:
     """A levanter decoder, built from scratch (tiny configs) or loaded from an HF folder."""
+
+    SECTION: ClassVar[str] = "model"
 
     family: str = "llama"
     """The decoder architecture: llama, qwen2 (Qwen2 and Qwen2.5), qwen3, mistral or gemma; with
@@ -124,19 +129,9 @@ class ModelSpec:
             self.publish_dtype,
             f"one of {('auto', *DTYPES)}",
         )
-        require(
-            self.logprob_block_size is None or self.logprob_block_size >= 1,
-            "model.logprob_block_size",
-            self.logprob_block_size,
-            "must be >= 1 or null",
-        )
-        require(self.family in MODEL_FAMILIES, "model.family", self.family, f"one of {MODEL_FAMILIES}")
-        require(
-            self.attention_backend in ATTENTION_BACKENDS,
-            "model.attention_backend",
-            self.attention_backend,
-            f"one of {ATTENTION_BACKENDS}",
-        )
+        at_least(self, 1, "logprob_block_size", or_null=True)
+        one_of(self, "family", MODEL_FAMILIES)
+        one_of(self, "attention_backend", ATTENTION_BACKENDS)
         require(
             not (self.init_policy and self.hf_checkpoint),
             "model.init_policy",
@@ -166,6 +161,8 @@ class InferenceConfig(draccus.ChoiceRegistry):
     (`policy.inference.make_backend`), so a new backend is one module there plus one subclass here.
     """
 
+    SECTION: ClassVar[str] = "inference"
+
     max_seqs: int = 64
     """Most sequences decoded at once."""
     partial_rollouts: bool = False
@@ -179,13 +176,7 @@ class InferenceConfig(draccus.ChoiceRegistry):
     program returns to the host that often; 1 swaps at the next step, at the cost of a host round trip per step)."""
 
     def __post_init__(self) -> None:
-        require(self.max_seqs >= 1, "inference.max_seqs", self.max_seqs, "must be >= 1")
-        require(
-            self.partial_rollouts_swap_steps >= 1,
-            "inference.partial_rollouts_swap_steps",
-            self.partial_rollouts_swap_steps,
-            "must be >= 1",
-        )
+        at_least(self, 1, "max_seqs", "partial_rollouts_swap_steps")
         require(
             not self.partial_rollouts or self.backend == "dense",
             "inference.partial_rollouts",
@@ -195,9 +186,7 @@ class InferenceConfig(draccus.ChoiceRegistry):
             "report one policy step per response, and it loads a new policy only between requests)",
         )
 
-    @classmethod
-    def default_choice_name(cls) -> str | None:
-        return "dense"
+    default_choice_name = default_choice("dense")
 
     @property
     def backend(self) -> str:
@@ -228,12 +217,7 @@ class DenseInferenceConfig(InferenceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(
-            self.max_seq_len is None or self.max_seq_len >= 2,
-            "inference.max_seq_len",
-            self.max_seq_len,
-            "must be >= 2 or null",
-        )
+        at_least(self, 2, "max_seq_len", or_null=True)
         require(
             self.compute_dtype is None or self.compute_dtype in DENSE_DTYPES,
             "inference.compute_dtype",
@@ -258,7 +242,7 @@ class LevanterInferenceConfig(InferenceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.page_size >= 1, "inference.page_size", self.page_size, "must be >= 1")
+        at_least(self, 1, "page_size")
 
 
 @InferenceConfig.register_subclass("openai")
@@ -284,7 +268,7 @@ class OpenAIInferenceConfig(InferenceConfig):
             self.openai_base_url,
             "is required with inference type 'openai'",
         )
-        require(self.request_timeout_s > 0, "inference.request_timeout_s", self.request_timeout_s, "must be > 0")
+        positive(self, "request_timeout_s")
 
 
 SERVER_ADAPTERS = ("levanter", "sglang", "vllm")
@@ -326,7 +310,7 @@ class ServerInferenceConfig(OpenAIInferenceConfig):
 
     def __post_init__(self) -> None:
         InferenceConfig.__post_init__(self)
-        require(self.adapter in SERVER_ADAPTERS, "inference.adapter", self.adapter, f"one of {SERVER_ADAPTERS}")
+        one_of(self, "adapter", SERVER_ADAPTERS)
         require(
             bool(self.openai_base_url or self.command),
             "inference.openai_base_url",
@@ -334,10 +318,8 @@ class ServerInferenceConfig(OpenAIInferenceConfig):
             "is required with inference type 'server' unless inference.command starts the server",
         )
         require(0 <= self.port < 65536, "inference.port", self.port, "must be in [0, 65536)")
-        require(self.request_timeout_s > 0, "inference.request_timeout_s", self.request_timeout_s, "must be > 0")
-        require(self.startup_timeout_s > 0, "inference.startup_timeout_s", self.startup_timeout_s, "must be > 0")
-        require(self.load_timeout_s > 0, "inference.load_timeout_s", self.load_timeout_s, "must be > 0")
-        require(self.max_restarts >= 0, "inference.max_restarts", self.max_restarts, "must be >= 0")
+        positive(self, "request_timeout_s", "startup_timeout_s", "load_timeout_s")
+        at_least(self, 0, "max_restarts")
 
 
 INFERENCE_BACKENDS = ("dense", "levanter", "openai", "server")

@@ -9,14 +9,17 @@ is, and a dotted flag reads the same on both command lines (`--cadence.policy_in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from pipeline.config.base import require
+from pipeline.config.base import at_least, positive, require
 
 
 @dataclass(frozen=True)
 class LearnerCadence:
     """`cadence:` how often the learner publishes policies and writes checkpoints, and how long it waits for a
     batch."""
+
+    SECTION: ClassVar[str] = "cadence"
 
     policy_interval: int = 1
     """Publish a policy every this many steps (and at step 0 and the last step)."""
@@ -26,15 +29,16 @@ class LearnerCadence:
     """Fail loudly, naming the file, when the next batch has not appeared in this long."""
 
     def __post_init__(self) -> None:
-        require(self.policy_interval >= 1, "cadence.policy_interval", self.policy_interval, "must be >= 1")
-        require(self.checkpoint_interval >= 1, "cadence.checkpoint_interval", self.checkpoint_interval, "must be >= 1")
-        require(self.batch_wait_timeout_s > 0, "cadence.batch_wait_timeout_s", self.batch_wait_timeout_s, "must be > 0")
+        at_least(self, 1, "policy_interval", "checkpoint_interval")
+        positive(self, "batch_wait_timeout_s")
 
 
 @dataclass(frozen=True)
 class PollingConfig:
     """`polling:` how often a waiting step looks at the run root again (for the next batch, rollout files, a
     newer policy)."""
+
+    SECTION: ClassVar[str] = "polling"
 
     interval_s: float = 0.2
     """Seconds between two looks (listings or marker reads) while waiting."""
@@ -45,13 +49,14 @@ class PollingConfig:
     committed stands. Steps that follow the run wait by their own timeouts instead."""
 
     def __post_init__(self) -> None:
-        require(self.interval_s > 0, "polling.interval_s", self.interval_s, "must be > 0")
-        require(self.bounded_wait_s > 0, "polling.bounded_wait_s", self.bounded_wait_s, "must be > 0")
+        positive(self, "interval_s", "bounded_wait_s")
 
 
 @dataclass(frozen=True)
 class RolloutPacing:
     """`pacing:` how far rollout workers may run ahead of the learner."""
+
+    SECTION: ClassVar[str] = "pacing"
 
     max_steps_ahead: int = 1
     """A worker pauses while rollouts from the current policy already cover this many unconsumed batches: the
@@ -67,10 +72,13 @@ class RolloutPacing:
     fit_room: bool = True
     """A worker generates only as many prompts as cover the rows still missing from the backlog (`max_steps_ahead`
     batches minus the unconsumed and claimed rows; at most the lesson's `n_prompts`): a whole file for a backlog a
-    few rows short would mostly go stale. Off: always `n_prompts` prompts."""
+    few rows short would mostly go stale. With zero-variance filtering the backlog counts rows with signal, so the
+    rows generated are the missing ones divided by the share of recent rows with signal (at least 0.1): files stay
+    large instead of shrinking to a group or two, whose no-signal files would start the BatchMaker's no-signal fill.
+    Off: always `n_prompts` prompts."""
 
     def __post_init__(self) -> None:
-        require(self.max_steps_ahead >= 0, "pacing.max_steps_ahead", self.max_steps_ahead, "must be >= 0")
+        at_least(self, 0, "max_steps_ahead")
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ class RolloutPoolConfig:
     `num_rollout_workers` and adds or removes one at a time from what the steps' metrics records say, between
     `min_workers` and `max_workers` (`pipeline.jobs.pool`; every decision is recorded under `pool/` in the run
     root)."""
+
+    SECTION: ClassVar[str] = "rollout_pool"
 
     enabled: bool = False
     """Resize the pool while the job runs (off: `num_rollout_workers` workers throughout)."""
@@ -102,7 +112,7 @@ class RolloutPoolConfig:
     policy before the signals can show its effect."""
 
     def __post_init__(self) -> None:
-        require(self.min_workers >= 1, "rollout_pool.min_workers", self.min_workers, "must be >= 1")
+        at_least(self, 1, "min_workers")
         require(
             self.max_workers >= self.min_workers,
             "rollout_pool.max_workers",
@@ -112,6 +122,5 @@ class RolloutPoolConfig:
         for name in ("scale_up_learner_wait", "scale_down_paused"):
             v = getattr(self, name)
             require(0.0 < v <= 1.0, f"rollout_pool.{name}", v, "must be a fraction in (0, 1]")
-        require(self.scale_down_waste > 0, "rollout_pool.scale_down_waste", self.scale_down_waste, "must be > 0")
-        require(self.window_s > 0, "rollout_pool.window_s", self.window_s, "must be > 0")
-        require(self.cooldown_s >= 0, "rollout_pool.cooldown_s", self.cooldown_s, "must be >= 0")
+        positive(self, "scale_down_waste", "window_s")
+        at_least(self, 0, "cooldown_s")

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config.base import ConfigError, require
+from pipeline.config.base import ConfigError, at_least, require
 from pipeline.config.steps import StoreConfig
 
 
@@ -46,5 +46,5 @@ class RescoreStepConfig:
         except ScorerConfigError as e:
             raise ConfigError(f"scorer.{e.field}" if e.field else "scorer", e.value, e.why) from None
         require(math.isfinite(self.base_weight), "base_weight", self.base_weight, "must be a finite number")
-        require(self.max_files is None or self.max_files >= 1, "max_files", self.max_files, "must be >= 1 or null")
+        at_least(self, 1, "max_files", or_null=True)
         require(all(s >= 0 for s in self.steps or []), "steps", self.steps, "must be policy steps >= 0")

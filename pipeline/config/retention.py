@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from pipeline.config.base import require
+from pipeline.config.base import at_least, positive
 from pipeline.config.steps import StoreConfig
 
 
@@ -13,6 +14,8 @@ from pipeline.config.steps import StoreConfig
 class RetentionConfig:
     """What garbage collection keeps. Policies and checkpoints are kept by step; rollout and batch data files by
     batch slot, and only once a committed lineage index records the fate of every row they hold."""
+
+    SECTION: ClassVar[str] = "retention"
 
     enabled: bool = False
     """Run garbage collection from the job runner every `gc_every_slots` batch slots and once at the end
@@ -34,18 +37,11 @@ class RetentionConfig:
     """Upper bound on the files and folders one garbage-collection run deletes (the rest waits for the next)."""
 
     def __post_init__(self) -> None:
-        require(self.keep_policies >= 1, "retention.keep_policies", self.keep_policies, "must be >= 1")
-        require(self.keep_every >= 0, "retention.keep_every", self.keep_every, "must be >= 0")
-        require(self.keep_checkpoints >= 1, "retention.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
-        require(
-            self.keep_checkpoint_every >= 0,
-            "retention.keep_checkpoint_every",
-            self.keep_checkpoint_every,
-            "must be >= 0",
-        )
-        require(self.data_window_slots >= 1, "retention.data_window_slots", self.data_window_slots, "must be >= 1")
-        require(self.gc_every_slots >= 1, "retention.gc_every_slots", self.gc_every_slots, "must be >= 1")
-        require(self.max_deletions >= 1, "retention.max_deletions", self.max_deletions, "must be >= 1")
+        at_least(self, 1, "keep_policies")
+        at_least(self, 0, "keep_every")
+        at_least(self, 1, "keep_checkpoints")
+        at_least(self, 0, "keep_checkpoint_every")
+        at_least(self, 1, "data_window_slots", "gc_every_slots", "max_deletions")
 
 
 @dataclass(frozen=True)
@@ -62,4 +58,4 @@ class GcStepConfig:
     """A garbage collection that stops renewing its lease for this long is presumed dead."""
 
     def __post_init__(self) -> None:
-        require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0")
+        positive(self, "lease_ttl_s")

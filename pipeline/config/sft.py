@@ -10,11 +10,11 @@ the answer format the RL lesson scores).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import draccus
 
-from pipeline.config.base import ConfigError, require
+from pipeline.config.base import ConfigError, at_least, default_choice, require
 from pipeline.config.mesh import MeshConfig
 from pipeline.config.model import ModelSpec
 from pipeline.config.steps import StoreConfig
@@ -28,9 +28,7 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 class SFTSourceConfig(draccus.ChoiceRegistry):
     """Where the SFT examples come from (a registered choice: `source: {type: files}` or `{type: reasoning_gym}`)."""
 
-    @classmethod
-    def default_choice_name(cls) -> str | None:
-        return "files"
+    default_choice_name = default_choice("files")
 
 
 @SFTSourceConfig.register_subclass("files")
@@ -67,6 +65,8 @@ class ReasoningGymSourceConfig(SFTSourceConfig):
     seeds, questions equal to an eval question redrawn), with the generator's reference answer rendered in the
     lesson's answer format as the response."""
 
+    SECTION: ClassVar[str] = "source"
+
     task: str = ""
     """The reasoning-gym dataset name (e.g. chain_sum, basic_arithmetic, leg_counting)."""
     config: dict[str, Any] = field(default_factory=dict)
@@ -84,7 +84,7 @@ class ReasoningGymSourceConfig(SFTSourceConfig):
 
     def __post_init__(self) -> None:
         require(bool(self.task), "source.task", self.task, "must name a reasoning-gym task")
-        require(self.n >= 1, "source.n", self.n, "must be >= 1")
+        at_least(self, 1, "n")
         for key in ("task", "config", "tasks"):
             require(
                 key not in self.env_args,
@@ -142,13 +142,12 @@ class SFTStepConfig:
     """Device mesh (data × fsdp × model), as the learner's."""
 
     def __post_init__(self) -> None:
-        require(self.num_train_steps >= 1, "num_train_steps", self.num_train_steps, "must be >= 1")
-        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
-        require(self.seq_len >= 2, "seq_len", self.seq_len, "must be >= 2")
-        require(self.checkpoint_interval >= 1, "checkpoint_interval", self.checkpoint_interval, "must be >= 1")
-        require(self.policy_interval >= 0, "policy_interval", self.policy_interval, "must be >= 0")
-        require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
-        require(self.max_steps is None or self.max_steps >= 1, "max_steps", self.max_steps, "must be >= 1 or null")
+        at_least(self, 1, "num_train_steps", "batch_size")
+        at_least(self, 2, "seq_len")
+        at_least(self, 1, "checkpoint_interval")
+        at_least(self, 0, "policy_interval")
+        at_least(self, 1, "keep_checkpoints")
+        at_least(self, 1, "max_steps", or_null=True)
 
 
 def validate_sft(c: SFTStepConfig) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import draccus
 
-from pipeline.config.base import ConfigError, require
+from pipeline.config.base import ConfigError, at_least, default_choice, positive, require
 from pipeline.config.curriculum import CurriculumConfig, LessonConfig
 from pipeline.config.mesh import DistributedConfig, MeshConfig
 from pipeline.config.model import DenseInferenceConfig, InferenceConfig, ModelSpec
@@ -62,9 +62,9 @@ class BatchMakerStepConfig:
     """Take the lease over at once from a live epoch held under this same holder_id (its process is known dead)."""
 
     def __post_init__(self) -> None:
-        require(self.read_ahead >= 0, "read_ahead", self.read_ahead, "must be >= 0")
-        require(self.lease_ttl_s > 0, "lease_ttl_s", self.lease_ttl_s, "must be > 0")
-        require(self.late_sweep_folders >= 0, "late_sweep_folders", self.late_sweep_folders, "must be >= 0")
+        at_least(self, 0, "read_ahead")
+        positive(self, "lease_ttl_s")
+        at_least(self, 0, "late_sweep_folders")
         bounded = self.max_batches is None or self.max_batches >= 1
         require(bounded, "max_batches", self.max_batches, "must be >= 1 or null")
 
@@ -81,9 +81,7 @@ class TrackerConfig(draccus.ChoiceRegistry):
     name: str | None = None
     """Run name in the tracker; None: the run root's last path component."""
 
-    @classmethod
-    def default_choice_name(cls) -> str | None:
-        return "none"
+    default_choice_name = default_choice("none")
 
 
 @TrackerConfig.register_subclass("none")
@@ -156,9 +154,9 @@ class LearnerStepConfig:
     them before the tracker run closes (the job runner sets it when it runs an evaluator; 0: close at once)."""
 
     def __post_init__(self) -> None:
-        require(self.final_eval_wait_s >= 0, "final_eval_wait_s", self.final_eval_wait_s, "must be >= 0")
-        require(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "must be >= 1")
-        require(self.max_steps is None or self.max_steps >= 1, "max_steps", self.max_steps, "must be >= 1 or null")
+        at_least(self, 0, "final_eval_wait_s")
+        at_least(self, 1, "keep_checkpoints")
+        at_least(self, 1, "max_steps", or_null=True)
 
 
 @dataclass(frozen=True)
@@ -216,7 +214,7 @@ class RolloutStepConfig:
         )
         for name in ("weight_load_timeout_s", "generation_timeout_s", "write_timeout_s", "wait_for_policy_timeout_s"):
             require(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
-        require(self.max_example_retries >= 0, "max_example_retries", self.max_example_retries, "must be >= 0")
+        at_least(self, 0, "max_example_retries")
 
 
 @dataclass(frozen=True)
@@ -260,10 +258,5 @@ class EvaluateStepConfig(EvaluateTargets):
 
     def __post_init__(self) -> None:
         require(all(s >= 0 for s in self.steps), "steps", self.steps, "policy steps must be >= 0")
-        require(self.n_examples is None or self.n_examples >= 1, "n_examples", self.n_examples, "must be >= 1 or null")
-        require(
-            self.stop_after_step is None or self.stop_after_step >= 0,
-            "stop_after_step",
-            self.stop_after_step,
-            "must be >= 0 or null",
-        )
+        at_least(self, 1, "n_examples", or_null=True)
+        at_least(self, 0, "stop_after_step", or_null=True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import draccus
 
-from pipeline.config.base import require
+from pipeline.config.base import at_least, default_choice, in_range, one_of, positive, require
 
 # ---------------------------------------------------------------------------------------
 # batching (TrainParams)
@@ -19,6 +20,8 @@ OVERLONG_RULES = ("truncate", "drop")
 @dataclass(frozen=True)
 class TrainParams:
     """What the BatchMaker and the learner agree on: batch shape, staleness, reuse."""
+
+    SECTION: ClassVar[str] = "train"
 
     num_train_steps: int = 100
     """Learner steps (batch slots) of the run; the job ends when the learner has trained this many."""
@@ -40,8 +43,9 @@ class TrainParams:
     """Drop groups whose rewards are all equal (no learning signal)."""
     no_signal_fill_after: int = 4
     """With filter_zero_variance: once this many rollout files read for one batch slot had every group filtered
-    (a solved or hopeless task), admit the next files' groups with advantage 0 so the slot fills and the learner
-    keeps stepping (logged; counted in the slot's log entry). 0: never (wait, then fail after max_batch_latency_s)."""
+    (a solved or hopeless task), or fewer such files holding a batch of rows, admit the next files' groups with
+    advantage 0 so the slot fills and the learner keeps stepping (logged; counted in the slot's log entry). 0: never
+    (wait, then fail after max_batch_latency_s)."""
     replay_buffer_capacity: int = 4096
     """Maximum rollouts held for sampling; the oldest are dropped (reason: evicted) beyond it."""
     replay_buffer_alpha: float = 3.0
@@ -72,46 +76,28 @@ class TrainParams:
     in slots: every update of slot T uses the rate of step T."""
 
     def __post_init__(self) -> None:
-        require(
-            self.microbatch_size is None or self.microbatch_size >= 1,
-            "train.microbatch_size",
-            self.microbatch_size,
-            "must be >= 1 or null",
-        )
-        require(self.ppo_epochs >= 1, "train.ppo_epochs", self.ppo_epochs, "must be >= 1")
-        require(self.minibatches_per_slot >= 1, "train.minibatches_per_slot", self.minibatches_per_slot, "must be >= 1")
-        require(self.num_train_steps >= 1, "train.num_train_steps", self.num_train_steps, "must be >= 1")
-        require(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
-        require(self.seq_len >= 2, "train.seq_len", self.seq_len, "must be >= 2")
-        require(self.pad_multiple >= 1, "train.pad_multiple", self.pad_multiple, "must be >= 1")
-        require(self.max_lag >= 0, "train.max_lag", self.max_lag, "must be >= 0")
-        require(self.max_batches_ahead >= 1, "train.max_batches_ahead", self.max_batches_ahead, "must be >= 1")
+        at_least(self, 1, "microbatch_size", or_null=True)
+        at_least(self, 1, "ppo_epochs", "minibatches_per_slot", "num_train_steps", "batch_size")
+        at_least(self, 2, "seq_len")
+        at_least(self, 1, "pad_multiple")
+        at_least(self, 0, "max_lag")
+        at_least(self, 1, "max_batches_ahead")
         require(
             self.advantage_estimator in ADVANTAGE_ESTIMATORS,
             "train.advantage_estimator",
             self.advantage_estimator,
             f"must be one of {ADVANTAGE_ESTIMATORS}",
         )
-        require(
-            self.replay_buffer_capacity >= 1,
-            "train.replay_buffer_capacity",
-            self.replay_buffer_capacity,
-            "must be >= 1",
-        )
-        require(self.replay_buffer_alpha >= 0, "train.replay_buffer_alpha", self.replay_buffer_alpha, "must be >= 0")
-        require(
-            self.max_samples_per_rollout >= 1,
-            "train.max_samples_per_rollout",
-            self.max_samples_per_rollout,
-            "must be >= 1",
-        )
+        at_least(self, 1, "replay_buffer_capacity")
+        at_least(self, 0, "replay_buffer_alpha")
+        at_least(self, 1, "max_samples_per_rollout")
         require(
             self.no_signal_fill_after >= 0,
             "train.no_signal_fill_after",
             self.no_signal_fill_after,
             "must be >= 0 (0: never fill)",
         )
-        require(self.max_batch_latency_s > 0, "train.max_batch_latency_s", self.max_batch_latency_s, "must be > 0")
+        positive(self, "max_batch_latency_s")
         require(self.overlong in OVERLONG_RULES, "train.overlong", self.overlong, f"must be one of {OVERLONG_RULES}")
 
 
@@ -123,6 +109,8 @@ class TrainParams:
 @dataclass(frozen=True)
 class OptimizerSpec:
     """AdamW with warmup and cosine decay."""
+
+    SECTION: ClassVar[str] = "optimizer"
 
     learning_rate: float = 1e-3
     """Peak learning rate (reached after warmup)."""
@@ -142,9 +130,9 @@ class OptimizerSpec:
     """Clip the global gradient norm to this; None: no clipping."""
 
     def __post_init__(self) -> None:
-        require(self.learning_rate > 0, "optimizer.learning_rate", self.learning_rate, "must be > 0")
-        require(self.warmup_steps >= 0, "optimizer.warmup_steps", self.warmup_steps, "must be >= 0")
-        require(0 <= self.min_lr_ratio <= 1, "optimizer.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        positive(self, "learning_rate")
+        at_least(self, 0, "warmup_steps")
+        in_range(self, 0, 1, "min_lr_ratio")
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -159,6 +147,8 @@ class DistillConfig:
     A_t = coef · (log π_teacher(y_t) − log π_student(y_t)) + rl_coef · A_rl (the batch's RL advantage), with any
     loss type (docs/guides/distillation.md)."""
 
+    SECTION: ClassVar[str] = "loss.distill"
+
     teacher: str = ""
     """The teacher: a run root (local or gs://; its newest committed policy), one of its `policies/step-S` folders
     (the student's shape and tokenizer), or a Hugging Face folder (one with a config.json: the student's family
@@ -171,13 +161,15 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.teacher), "loss.distill.teacher", self.teacher, "must name a run root, policy or HF folder")
-        require(self.coef > 0, "loss.distill.coef", self.coef, "must be > 0")
-        require(self.rl_coef >= 0, "loss.distill.rl_coef", self.rl_coef, "must be >= 0")
+        positive(self, "coef")
+        at_least(self, 0, "rl_coef")
 
 
 @dataclass(frozen=True)
 class LossConfig(draccus.ChoiceRegistry):
     """A registered RL loss module, chosen once from config (`type:` rloo, ppo, gspo, cispo or ppo_critic)."""
+
+    SECTION: ClassVar[str] = "loss"
 
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference model; 0 builds no reference model at all."""
@@ -213,12 +205,12 @@ class LossConfig(draccus.ChoiceRegistry):
     """On-policy distillation from a teacher policy (see `DistillConfig`, docs/guides/distillation.md); None: off."""
 
     def __post_init__(self) -> None:
-        require(self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "must be >= 0")
-        require(self.max_log_ratio > 0, "loss.max_log_ratio", self.max_log_ratio, "must be > 0")
-        require(self.kl_estimator in KL_ESTIMATORS, "loss.kl_estimator", self.kl_estimator, f"one of {KL_ESTIMATORS}")
-        require(self.aggregation in AGGREGATIONS, "loss.aggregation", self.aggregation, f"one of {AGGREGATIONS}")
-        require(self.tis_cap is None or self.tis_cap >= 1, "loss.tis_cap", self.tis_cap, "must be >= 1 or null")
-        require(self.tis_level in RATIO_LEVELS, "loss.tis_level", self.tis_level, f"one of {RATIO_LEVELS}")
+        at_least(self, 0, "kl_coef")
+        positive(self, "max_log_ratio")
+        one_of(self, "kl_estimator", KL_ESTIMATORS)
+        one_of(self, "aggregation", AGGREGATIONS)
+        at_least(self, 1, "tis_cap", or_null=True)
+        one_of(self, "tis_level", RATIO_LEVELS)
         require(
             self.tis_level == "token" or self.tis_cap is not None,
             "loss.tis_level",
@@ -231,12 +223,10 @@ class LossConfig(draccus.ChoiceRegistry):
             self.mis_level,
             f"one of {RATIO_LEVELS} or null",
         )
-        require(0 <= self.mis_low <= 1, "loss.mis_low", self.mis_low, "must be in [0, 1]")
-        require(self.mis_high >= 1, "loss.mis_high", self.mis_high, "must be >= 1")
+        in_range(self, 0, 1, "mis_low")
+        at_least(self, 1, "mis_high")
 
-    @classmethod
-    def default_choice_name(cls) -> str | None:
-        return "rloo"
+    default_choice_name = default_choice("rloo")
 
 
 @LossConfig.register_subclass("rloo")
@@ -254,7 +244,7 @@ class RLOOLossConfig(LossConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 <= self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in [0, 1)")
-        require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
+        at_least(self, 0, "clip_high")
 
 
 @LossConfig.register_subclass("ppo")
@@ -290,7 +280,7 @@ class GSPOLossConfig(LossConfig):
         super().__post_init__()
         require(self.aggregation == "sequence", "loss.aggregation", self.aggregation, "GSPO needs 'sequence'")
         require(0 <= self.clip_low < 1, "loss.clip_low", self.clip_low, "must be in [0, 1)")
-        require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
+        at_least(self, 0, "clip_high")
 
 
 @LossConfig.register_subclass("cispo")
@@ -309,8 +299,8 @@ class CISPOLossConfig(LossConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(0 <= self.clip_low <= 1, "loss.clip_low", self.clip_low, "must be in [0, 1]")
-        require(self.clip_high >= 0, "loss.clip_high", self.clip_high, "must be >= 0")
+        in_range(self, 0, 1, "clip_low")
+        at_least(self, 0, "clip_high")
 
 
 @LossConfig.register_subclass("ppo_critic")
@@ -343,8 +333,7 @@ class CriticPPOLossConfig(LossConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(0 < self.clip_epsilon < 1, "loss.clip_epsilon", self.clip_epsilon, "must be in (0, 1)")
-        require(0 <= self.gamma <= 1, "loss.gamma", self.gamma, "must be in [0, 1]")
-        require(0 <= self.lam <= 1, "loss.lam", self.lam, "must be in [0, 1]")
+        in_range(self, 0, 1, "gamma", "lam")
         require(self.value_clip is None or self.value_clip > 0, "loss.value_clip", self.value_clip, "must be > 0")
-        require(self.vf_coef > 0, "loss.vf_coef", self.vf_coef, "must be > 0")
+        positive(self, "vf_coef")
         require(self.mis_level is None, "loss.mis_level", self.mis_level, "is not supported by ppo_critic (null)")

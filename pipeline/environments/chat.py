@@ -9,7 +9,11 @@ asks for the next assistant turn of each with `chat_turns(ctx, ChatRequest(...))
 - any other context (in-process backends, `ScriptedContext`) gets the same from `local_chat`: the conversation
   is rendered with the tokenizer's chat template (`pipeline.environments.tokenizer.render_chat`), sampled with
   `ctx.generate`, and tool calls are parsed from `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  blocks of the sampled text (the built-in tokenizer's template format, also Hermes/Qwen's).
+  blocks of the sampled text (the built-in tokenizer's template format, also Hermes/Qwen's). A request that
+  carries a conversation's transcript so far (`ChatRequest.prefixes`) is continued on those exact ids
+  (`continue_transcript`): only the messages after its last assistant turn are rendered, so the model's own
+  sampled ids are never re-tokenised (a turn sampled as ids the tokenizer would not produce for its text, or
+  with text the template would place elsewhere, re-renders to other ids).
 
 Each `ChatTurn` carries `prompt_tokens` (the whole rendered conversation), the `Completion` (sampled ids, logprobs,
 finish reason; a stop token is kept) and the assistant `message` (`content`, and `tool_calls` as OpenAI's
@@ -18,8 +22,8 @@ finish reason; a stop token is kept) and the assistant `message` (`content`, and
 `ChatTranscript` turns the turns of one conversation into one rollout: the first turn's prompt is the rollout
 prompt; each later turn's prompt must start with everything before it (prompt + earlier tokens) — the tokens it
 adds (tool results, the template's role headers) go into the response with logprob 0.0 and loss mask 0, and the
-sampled tokens with their logprobs and mask 1. A later prompt that does not extend the transcript (a chat
-template that re-renders earlier turns differently from how they were sampled) raises `TranscriptMismatch`:
+sampled tokens with their logprobs and mask 1. A later prompt that does not extend the transcript (a server whose
+chat template re-renders earlier turns differently from how they were sampled) raises `TranscriptMismatch`:
 nothing is ever re-tokenised to paper over it.
 """
 
@@ -43,7 +47,11 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 class ChatRequest:
     """The next assistant turn of each conversation (one sample each), with `tools` (OpenAI function schemas,
     `[{"type": "function", "function": {"name", "description", "parameters"}}]`) offered to the model.
-    `stop_tokens=None`: the tokenizer's EOS. Raises ValueError for `max_tokens < 1` or `temperature < 0`."""
+    `stop_tokens=None`: the tokenizer's EOS. `prefixes`: for each conversation, its transcript so far (the previous
+    turn's prompt ids, sampled ids and inserted ids; None or empty for a first turn), which local rendering
+    continues instead of re-rendering the sampled turns (`continue_transcript`); a server renders the whole
+    conversation itself. Raises ValueError for `max_tokens < 1`, `temperature < 0`, or `prefixes` of another
+    length than `conversations`."""
 
     conversations: Sequence[Sequence[Mapping[str, Any]]]
     tools: Sequence[Mapping[str, Any]] | None
@@ -52,9 +60,12 @@ class ChatRequest:
     seed: int
     stop_tokens: Sequence[int] | None = None
     controls: SamplingControls = NO_CONTROLS
+    prefixes: Sequence[Sequence[int] | None] | None = None
 
     def __post_init__(self) -> None:
         check_budget(self.max_tokens, self.temperature)
+        if self.prefixes is not None and len(self.prefixes) != len(self.conversations):
+            raise ValueError(f"{len(self.prefixes)} prefixes for {len(self.conversations)} conversations")
 
 
 @dataclasses.dataclass
@@ -107,15 +118,57 @@ def assistant_message(content: str, tool_calls: Sequence[Message]) -> Message:
     return msg
 
 
+def _render(tok: Any, messages: list[Message], tools: list[Message] | None, generation_prompt: bool) -> list[int]:
+    ids: Any = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=generation_prompt)
+    if not isinstance(ids, list):  # transformers versions returning a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def continue_transcript(
+    tok: Any, messages: list[Message], tools: list[Message] | None, prefix: Sequence[int]
+) -> list[int]:
+    """The next turn's prompt of a conversation whose ids so far are `prefix` (ending with its last assistant turn
+    as sampled): `prefix`, then the end-of-turn ids the chat template closes an assistant turn with that `prefix`
+    does not already end with (a turn cut at `max_tokens` has none; one that stopped has the stop id), then the
+    template's rendering of the messages after the last assistant message with the generation prompt. The
+    sampled ids are kept as they are, so the prompt always extends the transcript. Raises ValueError when
+    `messages` has no assistant message or the tokenizer no chat template, `TranscriptMismatch` when the template
+    does not render later messages after the earlier ones unchanged (so no continuation exists)."""
+    from pipeline.environments.tokenizer import has_chat_template
+
+    if not has_chat_template(tok):
+        raise ValueError(f"tokenizer {type(tok).__name__} has no chat template")
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        raise ValueError("a transcript is continued after an assistant message; the conversation has none")
+    head = _render(tok, messages[: last + 1], tools, False)
+    full = _render(tok, messages, tools, True)
+    opened = _render(tok, messages[:last], tools, True)
+    empty = _render(tok, [*messages[:last], {"role": "assistant", "content": ""}], tools, False)
+    if full[: len(head)] != head or empty[: len(opened)] != opened:
+        raise TranscriptMismatch("the chat template does not render later messages after the earlier ones unchanged")
+    close = empty[len(opened) :]  # how the template ends an assistant turn (e.g. its EOS)
+    have = next(k for k in range(len(close), -1, -1) if k == 0 or list(prefix[-k:]) == close[:k])
+    return [*(int(t) for t in prefix), *close[have:], *full[len(head) :]]
+
+
 def local_chat(ctx: Any, request: ChatRequest) -> list[ChatTurn]:
     """The next assistant turn of each conversation through `ctx.generate`, the prompts rendered by the tokenizer's
-    chat template and tool calls parsed from the sampled text (`parse_tool_calls`). ValueError when the tokenizer
-    has no chat template; `ctx.generate`'s errors propagate."""
+    chat template (a conversation with a prefix continued on it: `continue_transcript`) and tool calls parsed
+    from the sampled text (`parse_tool_calls`). ValueError when the tokenizer has no chat template;
+    `ctx.generate`'s errors propagate."""
     from pipeline.environments.tokenizer import render_chat
 
     tok = ctx.tokenizer
     tools = [dict(t) for t in request.tools] if request.tools else None
-    prompts = [render_chat(tok, [dict(m) for m in conv], tools) for conv in request.conversations]
+    prefixes = request.prefixes or [None] * len(request.conversations)
+    prompts = [
+        continue_transcript(tok, [dict(m) for m in conv], tools, prefix)
+        if prefix
+        else render_chat(tok, [dict(m) for m in conv], tools)
+        for conv, prefix in zip(request.conversations, prefixes, strict=True)
+    ]
     if not prompts:
         return []
     outs = check_completions(

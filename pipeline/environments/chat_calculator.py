@@ -13,10 +13,11 @@ locally):
 
 The rollout is the conversation's `ChatTranscript`: the first turn's prompt ids as the prompt; every sampled token
 with its logprob and loss mask 1; the tokens later prompts add (tool results, role headers) with logprob 0.0 and
-loss mask 0; the reward on the last sampled token. A turn whose prompt does not extend the transcript, or a failed
-request, fails the example (an `ExampleFailure` with the reason). Prompts are always chat-rendered (by the
-server, or by the tokenizer's chat template): give its lesson `chat: true` so that a tokenizer without a chat
-template is refused at start-up rather than failing every example.
+loss mask 0; the reward on the last sampled token. Rendered locally, each later turn's prompt continues the
+transcript's own ids (`ChatRequest.prefixes`); a turn whose prompt does not extend the transcript (a server's
+re-rendering), or a failed request, fails the example (an `ExampleFailure` with the reason). Prompts are always
+chat-rendered (by the server, or by the tokenizer's chat template): give its lesson `chat: true` so that a
+tokenizer without a chat template is refused at start-up rather than failing every example.
 """
 
 from __future__ import annotations
@@ -141,6 +142,12 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
                 spec.max_tokens,
                 draw_seed(rng),
                 spec.stop_tokens,
+                # Local rendering continues each transcript on the ids the model sampled: re-rendering a sampled
+                # turn from its parsed message gave other ids (a non-canonical split such as "-" "-" for "--",
+                # text after a tool call moved before it, escaped non-ASCII arguments) and failed the example.
+                prefixes=[
+                    c.transcript.prompt_tokens + c.transcript.tokens if c.transcript.turns else None for c in active
+                ],
             )
             return chat_turns(ctx, request)
 

@@ -30,27 +30,27 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
     del sys.path[0]
 
 import asyncio
+import importlib.util
 import io
 import json
 import runpy
-import threading
-import time
 import traceback
 from typing import Any
 
 OUTPUT_TAIL = 64_000
 """Characters of each of stdout and stderr sent back per episode (the tail)."""
 
-PARENT_POLL_S = 1.0
-"""How often the watchdog checks that the parent process is still there."""
+PARENT_WATCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "process", "parent_watch.py")
+"""rlpipe's one parent watch (standard library only), loaded by path: this interpreter may not have rlpipe."""
 
 
 def _watch_parent(parent: int) -> None:
-    """Exit the process once its parent is gone (re-parented), even mid-episode: no orphans."""
-    while True:
-        time.sleep(PARENT_POLL_S)
-        if os.getppid() != parent:
-            os._exit(1)
+    """Exit the process (code 1) once its parent is gone (re-parented), even mid-episode: no orphans."""
+    spec = importlib.util.spec_from_file_location("rlpipe_parent_watch", PARENT_WATCH)
+    assert spec is not None and spec.loader is not None, PARENT_WATCH
+    parent_watch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parent_watch)
+    parent_watch.watch_parent(parent, lambda _: os._exit(1))
 
 
 def run_one(main: Any, program: str, request: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def main() -> int:
     channel = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)  # the program's (or a child's) writes to fd 1 must not corrupt the protocol
     sys.stdout = sys.stderr
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    _watch_parent(os.getppid())
 
     def send(obj: dict[str, Any]) -> None:
         channel.write(json.dumps(obj) + "\n")

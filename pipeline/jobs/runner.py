@@ -75,6 +75,16 @@ restarted with backoff before the job gives up; these restarts do not count agai
 HEALTHY_AFTER_S = 60.0
 """A step that has run this long since its start after a storage outage has seen the outage end."""
 
+LEASE_STORAGE_ERRORS: tuple[type[BaseException], ...] = (
+    StorageUnavailableError,
+    StorageFaultError,
+    StorageError,
+    OSError,
+)
+"""What renewing or releasing the job lease survives (logged; the next renewal retries): the run root's storage
+out of reach, full or read-only, a damaged lease record, an I/O error. The lease is advisory (commits are
+create-if-absent) and the steps meet the same fault themselves. Anything else is a bug and ends the job."""
+
 logger = logging.getLogger(__name__)
 
 EVALUATOR_DRAIN_S = 300.0
@@ -190,13 +200,13 @@ class JobRunner:
                 self._lease = None
                 self.failure = Exit.LEASE_LOST
                 return False
-            except Exception as e:
+            except LEASE_STORAGE_ERRORS as e:
                 logger.warning("job lease not renewed (%s)", e)
                 return True
             logger.warning("%s; claimed it again (epoch %d)", lost, again.epoch)
             self._lease = again
             return True
-        except Exception as e:  # an outage or a full run root: the steps see it too; the next renewal retries
+        except LEASE_STORAGE_ERRORS as e:  # an outage, a full run root: the steps see it too; the next renewal retries
             logger.warning("job lease not renewed (%s)", e)
             return True
 
@@ -205,7 +215,7 @@ class JobRunner:
             return
         try:
             self._lease.release()
-        except Exception as e:  # a dead holder's lease on this host is taken over at once anyway
+        except LEASE_STORAGE_ERRORS as e:  # a dead holder's lease on this host is taken over at once anyway
             logger.warning("job lease not released (%s)", e)
         self._lease = None
 

@@ -24,6 +24,7 @@ from pipeline.rollout.pacing import (
     count_unconsumed_rows,
     pacing_decision,
     prompts_for_room,
+    rows_for_room,
     standing_claims,
 )
 from pipeline.store import run_state, staleness
@@ -77,7 +78,9 @@ class Pacer:
         self.last_cycle_s: float | None = None
         """Seconds the worker's last production cycle took (the TTL of its next claim)."""
         self.room: int | None = None
-        """Rows the backlog still missed at the last pacing check that let this worker produce (`pacing.fit_room`)."""
+        """Rows to generate for what the backlog still missed at the last pacing check that let this worker produce
+        (`pacing.fit_room`; with zero-variance filtering, scaled up by the recent share of rows with signal,
+        `rows_for_room`)."""
         self.pause_s = 0.0
         """Seconds paused since the worker's last write record (it resets this)."""
         self._unreported_pause: tuple[float, str] = (0.0, "")
@@ -136,8 +139,12 @@ class Pacer:
         decision = self._decision(policy, last_slot, unconsumed)
         if decision.produce and c.pacing.count_claims:
             decision = self._claim(policy, last_slot, unconsumed, files, seq)
-        self.room = decision.room if decision.produce and c.pacing.fit_room else None
+        self.room = self._rows_for(decision.room, files) if decision.produce and c.pacing.fit_room else None
         return decision
+
+    def _rows_for(self, room: int, files: dict[str, Any]) -> int:
+        """Rows to generate for `room` missing rows: `rows_for_room` at the signal fraction of the recent `files`."""
+        return rows_for_room(room, self._view.signal_fraction(files))
 
     def _decision(self, policy: int, last_slot: int, unconsumed: int, claimed: int = 0) -> PacingDecision:
         """`pacing_decision` with this worker's settings (`claimed`: rows other workers are generating now)."""
@@ -171,7 +178,7 @@ class Pacer:
         if not decision.produce:
             return decision
         ttl = claim_ttl(self.last_cycle_s, c.generation_timeout_s + c.write_timeout_s)
-        prompts = prompts_for_room(decision.room, sp.n_prompts, sp.n_generations_per_prompt)
+        prompts = prompts_for_room(self._rows_for(decision.room, files), sp.n_prompts, sp.n_generations_per_prompt)
         if not c.pacing.fit_room:
             prompts = sp.n_prompts
         self._claims.announce(seq, policy, prompts * sp.n_generations_per_prompt, ttl, time.time())

@@ -19,11 +19,13 @@ the file) and expires after `claim_ttl` (a SIGKILLed worker's), so no committed 
 from __future__ import annotations
 
 import logging
+import math
 import random
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.batch_maker.slot_metrics import fill_starts
 from pipeline.config import TrainParams
 from pipeline.store import layout, staleness
 from pipeline.store.committed import StorageError
@@ -90,13 +92,19 @@ def usable_rows(rows: int, signal: int | None, *, filter_zero_variance: bool, no
     return signal
 
 
-def fill_credit(no_signal_rows: list[int], no_signal_fill_after: int) -> int:
+def fill_credit(no_signal_rows: list[int], no_signal_fill_after: int, batch_size: int = 0) -> int:
     """Rows a BatchMaker can still admit by filling from files without signal (rows of each, in reading order):
-    the first `no_signal_fill_after` of them only start the fill (0 rows), every later one is admitted whole.
-    Assumes the files without signal come last (pessimistic: a fill started earlier admits more); 0 never fills."""
-    if no_signal_fill_after <= 0:
-        return 0
-    return sum(no_signal_rows[no_signal_fill_after:])
+    the first ones only start the fill (0 rows: `no_signal_fill_after` files, or as few as hold `batch_size` rows,
+    `pipeline.batch_maker.slot_metrics.fill_starts`; `batch_size` 0: by files only), every later one is admitted
+    whole. Assumes the files without signal come last (pessimistic: a fill started earlier admits more); 0 never
+    fills."""
+    credit = files = rows = 0
+    for n in no_signal_rows:
+        if fill_starts(files, rows, batch_size, no_signal_fill_after):
+            credit += n
+        else:
+            files, rows = files + 1, rows + n
+    return credit
 
 
 def count_unconsumed_rows(
@@ -145,7 +153,7 @@ def count_unconsumed_rows(
             by_policy[p] = by_policy.get(p, 0) + n
         return estimate_unconsumed_rows(by_policy, last_slot, max_lag, batch_size)
     zero = [no_signal[path] for path in sorted(fresh) if no_signal and path in no_signal]
-    credit = sum(zero) if saturated else fill_credit(zero, no_signal_fill_after)
+    credit = sum(zero) if saturated else fill_credit(zero, no_signal_fill_after, batch_size)
     return live + sum(usable[path][1] for path in fresh) + credit
 
 
@@ -197,6 +205,9 @@ class PacingView:
         self.markers: dict[str, tuple[int, int, float]] = {}
         self.no_signal: dict[str, int] = {}
         """Committed files without signal rows -> their rows (with zero-variance filtering)."""
+        self.signal: dict[str, tuple[int, int]] = {}
+        """Committed files -> (rows, rows with signal), for markers that record `signal_rows` (zero-variance
+        filtering)."""
         self._entry_cache: tuple[int, dict[str, Any] | None] = (-1, None)
 
     def committed_rollouts(self, lo: int, hi: int) -> dict[str, tuple[int, int, float]]:
@@ -228,7 +239,14 @@ class PacingView:
         )
         if self.train.filter_zero_variance and rec.signal_rows == 0:
             self.no_signal[layout.data_of_marker(marker)] = rec.rows
+        if self.train.filter_zero_variance and rec.signal_rows is not None:
+            self.signal[layout.data_of_marker(marker)] = (rec.rows, rec.signal_rows)
         return (p, n, rec.time)
+
+    def signal_fraction(self, paths: Iterable[str]) -> float:
+        """`signal_fraction` of the committed files `paths` (those whose markers record signal rows); 1.0 without
+        zero-variance filtering."""
+        return signal_fraction(self.signal[p] for p in paths if p in self.signal)
 
     def log_entry(self, slot: int) -> dict[str, Any] | None:
         """The batch log entry of `slot` (None for slot 0 or an unreadable entry); cached for the newest slot."""
@@ -322,6 +340,31 @@ def claimed_rows(claims: Sequence[Claim]) -> int:
     claim; yielding to every claim seen makes at least one of them pause (both, if both see each other: they
     retry after a random part of a poll interval, `ClaimBoard.collision_pause_s`)."""
     return sum(c.rows for c in claims)
+
+
+MIN_SIGNAL_FRACTION = 0.1
+"""The smallest share of rows with signal `rows_for_room` assumes (a run whose files have less is near saturation,
+where the BatchMaker's fill counts the rest, `fill_credit`); bounds the overshoot of one file."""
+
+
+def signal_fraction(counts: Iterable[tuple[int, int]]) -> float:
+    """The share of rows with signal over committed files' (rows, signal rows), e.g. the recent files' ready markers
+    with zero-variance filtering; 1.0 when they hold no rows (nothing known yet: every row is assumed to count)."""
+    rows = signal = 0
+    for n, s in counts:
+        rows += n
+        signal += s
+    return signal / rows if rows > 0 else 1.0
+
+
+def rows_for_room(room: int, fraction: float) -> int:
+    """Rows to generate so that about `room` of them carry signal, given the recent `signal_fraction`
+    (at least `MIN_SIGNAL_FRACTION`): with zero-variance filtering the backlog counts rows with signal only, so a file
+    of `room` rows would cover a `fraction` of it, the next one a `fraction` of the rest, and so on: ever smaller
+    files (down to one group), each a full generate-and-commit cycle, and tiny files without any signal that push
+    the BatchMaker into its no-signal fill. As the dynamic sampling of DAPO (Yu et al. 2025, arXiv:2503.14476),
+    which oversamples by the expected share of groups with signal, and sized to the backlog."""
+    return math.ceil(room / max(fraction, MIN_SIGNAL_FRACTION))
 
 
 def prompts_for_room(room: int, n_prompts: int, n_generations: int) -> int:

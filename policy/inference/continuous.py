@@ -22,12 +22,12 @@ Algorithm (a host scheduler over three compiled programs of fixed shapes):
   sequence is sampled from its carried logits with key `fold_in(fold_in(PRNGKey(seed), sample_id), t)`, the static
   sampler's stream, by the static sampler's own function: `sample_tokens_fast` when no top-p/top-k/min-p is set, a
   static flag, else `sample_tokens`; then fed at its own position through the static sampler's decode step
-  (`_Model.decode_step_cached`, the fast decode loop's, with one cache slot per row: one in-place scatter per layer
-  and cache) that runs up to `check_steps` steps on the device. It returns to the host (a host check, the one
-  device-to-host transfer of a program: `host_syncs`) after those steps, once `refill_slots` sequences finished
-  while others wait in the queue (so finished slots are refilled in batches, not one round trip per finish), when a
-  live sequence reaches the end of its attention length, or when all are done. The host then reads the finished
-  sequences and refills their slots from the queue.
+  (`_Model.decode_step` with `head_major`, the fast decode loop's, with one cache slot per row: one in-place
+  scatter per layer and cache) that runs up to `check_steps` steps on the device. It returns to the host (a host
+  check, the one device-to-host transfer of a program: `host_syncs`) after those steps, once `refill_slots`
+  sequences finished while others wait in the queue (so finished slots are refilled in batches, not one round trip
+  per finish), when a live sequence reaches the end of its attention length, or when all are done. The host then
+  reads the finished sequences and refills their slots from the queue.
 - Length buckets: a decode program attends over the first `length` cache slots only, `length` the smallest of the
   static sampler's phase lengths (`phase_lengths`: 128·2^k above the prompt bucket, then L) that holds every live
   sequence's next `check_steps` positions; those slots are copied out of the cache once per program and back in
@@ -341,12 +341,17 @@ class ContinuousSampler:
             # before it reads it)
             pos = jnp.minimum(st["pos"], length - 1)
             key_mask = cache_idx[None, :] <= pos[:, None]  # [S, length]
-            if self.head_major:
-                x, new_k, new_v = m.decode_step_cached(
-                    params, tok, pos, pos, key_mask, st["k"], st["v"], opts.reduce_attention
-                )
-            else:
-                x, new_k, new_v = m.decode_step(params, tok, pos, pos, key_mask, st["k"], st["v"])
+            x, new_k, new_v = m.decode_step(
+                params,
+                tok,
+                pos,
+                pos,
+                key_mask,
+                st["k"],
+                st["v"],
+                head_major=self.head_major,
+                reduce=opts.reduce_attention,
+            )
             new = {
                 **st,
                 "k": new_k,

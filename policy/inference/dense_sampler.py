@@ -224,20 +224,30 @@ class _Model:
         key_mask: jax.Array,
         k_caches: list[jax.Array],
         v_caches: list[jax.Array],
+        *,
+        head_major: bool = False,
+        reduce: bool = False,
     ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
         """One token per sequence (token [B], pos [B]) written at cache `slot` (one slot for all rows, or each
-        row's own [B]); returns hidden [B, D]."""
+        row's own [B]); returns hidden [B, D]. Caches are [B, L, K, h] (key_mask [B, L]), or with `head_major`
+        [B, K, L, h]: the new keys/values are then written in place and attention reads the L slots of the cache as
+        it is (no transposed copy; `reduce`: see `DecodeOptions.reduce_attention`)."""
         eps = self.arch.norm_eps
         x = self.embed(params, token[:, None])
         pos2 = pos[:, None]
-        mask = key_mask[:, None, :]
+        mask = key_mask if head_major else key_mask[:, None, :]
         new_k, new_v = [], []
         for lp, kc, vc in zip(params["layers"], k_caches, v_caches, strict=True):
             h = rms_norm(x, lp["ln1"], eps)
             q, k, v = self.qkv(lp, h, pos2)
-            kc, vc = write_slot(kc, k, slot, 1), write_slot(vc, v, slot, 1)
-            o = self.attn_out(lp, self.attend(q, kc, vc, mask))
-            x = x + rms_norm(o, lp["post_attn_ln"], eps)
+            if head_major:
+                kc = write_slot(kc, k.transpose(0, 2, 1, 3), slot, 2)
+                vc = write_slot(vc, v.transpose(0, 2, 1, 3), slot, 2)
+                a = self.attend_cache(q, kc, vc, mask, reduce)
+            else:
+                kc, vc = write_slot(kc, k, slot, 1), write_slot(vc, v, slot, 1)
+                a = self.attend(q, kc, vc, mask)
+            x = x + rms_norm(self.attn_out(lp, a), lp["post_attn_ln"], eps)
             x = self.mlp_block(lp, x)
             new_k.append(kc)
             new_v.append(vc)
@@ -259,36 +269,6 @@ class _Model:
         if reduce:
             return jnp.sum(w[..., None] * vc.astype(jnp.float32)[:, :, None], axis=3).astype(vc.dtype)[:, None]
         return jnp.einsum("bkgl,bklh->bkgh", w.astype(vc.dtype), vc)[:, None]
-
-    def decode_step_cached(
-        self,
-        params: dict[str, Any],
-        token: jax.Array,
-        pos: jax.Array,
-        slot: jax.Array,
-        key_mask: jax.Array,
-        k_caches: list[jax.Array],
-        v_caches: list[jax.Array],
-        reduce: bool = False,
-    ) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
-        """`decode_step` over head-major caches [B, K, L, h] (key_mask [B, L]): the new keys/values are written in
-        place at `slot` (scalar, or [B]: each row its own) and attention reads the L slots of the cache as it is (no
-        transposed copy)."""
-        eps = self.arch.norm_eps
-        x = self.embed(params, token[:, None])
-        pos2 = pos[:, None]
-        new_k, new_v = [], []
-        for lp, kc, vc in zip(params["layers"], k_caches, v_caches, strict=True):
-            h = rms_norm(x, lp["ln1"], eps)
-            q, k, v = self.qkv(lp, h, pos2)
-            kc = write_slot(kc, k.transpose(0, 2, 1, 3), slot, 2)
-            vc = write_slot(vc, v.transpose(0, 2, 1, 3), slot, 2)
-            o = self.attn_out(lp, self.attend_cache(q, kc, vc, key_mask, reduce))
-            x = x + rms_norm(o, lp["post_attn_ln"], eps)
-            x = self.mlp_block(lp, x)
-            new_k.append(kc)
-            new_v.append(vc)
-        return x[:, 0], new_k, new_v
 
 
 def write_slot(cache: jax.Array, new: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
@@ -448,80 +428,15 @@ class DenseSampler:
         max_new: int,
         truncate: bool = True,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        self.trace_count += 1
-        B, P = tokens.shape
-        T = max_new
-        S = P + T
-        logger.info("dense sampler: tracing batch=%d prompt=%d new=%d stops=%d", B, P, T, stop_ids.shape[0])
-        if self.decode != LEGACY_DECODE:
-            return self._generate_fast(
-                params, tokens, lens, limits, active, base_key, sample_ids, stop_ids, temperature, controls, T, truncate
-            )
-        m = self._m
-        seq_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base_key, sample_ids)  # row i's PRNG stream
-        pad = P - lens  # [B]
-        slots = jnp.arange(P, dtype=jnp.int32)
-        pos = jnp.maximum(slots[None, :] - pad[:, None], 0)
-        key_valid_p = slots[None, :] >= pad[:, None]  # [B, P]
-        causal = slots[:, None] >= slots[None, :]
-        mask = (causal[None] & key_valid_p[:, None, :]) | jnp.eye(P, dtype=bool)[None]
-        h, k_caches, v_caches = m.prefill(params, tokens, pos, mask, S)
-
-        def is_stop(tok: jax.Array) -> jax.Array:
-            return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
-
-        all_slots = jnp.arange(S, dtype=jnp.int32)
-        key_valid = jnp.concatenate([key_valid_p, jnp.zeros((B, T), bool)], axis=1)
-
-        def cond(state: tuple) -> jax.Array:
-            t, _, done, *_ = state
-            return (t < T) & jnp.any(~done)
-
-        def body(state: tuple) -> tuple:
-            # sample token t from the carried logits, record it, then feed it (one sampling site keeps
-            # the compiled program small; the feed after the last token is one wasted step per call)
-            t, logits, done, stopped, n_gen, out_tok, out_lp, kcs, vcs = state
-            tok, lp = sample_tokens(logits, temperature, seq_keys, t, controls)
-            live = ~done
-            out_tok = jax.lax.dynamic_update_slice_in_dim(out_tok, jnp.where(live, tok, -1)[:, None], t, 1)
-            out_lp = jax.lax.dynamic_update_slice_in_dim(out_lp, jnp.where(live, lp, 0.0)[:, None], t, 1)
-            n_gen = n_gen + live.astype(jnp.int32)
-            stopped = stopped | (live & is_stop(tok))
-            done = done | stopped | (n_gen >= limits)
-            slot = P + t
-            key_mask = key_valid | ((all_slots[None, :] >= P) & (all_slots[None, :] <= slot))
-            h, kcs, vcs = m.decode_step(params, tok, lens + t, slot, key_mask, kcs, vcs)
-            return t + 1, m.logits(params, h), done, stopped, n_gen, out_tok, out_lp, kcs, vcs
-
-        out_tok = jnp.full((B, T), -1, jnp.int32)
-        out_lp = jnp.zeros((B, T), jnp.float32)
-        n_gen = jnp.zeros((B,), jnp.int32)
-        done = ~active | (limits <= 0)
-        stopped = jnp.zeros((B,), bool)
-        state = (jnp.int32(0), m.logits(params, h), done, stopped, n_gen, out_tok, out_lp, k_caches, v_caches)
-        state = jax.lax.while_loop(cond, body, state)
-        _, _, _, stopped, n_gen, out_tok, out_lp, _, _ = state
-        return out_tok, out_lp, n_gen, stopped
-
-    def _generate_fast(
-        self,
-        params: dict[str, Any],
-        tokens: jax.Array,
-        lens: jax.Array,
-        limits: jax.Array,
-        active: jax.Array,
-        base_key: jax.Array,
-        sample_ids: jax.Array,
-        stop_ids: jax.Array,
-        temperature: jax.Array,
-        controls: tuple[jax.Array, jax.Array, jax.Array],
-        T: int,
-        truncate: bool,
-    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """The decode loop of `self.decode`: the legacy loop's samples with less memory traffic per step.
+        """The prefill and decode loop of `self.decode` (one compiled program per shape).
 
         Length phases: the caches are allocated at the first phase length and grown (one copy per phase, not per
-        step) when the next slot would not fit, so a step reads only the slots of the current phase."""
+        step) when the next slot would not fit, so a step reads only the slots of the current phase.
+        `LEGACY_DECODE` (slot-major cache, one phase over the whole cache, the full sampling path) is the earlier
+        loop step for step: same operations, so the same tokens bit for bit."""
+        self.trace_count += 1
+        T = max_new
+        logger.info("dense sampler: tracing batch=%d prompt=%d new=%d stops=%d", *tokens.shape, T, stop_ids.shape[0])
         opts = self.decode
         m = self._m
         B, P = tokens.shape
@@ -554,6 +469,8 @@ class DenseSampler:
                 return (t < length - P) & jnp.any(~done)
 
             def body(state: tuple) -> tuple:
+                # sample token t from the carried logits, record it, then feed it (one sampling site keeps
+                # the compiled program small; the feed after the last token is one wasted step per call)
                 t, logits, done, stopped, n_gen, out_tok, out_lp, kcs, vcs = state
                 tok, lp = sample(logits, t)
                 live = ~done
@@ -565,12 +482,17 @@ class DenseSampler:
                 slot = P + t
                 cols = all_slots[None, :length]
                 key_mask = key_valid[:, :length] | ((cols >= P) & (cols <= slot))
-                if opts.head_major_cache:
-                    h, kcs, vcs = m.decode_step_cached(
-                        params, tok, lens + t, slot, key_mask, kcs, vcs, opts.reduce_attention
-                    )
-                else:
-                    h, kcs, vcs = m.decode_step(params, tok, lens + t, slot, key_mask, kcs, vcs)
+                h, kcs, vcs = m.decode_step(
+                    params,
+                    tok,
+                    lens + t,
+                    slot,
+                    key_mask,
+                    kcs,
+                    vcs,
+                    head_major=opts.head_major_cache,
+                    reduce=opts.reduce_attention,
+                )
                 return t + 1, m.logits(params, h), done, stopped, n_gen, out_tok, out_lp, kcs, vcs
 
             return jax.lax.while_loop(cond, body, state)  # type: ignore[no-any-return]

@@ -27,6 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pipeline.process.parent_watch import PARENT_ENV, starter_env
+
 logger = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -43,6 +45,7 @@ RUN_TIME_ENV = (
     "RLPIPE_NUM_PROCESSES",
     "RLPIPE_PROCESS_ID",
     "PYTEST_CURRENT_TEST",
+    PARENT_ENV,
 )
 """Environment variables that differ from one step process to the next and are read at run time only (never
 while importing), so a step whose environment differs from the server's in these alone can be forked."""
@@ -144,6 +147,8 @@ class ForkServer:
                     str(theirs.fileno()),
                     "--preload",
                     ",".join(self.preload),
+                    "--parent",  # it ends with this process (pipeline.process.parent_watch)
+                    starter_env()[PARENT_ENV],
                 ],
                 pass_fds=[theirs.fileno()],
                 env=dict(self.env),

@@ -13,6 +13,7 @@ from pipeline.config import LocalBackendConfig
 from pipeline.jobs.launchers.base import StepGroup, StepProcess, StepSpec
 from pipeline.jobs.launchers.forkserver import ForkedProcess, ForkServer
 from pipeline.jobs.step_logs import LogTarget, StepLog
+from pipeline.process.parent_watch import starter_env
 from pipeline.process.ports import ReservedPort, reserve_port
 
 
@@ -25,6 +26,7 @@ class LocalProcess:
     ) -> None:
         self._log = StepLog(log)
         self._file = self._log.open()
+        env = {**env, **starter_env()}  # the step ends when this runner is gone (pipeline.process.parent_watch)
         argv = ["--config_path", config_path]
         forked = fork_server.spawn(module, argv, env, self._file.fileno()) if fork_server is not None else None
         self._proc: subprocess.Popen[bytes] | ForkedProcess = forked or subprocess.Popen(

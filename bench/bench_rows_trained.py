@@ -1,0 +1,103 @@
+"""The share of generated rollout rows that a run trained on: distinct rollout rows in committed batches / rollout
+rows generated, read from a finished run root's committed files (what the report's "generated rows trained" row
+shows), with the dropped rows per reason (stale, zero_variance, ...).
+
+Runs the demo job itself (`configs/demo_cats.yaml`, or the smaller `configs/test_cats.yaml` with `--quick`) on a
+fresh run root, and reads the recipe's run root (`make recipe`, `runs/basic_arithmetic`) when one exists; the
+recipe takes minutes to run, so it is not run here (the output says when there is none).
+
+    .venv/bin/python -m bench.bench_rows_trained                       # the demo, and the recipe's run if any
+    .venv/bin/python -m bench.bench_rows_trained --demo '' --recipe runs/basic_arithmetic   # read one run only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE_ROOT = "runs/basic_arithmetic"
+
+
+def rows_trained(run_root: str) -> dict[str, Any]:
+    """{generated, trained, fraction, dropped (rows per reason), eval (held-out success by policy step)} of a run
+    root: generated = the rows its rollout workers committed (their write records), trained = distinct rollout
+    rows in its committed batches (their lineage). Raises RuntimeError for a run root without both."""
+    from pipeline.report import load_run
+    from pipeline.report.sections import generation_rows
+
+    data = load_run(run_root)
+    rows = dict(generation_rows(data))
+    generated = rows.get("rollout rows generated")
+    if not generated or data.rollouts_used is None:
+        raise RuntimeError(f"{run_root}: no rollout write records or no committed batches; did the run finish?")
+    evals = {
+        int(r["policy_step"]): float(r["success_rate"])
+        for r in data.eval_summaries
+        if not r.get("external") and r.get("success_rate") is not None
+    }
+    return {
+        "run_root": run_root,
+        "generated": int(generated),
+        "trained": int(data.rollouts_used),
+        "fraction": data.rollouts_used / generated,
+        "dropped": dict(data.dropped_by_reason),
+        "eval_success": dict(sorted(evals.items())),
+    }
+
+
+def run_demo(run_root: str, quick: bool) -> None:
+    """The demo job (`steps.run`) on a fresh `run_root`, as `make demo` runs it; raises if it fails."""
+    config = "configs/test_cats.yaml" if quick else "configs/demo_cats.yaml"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "steps.run", "--config_path", config, "--run_root", run_root]
+    subprocess.run(cmd, check=True, cwd=REPO, env=env, timeout=1800, stdout=subprocess.DEVNULL)
+
+
+def line(name: str, fig: dict[str, Any] | None, why: str = "") -> str:
+    """One printed line of a run's figures (or why there are none)."""
+    if fig is None:
+        return f"{name}: {why}"
+    dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(fig["dropped"].items())) or "none"
+    return (
+        f"{name}: {fig['trained']:,} of {fig['generated']:,} generated rows trained = {fig['fraction']:.1%} "
+        f"(dropped: {dropped}) [{fig['run_root']}]"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--demo", default="run", help="'run': run the demo on a fresh run root; a path: read it; '': skip")
+    ap.add_argument("--recipe", default=RECIPE_ROOT, help="the recipe's run root, read if it exists ('': skip)")
+    ap.add_argument("--quick", action="store_true", help="run the smaller test_cats job instead of the demo")
+    ap.add_argument("--json", default="", help="write the figures here")
+    args = ap.parse_args(argv)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="rlpipe-rows-trained-") as tmp:
+        if args.demo:
+            root = str(Path(tmp) / "demo") if args.demo == "run" else args.demo
+            if args.demo == "run":
+                run_demo(root, args.quick)
+            out["demo"] = rows_trained(root)
+            out["demo"]["config"] = "configs/test_cats.yaml" if args.quick else "configs/demo_cats.yaml"
+            print(line("demo", out["demo"]))
+    if args.recipe:
+        recipe = REPO / args.recipe if not Path(args.recipe).is_absolute() else Path(args.recipe)
+        if (recipe / "batches").is_dir():
+            out["recipe"] = rows_trained(str(recipe))
+            print(line("recipe", out["recipe"]))
+        else:
+            print(line("recipe", None, f"no finished run at {args.recipe} (run `make recipe` first); not measured"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
