@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -250,15 +251,21 @@ def test_damaged_commit_records_end_in_one_line_naming_the_file_and_field(
 def test_a_ready_marker_without_data_and_a_cut_curriculum_state_do_not_block_the_batchmaker(
     default_job: FinishedJob, tmp_path: Path
 ) -> None:
-    """Slots 4..6 are lost and slots 4 and 5 built again by a restarted BatchMaker: a rollout file slot 4 read has
-    lost its data (its ready marker stays) and the newest curriculum state is cut mid-JSON. The file is quarantined
-    with its reason (listed in slot 4's `quarantined_files`), the state set aside and folded again from the
-    committed files, both slots committed, and no rollout used twice. (Two slots, bounded: the rows that filled the
-    original slots 5 and 6 fill the new 4 and 5 without the lost file's, where a third slot would need a spare
-    rollout file the job may not have left; with none, a BatchMaker rightly waits for one.)"""
+    """Slots 4..6 are lost and slots 4 and 5 built again by a restarted BatchMaker: a committed rollout file that
+    sorts before every file slot 4 read has lost its data (its ready marker stays) and the newest curriculum state
+    is cut mid-JSON. The file is quarantined with its reason (listed in slot 4's `quarantined_files`), the state set
+    aside and folded again from the committed files, both slots committed, and no rollout used twice. (Two slots,
+    bounded, from the files that filled the original 4 and 5. The lost file is one more file, not one of theirs:
+    without the rows of one of those the new slot 4 needs spare rows of policy <= 3, which the job need not have
+    left, pacing generating little more than the slots use, and a BatchMaker rightly waits for them; a run under
+    twice CI's load once had none.)"""
     root = tmp_path / "run"
     store = copy_run(default_job, root)
-    gone = store.read_log_entry(4).ingested_files[0]
+    first = store.read_log_entry(4).ingested_files[0]
+    folder, name = first.rsplit("/", 1)
+    gone = f"{folder}/0lost{name}"  # sorts first in its folder: read for slot 4 before the files it used
+    marker = {**store.get_json(layout.ready_marker(first)), "file": gone, "attempt_id": uuid.uuid4().hex}
+    (root / layout.ready_marker(gone)).write_text(json.dumps(marker))
     for slot in range(4, NUM_STEPS + 1):
         entry = store.read_log_entry(slot)
         for rel in (layout.batch_log_entry(slot), entry.data_file, entry.dropped_file):
@@ -267,7 +274,6 @@ def test_a_ready_marker_without_data_and_a_cut_curriculum_state_do_not_block_the
         if slot > 4:
             (root / layout.curriculum_state(slot)).unlink()
     cut(root, layout.curriculum_state(4))
-    (root / gone).unlink()
 
     rebuilt = 5
     config = str(step_config(root, "batches", tmp_path))
