@@ -44,9 +44,9 @@ def child(step: str, config_path: str, run_root: str) -> None:
     """Reach `step`'s ready point, printing `READY <phase seconds as JSON>`."""
     t0 = time.perf_counter()
     phases: dict[str, float] = {}
-    import importlib
+    from steps.forkserver import import_step
 
-    importlib.import_module(f"steps.{step}")
+    import_step(f"steps.{step}")  # the module and what its `main` imports (its HEAVY_MODULES), as a forked step has
     phases["import"] = time.perf_counter() - t0
     from pipeline.jobs.job import RLJob
     from pipeline.process.step_kind import StepKind

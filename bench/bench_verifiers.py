@@ -6,9 +6,11 @@ once as a verifiers lesson (`VerifiersEnv`, verifiers' own rollout loop: its cha
 training client, model calls through the generate endpoint) and once as `SayCatsEnv` below (a
 `SingleTurnEnvironment`: one `generate` call, the same prompts through the same chat template, the same reward).
 Both sample from the same dense sampler on the tiny model (random weights) through one `BackendContext`: each
-step is `--examples` x `--generations` episodes of at most `--max_tokens` tokens. The verifiers lesson runs with its
-warm harness pool (`harness_pool_size`, after one warm-up step that starts the pool) and, for `--per_episode_steps`
-steps, with a new harness process per episode (`harness_pool_size: 0`, verifiers' own runtime).
+step is `--examples` x `--generations` episodes of at most `--max_tokens` tokens. The verifiers lesson runs as
+configured by default (`verifiers`: the chat program in this process, `harness_in_process`), with its warm harness
+pool instead (`verifiers_pool`: `harness_in_process: false`, after one warm-up step that starts the pool) and, for
+`--per_episode_steps` steps, with a new harness process per episode (`verifiers_per_episode`: neither, verifiers'
+own runtime).
 
 Figures per variant: median wall seconds per step over `--steps` steps, rows/s, and CPU seconds of the whole
 process tree per step (this process, its reaped children, and the live pool processes read from /proc). The
@@ -154,7 +156,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rlpipe.sample(ctx, spec, np.random.default_rng(99))  # compiles the sampler's shapes
     out: dict[str, Any] = {"machine": machine_name(), "episodes_per_step": episodes, "max_tokens": args.max_tokens}
     out["rlpipe"] = measure(rlpipe, ctx, spec, args.steps, seed=0)
-    pooled = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256)
+    lesson = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256)
+    try:
+        lesson.sample(ctx, spec, np.random.default_rng(98))  # warm-up: loads the chat program
+        out["verifiers"] = measure(lesson, ctx, spec, args.steps, seed=0)
+    finally:
+        lesson.close()
+    pooled = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256, harness_in_process=False)
     try:
         t0 = time.perf_counter()
         pooled.sample(ctx, spec, np.random.default_rng(98))  # warm-up: starts the pool's processes
@@ -166,14 +174,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         pooled.close()
     if args.per_episode_steps:
-        fresh = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256, harness_pool_size=0)
+        fresh = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256, harness_pool_size=0, harness_in_process=False)
         try:
             out["verifiers_per_episode"] = measure(fresh, ctx, spec, args.per_episode_steps, seed=0)
         finally:
             fresh.close()
     backend.shutdown()
     base = out["rlpipe"]
-    for key in ("verifiers_pool", "verifiers_per_episode"):
+    for key in ("verifiers", "verifiers_pool", "verifiers_per_episode"):
         v = out.get(key)
         if v:
             v["ratio"] = base["rows_per_s"] / v["rows_per_s"] if v["rows_per_s"] else None
@@ -181,14 +189,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nverifiers lesson vs rlpipe environment class, same task and sampler; {out['machine']}")
     print(f"{episodes} episodes per step, max_tokens {args.max_tokens}; median of steps")
     print(f"{'variant':24} {'s/step':>8} {'rows/s':>8} {'CPU s/step':>11} {'ratio':>6} {'overhead CPU s/episode':>23}")
-    for key in ("rlpipe", "verifiers_pool", "verifiers_per_episode"):
+    for key in ("rlpipe", "verifiers", "verifiers_pool", "verifiers_per_episode"):
         v = out.get(key)
         if v:
             ratio = f"{v['ratio']:.2f}" if v.get("ratio") else "-"
             over = f"{v['overhead_cpu_s_per_episode']:.3f}" if "overhead_cpu_s_per_episode" in v else "-"
             figs = f"{v['s_per_step']:8.2f} {v['rows_per_s']:8.1f} {v['cpu_s_per_step']:11.2f}"
             print(f"{key:24} {figs} {ratio:>6} {over:>23}")
-    print("ratio: rlpipe rows/s / the variant's rows/s (goal <= 2 for verifiers_pool)")
+    print("ratio: rlpipe rows/s / the variant's rows/s (goal <= 2 for verifiers, the lesson as configured by default)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -241,7 +241,7 @@ CPU_EXTRACTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "trl_50m_cpu_ratio": _trl_ratio("50m", "cpu_s_per_step"),
     "latency_trl_setting_s": _get("latency", "trl_setting", "steady_s_per_step"),
     "retention_ratio": _get("retention", "ratio_on_to_off"),
-    "verifiers_pool_ratio": _get("verifiers", "verifiers_pool", "ratio"),
+    "verifiers_pool_ratio": _get("verifiers", "verifiers", "ratio"),
     "verifiers_pool_speedup": _verifiers_pool_speedup,
     "rows_trained_demo": _percent(_get("rows_trained", "demo", "fraction")),
     "rows_trained_recipe": _percent(_get("rows_trained", "recipe", "fraction")),

@@ -21,9 +21,9 @@ JSON; this program prints each part's own table as it finishes, then the summary
   the GCS emulator: storage requests and latency per batch slot (`bench.bench_scale`, docs/scale.md);
 - publish: publish-to-readable latency of 50/200/800 MB policies, 1 and 2 learner processes writing their own
   shards, local disk and the GCS emulator (`bench.bench_publish`, docs/scale.md);
-- verifiers: the same single-turn task as a verifiers lesson (warm harness pool, and one step with a process per
-  episode) and as an rlpipe environment class on the same sampler: rows/s ratio (goal <= 2) and the per-episode
-  overhead in CPU seconds (`bench.bench_verifiers`);
+- verifiers: the same single-turn task as a verifiers lesson (as configured by default: the chat program in
+  process; with the warm harness pool; one step with a process per episode) and as an rlpipe environment class on
+  the same sampler: rows/s ratio (goal <= 2) and the per-episode overhead in CPU seconds (`bench.bench_verifiers`);
 - rows_trained: the share of generated rollout rows trained on (distinct rows in batches / rows generated) of the
   demo job (run here) and of the recipe's run root `runs/basic_arithmetic` when `make recipe` left one
   (`bench.bench_rows_trained`);
@@ -586,19 +586,22 @@ def _rows_publish(results: dict[str, Any]) -> list[Row]:
 
 def _rows_verifiers(results: dict[str, Any]) -> list[Row]:
     """Summary rows of the `verifiers` part: the verifiers lesson's rows/s against the rlpipe environment class's on
-    the same task and sampler, with the harness pool and (when measured) a process per episode."""
+    the same task and sampler, as configured by default (the chat program in process), with the harness pool and
+    (when measured) a process per episode."""
     v = results.get("verifiers")
     if not v:
         return []
     base = v["rlpipe"]
     rows: list[Row] = []
-    for key, label in (("verifiers_pool", "harness pool"), ("verifiers_per_episode", "a process per episode")):
+    variants = (("verifiers", "in process"), ("verifiers_pool", "harness pool"),
+                ("verifiers_per_episode", "a process per episode"))  # fmt: skip
+    for key, label in variants:
         m = v.get(key)
         if m:
             rows.append((f"verifiers lesson ({label}), {v['episodes_per_step']} episodes/step",
                          f"{_f(m['rows_per_s'])} rows/s, {m['overhead_cpu_s_per_episode']:.3f} CPU s/episode extra",
                          f"rlpipe env class {_f(base['rows_per_s'])} rows/s", _f(m["ratio"], ".1f"),
-                         "<= 2" if key == "verifiers_pool" else "-"))  # fmt: skip
+                         "<= 2" if key == "verifiers" else "-"))  # fmt: skip
     return rows
 
 

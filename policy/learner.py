@@ -1,6 +1,6 @@
 """The learner's library: optimizer and schedule, the jitted train step, batch arrays, checkpoints, reference.
 
-The step program (`steps/learn.py`) strings these together. Contracts kept here:
+The learner's loop (`policy/learner_loop.py`, run by `steps/learn.py`) strings these together. Contracts kept here:
   - a batch slot T is named by its commit object `batches/log/step-T.json` (`data_file` names the parquet,
     verified against the entry's size and sha256 and read through `schemas.BATCH`; a file that does not match is
     quarantined and the slot rebuilt from its recorded inputs: `pipeline.batch_maker.rebuild`); a batch whose row

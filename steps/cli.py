@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib
 import io
@@ -345,22 +346,30 @@ def run_program(
     return run_command(parse, main, argv)
 
 
-def deferred_main(module: str, early: Callable[[C], int | None] | None = None) -> Callable[[C], int]:
-    """`module.main`, imported only when called: `python -m steps.learn` (or `steps.sft`, `steps.rollout`) runs
-    `run_program(ConfigClass, deferred_main("steps.learn"), validate=…)` before its module imports JAX, so a bad
-    config is one line, exit 2, found before anything starts (JAX's import alone is ~2 CPU s per process).
+def step_main(
+    main: Callable[[C], int],
+    heavy: Sequence[str] = (),
+    early: Callable[[C], int | None] | None = None,
+) -> Callable[[C], int]:
+    """`main` as its program runs it (`python -m steps.learn`, `rlpipe learn`, `steps.run step learn`): first
+    `early(config)`, when given (`steps.early`): an exit code means the step has nothing to do (a scheduled step on a
+    finished run) and it ends there, before JAX is imported; then the step's `heavy` modules (its `HEAVY_MODULES`:
+    policy.*, hence JAX and levanter) are imported and the collector frozen, then `main(config)` runs.
 
-    `early(config)`, when given, runs first: an exit code means the step has nothing to do (a scheduled step on a
-    finished run) and the module is never imported; None goes on to `module.main`."""
+    A step module imports only light modules at its top, so `run_program` parses and checks the config (a bad one
+    is one line, exit 2, found before anything starts; JAX's import alone is ~2 CPU s per process) before this
+    imports the heavy ones; the job's fork server imports the same `HEAVY_MODULES` before it forks (steps.forkserver),
+    so a forked step finds them loaded."""
 
-    def main(config: C) -> int:
+    @functools.wraps(main)  # its __module__: `program_name`, the step that refuses a config change
+    def run(config: C) -> int:
         if early is not None:
             rc = early(config)
             if rc is not None:
                 return rc
-        program = importlib.import_module(module)
+        for module in heavy:
+            importlib.import_module(module)
         gc.freeze()  # as run_command does: the objects of the modules imported just now live as long as the process
-        return int(program.main(config))
+        return int(main(config) or 0)
 
-    main.__module__ = module  # program_name: the step that refuses a config change (`by` in run.json's history)
-    return main
+    return run

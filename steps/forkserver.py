@@ -2,9 +2,10 @@
 
 `python -m steps.forkserver --fd N --preload steps.learn,steps.rollout,…` is started by the job runner
 (`pipeline.jobs.launchers.forkserver.ForkServer`; `backend.fork_server: true`, the default) with one end of a Unix
-`SOCK_SEQPACKET` socket pair as fd N. It imports the preloaded modules (JAX, haliax, levanter, transformers:
-~4–5 s of CPU that every step process would otherwise pay at each start and restart), answers `{"ready": true}`,
-then serves one request per message until the runner closes its end:
+`SOCK_SEQPACKET` socket pair as fd N. It imports the preloaded modules and the modules each one's `main` imports
+(its `HEAVY_MODULES`: JAX, haliax, levanter, transformers: ~4–5 s of CPU that every step process would otherwise
+pay at each start and restart), answers `{"ready": true}`, then serves one request per message until the runner
+closes its end:
 
     request  {"module": "steps.learn", "argv": [...], "env": {...}, "cwd": "..."} + two file descriptors:
              the step's log (stdout and stderr) and the read end of a "go" pipe held by the runner
@@ -87,13 +88,22 @@ def _fork_step(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> 
     return None
 
 
+def import_step(name: str) -> None:
+    """Import step module `name` and the modules its `main` imports (its `HEAVY_MODULES`: JAX, levanter, the model),
+    which a step module leaves out of its own imports so that its config is checked before they load
+    (`steps.cli.step_main`): a step forked from here finds them loaded."""
+    module = importlib.import_module(name)
+    for heavy in getattr(module, "HEAVY_MODULES", ()):
+        importlib.import_module(heavy)
+
+
 def serve(sock: socket.socket, preload: list[str]) -> dict[str, Any] | None:
     """Preload, then fork one step per request until the runner closes the socket (returns None). In a step
     process it returns that step's request, with fds `log` and `go` added."""
     error = None
     for module in preload:
         try:
-            importlib.import_module(module)
+            import_step(module)
         except Exception as e:  # the runner falls back to plain processes, whose logs will show the same error
             error = f"importing {module}: {type(e).__name__}: {e}"
             break
@@ -119,7 +129,7 @@ def serve(sock: socket.socket, preload: list[str]) -> dict[str, Any] | None:
         hazard = fork_hazard()
         if hazard is None:
             try:
-                importlib.import_module(request["module"])
+                import_step(request["module"])
             except Exception as e:
                 hazard = f"importing {request['module']}: {type(e).__name__}: {e}"
             else:

@@ -67,32 +67,26 @@ never restarted: docs/reference/exit-codes.md).
 
 from __future__ import annotations
 
-# `python -m steps.rollout`: the config is parsed and checked (steps.cli.deferred_main) before the imports below
-# load JAX, so a bad config is one line, exit 2, found before anything starts.
-# A worker started on a finished run (or one with control/STOP) exits there too, without JAX.
-if __name__ == "__main__":
-    import sys
-
-    from pipeline.config import RolloutStepConfig
-    from pipeline.environments.start_checks import check_rollout_step
-    from steps.cli import deferred_main, run_program
-    from steps.early import rollout_nothing_to_do
-
-    sys.exit(
-        run_program(
-            RolloutStepConfig, deferred_main("steps.rollout", rollout_nothing_to_do), validate=check_rollout_step
-        )
-    )
+import sys
 
 from pipeline.config import RolloutStepConfig
 from pipeline.environments.start_checks import check_lessons, check_rollout_step
 from pipeline.environments.tokenizer import load_tokenizer
-from pipeline.rollout.worker import RolloutWorker
-from policy.rollout_manager import policy_runtime
+from steps.cli import run_program, step_main
+from steps.early import rollout_nothing_to_do
+
+HEAVY_MODULES = ("pipeline.rollout.worker", "policy.rollout_manager")
+"""What `main` imports (JAX, levanter, the sampler): loaded once the config is checked and the run is not finished
+(`steps.cli.step_main`), or by the job's fork server before it forks the step."""
+EARLY_EXIT = rollout_nothing_to_do
+"""A worker started on a finished run (or one with control/STOP) ends here, before JAX."""
 
 
 def main(config: RolloutStepConfig) -> int:
     """Run one rollout worker until stopped; returns the exit status (0: clean stop)."""
+    from pipeline.rollout.worker import RolloutWorker
+    from policy.rollout_manager import policy_runtime
+
     check_rollout_step(config)
     tokenizer = load_tokenizer(config.model.tokenizer)
     # a lesson none of whose examples can be sampled or trained: exit 2 now; the prompts drawn tell the sampler
@@ -108,7 +102,11 @@ def main(config: RolloutStepConfig) -> int:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """`python -m steps.rollout [--config_path F] [--field value …]`; returns the exit code."""
-    from steps.cli import run_program
+    """`python -m steps.rollout [--config_path F] [--field value …]`; returns the exit code. A worker started on a
+    finished run (or one with control/STOP) ends before importing JAX (`steps.early`)."""
+    program = step_main(main, HEAVY_MODULES, EARLY_EXIT)
+    return run_program(RolloutStepConfig, program, argv, validate=check_rollout_step)
 
-    return run_program(RolloutStepConfig, main, argv, validate=check_rollout_step)
+
+if __name__ == "__main__":
+    sys.exit(cli())

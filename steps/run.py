@@ -37,7 +37,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +52,7 @@ from pipeline.run_contract import ALLOW_CHANGE_FLAG, check_run_config, check_ste
 from pipeline.store import layout
 from pipeline.store.run_state import read_run_record
 from pipeline.store.storage import RunStore, require_run, storage_options_from
-from steps.cli import parse_bool, parse_config, run_command
-from steps.early import learner_already_done, rollout_nothing_to_do
+from steps.cli import parse_bool, parse_config, run_command, step_main
 
 
 @dataclass(frozen=True)
@@ -183,11 +182,6 @@ def step_config(job: RLJob, step: StepKind, overrides: Sequence[str]) -> Any:
         return parse_config(type(base), ["--config_path", str(path), *overrides])
 
 
-EARLY_EXITS: dict[StepKind, Callable[[Any], int | None]] = {
-    StepKind.LEARNER: learner_already_done,
-    StepKind.ROLLOUT: rollout_nothing_to_do,
-}
-"""The checks a step makes before its module (and JAX) is imported (`steps.early`): an exit code ends it there."""
 READ_ONLY_STEPS = frozenset({StepKind.EVALUATE})
 """Steps that only read a run: refused on a run root without run.json (nothing is created)."""
 RUN_ROOT_ENTRIES = frozenset(
@@ -259,13 +253,11 @@ def run_step(job: RLJob, step: StepKind, overrides: Sequence[str]) -> int:
                          by=module_name)  # fmt: skip
     check_step_config(store, config, by=module_name, allow_change=job.allow_config_change)
     refuse_beside_a_live_job(store, module_name)  # a scheduled training step beside a live job: exit 6, one line
-    early = EARLY_EXITS.get(step)
-    if early is not None:  # a scheduled learner or rollout worker on a finished run: done before importing JAX
-        rc = early(config)
-        if rc is not None:
-            return rc
+    # A step module imports light modules only; a scheduled step on a finished run ends in its EARLY_EXIT
+    # (`steps.early`), before its HEAVY_MODULES (JAX) are imported (`steps.cli.step_main`), as its own program does.
     module = importlib.import_module(module_name)
-    return int(module.main(config) or 0)
+    program = step_main(module.main, getattr(module, "HEAVY_MODULES", ()), getattr(module, "EARLY_EXIT", None))
+    return program(config)
 
 
 def check_prompts(job: RLJob) -> None:

@@ -28,30 +28,26 @@ Run:
 
 from __future__ import annotations
 
-# `python -m steps.sft`: the config is parsed and checked (steps.cli.deferred_main) before the imports below
-# load JAX, so a bad config is one line, exit 2, found before anything starts.
-if __name__ == "__main__":
-    import sys
-
-    from pipeline.config.sft import SFTStepConfig, validate_sft
-    from steps.cli import deferred_main, run_program
-
-    sys.exit(run_program(SFTStepConfig, deferred_main("steps.sft"), validate=validate_sft))
-
 import logging
 import sys
 
 from pipeline.config.sft import SFTStepConfig, validate_sft
 from pipeline.store import layout
-from policy import learner as L
-from policy import policy_format as pf
-from policy.sft import learner_view, open_run, train
+from steps.cli import run_program, step_main
 
 logger = logging.getLogger("steps.sft")
+
+HEAVY_MODULES = ("policy.learner", "policy.policy_format", "policy.sft")
+"""What `main` imports (JAX, levanter, the model): loaded once the config is checked (`steps.cli.step_main`), or by
+the job's fork server before it forks the step."""
 
 
 def main(config: SFTStepConfig) -> int:
     """Run SFT (module docstring); returns 0."""
+    from policy import learner as L
+    from policy import policy_format as pf
+    from policy.sft import learner_view, open_run, train
+
     validate_sft(config)
     run = open_run(config)
     view = learner_view(config)
@@ -75,6 +71,8 @@ def main(config: SFTStepConfig) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """`python -m steps.sft [--config_path F] [--field value …]`; returns the exit code."""
-    from steps.cli import run_program
+    return run_program(SFTStepConfig, step_main(main, HEAVY_MODULES), argv, validate=validate_sft)
 
-    return run_program(SFTStepConfig, main, argv, validate=validate_sft)
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,6 +1,7 @@
 """A program for tests/test_forkserver.py to start through the fork server (`-m forkserver_probe`, tests/ on
 PYTHONPATH): `--marker PATH` creates that file as soon as it runs; then it writes what it sees as one JSON line to
-stdout (and a line to stderr), sleeps `--sleep` seconds and exits with `--exit`."""
+stdout (and a line to stderr), sleeps `--sleep` seconds and exits with `--exit`. Like a step module it names a module
+its `main` imports in `HEAVY_MODULES` (`colorsys`, which nothing else here imports): the fork server preloads it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import time
 
 import jax
 
+HEAVY_MODULES = ("colorsys",)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -22,6 +25,7 @@ def main() -> int:
     if args.marker:
         open(args.marker, "w").close()
     seen = {
+        "heavy_preloaded": "colorsys" in sys.modules,  # before this process imports it itself
         "argv": sys.argv[1:],
         "cwd": os.getcwd(),
         "step": os.environ.get("RLPIPE_STEP"),

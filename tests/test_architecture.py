@@ -1,7 +1,8 @@
 """The code's shape, checked so it stays true: imports point one way (`schemas` <- `pipeline` <- `policy` <-
 `steps`), `schemas` and `pipeline` never import JAX, and no import cycle exists among the modules of these
 packages, counting imports at any depth (inside functions too); and every module is named in the map of where
-things live, docs/design/architecture.md, in the section of its package or subpackage."""
+things live, docs/design/architecture.md, in the section of its package or subpackage; and no class is over 400
+lines and no module over 600 unless its module docstring says why, in a paragraph beginning "Size:"."""
 
 from __future__ import annotations
 
@@ -242,3 +243,58 @@ def test_the_ground_floor_imports_nothing_above_it() -> None:
     loaded = int(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout)  # fmt: skip
     assert loaded <= 25, f"importing pipeline.store.storage loads {loaded} project modules"
+
+
+MAX_CLASS_LINES = 400
+MAX_MODULE_LINES = 600
+SIZE_REASON = re.compile(r"(?:^|\n[ \t]*\n)[ \t]*Size:[ \t]*\S")
+
+
+def _oversized(source: str, name: str) -> list[str]:
+    """Each class of `source` over MAX_CLASS_LINES lines (`end_lineno - lineno + 1`, decorators not counted) and the
+    module itself when over MAX_MODULE_LINES lines, unless its docstring has a paragraph beginning `Size:` (the
+    reason this is one unit)."""
+    tree = ast.parse(source)
+    if SIZE_REASON.search(ast.get_docstring(tree) or ""):
+        return []
+    found = []
+    n_lines = len(source.splitlines())
+    if n_lines > MAX_MODULE_LINES:
+        found.append(f"{name}: module of {n_lines} lines")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_CLASS_LINES:
+                found.append(f"{name}: class {node.name} of {length} lines")
+    return found
+
+
+def test_no_class_over_400_and_no_module_over_600_lines_without_a_reason() -> None:
+    offenders = [
+        o
+        for pkg in LAYERS
+        for path in sorted((ROOT / pkg).rglob("*.py"))
+        for o in _oversized(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+    assert not offenders, (
+        f"no class over {MAX_CLASS_LINES} lines and no module over {MAX_MODULE_LINES} without a reason: cut it along "
+        "a seam, or give its module docstring a paragraph beginning 'Size:' that says why it is one unit:\n"
+        + "\n".join(offenders)
+    )
+
+
+def test_the_size_rule_reads_classes_modules_and_reasons() -> None:
+    def module(doc: str, class_lines: int = 0, filler: int = 0) -> str:
+        """A source: docstring `doc`, a class of `class_lines` lines, then `filler` more lines."""
+        cls = "class C:\n" + "".join(f"    x{i} = {i}\n" for i in range(class_lines - 1)) if class_lines else ""
+        return f'"""{doc}"""\n' + cls + "y = 0\n" * filler
+
+    assert _oversized(module("A module.", class_lines=401), "m.py") == ["m.py: class C of 401 lines"]
+    assert _oversized(module("A module.", class_lines=400), "m.py") == []
+    assert _oversized(module("A module.", filler=600), "m.py") == ["m.py: module of 601 lines"]
+    assert _oversized(module("A module.", filler=599), "m.py") == []
+    for reason in ("A module.\n\nSize: one unit because of X.\n", "Size: one unit because of X."):
+        assert _oversized(module(reason, class_lines=500, filler=200), "m.py") == []
+    # "Size:" mid-paragraph, or with nothing after it, is no reason
+    assert _oversized(module("A module. Size: small.", filler=600), "m.py") == ["m.py: module of 601 lines"]
+    assert _oversized(module("A module.\n\nSize:\n\nMore.\n", filler=600), "m.py") == ["m.py: module of 606 lines"]

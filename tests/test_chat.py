@@ -385,7 +385,7 @@ def test_rollout_and_evaluate_steps_refuse_a_chat_lesson_without_a_template(tmp_
     assert proc.returncode == Exit.CONFIG, proc.stderr[-2000:]
     why = f"lessons.calc.chat=True: the tokenizer ({folder}) has no chat template"
     assert why in proc.stderr and not (tmp_path / "run" / "rollouts").exists()
-    from steps.evaluate import Evaluator
+    from policy.evaluation import Evaluator
 
     with pytest.raises(ConfigError, match=re.escape(why)):
         Evaluator(EvaluateStepConfig(**common))  # type: ignore[arg-type]

@@ -5,7 +5,8 @@ that can hold a call, so jobs pile up behind it deterministically.
 Checked: jobs queued while a call runs go into the next call, grouped by sampling settings (one call per group, in
 queue order); the `max_pending` bound refuses one more job with 503 at once; a group whose call fails is retried job
 by job, so only the bad job fails (400 for a ValueError); closing refuses queued and later jobs with 503; the capture
-log is what `generate` returned, with the policy step read after the call.
+log is what `generate` returned, with the policy step read after the call; with callers expected, a call waits for a
+job from each caller still running rather than a timer.
 """
 
 from __future__ import annotations
@@ -180,3 +181,27 @@ def test_capture_log_is_what_generate_returned(harness: Harness, tmp_path: Path)
          "policy_step": 11}
         for i in range(2)
     ]  # fmt: skip
+
+
+def test_a_batch_waits_for_every_expected_caller_not_a_timer() -> None:
+    """With callers expected, a call holds a job from each caller still running (no timer cut); a caller that
+    finishes without calling is not waited for."""
+    sampler = HeldSampler()
+    sampler.release.set()
+    b = Batcher(sampler, policy_step=lambda: 11, batch_window_s=0.0, batch_wait_max_s=DEADLINE_S)
+    b.start()
+    pool = ThreadPoolExecutor(4)
+    try:
+        b.expect_callers(3)
+        answers = [pool.submit(b.submit, job([1] * k)) for k in (1, 2, 3)]
+        assert [a.result(DEADLINE_S)[0][0].tokens for a in answers] == [[1, 0], [2, 0], [3, 0]]
+        assert [len(r.prompts) for r in sampler.requests] == [3]  # one call, though the window is 0 s
+        b.expect_callers(2)
+        answer = pool.submit(b.submit, job([4]))
+        wait("the job queued", lambda: b.pending == 1)
+        b.caller_finished()  # the other caller ends without calling: the batch of one is complete
+        assert answer.result(DEADLINE_S)[0][0].tokens == [1, 0]
+        assert [len(r.prompts) for r in sampler.requests] == [3, 1]
+    finally:
+        b.close()
+        pool.shutdown()

@@ -3,8 +3,9 @@
 A step process forked by the server must be indistinguishable, to the runner and to the step, from a fresh
 `python -m <module>`: the runner's own child (exit codes and signals through `waitpid`), its own session,
 argv, working directory, environment and log, its own JAX backend started after the fork (the device count of
-its XLA flags), its command line in `ps`; a server that dies is replaced; a step whose environment differs is
-left to a fresh interpreter; a process forked for a runner that never confirms runs nothing."""
+its XLA flags), the modules its `main` imports (`HEAVY_MODULES`) already loaded, its command line in `ps`; a server
+that dies is replaced; a step whose environment differs is left to a fresh interpreter; a process forked for a
+runner that never confirms runs nothing."""
 
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def test_a_forked_step_is_our_child_with_its_own_argv_env_log_session_and_jax(
     assert seen["cwd"] == os.getcwd()
     assert seen["step"] == "probe"  # the request's environment, not the server's
     assert seen["devices"] == 3  # JAX's backend started after the fork, from XLA_FLAGS
+    assert seen["heavy_preloaded"]  # the server imported the module's HEAVY_MODULES before forking
     assert "probe stderr line" in lines  # stderr on the same log
 
 

@@ -8,6 +8,8 @@ backend is Ray, and then only when the job starts, so no import-time check allow
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = ("datasets", "pandas", "ray", "torch")
-STEPS = ("learn", "make_batches", "rollout", "evaluate", "export", "run")
+STEPS = ("learn", "make_batches", "rollout", "sft", "evaluate", "export", "run")
 
 # The policy and levanter modules the steps import lazily, inside `main` (model build and load, the
 # inference backends, the trackers, the HF converter).
@@ -73,16 +75,45 @@ def test_step_process_imports_no_heavy_package(step: str) -> None:
     assert not imported & set(FORBIDDEN), f"steps.{step} imported {sorted(imported & set(FORBIDDEN))}"
 
 
+HEAVY_STEPS = ("learn", "rollout", "sft", "evaluate", "replay")
+"""Step programs whose `main` imports JAX: each names what it imports in `HEAVY_MODULES` (`steps.cli.step_main`)."""
+
+
+def imported_in_functions(step: str) -> set[str]:
+    """The `policy.*` and `pipeline.*` modules that functions of `steps/<step>.py` import (not its top level)."""
+    tree = ast.parse((ROOT / "steps" / f"{step}.py").read_text())
+    names: set[str] = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+                names.update(f"{node.module}.{a.name}" for a in node.names if node.module == "policy")
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+    return {n for n in names if n.split(".")[0] in ("policy", "pipeline")}
+
+
 def test_runtime_modules_import_no_heavy_package() -> None:
-    """Every module a step imports while it works (model, backends, trackers) imports none of FORBIDDEN.
+    """A step module imports no JAX at its top (its config is checked first); its `HEAVY_MODULES` load every module
+    its functions import (the fork server preloads them: a forked step imports none itself); and every module a step
+    imports while it works (model, backends, trackers) imports none of FORBIDDEN.
 
     Run with the environment a step process has (`steps/__init__.py` sets USE_TORCH=0 for `python -m steps.*`,
     which stops transformers from importing torch).
     """
+    steps = [f"steps.{s}" for s in HEAVY_STEPS]
     code = (
-        "import sys\n"
-        + "".join(f"import {name}\n" for name in ("steps.learn", "steps.rollout", "steps.evaluate", *RUNTIME_MODULES))
-        + f"print(sorted(set({FORBIDDEN!r}) & {{m.split('.')[0] for m in sys.modules}}))\n"
+        "import importlib, json, sys\n"
+        + "".join(f"import {name}\n" for name in steps)
+        + "light = 'jax' not in sys.modules\n"
+        + f"for step in {steps!r}:\n"
+        + "    for m in sys.modules[step].HEAVY_MODULES:\n"
+        + "        importlib.import_module(m)\n"
+        + "loaded = sorted(sys.modules)\n"
+        + "".join(f"import {name}\n" for name in RUNTIME_MODULES)
+        + f"print(json.dumps([light, loaded, sorted(set({FORBIDDEN!r}) & {{m.split('.')[0] for m in sys.modules}})]))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code],
@@ -93,7 +124,13 @@ def test_runtime_modules_import_no_heavy_package() -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+    light, loaded, forbidden = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert light, "a step module imported JAX at its top"
+    assert "jax" in loaded
+    for step in HEAVY_STEPS:
+        missing = imported_in_functions(step) - set(loaded)
+        assert not missing, f"steps.{step}: its functions import {sorted(missing)}, not in its HEAVY_MODULES"
+    assert forbidden == [], forbidden
 
 
 def test_lazy_levanter_keeps_package_names() -> None:

@@ -95,6 +95,8 @@ PROGRAMS = [
             str(ROOT / "configs/basic_arithmetic_sft.yaml"),
             "--store.run_root",
             str(tmp / "sft"),
+            "--num_train_steps",
+            "1000",  # the config's 100 steps can end (~60 ms each, compile cached) before the drawn point
         ],
         12.0,  # its training starts ~8 s after its first line (examples, model, compile)
     ),

@@ -126,18 +126,19 @@ def test_only_a_storage_fault_lets_a_job_start_without_its_lease(
     import draccus
 
     from pipeline.config import RLJobConfig
+    from pipeline.jobs import job_lease as job_lease_module
     from pipeline.jobs import runner as runner_module
     from pipeline.jobs.job import RLJob
     from pipeline.store.faults import FAULT_INJECTION_ENV
 
     cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[])
     cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, run_root=str(tmp_path / "run")))
-    job_runner = runner_module.JobRunner(RLJob(cfg))
+    keeper = runner_module.JobRunner(RLJob(cfg)).job_lease
 
     monkeypatch.setenv(FAULT_INJECTION_ENV, f"ENOSPC:{layout.LEASES}/")
     with caplog.at_level("WARNING", logger=runner_module.__name__):
-        job_runner._take_job_lease()
-    assert job_runner._lease is None
+        keeper.take()
+    assert keeper.lease is None
     assert "job lease not taken" in caplog.text and "No space left on device" in caplog.text
     monkeypatch.delenv(FAULT_INJECTION_ENV)
 
@@ -145,9 +146,9 @@ def test_only_a_storage_fault_lets_a_job_start_without_its_lease(
         def acquire(self, **_: object) -> int:
             raise KeyError("a bug in the claim")
 
-    monkeypatch.setattr(runner_module, "job_lease", lambda store: Broken())
+    monkeypatch.setattr(job_lease_module, "job_lease", lambda store: Broken())
     with pytest.raises(KeyError, match="a bug in the claim"):
-        job_runner._take_job_lease()
+        keeper.take()
 
 
 def hold_maker_lease(root: Path, holder: str) -> subprocess.Popen[str]:
@@ -212,8 +213,9 @@ def test_scheduled_training_steps_and_a_job_never_run_side_by_side(tmp_path: Pat
 def test_a_renewal_survives_a_storage_fault_but_not_a_bug(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Renewing the job lease (`JobRunner._renew_job_lease`) on a run root whose `leases/` is full logs the fault and
-    goes on (the next renewal retries); an error that is not the storage's (a bug) is not swallowed."""
+    """Renewing the job lease (`JobLeaseKeeper.renew`, as `JobRunner` holds it) on a run root whose `leases/` is full
+    logs the fault and goes on (the next renewal retries); an error that is not the storage's (a bug) is not
+    swallowed."""
     import dataclasses
 
     import draccus
@@ -225,20 +227,20 @@ def test_a_renewal_survives_a_storage_fault_but_not_a_bug(
 
     cfg = draccus.parse(RLJobConfig, config_path=str(TEST_CONFIG), args=[])
     cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, run_root=str(tmp_path / "run")))
-    job_runner = runner_module.JobRunner(RLJob(cfg))
-    job_runner._take_job_lease()
-    assert job_runner._lease is not None
+    keeper = runner_module.JobRunner(RLJob(cfg)).job_lease
+    keeper.take()
+    assert keeper.lease is not None
     due = time.monotonic() + JOB_LEASE_TTL_S  # past every renewal's due time
 
     monkeypatch.setenv(FAULT_INJECTION_ENV, f"ENOSPC:{layout.LEASES}/")
     with caplog.at_level("WARNING", logger=runner_module.__name__):
-        assert job_runner._renew_job_lease(due) is True
+        assert keeper.renew(due) is True
     assert "job lease not renewed" in caplog.text and "No space left on device" in caplog.text
     monkeypatch.delenv(FAULT_INJECTION_ENV)
 
     def broken() -> None:
         raise KeyError("a bug in the renewal")
 
-    monkeypatch.setattr(job_runner._lease, "renew", broken)
+    monkeypatch.setattr(keeper.lease, "renew", broken)
     with pytest.raises(KeyError, match="a bug in the renewal"):
-        job_runner._renew_job_lease(due + JOB_LEASE_TTL_S)
+        keeper.renew(due + JOB_LEASE_TTL_S)

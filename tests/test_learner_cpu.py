@@ -50,7 +50,7 @@ def test_profile_env_writes_a_cprofile_of_the_learner(tmp_path: Path, monkeypatc
     path = prof_dir / f"learner-{os.getpid()}.prof"
     assert path.is_file()
     funcs = {f"{os.path.basename(f)}:{name}" for f, _, name in pstats.Stats(str(path)).stats}  # type: ignore[attr-defined]
-    assert "learn.py:train" in funcs and "learn.py:train_one" in funcs
+    assert "learner_loop.py:train" in funcs and "learner_loop.py:train_one" in funcs  # policy.learner_loop
 
 
 def test_one_copy_safetensors_bytes_read_back_as_safetensors_own(tmp_path: Path) -> None:

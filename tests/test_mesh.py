@@ -138,7 +138,7 @@ def test_make_replay_of_a_multi_device_run_is_bitwise(tmp_path: Path, monkeypatc
 
 def test_replay_names_the_topology_it_needs() -> None:
     """A multi-process run is refused in one line naming its processes, devices and mesh."""
-    from steps.replay import Topology, use_recorded_devices
+    from policy.replay import Topology, use_recorded_devices
 
     line = use_recorded_devices(Topology(processes=2, devices=4, mesh=MeshConfig()))
     assert line is not None and "\n" not in line
@@ -149,7 +149,7 @@ def test_replay_difference_names_an_element() -> None:
     """The first differing element is named by its index in the tensor, with both values."""
     import jax.numpy as jnp
 
-    from steps.replay import compare
+    from policy.replay import compare
 
     a = {"w": jnp.zeros((2, 3), jnp.float32)}
     b = {"w": jnp.zeros((2, 3), jnp.float32).at[1, 2].set(0.5)}

@@ -99,7 +99,7 @@ def test_a_failing_replay_process_stops_the_group_with_one_line(capsys: pytest.C
     collective): the group's wait returns at once with that code and one stderr line naming process 1."""
     import time
 
-    from steps.replay import wait_group
+    from policy.replay import wait_group
 
     procs = [
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),

@@ -449,8 +449,8 @@ def test_a_failed_eval_example_is_recorded_and_counted_never_replaced(broken_env
     the 2 failures (`n_failures`), and the reasons are the batch's failures; the next lesson call still works."""
     from pipeline.config import EvaluateStepConfig
     from pipeline.store import layout
+    from policy.evaluation import Evaluator
     from schemas import EVAL_SUMMARY
-    from steps.evaluate import Evaluator
 
     cur, m = broken_env
     evaluator = Evaluator(EvaluateStepConfig(store=StoreConfig(run_root=str(tmp_path / "run")), model=SPEC,

@@ -297,7 +297,7 @@ def test_replay_of_the_last_slots_is_bitwise_equal(finished_run: Path, tmp_path:
     from pipeline.environments.tokenizer import load_tokenizer
     from policy import model as M
     from policy import policy_format as pf
-    from steps.replay import compare, recorded_learner_config
+    from policy.replay import compare, recorded_learner_config
 
     store = RunStore(str(finished_run))
     spec = recorded_learner_config(store).model

@@ -196,9 +196,9 @@ def test_sft_loss_falls(sft_run: Path) -> None:
 def test_rl_learner_starts_from_sft_policy_bitwise(sft_run: Path, tmp_path: Path) -> None:
     """`model.init_policy: <sft run>`: the RL learner's policy 0 is the SFT run's final policy, bit for bit."""
     from pipeline.config import LearnerStepConfig, ModelSpec, StoreConfig, TrainParams
+    from policy import learner_loop
     from policy import model as M
     from policy import policy_format as pf
-    from steps import learn
 
     spec = ModelSpec(**{**MODEL, "init_policy": str(sft_run)})
     config = LearnerStepConfig(
@@ -206,8 +206,8 @@ def test_rl_learner_starts_from_sft_policy_bitwise(sft_run: Path, tmp_path: Path
         model=spec,
         train=TrainParams(num_train_steps=2, batch_size=4, seq_len=32, replay_buffer_capacity=4),
     )
-    learner = learn.open_learner(config)
-    state = learn.resume(learner)
+    learner = learner_loop.open_learner(config)
+    state = learner_loop.resume(learner)
     assert state.step == 0
     vocab = learner.vocab_size
     rl0 = M.numpy_params(pf.read_policy(RunStore(str(tmp_path / "rl")), 0, spec, vocab))

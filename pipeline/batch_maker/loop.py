@@ -359,7 +359,7 @@ class BatchMakerLoop:
         self.scan.remember(sealed)
 
         def write() -> bool:
-            return self.write_slot(slot, attempt, batch, dropped, entry, log)
+            return write_slot(self.store, slot, attempt, batch, dropped, entry, log)
 
         if self._writer is None:
             ok = write()
@@ -419,41 +419,6 @@ class BatchMakerLoop:
             entry["curriculum_eval_values"] = self.curriculum.eval_values(entry["curriculum_evals"])
         return entry
 
-    def write_slot(
-        self, slot: int, attempt: str, batch: BatchResult, dropped: pa.Table, entry: dict[str, Any], log: dict[str, Any]
-    ) -> bool:
-        """Write slot T's data and dropped files, then create its log entry; True iff this maker took the slot.
-
-        Safe on the writer thread: touches only its arguments and the store.
-        """
-        t0 = time.monotonic()
-        info = self.store.write_parquet(layout.batch_data_file(slot, attempt), batch.table, BATCH)
-        dropped_counts: dict[str, int] = {}
-        dropped_path = None
-        if dropped.num_rows:
-            dropped_path = layout.dropped_file(slot, attempt)
-            self.store.write_parquet(dropped_path, dropped, DROPPED)
-            for r in dropped.column("reason").to_pylist():
-                dropped_counts[r] = dropped_counts.get(r, 0) + 1
-        entry.update(
-            data_file=info.path,
-            data_size=info.size,
-            data_sha256=info.sha256,
-            rows=info.rows,
-            time=time.time(),
-            dropped_file=dropped_path,
-            dropped=dropped_counts,
-        )
-        entry["timing"]["batch_committed_at"] = entry["time"]
-        log["batch_committed_at"] = entry["time"]
-        path = layout.batch_log_entry(slot)
-        ok = self.store.put_if_absent(path, BatchLogEntry.from_json(entry, path=path).to_json())
-        log["write_s"] = time.monotonic() - t0
-        log["dropped"] = dropped_counts
-        if not ok:
-            logger.warning("slot %d was committed by another maker; discarding %s and recovering", slot, info.path)
-        return ok
-
     def settle(self) -> None:
         """Wait for the slot being written (if any): run `after_commit`, or raise SlotLost if it was taken."""
         pending, self._pending = self._pending, None
@@ -480,6 +445,49 @@ class BatchMakerLoop:
     def record(self, batch: BatchResult, log: dict[str, Any]) -> None:
         """One metrics record per committed batch (fields: `pipeline.batch_maker.slot_metrics.METRICS`)."""
         self.metrics.log(batch_metrics(batch, log))
+
+
+def write_slot(
+    store: RunStore,
+    slot: int,
+    attempt: str,
+    batch: BatchResult,
+    dropped: pa.Table,
+    entry: dict[str, Any],
+    log: dict[str, Any],
+) -> bool:
+    """Write slot T's data and dropped files, then create its log entry; True iff this maker took the slot.
+
+    Safe on the writer thread: touches only its arguments and the store (a function, not a method, so it cannot
+    reach the loop's state).
+    """
+    t0 = time.monotonic()
+    info = store.write_parquet(layout.batch_data_file(slot, attempt), batch.table, BATCH)
+    dropped_counts: dict[str, int] = {}
+    dropped_path = None
+    if dropped.num_rows:
+        dropped_path = layout.dropped_file(slot, attempt)
+        store.write_parquet(dropped_path, dropped, DROPPED)
+        for r in dropped.column("reason").to_pylist():
+            dropped_counts[r] = dropped_counts.get(r, 0) + 1
+    entry.update(
+        data_file=info.path,
+        data_size=info.size,
+        data_sha256=info.sha256,
+        rows=info.rows,
+        time=time.time(),
+        dropped_file=dropped_path,
+        dropped=dropped_counts,
+    )
+    entry["timing"]["batch_committed_at"] = entry["time"]
+    log["batch_committed_at"] = entry["time"]
+    path = layout.batch_log_entry(slot)
+    ok = store.put_if_absent(path, BatchLogEntry.from_json(entry, path=path).to_json())
+    log["write_s"] = time.monotonic() - t0
+    log["dropped"] = dropped_counts
+    if not ok:
+        logger.warning("slot %d was committed by another maker; discarding %s and recovering", slot, info.path)
+    return ok
 
 
 def slot_timing(batch: BatchResult, log: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from pipeline.config.rescore import RescoreStepConfig
 from pipeline.config.retention import GcStepConfig
 from pipeline.config.steps import (
     BatchMakerStepConfig,
+    EvaluateCommand,
     EvaluateStepConfig,
     LearnerStepConfig,
     RolloutStepConfig,
@@ -53,6 +54,7 @@ STEPS: tuple[tuple[str, type], ...] = (
     ("steps.make_batches", BatchMakerStepConfig),
     ("steps.rollout", RolloutStepConfig),
     ("steps.evaluate", EvaluateStepConfig),
+    ("steps.evaluate", EvaluateCommand),
     ("steps.gc", GcStepConfig),
     ("steps.rescore", RescoreStepConfig),
     ("steps.export", ExportConfig),

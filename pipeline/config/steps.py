@@ -260,3 +260,12 @@ class EvaluateStepConfig(EvaluateTargets):
         require(all(s >= 0 for s in self.steps), "steps", self.steps, "policy steps must be >= 0")
         at_least(self, 1, "n_examples", or_null=True)
         at_least(self, 0, "stop_after_step", or_null=True)
+
+
+@dataclass(frozen=True)
+class EvaluateCommand(EvaluateTargets):
+    """`python -m steps.evaluate --store.run_root R …` (`make evaluate`): evaluate policies of an existing run with
+    the model, curriculum, inference and seed its run.json records; these flags say only what to evaluate."""
+
+    store: StoreConfig = field(default_factory=StoreConfig)
+    """The run root whose policies are evaluated (it must hold run.json)."""

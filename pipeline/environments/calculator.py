@@ -19,10 +19,10 @@ A generation error fails every example of that generation batch (an `ExampleFail
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from pipeline.environments.base import (
     token_rewards_for,
 )
 from pipeline.environments.generation import GenerationRequest
-from pipeline.environments.turns import play_turns
+from pipeline.environments.turns import Episode, play_turns
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"
@@ -307,10 +307,14 @@ def _generate_turn(
     return [per_prompt[0] for per_prompt in outs]
 
 
-class ArithmeticProblems:
-    """Integer expressions of `n_terms` operands in 1..`max_operand` joined by `+ - *`, and a fixed eval list
-    (`eval_problems`, set by the environment from its own seeded generator)."""
+_E = TypeVar("_E", bound=Episode)
 
+
+class ArithmeticProblems:
+    """Integer expressions of `n_terms` operands in 1..`max_operand` joined by `+ - *`, a fixed eval list
+    (`eval_problems`, set by the environment from its own seeded generator), and the groups of a played call."""
+
+    name: str
     max_turns: int
     n_terms: int
     max_operand: int
@@ -351,6 +355,29 @@ class ArithmeticProblems:
             if expr not in self._held_out:
                 out.append(expr)
         return out
+
+    def answer_result(
+        self,
+        exprs: Sequence[str],
+        episodes: Sequence[_E],
+        failed: set[int],
+        failures: list[ExampleFailure],
+        rng: np.random.Generator,
+        n_examples: int,
+        rollout: Callable[[str, Fraction, _E], EnvRollout],
+    ) -> SampleResult:
+        """The result of a call whose episodes are played (`play_turns`): one group per example not in `failed`, in
+        order, keyed by `group_key` (drawn from `rng`), of `rollout(expression, its value, episode)` for each of
+        its episodes in order; metrics by `summarize`, an episode a success when its reward is >= 1 (answered)."""
+        groups: list[EnvGroup] = []
+        for i, expr in enumerate(exprs):
+            if i in failed:
+                continue
+            target = safe_eval(expr)
+            rollouts = [rollout(expr, target, e) for e in episodes if e.example == i]
+            groups.append(EnvGroup(group_key(self.name, expr, rng), rollouts))
+        metrics = summarize(groups, failures, n_examples=n_examples, success=lambda r: r.episode_reward >= 1.0)
+        return SampleResult(groups, failures, metrics)
 
 
 class CalculatorEnv(ArithmeticProblems, Environment):
@@ -394,20 +421,11 @@ class CalculatorEnv(ArithmeticProblems, Environment):
         exprs, prompts, failures = self._encode_problems(tok, self.problems(n_examples, rng, mode), spec.chat)
         episodes = [_Episode(example=i) for i in range(len(exprs)) for _ in range(n_generations)]
         failed = self._play(ctx, exprs, prompts, episodes, sampling, stop, rng, failures)
-        groups: list[EnvGroup] = []
-        for i, expr in enumerate(exprs):
-            if i in failed:
-                continue
-            target = safe_eval(expr)
-            rollouts = [self._rollout(tok, prompts[i], expr, target, e, stop) for e in episodes if e.example == i]
-            groups.append(EnvGroup(group_key(self.name, expr, rng), rollouts))
-        metrics = summarize(
-            groups,
-            failures,
-            n_examples=n_examples,
-            success=lambda r: r.episode_reward >= 1.0,
-        )
-        return SampleResult(groups, failures, metrics)
+
+        def rollout(expr: str, target: Fraction, e: _Episode) -> EnvRollout:
+            return self._rollout(tok, prompts[e.example], expr, target, e, stop)
+
+        return self.answer_result(exprs, episodes, failed, failures, rng, n_examples, rollout)
 
     def _encode_problems(
         self, tok: Any, problems: Sequence[str], chat: bool = False

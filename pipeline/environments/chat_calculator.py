@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from pipeline.environments.base import (
-    EnvGroup,
     Environment,
     EnvRollout,
     ExampleFailure,
@@ -39,8 +38,6 @@ from pipeline.environments.base import (
     SampleSpec,
     check_mode,
     draw_seed,
-    group_key,
-    summarize,
 )
 from pipeline.environments.calculator import (
     ArithmeticProblems,
@@ -155,13 +152,7 @@ class ChatCalculatorEnv(ArithmeticProblems, Environment):
             self._advance(conv, turn, last_turn=last)
 
         failed = play_turns(self.name, convs, exprs, self.max_turns, generate, advance, failures)
-        groups = []
-        for i, expr in enumerate(exprs):
-            if i not in failed:
-                rollouts = [self._rollout(expr, safe_eval(expr), c) for c in convs if c.example == i]
-                groups.append(EnvGroup(group_key(self.name, expr, rng), rollouts))
-        metrics = summarize(groups, failures, n_examples=spec.n_examples, success=lambda r: r.episode_reward >= 1.0)
-        return SampleResult(groups, failures, metrics)
+        return self.answer_result(exprs, convs, failed, failures, rng, spec.n_examples, self._rollout)
 
     def _advance(self, conv: _Conversation, turn: ChatTurn, *, last_turn: bool) -> None:
         """Add one assistant turn; run its tool calls (when turns remain) or end the episode."""

@@ -17,16 +17,28 @@ The pool promises:
   episode cancelled mid-run (verifiers' rollout timeout) kills its process (its whole process group) the same way;
 - `close()` ends every process (stdin closed, then SIGKILL of the group after `CLOSE_GRACE_S`) and waits for them;
   a process whose parent disappears ends itself (its watchdog), so none outlives the environment.
+
+Most episodes need no separate program at all: `InProcessChatProgram` runs the same chat program (its bundled
+source, loaded once as a module) in the environment's own event loop, as verifiers' `Harness.launch` allows ("a
+harness may run its loop in-process ... as long as every model call goes through `endpoint` + `secret`"). It takes
+an episode whose program has no local tools (`--bash`, `--edit`, `--search`: they act on the program's working
+directory and environment) and no harness environment variables; `PooledRuntime` gives every other one to the
+pool. Its model calls still go over HTTP to verifiers' interception server, so the trace records exactly what a
+separate program would have made it record.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
 import logging
 import os
+import runpy
 import signal
+import traceback
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,22 +260,145 @@ def program_env(env: dict[str, str], venv: str | None) -> dict[str, str]:
     }
 
 
+LOCAL_TOOL_FLAGS = ("--bash", "--edit", "--search")
+"""Chat program options whose tools act on the program's own process (working directory, environment)."""
+
+INITIAL_MESSAGES_FLAG = "--initial-messages-file="
+"""The chat program option naming a file (relative to its working directory) it reads and deletes."""
+
+
+class _ParserBuilt(Exception):
+    """Raised instead of parsing, carrying the program's argument parser (see `_program_parser`)."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__("parser built")
+        self.parser = parser
+
+
+def _program_parser(program: dict[str, Any]) -> argparse.ArgumentParser:
+    """The argument parser the program's `parse_args()` builds (it builds one per call, about a third of a run's
+    CPU here), taken at the moment it would parse `sys.argv`."""
+
+    class Capture(argparse.ArgumentParser):
+        def parse_args(self, *args: Any, **kwargs: Any) -> Any:
+            raise _ParserBuilt(self)
+
+    shim = types.SimpleNamespace(ArgumentParser=Capture, Namespace=argparse.Namespace)
+    build = types.FunctionType(program["parse_args"].__code__, {**program, "argparse": shim}, "parse_args")
+    try:
+        build()
+    except _ParserBuilt as built:
+        built.parser.__class__ = argparse.ArgumentParser  # parses as argparse does from now on
+        return built.parser
+    raise RuntimeError("the chat program's parse_args did not parse")
+
+
+class InProcessChatProgram:
+    """verifiers' chat program (`script`, the prepared bundled program) run as a coroutine of the calling event
+    loop, one call per episode, any number at once (see the module docstring).
+
+    Loaded on first use: the script is executed once as a module (its `__main__` entry point inert), and one SSL
+    context is built from the same CA bundle (`certifi`) the program verifies with; each run calls the program's
+    own `main()` with its arguments parsed by its own parser (built once), its OpenAI client built on that shared
+    context (the program builds a new one, re-reading the bundle, per run) and closed when the run ends."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self.runs = 0
+        """Programs run so far."""
+        self._program: dict[str, Any] | None = None
+        self._parser: argparse.ArgumentParser | None = None
+        self._ssl: Any = None
+
+    @staticmethod
+    def can_run(args: list[str], env: dict[str, str]) -> bool:
+        """Whether a run with program arguments `args` and harness environment `env` needs no process of its own:
+        no local tools and no environment variables to set."""
+        return not env and not any(a.split("=", 1)[0] in LOCAL_TOOL_FLAGS for a in args)
+
+    def _load(self) -> dict[str, Any]:
+        if self._program is None:
+            import httpx
+
+            program = runpy.run_path(self.script, run_name="rlpipe_harness_program")
+            self._ssl = httpx.create_ssl_context(verify=program["certifi"].where())
+            self._parser = _program_parser(program)
+            self._program = program
+        return self._program
+
+    async def run(self, args: list[str], workdir: str) -> Any:
+        """Run the program once with `args`, relative paths resolved against `workdir`; returns verifiers'
+        `ProgramResult`: exit code 0 when `main` returns, the code of a `SystemExit`, 1 when it raises (the
+        traceback, or a `SystemExit`'s cause, on stderr, as the interpreter would print it)."""
+        program = self._load()
+        self.runs += 1
+        args = [
+            f"{INITIAL_MESSAGES_FLAG}{os.path.join(workdir, a[len(INITIAL_MESSAGES_FLAG) :])}"
+            if a.startswith(INITIAL_MESSAGES_FLAG)
+            else a
+            for a in args
+        ]
+        clients: list[Any] = []
+
+        def open_client(**kwargs: Any) -> Any:
+            client = program["AsyncOpenAI"](**kwargs)
+            clients.append(client)
+            return client
+
+        def http_client(**kwargs: Any) -> Any:
+            return program["DefaultAsyncHttpxClient"](**{**kwargs, "verify": self._ssl})
+
+        try:
+            assert self._parser is not None
+            parsed = self._parser.parse_args(args)
+            scope = {**program, "parse_args": lambda: parsed, "AsyncOpenAI": open_client}
+            scope["DefaultAsyncHttpxClient"] = http_client
+            main = types.FunctionType(program["main"].__code__, scope, "main")
+            await main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            cause = e.__cause__
+            err = "".join(traceback.format_exception(cause)) if cause is not None else ""
+            if e.code is not None and not isinstance(e.code, int):  # printed by the interpreter, as the worker does
+                err += f"{e.code}\n"
+            return ProgramResult(exit_code=code, stdout="", stderr=err)
+        except Exception as e:  # the program failed: reported as the interpreter would, not raised
+            return ProgramResult(exit_code=1, stdout="", stderr="".join(traceback.format_exception(e)))
+        finally:
+            for client in clients:
+                with contextlib.suppress(Exception):
+                    await client.close()
+        return ProgramResult(exit_code=0, stdout="", stderr="")
+
+
 class PooledRuntime(SubprocessRuntime):
     """verifiers' subprocess runtime whose main program, when it is `script` (the prepared chat program), runs in
-    `pool` (see the module docstring); everything else runs as in `SubprocessRuntime`."""
+    this process (`in_process`, when it can run the episode) or else in `pool` (see the module docstring);
+    everything else runs as in `SubprocessRuntime`."""
 
-    def __init__(self, pool: HarnessPool, script: str, name: str | None = None) -> None:
+    def __init__(
+        self,
+        pool: HarnessPool | None,
+        script: str,
+        name: str | None = None,
+        in_process: InProcessChatProgram | None = None,
+    ) -> None:
         super().__init__(SubprocessConfig(), name)
         self._pool = pool
         self._script = script
+        self._in_process = in_process
 
     async def run_program(self, argv: list[str], env: dict[str, str]) -> Any:
-        """The chat program in a pool process (with the environment and working directory a fresh process of
-        `SubprocessRuntime.run` would get); any other program as `SubprocessRuntime` runs it."""
+        """The chat program in this process or a pool process (with the environment and working directory a fresh
+        process of `SubprocessRuntime.run` would get); any other program as `SubprocessRuntime` runs it."""
         call = chat_program_call(argv, self._script)
         if call is None or self.workdir is None:
             return await super().run_program(argv, env)
         interpreter, args, venv = call
+        if self._in_process is not None and self._in_process.can_run(args, env):
+            return await self._in_process.run(args, str(self.workdir))
+        if self._pool is None:
+            return await super().run_program(argv, env)
         full_env = {k: v for k, v in os.environ.items() if "API_KEY" not in k.upper()}
         full_env.update(self.process_env(env))
         return await self._pool.run(interpreter, self._script, args, program_env(full_env, venv), str(self.workdir))

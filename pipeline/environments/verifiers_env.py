@@ -15,23 +15,29 @@ Config (`EnvConfig`): `env_class: pipeline.environments.verifiers_env.VerifiersE
   `<tool_call>{json}</tool_call>` blocks in the decoded text, the built-in tiny tokenizer's chat-template format;
   `qwen3` where `<tool_call>` is one token); `max_seq_len`: the endpoint's bound on prompt + completion tokens;
   `capture_log`: a local file the endpoint appends each sampled choice to (a debug record; tests compare rows with it).
+- `harness_in_process` (default true): verifiers' chat program runs in this process's event loop, no process of its
+  own, for every episode whose program has no local tools (`--bash`, `--edit`, `--search`) and no harness
+  environment variables (`pipeline.environments.harness_pool.InProcessChatProgram`); the others use the pool.
 - `harness_pool_size` (default 16): how many warm harness processes run verifiers' chat program (the `null`/`bash`
-  harnesses' program), one episode at a time each, reused across episodes (`pipeline.environments.harness_pool`):
-  at most this many episodes run their program at once, the others wait for a free process; 0: a new process per
-  episode, verifiers' own subprocess runtime unchanged. `harness_pool_max_episodes` (default 1000): a pool process
-  is replaced after this many episodes (0: never).
+  harnesses' program) when it cannot run in process, one episode at a time each, reused across episodes
+  (`pipeline.environments.harness_pool`): at most this many episodes run their program at once, the others wait for
+  a free process; 0 (with `harness_in_process: false`): a new process per episode, verifiers' own subprocess
+  runtime unchanged. `harness_pool_max_episodes` (default 1000): a pool process is replaced after this many
+  episodes (0: never).
 
 Examples are tasks: an example id is the task's durable `data.id` when it has one, else `key:` plus the task's
 content key (stable across processes and runs). Each example runs `n_generations` episodes (an RLOO group).
 
 An episode is `vf.Agent(config).run(task)`, exactly as verifiers runs a single-agent rollout: it runs the harness
-program (a subprocess runtime on this machine; with the pool, a `PooledRuntime` the episode owns and places the run
-in, whose chat program runs in a warm pool process instead of a new one), verifiers' interception server between the
-program and the model, and the task's tool servers (the taskset's shared ones start once per environment, and again
-when one stops answering, checked at the start of each `sample`; a task's own start per episode, as in verifiers);
-`close()` ends the pool's processes and the shared tool servers. The interception answers each
-model call through verifiers' training client (`TrainClient`, `TrainClientConfig` pointed at the episode's capture
-URL of a `pipeline.environments.endpoint.GenerateEndpoint`), which renders the prompt to token ids with the policy
+program (a subprocess runtime on this machine; by default a `PooledRuntime` the episode owns and places the run in,
+whose chat program runs in this process or in a warm pool process instead of a new one), verifiers' interception
+server between the program and the model, and the task's tool servers (the taskset's shared ones start once per
+environment, and again when one stops answering, checked at the start of each `sample`; a task's own start per
+episode, as in verifiers); `close()` ends the pool's processes and the shared tool servers. The endpoint batches
+the episodes' calls by caller (`GenerateEndpoint.expect_callers`): a sampler call waits for a call from every
+episode still running, not a timer window. The interception answers each model call through verifiers' training
+client (`TrainClient`, `TrainClientConfig` pointed at the episode's capture URL of a
+`pipeline.environments.endpoint.GenerateEndpoint`), which renders the prompt to token ids with the policy
 tokenizer's chat template and calls `/inference/v1/generate`; the finished trace is scored by the task
 (`@vf.reward` functions, judges) and the harness (`@vf.metric`). The episode reward is `Trace.reward` (the weighted
 sum) and each reward function's weighted value is its own entry of `reward_components` (and, averaged per episode, the
@@ -55,6 +61,11 @@ number (NaN, infinity) fails the whole example with the reason (`ExampleFailure`
 Not run: multi-agent `Env.run` (a `vf.Env` contributes its taskset; its agents are not played), container and
 sandbox runtimes. verifiers' `PolicySpan` is not filled: verifiers 0.4.0's client ignores the endpoint's
 `policy_step` and the span is stamped by the trainer on an `Episode`; rlpipe's rows carry the step instead.
+
+Size: over 600 lines as the one adapter to one external library: loading verifiers' tasksets, wiring its client to
+the endpoint, running an episode and checking its trace against the capture all speak verifiers 0.4.0's API, so a
+verifiers upgrade is made here; the part that does not (the warm harness processes) is already
+`pipeline.environments.harness_pool`.
 """
 
 from __future__ import annotations
@@ -92,7 +103,7 @@ from pipeline.environments.base import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.environments.harness_pool import HarnessPool
+    from pipeline.environments.harness_pool import HarnessPool, InProcessChatProgram
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +313,42 @@ def share_client_ssl_context() -> None:
         base.build_async_httpx = build_async_httpx
 
 
+def client_base_url(base_url: str) -> str:
+    """The `base_url` an OpenAI client built on `base_url` reports (what renderers keys its caches by)."""
+    return base_url.rstrip("/") + "/"
+
+
+@contextlib.contextmanager
+def known_prompt_limits(base_urls: list[str], model_cards: Mapping[str, Any]) -> Any:
+    """Give renderers' client the engine's prompt-length cap of each episode's URL up front, and forget them after.
+
+    renderers' `generate` looks the cap up once per client base URL (`GET /models`, then a cache keyed by the URL)
+    under one module-level `asyncio.Lock`: every episode has its own capture URL, so each episode's first call
+    waited for that lock and made one more round trip, in series across the episodes (their first calls reached the
+    sampler one by one, not as a batch), the cache grew by one entry per episode for the life of the process, and
+    the lock, bound to the first event loop that used it, failed every lookup from a second environment's loop.
+    This stores, for each URL, exactly the value that lookup computes from the endpoint's `/v1/models` body
+    (`model_cards`: its `max_model_len` when a card's id is the client's model name, else None), so the lookup is a
+    cache hit, and removes the entries when the block ends."""
+    from renderers import client as renderers_client
+
+    value: int | None = None
+    for card in model_cards.get("data") or []:
+        if card.get("id") == MODEL_NAME:
+            raw = card.get("max_model_len")
+            value = raw if isinstance(raw, int) and raw > 0 else None
+            break
+    cache = renderers_client._max_prompt_len_cache
+    keys = [(client_base_url(url), MODEL_NAME) for url in base_urls]
+    for key in keys:
+        cache[key] = value
+    try:
+        yield
+    finally:
+        for key in keys:
+            cache.pop(key, None)
+
+
 @dataclass
 class EpisodeResult:
     """One episode as verifiers' rollout loop left it: its scored trace, or why there is none."""
@@ -400,6 +447,7 @@ class VerifiersEnv(Environment):
         capture_log: str | None = None,
         harness_pool_size: int = 16,
         harness_pool_max_episodes: int = 1000,
+        harness_in_process: bool = True,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns}: must be >= 1")
@@ -450,6 +498,11 @@ class VerifiersEnv(Environment):
             from pipeline.environments.harness_pool import HarnessPool
 
             self._pool = HarnessPool(harness_pool_size, harness_pool_max_episodes)
+        self._in_process: InProcessChatProgram | None = None
+        if harness_in_process:
+            from pipeline.environments.harness_pool import InProcessChatProgram
+
+            self._in_process = InProcessChatProgram(self._chat_program)
         self._closed = False
 
     @classmethod
@@ -494,6 +547,11 @@ class VerifiersEnv(Environment):
     def harness_pool(self) -> HarnessPool | None:
         """The environment's pool of harness processes (None when `harness_pool_size` is 0)."""
         return self._pool
+
+    @property
+    def in_process_program(self) -> InProcessChatProgram | None:
+        """The chat program run in this process (None when `harness_in_process` is false)."""
+        return self._in_process
 
     def close(self) -> None:
         """End the harness pool's processes, stop the shared tool servers and the event loop, and remove the
@@ -582,18 +640,26 @@ class VerifiersEnv(Environment):
             max_turns=self.max_turns,
             timeout=TimeoutConfig(rollout=self.episode_timeout_s),
         )
-        if self._pool is None:
+        if self._pool is None and self._in_process is None:
             return await vf.Agent(config).run(task, tools=tools)
         from pipeline.environments.harness_pool import PooledRuntime
 
-        runtime = PooledRuntime(self._pool, self._chat_program)
+        runtime = PooledRuntime(self._pool, self._chat_program, in_process=self._in_process)
         try:
             await runtime.start()
             return await vf.Agent(config).run(task, runtime=runtime, tools=tools)
         finally:
             await runtime.stop()
 
-    async def _run_all(self, jobs: list[tuple[Any, str]], mode: str, tokenizer_dir: str, spec: SampleSpec) -> list[Any]:
+    async def _run_all(
+        self,
+        jobs: list[tuple[Any, str]],
+        mode: str,
+        tokenizer_dir: str,
+        spec: SampleSpec,
+        finished: Callable[[], None] = lambda: None,
+    ) -> list[Any]:
+        """Every episode of `jobs` ((task, capture URL) pairs) at once; `finished()` as each one ends."""
         try:
             tools = await self._shared_tools(mode)
         except Exception as e:  # the shared tool servers do not start: every episode fails with the reason
@@ -604,6 +670,8 @@ class VerifiersEnv(Environment):
                 return EpisodeResult(trace=await self._run_episode(task, url, tokenizer_dir, spec, tools))
             except Exception as e:  # verifiers raising outside its own error capture: this episode fails
                 return EpisodeResult(error=f"{type(e).__name__}: {e}")
+            finally:
+                finished()
 
         return await asyncio.gather(*(one(t, u) for t, u in jobs))
 
@@ -643,13 +711,18 @@ class VerifiersEnv(Environment):
                     episode_id = f"{self.name}-{run_id}-{i}-{g}"
                     episodes.append((i, episode_id, endpoint.open_episode(episode_id)))
             jobs = [(picks[i], capture.base_url) for i, _, capture in episodes]
+            limits = known_prompt_limits([f"{url}/v1" for _, url in jobs], endpoint.model_cards())
             # One event loop for the environment's life, in its own thread: verifiers/renderers keep asyncio locks
             # and the shared tool servers bound to it.
-            done: Future[list[EpisodeResult]] = asyncio.run_coroutine_threadsafe(
-                self._run_all(jobs, spec.mode, tokenizer_dir, spec), self._event_loop()
-            )
-            endpoint.serve_until(done)
-            results = done.result()
+            # verifiers' single-agent episode waits on at most one model call at a time: the sampler batches the
+            # calls of every episode still running rather than what a timer window happens to catch.
+            endpoint.expect_callers(len(jobs))
+            with limits:
+                done: Future[list[EpisodeResult]] = asyncio.run_coroutine_threadsafe(
+                    self._run_all(jobs, spec.mode, tokenizer_dir, spec, endpoint.caller_finished), self._event_loop()
+                )
+                endpoint.serve_until(done)
+                results = done.result()
             captured = {episode_id: endpoint.close_episode(episode_id) for _, episode_id, _ in episodes}
 
         groups: list[EnvGroup] = []

@@ -14,18 +14,24 @@ job is a feature: `make rollout`). So:
 
 Rollout workers (`rlpipe rollout`: joining a job), evaluation (`rlpipe evaluate`), retention (`rlpipe gc`) and the
 read-only tools run beside a job as before.
+
+`JobLeaseKeeper` is the runner's side: it claims the lease before the first step starts, renews it while the runner
+supervises and releases it after the last step stopped.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from typing import TYPE_CHECKING
 
+from pipeline.process.exits import StorageFaultError
 from pipeline.process.interrupts import STEP_ENV
 from pipeline.process.step_kind import StepKind
-from pipeline.store.lease import Lease, LeaseHeldError
+from pipeline.store.committed import StorageError, StorageUnavailableError
+from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError
 
 if TYPE_CHECKING:
     from pipeline.store.storage import RunStore
@@ -40,6 +46,18 @@ TRAINING_PROGRAMS = ("steps.learn", "steps.make_batches")
 for the job's slots. A rollout worker may (`make rollout` joins a running job: more samplers, nothing competes)."""
 JOB_MAKER_PREFIX = f"{StepKind.BATCHMAKER.job_name}@"
 """How a job's own BatchMaker names itself in the BatchMaker lease (`<prefix><host>-<runner pid>`)."""
+LEASE_STORAGE_ERRORS: tuple[type[BaseException], ...] = (
+    StorageUnavailableError,
+    StorageFaultError,
+    StorageError,
+    OSError,
+)
+"""What renewing or releasing the job lease survives (logged; the next renewal retries): the run root's storage
+out of reach, full or read-only, a damaged lease record, an I/O error. The lease is advisory (commits are
+create-if-absent) and the steps meet the same fault themselves. Anything else is a bug and ends the job."""
+
+logger = logging.getLogger("pipeline.jobs.runner")
+"""The job runner's logger: `JobLeaseKeeper`'s lines read `pipeline.jobs.runner` like the runner's others."""
 
 
 def job_lease(store: RunStore) -> Lease:
@@ -117,3 +135,72 @@ def refuse_beside_scheduled_steps(store: RunStore) -> None:
     held = Lease(store, StepKind.BATCHMAKER, "probe", 1.0).live_holder()
     if held is not None and not held.holder.startswith(JOB_MAKER_PREFIX):
         raise ScheduledStepsRunningError(held, store.url)
+
+
+class JobLeaseKeeper:
+    """The run root's job lease as a job runner keeps it: `take` before its first step starts, `renew` every
+    supervision tick (a renewal is due every `JOB_LEASE_TTL_S / 4`), `release` after its last step stopped."""
+
+    def __init__(self, store: RunStore, run_root: str) -> None:
+        self.store = store
+        self.run_root = run_root
+        self.lease: Lease | None = None
+        """The lease while it is held (None: not taken, released, or lost)."""
+        self._due = 0.0
+
+    def take(self) -> None:
+        """Claim the run root's job lease; JobRunningError (exit 6) when another job holds it,
+        ScheduledStepsRunningError (exit 6) when a scheduled BatchMaker runs there. A run root whose storage
+        refuses the claim for good (full, read-only) is left to the steps, which report the fault."""
+        lease = job_lease(self.store)
+        try:
+            refuse_beside_scheduled_steps(self.store)
+            lease.acquire(take_over_own=True)  # own: this host and pid, a restarted container's runner
+        except ScheduledStepsRunningError:
+            raise
+        except LeaseHeldError as held:
+            raise JobRunningError(held, self.run_root) from None
+        except (StorageFaultError, StorageError) as e:
+            # a storage fault a restart cannot fix (full, read-only, a damaged object): the lease is advisory
+            # (commits are create-if-absent), so the job starts and its steps name the fault; a transient outage
+            # (StorageUnavailableError) propagates, and anything else is a bug and is not swallowed
+            logger.warning("job lease not taken (%s); starting without it", e)
+            return
+        self.lease = lease
+        self._due = time.monotonic() + JOB_LEASE_TTL_S / 4
+
+    def renew(self, now: float) -> bool:
+        """Renew the job lease when due; False when another job took the run root over (the job stops: exit 5)."""
+        if self.lease is None or now < self._due:
+            return True
+        self._due = now + JOB_LEASE_TTL_S / 4
+        try:
+            self.lease.renew()
+            return True
+        except LeaseLostError as lost:  # expired (a long storage outage) or taken over: claim it again if free
+            again = job_lease(self.store)
+            try:
+                again.acquire(take_over_own=True)
+            except LeaseHeldError as held:
+                logger.error("%s; %s: stopping this job", lost, JobRunningError(held, self.run_root))
+                self.lease = None
+                return False
+            except LEASE_STORAGE_ERRORS as e:
+                logger.warning("job lease not renewed (%s)", e)
+                return True
+            logger.warning("%s; claimed it again (epoch %d)", lost, again.epoch)
+            self.lease = again
+            return True
+        except LEASE_STORAGE_ERRORS as e:  # an outage, a full run root: the steps see it too; the next renewal retries
+            logger.warning("job lease not renewed (%s)", e)
+            return True
+
+    def release(self) -> None:
+        """Give the lease up (a storage fault is logged: a dead holder's lease on this host is taken over anyway)."""
+        if self.lease is None:
+            return
+        try:
+            self.lease.release()
+        except LEASE_STORAGE_ERRORS as e:
+            logger.warning("job lease not released (%s)", e)
+        self.lease = None

@@ -46,25 +46,18 @@ from typing import TYPE_CHECKING, Any
 import draccus
 
 from pipeline.jobs.job import RLJob
-from pipeline.jobs.job_lease import (
-    JOB_LEASE_TTL_S,
-    JobRunningError,
-    ScheduledStepsRunningError,
-    job_lease,
-    refuse_beside_scheduled_steps,
-)
+from pipeline.jobs.job_lease import JobLeaseKeeper
 from pipeline.jobs.launchers.base import STOP_GRACE_S, StepSpec, make_launcher
 from pipeline.jobs.pool import PoolController
 from pipeline.jobs.progress import JobProgress, RunProgress
 from pipeline.jobs.step_logs import LogTarget, location, log_target, read_reason
 from pipeline.process.backoff import backoff_delay
-from pipeline.process.exits import LABELS, NEVER_RESTARTED, Exit, StorageFaultError
+from pipeline.process.exits import LABELS, NEVER_RESTARTED, Exit
 from pipeline.process.interrupts import exit_code
 from pipeline.process.step_kind import StepKind
 from pipeline.run_contract import check_run_config
 from pipeline.store import layout, run_state
-from pipeline.store.committed import StorageError, StorageUnavailableError
-from pipeline.store.lease import Lease, LeaseHeldError, LeaseLostError
+from pipeline.store.committed import StorageUnavailableError
 
 if TYPE_CHECKING:
     from pipeline.store.storage import RunStore
@@ -74,16 +67,6 @@ STORAGE_OUTAGE_S = 600.0
 restarted with backoff before the job gives up; these restarts do not count against `max_restarts`."""
 HEALTHY_AFTER_S = 60.0
 """A step that has run this long since its start after a storage outage has seen the outage end."""
-
-LEASE_STORAGE_ERRORS: tuple[type[BaseException], ...] = (
-    StorageUnavailableError,
-    StorageFaultError,
-    StorageError,
-    OSError,
-)
-"""What renewing or releasing the job lease survives (logged; the next renewal retries): the run root's storage
-out of reach, full or read-only, a damaged lease record, an I/O error. The lease is advisory (commits are
-create-if-absent) and the steps meet the same fault themselves. Anything else is a bug and ends the job."""
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +90,8 @@ class JobRunner:
         self._stopping = False
         self._stop_signal: int = signal.SIGINT
         """The signal that stopped the job (its exit code is 128 + it)."""
-        self._lease: Lease | None = None
-        """The run root's job lease while this runner holds it (`job_lease`)."""
-        self._lease_due = 0.0
+        self.job_lease = JobLeaseKeeper(self.store, self.cfg.store.run_root)
+        """The run root's job lease, held from before the first step starts until the last has stopped."""
         self._on_progress = on_progress
         self._progress: JobProgress | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="rlpipe-job-")
@@ -134,11 +116,11 @@ class JobRunner:
     # phases ----------------------------------------------------------------------------
     def run(self) -> int:
         """Take the run root's job lease, check run.json, start every step, supervise, stop cleanly."""
-        self._take_job_lease()
+        self.job_lease.take()
         try:
             return self._run()
         finally:
-            self._release_job_lease()
+            self.job_lease.release()
 
     def _run(self) -> int:
         check_run_config(self.store, self.cfg, allow_change=self.job.allow_config_change)
@@ -160,64 +142,6 @@ class JobRunner:
             for sig, handler in previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
             logger.info("logs of every step are under %s (<step>/<attempt>.log)", self.log_dir)
-
-    # the job lease ----------------------------------------------------------------------
-    def _take_job_lease(self) -> None:
-        """Claim the run root's job lease; JobRunningError (exit 6) when another job holds it,
-        ScheduledStepsRunningError (exit 6) when a scheduled BatchMaker runs there. A run root whose storage
-        refuses the claim for good (full, read-only) is left to the steps, which report the fault."""
-        lease = job_lease(self.store)
-        try:
-            refuse_beside_scheduled_steps(self.store)
-            lease.acquire(take_over_own=True)  # own: this host and pid, a restarted container's runner
-        except ScheduledStepsRunningError:
-            raise
-        except LeaseHeldError as held:
-            raise JobRunningError(held, self.cfg.store.run_root) from None
-        except (StorageFaultError, StorageError) as e:
-            # a storage fault a restart cannot fix (full, read-only, a damaged object): the lease is advisory
-            # (commits are create-if-absent), so the job starts and its steps name the fault; a transient outage
-            # (StorageUnavailableError) propagates, and anything else is a bug and is not swallowed
-            logger.warning("job lease not taken (%s); starting without it", e)
-            return
-        self._lease = lease
-        self._lease_due = time.monotonic() + JOB_LEASE_TTL_S / 4
-
-    def _renew_job_lease(self, now: float) -> bool:
-        """Renew the job lease when due; False when another job took the run root over (the job stops: exit 5)."""
-        if self._lease is None or now < self._lease_due:
-            return True
-        self._lease_due = now + JOB_LEASE_TTL_S / 4
-        try:
-            self._lease.renew()
-            return True
-        except LeaseLostError as lost:  # expired (a long storage outage) or taken over: claim it again if free
-            again = job_lease(self.store)
-            try:
-                again.acquire(take_over_own=True)
-            except LeaseHeldError as held:
-                logger.error("%s; %s: stopping this job", lost, JobRunningError(held, self.cfg.store.run_root))
-                self._lease = None
-                self.failure = Exit.LEASE_LOST
-                return False
-            except LEASE_STORAGE_ERRORS as e:
-                logger.warning("job lease not renewed (%s)", e)
-                return True
-            logger.warning("%s; claimed it again (epoch %d)", lost, again.epoch)
-            self._lease = again
-            return True
-        except LEASE_STORAGE_ERRORS as e:  # an outage, a full run root: the steps see it too; the next renewal retries
-            logger.warning("job lease not renewed (%s)", e)
-            return True
-
-    def _release_job_lease(self) -> None:
-        if self._lease is None:
-            return
-        try:
-            self._lease.release()
-        except LEASE_STORAGE_ERRORS as e:  # a dead holder's lease on this host is taken over at once anyway
-            logger.warning("job lease not released (%s)", e)
-        self._lease = None
 
     def _build_specs(self) -> list[StepSpec]:
         configs = self.job.to_worker_configs()
@@ -362,7 +286,8 @@ class JobRunner:
         try:
             while True:
                 now = time.monotonic()
-                if not self._renew_job_lease(now):
+                if not self.job_lease.renew(now):
+                    self.failure = Exit.LEASE_LOST
                     return self.failure
                 for spec in self.steps:
                     if not self._tend(spec, now):

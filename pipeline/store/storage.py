@@ -43,6 +43,11 @@ Promises (the gcsfs / GCS behaviour they rest on is checked by tests/test_storag
   restarted by the job runner); both name the endpoint and the setting it came from. Once a store exists its
   endpoint has answered, so a name-resolution failure mid-run is an outage and is retried like any transient
   error.
+
+Size: over 600 lines as the one storage layer every step writes through: `RunStore`'s atomic puts and create-if-absent
+commits, the retry policy and endpoint check they run under, and how storage options are built belong together (each
+promise above rests on the others); the committed-data layer on top already lives in `pipeline.store.committed` and
+the mapping of write faults in `pipeline.store.faults`.
 """
 
 from __future__ import annotations

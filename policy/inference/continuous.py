@@ -58,6 +58,11 @@ Shapes compiled: prefill per (Bp, Pb); insert per (Bp, Pb, slots, L, K); decode 
 length (at most log2(L / 128) + 1 of them) and whether controls are set; L = bucket(longest prompt) + T,
 T = bucket(largest budget) >= 16 and K = bucket(stop tokens) >= 4, as the static path buckets them (Bp takes at most
 log2(slots) + 1 values per Pb). Refilling slots compiles nothing beyond those buckets; `trace_count` counts traces.
+
+Size: `ContinuousSampler` is over 400 lines as one unit: the host scheduler (`run`) and the three compiled programs it
+drives (prefill, insert, decode) share one device-state layout (`_empty_state`), one set of shape buckets and the
+staged-weights swap; split apart, each half would restate the other's layout. What it shares with the static path
+(the decode step, sampling, cache writes) already lives in `policy.inference.dense_sampler`.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ requests into the sampler, and captures every call of an episode exactly. Enviro
   `max_pending + 64`), a connection beyond that answered 503 and closed, a connection silent for `read_timeout_s`
   closed (an idle keep-alive connection too), so connections that never send a request cannot hold its threads.
 - `batcher.py`: the sampler thread: requests queue their prompts; it takes what is queued (waiting
-  `batch_window_s` for more), groups the requests that share sampling settings, and calls `context.generate` once
-  per group. At most `max_pending` requests wait for it at once; one more is answered 503.
+  `batch_window_s` for more, or, after `expect_callers(n)`, for a request from each of the `n` callers still
+  running, at most `batch_wait_max_s`), groups the requests that share sampling settings, and calls
+  `context.generate` once per group. At most `max_pending` requests wait for it at once; one more is answered 503.
 - `capture.py`: `open_episode(episode_id)` returns an `EpisodeCapture` whose `base_url` is the episode's prefix;
   every call answered under it is recorded as `CapturedCall`s (the exact prompt ids, the sampled ids, the
   sampler's logprobs, finish reason, policy step; one per choice) in arrival order, until `close_episode`.

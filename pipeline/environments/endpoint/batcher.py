@@ -2,6 +2,13 @@
 sampler thread takes what is queued (waiting `batch_window_s` for more), groups the jobs that share sampling
 settings, and calls `context.generate` once per group; jobs that arrive while a call runs go into the next one.
 
+When the caller knows how many clients can call (`expect_callers(n)`, then `caller_finished()` as each one ends:
+an environment's running episodes, each waiting on at most one call at a time), the batch waits for them instead
+of a timer: it is sampled once it holds a job from every caller still running, or after `batch_wait_max_s` (a
+caller busy elsewhere, e.g. in a slow tool call, delays the others at most that long). Episodes' first calls
+arrive spread over the time their programs take to start; a fixed window of milliseconds cut them into many
+sampler calls, each as costly as one holding them all.
+
 Load: at most `max_pending` jobs wait at once (queued or being sampled); one more is refused with 503 at once. A
 group whose call fails is retried one job at a time, so one bad request does not fail the others; a job that fails
 alone gets 400 (the context refused it with ValueError) or 500. `capture_log` (a local file path) appends one JSON
@@ -58,6 +65,13 @@ def group_jobs(jobs: list[Job]) -> list[list[Job]]:
     return list(groups.values())
 
 
+class _Wake:
+    """Queued by `expect_callers` / `caller_finished`: the sampler thread looks at its batch again."""
+
+
+_WAKE = _Wake()
+
+
 class Batcher:
     """Batches jobs into `context.generate` calls (see the module docstring); `start` / `close`.
 
@@ -70,6 +84,7 @@ class Batcher:
         *,
         policy_step: Callable[[], int],
         batch_window_s: float = 0.005,
+        batch_wait_max_s: float = 0.25,
         max_pending: int = 1024,
         seed: int = 0,
         capture_log: str | None = None,
@@ -79,12 +94,15 @@ class Batcher:
         self.context = context
         self.policy_step = policy_step
         self.batch_window_s = batch_window_s
+        self.batch_wait_max_s = batch_wait_max_s
+        self._callers: int | None = None
+        self._callers_lock = threading.Lock()
         self.max_pending = max_pending
         self.capture_log = capture_log
         self.generate_calls = 0
         """`context.generate` calls made (one per group of jobs sharing sampling settings)."""
         self._rng = np.random.default_rng(seed)
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue: queue.Queue[Job | _Wake | None] = queue.Queue()
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._log_lock = threading.Lock()
@@ -114,8 +132,29 @@ class Batcher:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if job is not None and not job.future.done():
+            if isinstance(job, Job) and not job.future.done():
                 job.future.set_exception(EndpointError(503, "the endpoint closed"))
+
+    def expect_callers(self, n: int | None) -> None:
+        """From now on a batch waits for a job from each of `n` callers (None: the `batch_window_s` timer only)."""
+        if n is not None and n < 0:
+            raise ValueError(f"n={n}: must be >= 0 or None")
+        with self._callers_lock:
+            self._callers = n
+        self._queue.put(_WAKE)
+
+    def caller_finished(self) -> None:
+        """One expected caller will call no more (no-op when none are expected)."""
+        with self._callers_lock:
+            if self._callers is None:
+                return
+            self._callers = max(0, self._callers - 1)
+        self._queue.put(_WAKE)
+
+    def _batch_full(self, jobs: int) -> bool | None:
+        """Whether `jobs` jobs are one from every expected caller (None: no callers are expected)."""
+        with self._callers_lock:
+            return None if self._callers is None else jobs >= self._callers
 
     @property
     def pending(self) -> int:
@@ -144,17 +183,24 @@ class Batcher:
             job = self._queue.get()
             if job is None:
                 break
+            if isinstance(job, _Wake):
+                continue
             jobs = [job]
-            deadline = time.monotonic() + self.batch_window_s
-            while True:  # take whatever else is queued, waiting a moment for concurrent requests
+            start = time.monotonic()
+            while True:  # take whatever else is queued: until every expected caller has called, else a moment
+                full = self._batch_full(len(jobs))
+                if full:
+                    break
+                wait = self.batch_window_s if full is None else self.batch_wait_max_s
                 try:
-                    nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    nxt = self._queue.get(timeout=max(0.0, start + wait - time.monotonic()))
                 except queue.Empty:
                     break
                 if nxt is None:
                     self._queue.put(None)
                     break
-                jobs.append(nxt)
+                if isinstance(nxt, Job):
+                    jobs.append(nxt)
             for group in group_jobs(jobs):
                 self._run_group(group)
 

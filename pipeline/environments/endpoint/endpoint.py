@@ -39,9 +39,11 @@ class GenerateEndpoint:
     `UNKNOWN_POLICY_STEP`). `temperature` / `controls` set: every request samples with them (a request's own are
     ignored), so captured logprobs are those of the lesson's distribution. `max_tokens`: the default and the cap of a
     request's new tokens (None: default `max_seq_len - len(prompt)`, no cap). `seed`: seeds the draws of requests
-    that give none. `max_pending`, `max_connections` (None: `max_pending + EXTRA_CONNECTIONS`) and `read_timeout_s`
-    bound the load a client can put on it (see the package docstring). `reuse_port`: bind with SO_REUSEPORT, to
-    serve on a port that the program which started this one reserved (`pipeline.process.ports.reserve_port`).
+    that give none. `batch_window_s`: how long a batch waits for more requests; `batch_wait_max_s`: how long it
+    waits for the expected callers (`expect_callers`, see `batcher`). `max_pending`, `max_connections` (None:
+    `max_pending + EXTRA_CONNECTIONS`) and `read_timeout_s` bound the load a client can put on it (see the package
+    docstring). `reuse_port`: bind with SO_REUSEPORT, to serve on a port that the program which started this one
+    reserved (`pipeline.process.ports.reserve_port`).
     Raises ValueError for a non-loopback `host` without a `token`.
     """
 
@@ -60,6 +62,7 @@ class GenerateEndpoint:
         max_tokens: int | None = None,
         seed: int = 0,
         batch_window_s: float = 0.005,
+        batch_wait_max_s: float = 0.25,
         max_pending: int = 1024,
         max_connections: int | None = None,
         read_timeout_s: float = READ_TIMEOUT_S,
@@ -90,6 +93,7 @@ class GenerateEndpoint:
             context,
             policy_step=self.current_policy_step,
             batch_window_s=batch_window_s,
+            batch_wait_max_s=batch_wait_max_s,
             max_pending=max_pending,
             seed=seed,
             capture_log=capture_log,
@@ -179,6 +183,20 @@ class GenerateEndpoint:
     def close_episode(self, episode_id: str) -> list[CapturedCall]:
         """Stop capturing `episode_id` and return its calls in arrival order (KeyError if it is not open)."""
         return self._episodes.close(episode_id)
+
+    def expect_callers(self, n: int | None) -> None:
+        """Batch by callers, not a timer: each sampler call waits (at most `batch_wait_max_s`) for a request from
+        every one of `n` callers still running (None: back to the `batch_window_s` timer); `caller_finished` as each
+        ends. For a caller that runs `n` episodes, each waiting on at most one request at a time."""
+        self._batcher.expect_callers(n)
+
+    def caller_finished(self) -> None:
+        """One of the expected callers will make no more requests (thread-safe)."""
+        self._batcher.caller_finished()
+
+    def model_cards(self) -> dict[str, Any]:
+        """The body `GET /v1/models` answers: the one served model with its `max_model_len`."""
+        return self._routes.models()
 
     # -- sampling -------------------------------------------------------------------------------------
 
