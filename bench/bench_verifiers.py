@@ -5,8 +5,11 @@ The task is configs/envs/verifiers_cats.py ("Say cats <i>." over 8 tasks; reward
 once as a verifiers lesson (`VerifiersEnv`, verifiers' own rollout loop: its chat program, interception server and
 training client, model calls through the generate endpoint) and once as `SayCatsEnv` below (a
 `SingleTurnEnvironment`: one `generate` call, the same prompts through the same chat template, the same reward).
-Both sample from the same dense sampler on the tiny model (random weights) through one `BackendContext`: each
-step is `--examples` x `--generations` episodes of at most `--max_tokens` tokens. The verifiers lesson runs as
+Both sample from the same dense sampler (random weights; `--size tiny`, the default, or `50m`, bench_rollout's
+~50M shape) through one `BackendContext`: each step is `--examples` x `--generations` episodes of at most
+`--max_tokens` tokens. At the tiny size the sampler takes well under a millisecond per episode, so the ratio is
+the environments' own cost per episode (the upper bound of the overhead); at ~50M the sampler does a step's work
+of a small real model, and the ratio is what a lesson costs beside it. The verifiers lesson runs as
 configured by default (`verifiers`: the chat program in this process, `harness_in_process`), with its warm harness
 pool instead (`verifiers_pool`: `harness_in_process: false`, after one warm-up step that starts the pool) and, for
 `--per_episode_steps` steps, with a new harness process per episode (`verifiers_per_episode`: neither, verifiers'
@@ -17,7 +20,8 @@ process tree per step (this process, its reaped children, and the live pool proc
 per-episode overhead is (verifiers CPU per step - rlpipe CPU per step) / episodes per step; the ratio is rlpipe
 rows/s over verifiers rows/s (goal <= 2).
 
-    python -m bench.bench_verifiers [--steps 3] [--per_episode_steps 1] [--json out.json]
+    python -m bench.bench_verifiers [--size tiny|50m] [--steps 3] [--pool_steps 3] [--per_episode_steps 1]
+                                    [--json out.json]
 """
 
 from __future__ import annotations
@@ -130,18 +134,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--max_tokens", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--size", choices=("tiny", "50m"), default="tiny", help="the sampler's model shape")
+    ap.add_argument("--pool_steps", type=int, default=None, help="steps of the harness-pool variant (default --steps)")
     ap.add_argument("--per_episode_steps", type=int, default=1, help="steps without the pool (0: skip)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    from pipeline.config import DenseInferenceConfig, ModelSpec
+    from bench.bench_rollout import SIZES
+    from pipeline.config import DenseInferenceConfig
     from pipeline.environments.tokenizer import load_tokenizer
     from pipeline.environments.verifiers_env import VerifiersEnv
     from policy.inference import BackendContext, make_backend
     from policy.model import build_model, model_vocab_size
 
-    model_spec = ModelSpec(max_seq_len=256)
+    model_spec = SIZES[args.size]
     tok = load_tokenizer(model_spec.tokenizer)
     episodes = args.examples * args.generations
     backend = make_backend(
@@ -154,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       max_tokens=args.max_tokens, stop_tokens=None, mode="train", chat=True)  # fmt: skip
     rlpipe = SayCatsEnv()
     rlpipe.sample(ctx, spec, np.random.default_rng(99))  # compiles the sampler's shapes
-    out: dict[str, Any] = {"machine": machine_name(), "episodes_per_step": episodes, "max_tokens": args.max_tokens}
+    out: dict[str, Any] = {"machine": machine_name(), "size": args.size, "episodes_per_step": episodes,
+                           "max_tokens": args.max_tokens}  # fmt: skip
     out["rlpipe"] = measure(rlpipe, ctx, spec, args.steps, seed=0)
     lesson = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256)
     try:
@@ -162,17 +170,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out["verifiers"] = measure(lesson, ctx, spec, args.steps, seed=0)
     finally:
         lesson.close()
-    pooled = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256, harness_in_process=False)
-    try:
-        t0 = time.perf_counter()
-        pooled.sample(ctx, spec, np.random.default_rng(98))  # warm-up: starts the pool's processes
-        out["pool_warmup_s"] = time.perf_counter() - t0
-        out["verifiers_pool"] = measure(pooled, ctx, spec, args.steps, seed=0)
-        pool = pooled.harness_pool
-        assert pool is not None
-        out["pool_starts"], out["pool_episodes"] = pool.stats.starts, pool.stats.episodes
-    finally:
-        pooled.close()
+    pool_steps = args.steps if args.pool_steps is None else args.pool_steps
+    if pool_steps:
+        pooled = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256, harness_in_process=False)
+        try:
+            t0 = time.perf_counter()
+            pooled.sample(ctx, spec, np.random.default_rng(98))  # warm-up: starts the pool's processes
+            out["pool_warmup_s"] = time.perf_counter() - t0
+            out["verifiers_pool"] = measure(pooled, ctx, spec, pool_steps, seed=0)
+            pool = pooled.harness_pool
+            assert pool is not None
+            out["pool_starts"], out["pool_episodes"] = pool.stats.starts, pool.stats.episodes
+        finally:
+            pooled.close()
     if args.per_episode_steps:
         fresh = VerifiersEnv(env=CATS, max_turns=1, max_seq_len=256, harness_pool_size=0, harness_in_process=False)
         try:
@@ -186,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if v:
             v["ratio"] = base["rows_per_s"] / v["rows_per_s"] if v["rows_per_s"] else None
             v["overhead_cpu_s_per_episode"] = (v["cpu_s_per_step"] - base["cpu_s_per_step"]) / episodes
-    print(f"\nverifiers lesson vs rlpipe environment class, same task and sampler; {out['machine']}")
+    print(f"\nverifiers lesson vs rlpipe environment class, same task and sampler ({args.size}); {out['machine']}")
     print(f"{episodes} episodes per step, max_tokens {args.max_tokens}; median of steps")
     print(f"{'variant':24} {'s/step':>8} {'rows/s':>8} {'CPU s/step':>11} {'ratio':>6} {'overhead CPU s/episode':>23}")
     for key in ("rlpipe", "verifiers", "verifiers_pool", "verifiers_per_episode"):

@@ -242,6 +242,7 @@ CPU_EXTRACTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "latency_trl_setting_s": _get("latency", "trl_setting", "steady_s_per_step"),
     "retention_ratio": _get("retention", "ratio_on_to_off"),
     "verifiers_pool_ratio": _get("verifiers", "verifiers", "ratio"),
+    "verifiers_ratio_50m": _get("verifiers", "at_50m", "verifiers", "ratio"),
     "verifiers_pool_speedup": _verifiers_pool_speedup,
     "rows_trained_demo": _percent(_get("rows_trained", "demo", "fraction")),
     "rows_trained_recipe": _percent(_get("rows_trained", "recipe", "fraction")),

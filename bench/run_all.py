@@ -241,7 +241,11 @@ def part_verifiers(tmp: Path, quick: bool) -> dict[str, Any]:
     out = tmp / "verifiers.json"
     cmd = [sys.executable, "-m", "bench.bench_verifiers", "--steps", "2" if quick else "3"]
     _run([*cmd, "--per_episode_steps", "0" if quick else "1", "--json", str(out)], 900)
-    return dict(json.loads(out.read_text()))
+    result = dict(json.loads(out.read_text()))
+    # the same lesson beside a ~50M sampler: what the environments cost next to a small real model's sampling
+    _run([*cmd, "--size", "50m", "--pool_steps", "0", "--per_episode_steps", "0", "--json", str(out)], 900)
+    result["at_50m"] = json.loads(out.read_text())
+    return result
 
 
 def _f(x: Any, fmt: str = ".3g") -> str:
@@ -591,14 +595,16 @@ def _rows_verifiers(results: dict[str, Any]) -> list[Row]:
     v = results.get("verifiers")
     if not v:
         return []
-    base = v["rlpipe"]
     rows: list[Row] = []
     variants = (("verifiers", "in process"), ("verifiers_pool", "harness pool"),
                 ("verifiers_per_episode", "a process per episode"))  # fmt: skip
-    for key, label in variants:
-        m = v.get(key)
+    sized = [(v, key, label) for key, label in variants]
+    if v.get("at_50m"):
+        sized.append((v["at_50m"], "verifiers", "in process, ~50M sampler"))
+    for at, key, label in sized:
+        base, m = at["rlpipe"], at.get(key)
         if m:
-            rows.append((f"verifiers lesson ({label}), {v['episodes_per_step']} episodes/step",
+            rows.append((f"verifiers lesson ({label}), {at['episodes_per_step']} episodes/step",
                          f"{_f(m['rows_per_s'])} rows/s, {m['overhead_cpu_s_per_episode']:.3f} CPU s/episode extra",
                          f"rlpipe env class {_f(base['rows_per_s'])} rows/s", _f(m["ratio"], ".1f"),
                          "<= 2" if key == "verifiers" else "-"))  # fmt: skip
