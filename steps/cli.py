@@ -337,13 +337,26 @@ def run_program(
         allow, args = pop_flag(args, ALLOW_CHANGE_FLAG)
         config = parse_config(config_class, args)
         if dataclasses.is_dataclass(config):
-            logger.info("config: %s", json.dumps(draccus.encode(config), default=str, sort_keys=True))
+            logger.info("config: %s", json.dumps(redacted(draccus.encode(config)), default=str, sort_keys=True))
         if validate is not None:
             validate(config)
         check_against_run(config, program_name(main), parse_bool(ALLOW_CHANGE_FLAG, allow))
         return config
 
     return run_command(parse, main, argv)
+
+
+SECRET_FIELDS = frozenset({"token"})
+"""Config fields whose value is a secret (`steps.serve --token`): logged as `<redacted>`, never as given."""
+
+
+def redacted(encoded: object) -> object:
+    """An encoded config with the value of every `SECRET_FIELDS` field that is set replaced by `<redacted>`."""
+    if isinstance(encoded, dict):
+        return {k: "<redacted>" if k in SECRET_FIELDS and v is not None else redacted(v) for k, v in encoded.items()}
+    if isinstance(encoded, list):
+        return [redacted(v) for v in encoded]
+    return encoded
 
 
 def step_main(

@@ -39,7 +39,7 @@ STEPS = 3
 def _start_judge(run_root: str, port: int, log: Path, step: int | None) -> subprocess.Popen:
     # the port is reserved by this test (reserve_port) for the judge's whole life, restarts included: the judge
     # binds it with SO_REUSEPORT, nobody else can take it (the job's config names it before the judge can start)
-    cmd = [sys.executable, "-m", "steps.serve", "--run_root", run_root, "--port", str(port), "--reuse_port",
+    cmd = [sys.executable, "-m", "steps.serve", "--run_root", run_root, "--port", str(port), "--reuse_port", "true",
            "--max_seqs", "16", *(["--policy_step", str(step)] if step is not None else [])]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 

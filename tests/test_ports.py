@@ -323,7 +323,7 @@ def test_a_reserved_port_cannot_be_bound_by_anyone_else() -> None:
             client.close()  # the client closes first: no TIME_WAIT left on the reserved port
             assert conn.recv(1) == b""
             conn.close()
-        # so can an HTTP server asked to (`steps.serve --reuse_port`: on a port its starter reserved)
+        # so can an HTTP server asked to (`steps.serve --reuse_port true`: on a port its starter reserved)
         http = BoundedHTTPServer(("127.0.0.1", reserved.port), BoundedHandler, reuse_port=True)
         threading.Thread(target=http.serve_forever, args=(0.05,), daemon=True).start()
         try:

@@ -73,7 +73,8 @@ The process loop around it lives here too and does the run root's I/O (no JAX); 
 phases: `loop` (`BatchMakerLoop`: one BatchMaker process's lease, pacing, gathering of committed rollout files,
 commit of batch slots, curriculum and metrics), `loop_state` (its state between slots: `LoopState`, the slot log entry,
 `SlotLost`, `StopRequested`, the cursor a restart recovers from), `scan` (`ScanWindow`: which policy folders are
-listed for each slot, their seals and the late sweep), `slot_metrics` (the metrics record of each committed slot).
+listed for each slot, their seals and the late sweep), `slot_metrics` (the metrics record of each committed slot),
+`step` (the step's phases around the loop: the lease, the slot loop and its stop conditions, signals, progress).
 """
 
 from pipeline.batch_maker.maker import BatchMaker, IngestReport

@@ -1,8 +1,8 @@
 """One BatchMaker process's loop machinery: lease upkeep, pacing by the learner, gathering committed rollout
 files (with late sweeps), write-behind commits of batch slots, and recovery from the newest log entry's cursor.
 
-The step program `steps/make_batches.py` drives it slot by slot; its docstring states the contract (what is
-read and written under the run root, and in which order).
+`pipeline.batch_maker.step` drives it slot by slot for the step program `steps/make_batches.py`, whose docstring
+states the contract (what is read and written under the run root, and in which order).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from pipeline.config.model import (
 )
 from pipeline.config.overrides import dump_yaml, resolve_overrides
 from pipeline.config.pacing import LearnerCadence, PollingConfig, RolloutPacing
-from pipeline.config.programs import ExportConfig, ReplayConfig
+from pipeline.config.programs import ExportConfig, ReplayConfig, ServeConfig
 from pipeline.config.rescore import RescoreStepConfig
 from pipeline.config.retention import GcStepConfig, RetentionConfig
 from pipeline.config.steps import (
@@ -76,6 +76,7 @@ from pipeline.config.validate import (
     validate_job,
     validate_learner,
     validate_rollout,
+    validate_serve,
     validate_train,
 )
 
@@ -128,6 +129,7 @@ __all__ = [
     "RolloutPacing",
     "RolloutStepConfig",
     "SamplingParams",
+    "ServeConfig",
     "ServerInferenceConfig",
     "StepResources",
     "StoreConfig",
@@ -146,5 +148,6 @@ __all__ = [
     "validate_job",
     "validate_learner",
     "validate_rollout",
+    "validate_serve",
     "validate_train",
 ]

@@ -26,7 +26,7 @@ import draccus
 from pipeline.config.backend import JobBackendConfig
 from pipeline.config.job import RLJobConfig
 from pipeline.config.model import InferenceConfig
-from pipeline.config.programs import ExportConfig, ReplayConfig
+from pipeline.config.programs import ExportConfig, ReplayConfig, ServeConfig
 from pipeline.config.rescore import RescoreStepConfig
 from pipeline.config.retention import GcStepConfig
 from pipeline.config.steps import (
@@ -59,6 +59,7 @@ STEPS: tuple[tuple[str, type], ...] = (
     ("steps.rescore", RescoreStepConfig),
     ("steps.export", ExportConfig),
     ("steps.replay", ReplayConfig),
+    ("steps.serve", ServeConfig),
 )
 """(program, config class) of every step program whose config lives in `pipeline.config`."""
 SHARED_SECTIONS = frozenset({"store", "model", "train", "optimizer", "loss", "curriculum", "inference", "tracker"})

@@ -15,7 +15,8 @@ first): one whose constructor raises is refused naming `curriculum.lessons.<id>.
 
 Who calls what, and nothing else does: `validate_job` when a job is built (`pipeline.jobs.job.RLJob`), and each
 step program at its start (its `main`): `validate_learner` (`steps.learn`), `validate_batch_maker`
-(`steps.make_batches`), `validate_rollout` (`steps.rollout`), `validate_evaluate` (`steps.evaluate`).
+(`steps.make_batches`), `validate_rollout` (`steps.rollout`), `validate_evaluate` (`steps.evaluate`),
+`validate_serve` (`steps.serve`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pipeline.config.train import CriticPPOLossConfig, TrainParams
 if TYPE_CHECKING:
     from pipeline.config.curriculum import CurriculumConfig
     from pipeline.config.job import RLJobConfig
+    from pipeline.config.programs import ServeConfig
     from pipeline.config.steps import BatchMakerStepConfig, EvaluateStepConfig, LearnerStepConfig, RolloutStepConfig
 
 NEEDS_GROUPS = ("rloo", "grpo", "dr_grpo")
@@ -151,6 +153,23 @@ def validate_evaluate(c: EvaluateStepConfig) -> None:
     check_inference_fits_model(c.inference, c.model)
     check_environment_classes(c.curriculum)
     check_environment_args(c.curriculum)
+
+
+def validate_serve(c: ServeConfig) -> None:
+    """Checks of `steps.serve`'s config at its start: a run root, a policy step and port in range, at least one
+    sequence, and a bearer token (`token`, or the variable `token_env` names) for a host that is not loopback."""
+    from pipeline.process.ports import is_loopback
+
+    if not c.run_root:
+        raise ConfigError("run_root", c.run_root, "is required: the run root whose committed policy is served")
+    if c.policy_step is not None and c.policy_step < 0:
+        raise ConfigError("policy_step", c.policy_step, "must be >= 0")
+    if not 0 <= c.port < 65536:
+        raise ConfigError("port", c.port, "must be in [0, 65535]")
+    if c.max_seqs < 1:
+        raise ConfigError("max_seqs", c.max_seqs, "must be >= 1")
+    if not is_loopback(c.host) and not c.bearer_token():
+        raise ConfigError("host", c.host, f"is not loopback: give --token or set {c.token_env}")
 
 
 def check_init_policy(model: ModelSpec, storage_options: dict[str, Any]) -> None:
