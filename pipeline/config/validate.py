@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config.base import ConfigError
+from pipeline.config.base import ConfigError, at_least, in_range
 from pipeline.config.mesh import MeshConfig
 from pipeline.config.model import ModelSpec
 from pipeline.config.train import CriticPPOLossConfig, TrainParams
@@ -162,12 +162,9 @@ def validate_serve(c: ServeConfig) -> None:
 
     if not c.run_root:
         raise ConfigError("run_root", c.run_root, "is required: the run root whose committed policy is served")
-    if c.policy_step is not None and c.policy_step < 0:
-        raise ConfigError("policy_step", c.policy_step, "must be >= 0")
-    if not 0 <= c.port < 65536:
-        raise ConfigError("port", c.port, "must be in [0, 65535]")
-    if c.max_seqs < 1:
-        raise ConfigError("max_seqs", c.max_seqs, "must be >= 1")
+    at_least(c, 0, "policy_step", or_null=True)
+    in_range(c, 0, 65535, "port")
+    at_least(c, 1, "max_seqs")
     if not is_loopback(c.host) and not c.bearer_token():
         raise ConfigError("host", c.host, f"is not loopback: give --token or set {c.token_env}")
 

@@ -338,7 +338,11 @@ def known_prompt_limits(base_urls: list[str], model_cards: Mapping[str, Any]) ->
             raw = card.get("max_model_len")
             value = raw if isinstance(raw, int) and raw > 0 else None
             break
-    cache = renderers_client._max_prompt_len_cache
+    # a private cache of the pinned renderers: without it (another version) the lookups run as renderers makes them
+    cache = getattr(renderers_client, "_max_prompt_len_cache", None)
+    if not isinstance(cache, dict):
+        yield
+        return
     keys = [(client_base_url(url), MODEL_NAME) for url in base_urls]
     for key in keys:
         cache[key] = value
