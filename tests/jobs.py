@@ -180,14 +180,18 @@ def tamper_batch(store: RunStore, slot: int) -> int:
     return row
 
 
-def run_sft_then_rl(tmp_path: Path, sft: dict, rl: dict, env: dict[str, str], timeout: float) -> Path:
+def run_sft_then_rl(tmp_path: Path, sft: dict | None, rl: dict, env: dict[str, str], timeout: float) -> Path:
     """Write the recipe's two configs (SFT, then RL from the SFT run) under `tmp_path` and run `steps.sft` then
-    `steps.run` on them as real processes from the repository root (each must exit 0); returns the RL run root."""
+    `steps.run` on them as real processes from the repository root (each must exit 0); returns the RL run root.
+    `sft=None`: the SFT run is already made (`rl`'s init_policy), only RL runs."""
     import yaml
 
-    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
+    runs = [("steps.run", "rl.yaml")]
+    if sft is not None:
+        (tmp_path / "sft.yaml").write_text(yaml.safe_dump(sft))
+        runs.insert(0, ("steps.sft", "sft.yaml"))
     (tmp_path / "rl.yaml").write_text(yaml.safe_dump(rl))
-    for module, cfg in (("steps.sft", "sft.yaml"), ("steps.run", "rl.yaml")):
+    for module, cfg in runs:
         done = subprocess.run(
             [sys.executable, "-m", module, "--config_path", str(tmp_path / cfg)],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,

@@ -108,8 +108,8 @@ WHERE: dict[tuple[str, str], str] = {
     ("docs/reference/steps.md", "make rescore RUN=runs/judge_example"): NOT_RUN
     + "needs the judged job of bring-your-environment.md (see above); steps.rescore on a real run root: "
     "tests/test_rescore.py",
-    ("docs/guides/sft-and-recipe.md", "make sft SFT_CONFIG="): NOT_RUN
-    + "100 SFT steps on basic_arithmetic; the recipe's SFT config runs in tests/test_recipe.py",
+    ("docs/guides/sft-and-recipe.md", "make sft SFT_CONFIG="): ELSEWHERE
+    + "tests/test_recipe.py (as written, in a page folder of its own: its run root is the RL run's initial policy)",
     ("docs/guides/sft-and-recipe.md", "make recipe"): NOT_RUN
     + "the real-task recipe (SFT, then 75 RL steps at 512 rows per step: CPU-hours); its smaller twin (50 steps) "
     "is tests/test_recipe.py",

@@ -21,8 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from jobs import run_sft_then_rl
+from test_guide_commands import command_blocks, page_folder, run_block
 
 REPO = Path(__file__).resolve().parents[1]
+SFT_PAGE, SFT_BLOCK = "docs/guides/sft-and-recipe.md", "make sft SFT_CONFIG="
+"""The guide block this test runs for the SFT warm start (tests/test_guide_commands.py lists it as run here)."""
 RL_STEPS = 50
 """RL steps (the recipe has 75); held-out success is evaluated at policy 0 and at this step."""
 
@@ -34,15 +37,19 @@ def _success(run: Path, step: int) -> float:
 
 @pytest.mark.slow
 def test_recipe_rl_gains_held_out_accuracy(tmp_path: Path) -> None:
-    sft = yaml.safe_load((REPO / "configs" / "basic_arithmetic_sft.yaml").read_text())
+    # The SFT warm start is the guide's own block, run as written (docs/guides/sft-and-recipe.md, "The SFT step")
+    # in a fresh page folder: its run root, runs/basic_arithmetic_sft there, is the RL run's initial policy.
+    (block,) = [b for b in command_blocks() if b.page == SFT_PAGE and SFT_BLOCK in b.text]
+    cwd = page_folder(tmp_path)
+    run_block(block, cwd)
+    sft_cfg = yaml.safe_load((REPO / "configs" / "basic_arithmetic_sft.yaml").read_text())
     rl = yaml.safe_load((REPO / "configs" / "basic_arithmetic.yaml").read_text())
-    sft["store"]["run_root"] = str(tmp_path / "sft")
     rl["store"]["run_root"] = str(tmp_path / "rl")
-    rl["model"]["init_policy"] = str(tmp_path / "sft")
+    rl["model"]["init_policy"] = str(cwd / sft_cfg["store"]["run_root"])
     rl["train"]["num_train_steps"] = RL_STEPS
     rl["curriculum"]["eval_frequency"] = RL_STEPS
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
-    run_sft_then_rl(tmp_path, sft, rl, env, timeout=900)
+    run_sft_then_rl(tmp_path, None, rl, env, timeout=900)
     p0, final = _success(tmp_path / "rl", 0), _success(tmp_path / "rl", RL_STEPS)
     print(f"held-out success: policy 0 {p0:.3f}, policy {RL_STEPS} {final:.3f}")
     assert p0 > 0

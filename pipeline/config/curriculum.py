@@ -12,6 +12,19 @@ from pipeline.config.base import ConfigError, require
 # ---------------------------------------------------------------------------------------
 
 
+def sampling_controls_problem(top_p: float, top_k: int, min_p: float) -> tuple[str, float, str] | None:
+    """(field, value, why) of the first of top-p / top-k / min-p outside its range (`top_p` in (0, 1], `top_k >= 0`,
+    `min_p` in [0, 1]), or None when all three are valid: the one rule for a lesson's sampling config and for every
+    sampling request (`pipeline.environments.generation.SamplingControls`)."""
+    if not 0.0 < top_p <= 1.0:
+        return "top_p", top_p, "must be in (0, 1]"
+    if top_k < 0:
+        return "top_k", top_k, "must be >= 0 (0: off)"
+    if not 0.0 <= min_p <= 1.0:
+        return "min_p", min_p, "must be in [0, 1]"
+    return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How rollouts are sampled from an environment."""
@@ -43,9 +56,8 @@ class SamplingParams:
             "must be >= 1",
         )
         require(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
-        require(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        require(self.top_k >= 0, "top_k", self.top_k, "must be >= 0 (0: off)")
-        require(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        if problem := sampling_controls_problem(self.top_p, self.top_k, self.min_p):
+            raise ConfigError(*problem)
 
 
 ENV_TYPES: dict[str, str] = {

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from pipeline.config.curriculum import sampling_controls_problem
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingControls:
@@ -26,12 +28,9 @@ class SamplingControls:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0: off)")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p={self.min_p}: must be in [0, 1]")
+        if problem := sampling_controls_problem(self.top_p, self.top_k, self.min_p):
+            name, value, why = problem
+            raise ValueError(f"{name}={value}: {why}")
 
     @property
     def is_default(self) -> bool:
