@@ -10,7 +10,8 @@ What it is for: a judge or a reward endpoint that is a policy of a run (an LLM-j
 route. It starts in seconds (the dense sampler compiles per request shape on first use; no engine to build).
 
 It waits (up to `--wait_s`) for the run root's run.json and for the policy (`--policy_step N`, or the newest
-committed one when not given), so it can be started beside a job before the learner published policy 0. It serves
+committed one when not given), so it can be started beside a job before the learner published policy 0 (it loads
+JAX and the model only once the policy is there: a serve waiting beside a job costs no more than a Python). It serves
 until SIGTERM or SIGINT. Loopback by default; a non-loopback `--host` needs a bearer token (`--token`, or the
 environment variable named by `--token_env`, default RLPIPE_ENDPOINT_TOKEN) that every request must carry
 (compared in constant time; 401 otherwise).
@@ -63,24 +64,36 @@ def _wait_for(what: str, found: Any, args: ServeConfig) -> Any:
     return value
 
 
+def wait_for_policy(args: ServeConfig) -> int:
+    """The policy step to serve once run.json and that policy are committed (`--policy_step`, else the newest),
+    waiting up to `args.wait_s`; imports nothing of the JAX side, so a serve started beside a job waits light."""
+    from pipeline.store.run_state import latest_policy_step
+
+    store = RunStore(args.run_root)
+    if not store.exists(layout.RUN_CONFIG) or (
+        args.policy_step is not None and not store.exists(layout.policy_marker(args.policy_step))
+    ):
+        logger.info("waiting up to %g s for %s's run.json and policy", args.wait_s, args.run_root)
+    _wait_for(layout.RUN_CONFIG, lambda: True if store.exists(layout.RUN_CONFIG) else None, args)
+    if args.policy_step is None:
+        return int(_wait_for("committed policy", lambda: latest_policy_step(store), args))
+    want = args.policy_step
+    _wait_for(f"policy {want}", lambda: True if store.exists(layout.policy_marker(want)) else None, args)
+    return want
+
+
 def load_endpoint(args: ServeConfig) -> GenerateEndpoint:
-    """The endpoint over the dense sampler of the committed policy `args` names, not yet started (waits for it)."""
+    """The endpoint over the dense sampler of the committed policy `args` names, not yet started (waits for it
+    first: JAX and the model are loaded only once the policy is there)."""
+    step = wait_for_policy(args)
     from pipeline.config import DenseInferenceConfig
     from pipeline.environments.tokenizer import load_tokenizer
-    from pipeline.store.run_state import latest_policy_step
     from policy.inference import BackendContext, make_backend
     from policy.policy_format import policy_metadata, read_policy
     from steps.export import recorded_model
 
     store = RunStore(args.run_root)
-    _wait_for(layout.RUN_CONFIG, lambda: True if store.exists(layout.RUN_CONFIG) else None, args)
     spec = recorded_model(store)
-    if args.policy_step is None:
-        step = int(_wait_for("committed policy", lambda: latest_policy_step(store), args))
-    else:
-        want = args.policy_step
-        _wait_for(f"policy {want}", lambda: True if store.exists(layout.policy_marker(want)) else None, args)
-        step = want
     tokenizer = load_tokenizer(spec.tokenizer)
     model = read_policy(store, step, spec, policy_metadata(store, step).vocab_size)
     inference = DenseInferenceConfig(max_seqs=args.max_seqs)

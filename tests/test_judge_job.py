@@ -163,3 +163,26 @@ def test_serve_refuses_bad_arguments_and_a_missing_run_in_one_line(tmp_path: Pat
                           cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert line in proc.stderr.strip().splitlines()[-1]
+
+
+def test_serve_waits_for_its_run_without_loading_jax(tmp_path: Path) -> None:
+    """Started before its run root has a run.json (beside a job about to start), serve waits light: no jaxlib
+    library is mapped into it while it waits (JAX and the model load once the policy is there); SIGTERM ends the
+    wait with the documented code."""
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "steps.serve", "--run_root", str(tmp_path / "none"), "--port", "0", "--wait_s", "300"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait("serve's waiting line", lambda: "waiting up to 300 s" in log.read_text(), 120)
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert proc.poll() is None, log.read_text()[-2000:]
+        assert "jaxlib" not in maps, [ln for ln in maps.splitlines() if "jaxlib" in ln][:3]
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 143, (rc, log.read_text()[-2000:])
+    assert "Traceback" not in log.read_text()
