@@ -117,7 +117,7 @@ WHERE: dict[tuple[str, str], str] = {
     + "tests/test_tool_recipe.py (the same command in a fresh process)",
     ("docs/guides/tool-use-recipe.md", "make recipe RECIPE=tool_calculator"): NOT_RUN
     + "the whole tool-use recipe (SFT, then 40 RL steps of 256 two-turn rollouts: ~8 CPU-minutes); its smaller "
-    "twin (8 RL steps) is tests/test_tool_recipe.py",
+    "twin (12 RL steps) is tests/test_tool_recipe.py",
     ("docs/guides/distillation.md", "--store.run_root runs/cats-teacher"): NOT_RUN
     + "the teacher is the whole 20-step demo job (a shorter one would teach nothing); the distillation learning "
     "test is tests/test_opd.py",
