@@ -69,6 +69,8 @@ HEAVY_FILES = (
     "test_server_job.py",
     "test_server_log_remote.py",
     "test_sft.py",
+    "test_tool_agent.py",
+    "test_tool_verifiers.py",
     "test_verifiers_env.py",
     "test_worker_policy_fallback.py",
 )

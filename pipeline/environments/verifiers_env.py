@@ -41,7 +41,9 @@ client (`TrainClient`, `TrainClientConfig` pointed at the episode's capture URL 
 tokenizer's chat template and calls `/inference/v1/generate`; the finished trace is scored by the task
 (`@vf.reward` functions, judges) and the harness (`@vf.metric`). The episode reward is `Trace.reward` (the weighted
 sum) and each reward function's weighted value is its own entry of `reward_components` (and, averaged per episode, the
-rollout metric `env/reward/<name>` in the metrics file, the trackers and the report).
+rollout metric `env/reward/<name>` in the metrics file, the trackers and the report). Each `@vf.metric` value (a
+finite number; task or harness) is averaged the same way, 0 for an episode without it, as `env/<name>_mean`: a task's
+`turns`, `tool_calls`, `tool_errors`, `ended_at_turn<k>` metrics fill the report's Tool use section.
 
 Offline: verifiers prepares its chat program with `uv sync --script` (installing uv from the network when missing);
 `prepare_local_chat_program` instead records this interpreter, whose environment holds every package the script
@@ -76,6 +78,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -379,6 +382,15 @@ def reward_components(trace: Any) -> dict[str, float]:
         if reward is None:
             raise ValueError(f"reward function {name!r} produced no score")
         out[name] = checked_reward(reward.value, f"the score of reward function {name!r}")
+    return out
+
+
+def trace_metrics(trace: Any) -> dict[str, float]:
+    """The trace's `@vf.metric` values (task and harness) that are finite numbers; one without a value is left out."""
+    out = {}
+    for name, value in trace.metrics.items():
+        if isinstance(value, int | float) and math.isfinite(value):
+            out[name] = float(value)
     return out
 
 
@@ -770,6 +782,8 @@ class VerifiersEnv(Environment):
                     row.extracted_answer = res.trace.last_reply or None
                 for name, value in components.items():
                     example_sums[f"reward/{name}"] = example_sums.get(f"reward/{name}", 0.0) + value
+                for name, value in trace_metrics(res.trace).items():
+                    example_sums[f"{name}_mean"] = example_sums.get(f"{name}_mean", 0.0) + value
                 rollouts.extend(rows)
             if reason is not None:
                 failures.append(ExampleFailure(example_id, reason))
