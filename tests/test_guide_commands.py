@@ -118,6 +118,12 @@ WHERE: dict[tuple[str, str], str] = {
     ("docs/guides/tool-use-recipe.md", "make recipe RECIPE=tool_calculator"): NOT_RUN
     + "the whole tool-use recipe (SFT, then 40 RL steps of 256 two-turn rollouts: ~8 CPU-minutes); its smaller "
     "twin (12 RL steps) is tests/test_tool_recipe.py",
+    ("docs/guides/tool-use-recipe.md", "configs/tool_calculator_agent.yaml"): NOT_RUN
+    + "the tool task's RL through the openai-SDK agent (20 steps of 256 episodes: ~800 CPU-s); the agent's rows "
+    "against the class's and the SFT transcripts' are tests/test_tool_agent.py",
+    ("docs/guides/tool-use-recipe.md", "configs/tool_calculator_verifiers.yaml"): NOT_RUN
+    + "the tool task's RL as a verifiers environment (20 steps of 256 episodes: ~2,000 CPU-s); its episodes against "
+    "the class's are tests/test_tool_verifiers.py",
     ("docs/guides/distillation.md", "--store.run_root runs/cats-teacher"): NOT_RUN
     + "the teacher is the whole 20-step demo job (a shorter one would teach nothing); the distillation learning "
     "test is tests/test_opd.py",
