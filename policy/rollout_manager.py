@@ -46,6 +46,7 @@ from pipeline.rollout.rollout_batch import (  # noqa: F401  (re-exported: the ma
     is_success,
     schema_rows,
 )
+from pipeline.store.storage import RunStore
 from policy.inference import BackendContext, InferenceBackend, make_backend
 
 logger = logging.getLogger(__name__)
@@ -459,7 +460,7 @@ def policy_runtime(config: Any, tokenizer: Any, prompt_lengths: Collection[int] 
         manager.expect_prompt_lengths(prompt_lengths)
         return manager
 
-    def load_model(store: Any, step: int) -> Any:
+    def load_model(store: RunStore, step: int) -> Any:
         return read_policy(store, step, config.model, policy_metadata(store, step).vocab_size)
 
     return PolicyRuntime(

@@ -29,6 +29,7 @@ from pipeline.batch_maker.slot_metrics import fill_starts
 from pipeline.config import TrainParams
 from pipeline.store import layout, staleness
 from pipeline.store.committed import StorageError
+from pipeline.store.storage import RunStore
 from schemas import RolloutRow
 
 logger = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ class PacingView:
     """What pacing reads from the run root, cached: ready markers (immutable, each read once) and the newest
     batch log entry."""
 
-    def __init__(self, store: Any, train: TrainParams) -> None:
+    def __init__(self, store: RunStore, train: TrainParams) -> None:
         self.store = store
         self.train = train
         self.markers: dict[str, tuple[int, int, float]] = {}
@@ -388,7 +389,7 @@ class ClaimBoard:
     Crash-safe: a claim is only a hint to other workers' pacing; a SIGKILLed worker's claim expires (and is then
     deleted by whichever worker lists it), and no committed data depends on it."""
 
-    def __init__(self, store: Any, worker: str) -> None:
+    def __init__(self, store: RunStore, worker: str) -> None:
         self.store = store
         self.worker = worker
         self.mine: Claim | None = None
