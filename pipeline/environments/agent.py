@@ -83,8 +83,6 @@ from pipeline.environments.generation import SamplingControls
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOKEN_ENV = "RLPIPE_ENDPOINT_TOKEN"
-_GENERATOR = re.compile(r"[^:\s]+:[A-Za-z_]\w*")
-"""A `tasks` string naming a generator function (`module:function`, `file.py:function`) rather than a file."""
 
 
 class AgentFailure(Exception):
@@ -107,6 +105,10 @@ class AgentResult:
     components: dict[str, float] = field(default_factory=dict)
     answer: str | None = None
     info: dict[str, float] = field(default_factory=dict)
+
+
+_GENERATOR = re.compile(r"[^:\s]+:[A-Za-z_]\w*")
+"""A `tasks` string naming a generator function (`module:function`, `file.py:function`) rather than a file."""
 
 
 def load_tasks(source: str | Sequence[Mapping[str, Any]], arg: str = "tasks") -> list[Task]:
