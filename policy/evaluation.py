@@ -49,12 +49,15 @@ WORKER_ID = "evaluator"
 
 def with_pass_at_k(summary: EvalSummaryRow, batch: Any, k: int) -> EvalSummaryRow:
     """`summary` with pass@k and mean@k (`pipeline.rollout.passk`) of the batch's problems (its groups: the samples
-    of one prompt, successes as the batch judged them); `k` 0: the samples per problem. Unchanged without rows."""
+    of one prompt, one per episode, successes as the batch judged them); `k` 0: the samples per problem. Unchanged
+    without rows."""
     if batch is None or not batch.rows:
         return summary
     flags = batch.successes if len(batch.successes) == len(batch.rows) else [None] * len(batch.rows)
     groups: dict[str, list[tuple[float, bool]]] = {}
     for row, ok in zip(batch.rows, flags, strict=True):
+        if row.segment_index != 0:  # an episode written as several segment rows is one sample
+            continue
         success = bool(ok) if ok is not None else row.episode_reward >= SUCCESS_REWARD
         groups.setdefault(row.group_key, []).append((float(row.episode_reward), success))
     p = pass_at_k_of_groups(groups, k or None)

@@ -21,16 +21,18 @@ import numpy as np
 import pytest
 from jobs import ROOT, run_job
 
-from pipeline.config import ConfigError, CurriculumConfig, EnvConfig, LessonConfig, RLJobConfig
+from pipeline.config import ConfigError, CurriculumConfig, EnvConfig, LessonConfig, RLJobConfig, SamplingParams
 from pipeline.config.validate import check_environment_args
 from pipeline.environments.agent import AgentEnv
-from pipeline.environments.base import SampleSpec
+from pipeline.environments.base import EnvGroup, SampleSpec, summarize
 from pipeline.environments.endpoint import CapturedCall
 from pipeline.environments.episodes import rollouts_from_calls
 from pipeline.environments.scripted import ScriptedContext
 from pipeline.environments.tokenizer import load_tokenizer
+from pipeline.rollout.rollout_batch import RolloutBatch, RolloutMetadata, batch_stats, schema_rows
 from pipeline.store import layout
 from pipeline.store.storage import RunStore
+from policy.evaluation import with_pass_at_k
 from schemas import ROLLOUT
 
 sys.path.insert(0, str(ROOT / "configs" / "agents"))
@@ -86,6 +88,24 @@ def test_calls_become_segments_with_masks_rewards_and_oldest_step() -> None:
     bad = [CapturedCall(p, [20], [], "stop", 1)]
     with pytest.raises(ValueError, match="logprobs"):
         rollouts_from_calls(bad, env_name="e", example_id="x", episode_reward=1.0, episode_id="ep")
+
+
+def test_an_episode_of_several_segments_counts_once_in_rates_and_pass_at_k() -> None:
+    p = [1, 10, 11]
+    split = [CapturedCall(p, [20], [-0.1], "stop", 0), CapturedCall([1, 99], [21, 2], [-0.2, -0.3], "stop", 0)]
+    whole = [CapturedCall(p, [22, 2], [-0.4, -0.5], "stop", 0)]
+    won = rollouts_from_calls(split, env_name="e", example_id="x", episode_reward=1.0, episode_id="won")
+    lost = rollouts_from_calls(whole, env_name="e", example_id="x", episode_reward=0.0, episode_id="lost")
+    assert len(won) == 2 and len(lost) == 1
+    metrics = summarize([EnvGroup("g", [*won, *lost])], [], n_examples=1, success=lambda r: r.episode_reward > 0)
+    assert metrics["success_rate"] == 0.5 and metrics["mean_reward"] == 0.5 and metrics["n_rollouts"] == 3
+    pairs = [("g", r) for r in [*won, *lost]]
+    rows = schema_rows(pairs, "l", "b", SamplingParams(temperature=1.0), 0, "w", 0.0, None)
+    batch = RolloutBatch("b", "l", "eval", 1.0, RolloutMetadata("w", 0.0, 0), rows, successes=[True, True, False])
+    stats = batch_stats(batch)
+    assert (stats.success_rate, stats.mean_reward, stats.n_rows) == (0.5, 0.5, 3)
+    summary = with_pass_at_k(stats.to_summary_row("eval", "test"), batch, 0)
+    assert (summary.samples_per_problem, summary.pass_at_k) == (2, 1.0)
 
 
 def test_entry_point_agent_multi_turn_rows(tok: Any) -> None:

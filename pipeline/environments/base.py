@@ -422,18 +422,20 @@ def summarize(
     n_examples: int,
     success: Callable[[EnvRollout], bool],
 ) -> dict[str, float]:
-    """Metrics of a sample call: mean_reward, success_rate, mean_response_tokens, truncation_rate,
-    n_examples, n_groups, n_rollouts, n_failures, and for each numeric `info` key (but "success")
-    `<key>_mean` (per rollout) and `<key>_total`. Rates/means are 0.0 when there are no rollouts."""
+    """Metrics of a sample call: mean_reward and success_rate (per episode: an episode written as several segment
+    rows counts once), mean_response_tokens and truncation_rate (per row), n_examples, n_groups, n_rollouts,
+    n_failures, and for each numeric `info` key (but "success") `<key>_mean` (per rollout) and `<key>_total`.
+    Rates/means are 0.0 when there are no rollouts."""
     rollouts = [r for g in groups for r in g.rollouts]
+    episodes = [r for r in rollouts if r.segment_index == 0]
     n = len(rollouts)
     m: dict[str, float] = {
         "n_examples": float(n_examples),
         "n_groups": float(len(groups)),
         "n_rollouts": float(n),
         "n_failures": float(len(failures)),
-        "mean_reward": float(np.mean([r.episode_reward for r in rollouts])) if n else 0.0,
-        "success_rate": float(np.mean([success(r) for r in rollouts])) if n else 0.0,
+        "mean_reward": float(np.mean([r.episode_reward for r in episodes])) if episodes else 0.0,
+        "success_rate": float(np.mean([success(r) for r in episodes])) if episodes else 0.0,
         "mean_response_tokens": float(np.mean([len(r.response_tokens) for r in rollouts])) if n else 0.0,
         "truncation_rate": float(np.mean([r.truncated for r in rollouts])) if n else 0.0,
     }

@@ -118,11 +118,13 @@ def is_success(env_rollout: Any) -> bool:
 
 
 def batch_stats(batch: RolloutBatch) -> RolloutBatchStats:
-    """Summary statistics of a batch: means over rows; success_rate = mean of `batch.successes` (or of
-    reward >= SUCCESS_REWARD when the batch carries no success flags)."""
+    """Summary statistics of a batch: mean_reward and success_rate per episode (an episode written as several
+    segment rows counts once; success = `batch.successes`, or reward >= SUCCESS_REWARD when the batch carries no
+    success flags); response length and truncation per row."""
     rows = batch.rows
     n = len(rows)
     successes = batch.successes if len(batch.successes) == n else [r.episode_reward >= SUCCESS_REWARD for r in rows]
+    firsts = [i for i, r in enumerate(rows) if r.segment_index == 0]
     return RolloutBatchStats(
         lesson_id=batch.lesson_id,
         policy_step=batch.metadata.weight_step,
@@ -130,8 +132,8 @@ def batch_stats(batch: RolloutBatch) -> RolloutBatchStats:
         n_groups=len(batch.groups),
         n_rows=n,
         n_failures=len(batch.failures),
-        mean_reward=float(np.mean([r.episode_reward for r in rows])) if n else 0.0,
-        success_rate=float(np.mean(successes)) if n else 0.0,
+        mean_reward=float(np.mean([rows[i].episode_reward for i in firsts])) if firsts else 0.0,
+        success_rate=float(np.mean([successes[i] for i in firsts])) if firsts else 0.0,
         mean_response_tokens=float(np.mean([len(r.response_tokens) for r in rows])) if n else 0.0,
         truncation_rate=float(np.mean([r.truncated for r in rows])) if n else 0.0,
         temperature=batch.temperature,
