@@ -422,10 +422,9 @@ def summarize(
     n_examples: int,
     success: Callable[[EnvRollout], bool],
 ) -> dict[str, float]:
-    """Metrics of a sample call: mean_reward and success_rate (per episode: an episode written as several segment
-    rows counts once), mean_response_tokens and truncation_rate (per row), n_examples, n_groups, n_rollouts,
-    n_failures, and for each numeric `info` key (but "success") `<key>_mean` (per rollout) and `<key>_total`.
-    Rates/means are 0.0 when there are no rollouts."""
+    """Metrics of a sample call: mean_reward and success_rate (per episode: its segment rows count once),
+    mean_response_tokens and truncation_rate (per row), n_examples, n_groups, n_rollouts, n_failures, and for each
+    numeric `info` key (but "success") `<key>_mean` (per rollout) and `<key>_total`; 0.0 without rollouts."""
     rollouts = [r for g in groups for r in g.rollouts]
     episodes = [r for r in rollouts if r.segment_index == 0]
     n = len(rollouts)
