@@ -264,14 +264,19 @@ def check_prompts(job: RLJob) -> None:
     """Refuse (ConfigError naming the sequence-length field and the lesson; exit 2, nothing started) a job with a
     lesson none of whose prompts fits the sampler: the rollout worker's own start-up check
     (`pipeline.environments.start_checks.check_lessons`) on the job's rollout config, run once before any process starts
-    (it needs the tokenizer and the environments, hence here and not in `validate_job`, which imports neither)."""
+    (it needs the tokenizer and the environments, hence here and not in `validate_job`, which imports neither).
+    A built-in tokenizer without chat lessons is checked through `BuiltinTokenizer` (the same ids, no transformers
+    import: about 0.5 CPU-s less at a job start)."""
     from pipeline.environments.start_checks import check_lessons
-    from pipeline.environments.tokenizer import load_tokenizer
+    from pipeline.environments.tokenizer import BUILTIN_SPECS, BuiltinTokenizer, load_tokenizer
 
     configs = job.to_worker_configs()[StepKind.ROLLOUT.job_name]
     config = configs[0] if isinstance(configs, list) and configs else configs
-    if config:
-        check_lessons(config, load_tokenizer(config.model.tokenizer))
+    if not config:
+        return
+    spec = config.model.tokenizer
+    chat = any(lesson.chat for lesson in config.curriculum.lessons.values())  # chat prompts need the template
+    check_lessons(config, BuiltinTokenizer(spec) if spec in BUILTIN_SPECS and not chat else load_tokenizer(spec))
 
 
 def main(invocation: Invocation) -> int:

@@ -5,6 +5,7 @@ answers longer than `max_tokens` or that extract nothing: tests/test_reasoning_g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -121,3 +122,34 @@ def test_answers_outside_the_vocabulary_and_rows_longer_than_seq_len_are_refused
     mixed = [{"id": "a", "prompt": "Say cat", "answer": "cat"}, {"id": "b", "prompt": "x", "answer": "é"}]
     some = _exact(tmp_path, mixed)
     check_lessons(_worker(tmp_path, some), tok)  # a mix: what can be produced trains (a warning names the rest)
+
+
+def test_the_job_start_check_refuses_the_same_without_transformers(tmp_path: Path) -> None:
+    """`check_lessons` on each built-in through transformers and through `BuiltinTokenizer` (what the job start's
+    `check_prompts` uses for a built-in without chat lessons): the same prompt lengths when the lesson passes, the
+    same field, value and message when it is refused (an answer outside the vocabulary, a row longer than
+    `train.seq_len`, no prompt under `max_seq_len`, answers over `max_tokens`)."""
+    from pipeline.environments.tokenizer import BuiltinTokenizer
+
+    def outcome(config: RolloutStepConfig, tok: object) -> object:
+        try:
+            return check_lessons(config, tok)
+        except ConfigError as e:
+            return (e.field, e.value, str(e))
+
+    rows = [{"id": f"q{i}", "prompt": f"Say it {i} ×", "answer": a} for i, a in enumerate(["cat", "café", "12"])]
+    configs = [
+        _worker(tmp_path, _exact(tmp_path, rows)),  # passes (on tiny: a warning for café)
+        _worker(tmp_path, _exact(tmp_path, [{**r, "answer": "café"} for r in rows])),  # outside the tiny vocabulary
+        _worker(tmp_path, _exact(tmp_path, [{**r, "prompt": "Say it " * 12} for r in rows]), seq_len=16),
+        dataclasses.replace(_worker(tmp_path, _exact(tmp_path, rows)), model=ModelSpec(max_seq_len=4)),
+        _worker(tmp_path, _exact(tmp_path, [{**r, "answer": "a long answer, " * 4} for r in rows]), max_tokens=3),
+    ]
+    refused = {"builtin:tiny": 0, "builtin:bpe": 0}
+    for spec in refused:
+        hf, lite = load_tokenizer(spec), BuiltinTokenizer(spec)
+        for config in configs:
+            want = outcome(config, hf)
+            assert outcome(config, lite) == want, spec
+            refused[spec] += isinstance(want, tuple)
+    assert refused == {"builtin:tiny": 4, "builtin:bpe": 3}  # the BPE writes café

@@ -389,3 +389,131 @@ def test_rollout_and_evaluate_steps_refuse_a_chat_lesson_without_a_template(tmp_
 
     with pytest.raises(ConfigError, match=re.escape(why)):
         Evaluator(EvaluateStepConfig(**common))  # type: ignore[arg-type]
+
+
+# --- batched rendering (`render_chats`, `chat_prompts`): the ids of one conversation at a time -------------------
+
+# Role markers as plain text (not special tokens) and tool-call ids rendered: BPE merges across message boundaries
+# and conversations that differ only in an id render to different texts.
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}{% if m['tool_call_id'] %} {{ m['tool_call_id'] }}{% endif %}] "
+    "{{ m['content'] }}{% for c in m['tool_calls'] or [] %} call {{ c['id'] }}: {{ c['function'] | tojson }}"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def call(k: int, expr: str, as_text: bool = True) -> dict[str, Any]:
+    args: Any = json.dumps({"expression": expr}) if as_text else {"expression": expr}
+    return {"id": f"call_{k}", "type": "function", "function": {"name": "calculator", "arguments": args}}
+
+
+def conversations() -> list[list[dict[str, Any]]]:
+    """First turns, tool turns (one and two calls, arguments as text and as objects), a closing answer, a system
+    message, empty content, non-ASCII text, and two conversations that differ only in their call ids."""
+    q = user("What is 12*(3+4)? Use the calculator tool.")
+    one = [*q, {"role": "assistant", "content": "", "tool_calls": [call(0, "12*(3+4)")]},
+           {"role": "tool", "tool_call_id": "call_0", "content": "84"}]  # fmt: skip
+    other_id = copy.deepcopy(one)
+    other_id[1]["tool_calls"][0]["id"] = other_id[2]["tool_call_id"] = "call_7"
+    two = [{"role": "system", "content": "Be brief."}, *user("6×7 and 1-2?"),
+           {"role": "assistant", "content": "Two calls.", "tool_calls": [call(0, "6*7", False), call(1, "1-2")]},
+           {"role": "tool", "tool_call_id": "call_0", "content": "42"},
+           {"role": "tool", "tool_call_id": "call_1", "content": "-1"}]  # fmt: skip
+    return [q, user(""), one, other_id, [*one, {"role": "assistant", "content": "Answer: 84"}], two, list(two), q]
+
+
+@pytest.fixture(scope="module", params=["builtin:tiny", "builtin:bpe", "exported", "plain template"])
+def any_tok(request: Any, tmp_path_factory: Any) -> Any:
+    from pipeline.environments.tokenizer import save_for_export
+
+    if request.param == "exported":  # a Hugging Face folder whose encode adds BOS, as Llama's: none may be added
+        folder = tmp_path_factory.mktemp("tok")
+        save_for_export(load_tokenizer("builtin:bpe"), folder)
+        exported = load_tokenizer(str(folder))
+        assert exported.encode("a")[0] == exported.bos_token_id
+        return exported
+    if request.param == "plain template":
+        t = load_tokenizer("builtin:bpe")
+        t.chat_template = PLAIN_TEMPLATE
+        return t
+    return load_tokenizer(request.param)
+
+
+def template_ids(tok: Any, messages: list[dict[str, Any]], tools: Any, gen: bool) -> list[int]:
+    out: Any = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=gen)
+    return [int(t) for t in (out if isinstance(out, list) else out["input_ids"])]
+
+
+def test_render_chats_gives_each_conversation_its_template_ids(any_tok: Any) -> None:
+    """Every conversation, with and without the generation prompt, mixed in one call, with tools and without: the
+    ids `apply_chat_template(tokenize=True)` gives it alone (repeated conversations included)."""
+    from pipeline.environments.tokenizer import render_chats
+
+    convs = conversations()
+    chats = [(c, gen) for c in convs for gen in (True, False)] + [(convs[0], True), (convs[2], False)]
+    for tools in (None, [CALCULATOR_TOOL]):
+        want = [template_ids(any_tok, c, tools, gen) for c, gen in chats]
+        assert render_chats(any_tok, chats, tools) == want
+        assert render_chats(any_tok, chats[:1], tools) == want[:1]
+    assert render_chats(any_tok, [], None) == []
+    text = any_tok.apply_chat_template(convs[2], tokenize=False)
+    assert text.count("call_0") == (2 if any_tok.chat_template == PLAIN_TEMPLATE else 0)
+
+
+def continued_alone(tok: Any, messages: list[dict[str, Any]], tools: Any, prefix: list[int]) -> list[int]:
+    """The continuation as computed before batching: four `apply_chat_template` calls for one conversation."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    head, full = template_ids(tok, messages[: last + 1], tools, False), template_ids(tok, messages, tools, True)
+    opened = template_ids(tok, messages[:last], tools, True)
+    closed = template_ids(tok, [*messages[:last], {"role": "assistant", "content": ""}], tools, False)
+    assert full[: len(head)] == head and closed[: len(opened)] == opened
+    end = closed[len(opened) :]
+    keep = max(k for k in range(len(end) + 1) if k == 0 or prefix[-k:] == end[:k])
+    return prefix + end[keep:] + full[len(head) :]
+
+
+def test_chat_prompts_equal_one_conversation_at_a_time(any_tok: Any) -> None:
+    """First turns (`render_chat`) and continuations on sampled ids (ending at the turn's EOS, cut before it, and
+    ids the tokenizer would not produce) in one batch: each prompt is what one conversation alone gets."""
+    from pipeline.environments.chat import chat_prompts, continue_transcript
+
+    tok = any_tok
+    convs = [c for c in conversations() if any(m["role"] == "assistant" for m in c)]
+    eos = tok.eos_token_id
+    sampled = [
+        [*render_chat(tok, user("q"), [CALCULATOR_TOOL]), 7, 8, eos],  # stopped at EOS
+        [*render_chat(tok, user("q"), [CALCULATOR_TOOL]), 7, 8],  # cut at max_tokens
+        [1, 2, 3, 9, 9, 9, eos],
+    ]
+    batch = [c for c in convs for _ in sampled] + [user("What is 1+1?"), user("hi")]
+    prefixes: list[list[int] | None] = [p for _ in convs for p in sampled] + [None, None]
+    want = [
+        render_chat(tok, c, [CALCULATOR_TOOL]) if p is None else continued_alone(tok, c, [CALCULATOR_TOOL], p)
+        for c, p in zip(batch, prefixes, strict=True)
+    ]
+    assert chat_prompts(tok, batch, [CALCULATOR_TOOL], prefixes) == want
+    assert continue_transcript(tok, convs[0], [CALCULATOR_TOOL], sampled[1]) == want[1]
+    if tok.chat_template != PLAIN_TEMPLATE:  # a template that ends a turn with EOS: the cut turn gets it added
+        assert want[1] == want[0] and want[1][len(sampled[1])] == eos
+
+
+def test_chat_prompts_refuse_what_one_conversation_at_a_time_refuses(tok: Any) -> None:
+    """No chat template, a continued conversation without an assistant message, and a template that renders an
+    earlier assistant turn differently once later messages follow (TranscriptMismatch)."""
+    from pipeline.environments.chat import chat_prompts, continue_transcript
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template"):
+        chat_prompts(plain, [user("hi")], None, [None])
+    with pytest.raises(ValueError, match="the conversation has none"):
+        chat_prompts(tok, [user("hi"), user("hi")], None, [None, [1, 2]])
+    forgetful = copy.deepcopy(tok)  # an assistant message's content only when it is the last message
+    forgetful.chat_template = (
+        "{% for m in messages %}<bos>{{ m['role'] }}\n{% if loop.last or m['role'] != 'assistant' %}"
+        "{{ m['content'] }}{% endif %}<eos>{% endfor %}{% if add_generation_prompt %}<bos>assistant\n{% endif %}"
+    )
+    conv = [*user("hi"), {"role": "assistant", "content": "hello"}, *user("again")]
+    assert continue_transcript(tok, conv, None, [5, 6])[:2] == [5, 6]
+    with pytest.raises(TranscriptMismatch, match="does not render later messages"):
+        chat_prompts(forgetful, [user("hi"), conv], None, [None, [5, 6]])

@@ -5,13 +5,15 @@ step started with step-level overrides records them in run.json instead of refus
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from jobs import ROOT, TEST_CONFIG
 
-from pipeline.config import RLJobConfig
+from pipeline.config import ConfigError, RLJobConfig
 from pipeline.config.model import ServerInferenceConfig
 from pipeline.process.exits import Exit
 from pipeline.store import layout
@@ -31,12 +33,27 @@ def error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
 
 
 def test_a_lesson_none_of_whose_prompts_fits_is_refused_at_job_start(tmp_path: Path) -> None:
+    """Refused before anything starts; the built-in tokenizer's check imports no transformers (`BuiltinTokenizer`),
+    and a chat lesson's prompts, which need the chat template, are checked too."""
     root = tmp_path / "run"
-    proc = steps_run("--config_path", str(TEST_CONFIG), "--run_root", str(root), "--inference.max_seq_len", "2")
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "steps.run", "--config_path", str(TEST_CONFIG),
+                           "--run_root", str(root), "--inference.max_seq_len", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == Exit.CONFIG, proc.stderr[-3000:]
     (line,) = error_lines(proc)
     assert line.startswith("error: invalid config: inference.max_seq_len=2: no prompt of lesson 'cats' fits: "), line
     assert not root.exists()  # nothing started, nothing created
+    imported = set(re.findall(r"^import time: .*\| +([\w.]+)$", proc.stderr, re.M))
+    assert "tokenizers" in imported and "transformers" not in imported
+
+    from pipeline.jobs.job import RLJob
+    from steps.run import check_prompts, parse_job
+
+    chat = ["--config_path", str(TEST_CONFIG), "--curriculum.lessons.cats.chat", "true"]
+    check_prompts(RLJob(parse_job(chat)))
+    with pytest.raises(ConfigError, match=r"inference\.max_seq_len=12: no prompt of lesson 'cats' fits: .* 1[4-9]\.\."):
+        check_prompts(RLJob(parse_job([*chat, "--inference.max_seq_len", "12"])))  # plain prompts fit 12
+    check_prompts(RLJob(parse_job(["--config_path", str(TEST_CONFIG), "--inference.max_seq_len", "12"])))
 
 
 def test_a_server_command_with_placeholders_is_a_plain_string_on_the_command_line(tmp_path: Path) -> None:

@@ -108,3 +108,30 @@ def test_vocab_is_pinned() -> None:
     vocab = json.loads(build_tiny_tokenizer_object().to_str())["model"]["vocab"]
     digest = hashlib.sha256(json.dumps(vocab).encode()).hexdigest()
     assert digest == "08550fa284b1539962b530c3538d35c3beff7c26b7f95e0aa104f4999d7d5c3c"
+
+
+# --- `BuiltinTokenizer`: the job start's checks without transformers --------------------------------------------
+
+MORE_TEXTS = [*TEXTS, "café 6×7 ≠ 42 — naïve", "<bos>user\nhi<eos><bos>assistant\n", "x<eos>y<pad>", "\x00\x07"]
+
+
+@pytest.mark.parametrize("spec", ["builtin:tiny", "builtin:bpe"])
+def test_builtin_tokenizer_encodes_and_decodes_as_the_transformers_one(spec: str) -> None:
+    """Every call the start checks make gives `load_tokenizer`'s answer: ids with and without special tokens
+    (special-token text, characters outside the tiny vocabulary, control characters), the text of any ids
+    (special and filler ids included), the special ids, the length; and it has no chat template."""
+    from pipeline.environments.tokenizer import BuiltinTokenizer, has_chat_template
+
+    hf, lite = load_tokenizer(spec), BuiltinTokenizer(spec)
+    for text in MORE_TEXTS:
+        assert lite.encode(text) == hf.encode(text), text
+        assert lite.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False), text
+        ids = hf.encode(text)
+        assert lite.decode(ids) == hf.decode(ids), text
+    every = list(range(len(hf)))
+    assert lite.decode(every) == hf.decode(every) and lite.decode([]) == hf.decode([])
+    assert [lite.pad_token_id, lite.bos_token_id, lite.eos_token_id, lite.unk_token_id, len(lite)] == [
+        hf.pad_token_id, hf.bos_token_id, hf.eos_token_id, hf.unk_token_id, len(hf)]  # fmt: skip
+    assert not has_chat_template(lite) and has_chat_template(hf)
+    with pytest.raises(TokenizerLoadError, match="unknown builtin tokenizer"):
+        BuiltinTokenizer("builtin:nope")

@@ -13,7 +13,9 @@ asks for the next assistant turn of each with `chat_turns(ctx, ChatRequest(...))
   carries a conversation's transcript so far (`ChatRequest.prefixes`) is continued on those exact ids
   (`continue_transcript`): only the messages after its last assistant turn are rendered, so the model's own
   sampled ids are never re-tokenised (a turn sampled as ids the tokenizer would not produce for its text, or
-  with text the template would place elsewhere, re-renders to other ids).
+  with text the template would place elsewhere, re-renders to other ids). A request's conversations are rendered
+  together (`chat_prompts`: one batched template call per generation-prompt flag, one tokenizer call for the
+  distinct texts), each to the ids it gets alone.
 
 Each `ChatTurn` carries `prompt_tokens` (the whole rendered conversation), the `Completion` (sampled ids, logprobs,
 finish reason; a stop token is kept) and the assistant `message` (`content`, and `tool_calls` as OpenAI's
@@ -118,11 +120,59 @@ def assistant_message(content: str, tool_calls: Sequence[Message]) -> Message:
     return msg
 
 
-def _render(tok: Any, messages: list[Message], tools: list[Message] | None, generation_prompt: bool) -> list[int]:
-    ids: Any = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=generation_prompt)
-    if not isinstance(ids, list):  # transformers versions returning a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+def _continuation_renders(messages: list[Message]) -> list[tuple[list[Message], bool]]:
+    """What `continue_transcript` renders of a conversation, as (messages, generation prompt): the conversation up
+    to its last assistant message, the whole conversation (generation prompt), the conversation before that
+    message (generation prompt), and that with an empty assistant message. ValueError without an assistant
+    message."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last is None:
+        raise ValueError("a transcript is continued after an assistant message; the conversation has none")
+    empty: Message = {"role": "assistant", "content": ""}
+    return [
+        (messages[: last + 1], False),
+        (messages, True),
+        (messages[:last], True),
+        ([*messages[:last], empty], False),
+    ]
+
+
+def _continued(
+    prefix: Sequence[int], head: list[int], full: list[int], opened: list[int], empty: list[int]
+) -> list[int]:
+    """`continue_transcript`'s prompt from the four renderings of `_continuation_renders`."""
+    if full[: len(head)] != head or empty[: len(opened)] != opened:
+        raise TranscriptMismatch("the chat template does not render later messages after the earlier ones unchanged")
+    close = empty[len(opened) :]  # how the template ends an assistant turn (e.g. its EOS)
+    have = next(k for k in range(len(close), -1, -1) if k == 0 or list(prefix[-k:]) == close[:k])
+    return [*(int(t) for t in prefix), *close[have:], *full[len(head) :]]
+
+
+def chat_prompts(
+    tok: Any,
+    conversations: Sequence[list[Message]],
+    tools: list[Message] | None,
+    prefixes: Sequence[Sequence[int] | None],
+) -> list[list[int]]:
+    """The prompt of each conversation: `continue_transcript` on its prefix, or `render_chat` where the prefix is
+    None. Each prompt is the ids those functions give the conversation alone, and a failure raises what they
+    raise (of the first failing conversation when it is the only kind of failure), at the cost of one
+    `pipeline.environments.tokenizer.render_chats` call (two batched template calls and one tokenizer call)
+    instead of up to four template and tokenizer calls per conversation."""
+    from pipeline.environments.tokenizer import has_chat_template, render_chats
+
+    if not has_chat_template(tok):
+        raise ValueError(f"tokenizer {type(tok).__name__} has no chat template")
+    wanted = [
+        [(conv, True)] if prefix is None else _continuation_renders(conv)
+        for conv, prefix in zip(conversations, prefixes, strict=True)
+    ]
+    rendered = iter(render_chats(tok, [chat for want in wanted for chat in want], tools))
+    prompts = []
+    for want, prefix in zip(wanted, prefixes, strict=True):
+        got = [next(rendered) for _ in want]
+        prompts.append(got[0] if prefix is None else _continued(prefix, *got))
+    return prompts
 
 
 def continue_transcript(
@@ -134,43 +184,22 @@ def continue_transcript(
     template's rendering of the messages after the last assistant message with the generation prompt. The
     sampled ids are kept as they are, so the prompt always extends the transcript. Raises ValueError when
     `messages` has no assistant message or the tokenizer no chat template, `TranscriptMismatch` when the template
-    does not render later messages after the earlier ones unchanged (so no continuation exists)."""
-    from pipeline.environments.tokenizer import has_chat_template
-
-    if not has_chat_template(tok):
-        raise ValueError(f"tokenizer {type(tok).__name__} has no chat template")
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
-    if last is None:
-        raise ValueError("a transcript is continued after an assistant message; the conversation has none")
-    head = _render(tok, messages[: last + 1], tools, False)
-    full = _render(tok, messages, tools, True)
-    opened = _render(tok, messages[:last], tools, True)
-    empty = _render(tok, [*messages[:last], {"role": "assistant", "content": ""}], tools, False)
-    if full[: len(head)] != head or empty[: len(opened)] != opened:
-        raise TranscriptMismatch("the chat template does not render later messages after the earlier ones unchanged")
-    close = empty[len(opened) :]  # how the template ends an assistant turn (e.g. its EOS)
-    have = next(k for k in range(len(close), -1, -1) if k == 0 or list(prefix[-k:]) == close[:k])
-    return [*(int(t) for t in prefix), *close[have:], *full[len(head) :]]
+    does not render later messages after the earlier ones unchanged (so no continuation exists). Many
+    conversations at once: `chat_prompts`."""
+    return chat_prompts(tok, [messages], tools, [prefix])[0]
 
 
 def local_chat(ctx: Any, request: ChatRequest) -> list[ChatTurn]:
     """The next assistant turn of each conversation through `ctx.generate`, the prompts rendered by the tokenizer's
-    chat template (a conversation with a prefix continued on it: `continue_transcript`) and tool calls parsed
-    from the sampled text (`parse_tool_calls`). ValueError when the tokenizer has no chat template;
-    `ctx.generate`'s errors propagate."""
-    from pipeline.environments.tokenizer import render_chat
-
+    chat template (a conversation with a prefix continued on it: `continue_transcript`; all at once:
+    `chat_prompts`) and tool calls parsed from the sampled text (`parse_tool_calls`). ValueError when the
+    tokenizer has no chat template; `ctx.generate`'s errors propagate."""
     tok = ctx.tokenizer
     tools = [dict(t) for t in request.tools] if request.tools else None
-    prefixes = request.prefixes or [None] * len(request.conversations)
-    prompts = [
-        continue_transcript(tok, [dict(m) for m in conv], tools, prefix)
-        if prefix
-        else render_chat(tok, [dict(m) for m in conv], tools)
-        for conv, prefix in zip(request.conversations, prefixes, strict=True)
-    ]
-    if not prompts:
+    if not request.conversations:
         return []
+    prefixes = [p or None for p in request.prefixes or [None] * len(request.conversations)]  # empty: a first turn
+    prompts = chat_prompts(tok, [[dict(m) for m in conv] for conv in request.conversations], tools, prefixes)
     outs = check_completions(
         ctx.generate(
             GenerationRequest(

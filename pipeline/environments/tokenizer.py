@@ -27,6 +27,9 @@ makes it, deterministically) and shipped as `BPE_TOKENIZER_FILE`, which is what 
 included, encodes and decodes back exactly (all 256 bytes are tokens); the special tokens are the tiny one's at the
 same ids 0..3, its chat template is `TINY_CHAT_TEMPLATE`, and `encode` adds no special tokens. On reasoning-gym
 questions it makes ~3.3 characters per token, 2.3x fewer tokens than `builtin:tiny` (docs/guides/reasoning-tasks.md).
+
+`load_tokenizer` wraps a built-in in a transformers fast tokenizer (chat templates, saving, export);
+`BuiltinTokenizer` gives the same `encode` / `decode` without importing transformers, for checks that need no more.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import functools
 import os
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +210,37 @@ def save_tiny_tokenizer(directory: str | os.PathLike[str]) -> str:
     return str(path)
 
 
+class BuiltinTokenizer:
+    """A built-in tokenizer (`builtin:tiny`, `builtin:bpe`) without importing transformers, for checks that only
+    encode and decode (`steps.run.check_prompts`). Promises exactly what `load_tokenizer(spec)` gives for the same
+    calls: `encode(text, add_special_tokens=...)`, `decode(ids)` (special tokens kept), `bos_token_id`,
+    `eos_token_id`, `pad_token_id`, `unk_token_id` and `len()` — that tokenizer hands them to the same
+    `tokenizers` object, which adds no special tokens, and it cleans up no spaces. It has no chat template
+    (`has_chat_template` is False): rendering chats needs `load_tokenizer`. TokenizerLoadError for another spec."""
+
+    chat_template = None
+
+    def __init__(self, spec: str) -> None:
+        try:
+            self.backend = build_builtin_tokenizer_object(spec)
+        except ValueError as e:
+            raise TokenizerLoadError(str(e)) from e
+        self.pad_token_id, self.bos_token_id, self.eos_token_id, self.unk_token_id = (
+            self.backend.token_to_id(t) for t in SPECIAL_TOKENS
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text` (the built-ins add no special tokens either way)."""
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`, special tokens included."""
+        return str(self.backend.decode([int(t) for t in ids], skip_special_tokens=False))
+
+    def __len__(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+
 class TokenizerLoadError(ValueError):
     """A tokenizer spec could not be loaded; the message names the spec and the cause."""
 
@@ -248,6 +282,45 @@ def render_chat(
     if not isinstance(ids, list):  # transformers versions returning a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def render_chats(
+    tokenizer: transformers.PreTrainedTokenizerFast,
+    chats: Sequence[tuple[list[dict[str, Any]], bool]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[list[int]]:
+    """The ids of each (messages, generation prompt) of `chats`, in order, each exactly what
+    `apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=generation_prompt)` gives it
+    (`render_chat` for a generation prompt). Promises the same ids at less cost: the template renders each distinct
+    conversation once (the same `repr`, the same flag), in one batched call per flag, and the distinct texts are
+    encoded in one tokenizer call, as `apply_chat_template` encodes its text (`tokenizer(text,
+    add_special_tokens=False)`, no padding, no truncation). Raises ValueError when the tokenizer has no chat
+    template; the template's errors propagate."""
+    if not has_chat_template(tokenizer):
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template")
+    distinct: dict[bool, dict[str, int]] = {True: {}, False: {}}
+    convs: dict[bool, list[list[dict[str, Any]]]] = {True: [], False: []}
+    where: list[tuple[bool, int]] = []  # chat k -> (its flag, its index among that flag's distinct conversations)
+    for messages, gen in chats:
+        gen = bool(gen)
+        # repr tells apart what a template could render differently (key order, 1 and "1", True and 1; an
+        # object without its own repr by its id)
+        key = repr(messages)
+        if key not in distinct[gen]:
+            distinct[gen][key] = len(convs[gen])
+            convs[gen].append(list(messages))
+        where.append((gen, distinct[gen][key]))
+    render: Any = tokenizer.apply_chat_template
+    texts = {
+        gen: list(render(convs[gen], tools=tools, tokenize=False, add_generation_prompt=gen)) if convs[gen] else []
+        for gen in (True, False)
+    }
+    unique = list(dict.fromkeys(t for gen in (True, False) for t in texts[gen]))  # templates often ignore call ids
+    if not unique:
+        return []
+    encoded: Any = tokenizer(unique, add_special_tokens=False, padding=False, truncation=False, max_length=None)
+    ids = dict(zip(unique, ([int(t) for t in e] for e in encoded["input_ids"]), strict=True))
+    return [list(ids[texts[gen][k]]) for gen, k in where]
 
 
 def load_tokenizer(spec: str) -> transformers.PreTrainedTokenizerFast:
