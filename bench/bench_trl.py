@@ -3,8 +3,8 @@
 Same task (the cats prompts, reward `min(count("cat"), 4) / 4`), same model shape (a Llama built from one
 config: layers, width, heads, vocabulary of the `builtin:tiny` tokenizer), same batch (4 prompts x 4 samples =
 16 completions of at most 16 tokens, temperature 1), learning rate 1e-3 (constant, no warm-up), KL 0, gradient
-clip 1.0, same number of learner steps. The two runs of one size are interleaved (TRL, then rlpipe; the next
-size in the opposite order) in one process tree, each in a fresh process.
+clip 1.0, same number of learner steps. The runs of one size alternate between the systems (TRL first at the first
+size, rlpipe first at the next), each in a fresh process tree.
 
 Differences that cannot be removed: TRL trains a PyTorch `LlamaForCausalLM` (random init from torch's seed),
 rlpipe a levanter Llama (random init from JAX's key), so the starting policies differ; TRL's GRPO uses the
@@ -29,12 +29,21 @@ state (the tree's CPU between the third learner step and the last, divided by th
 also split by process (runner, fork server, learner, BatchMaker, rollout workers, evaluator: `bench.common.
 TreeCpu`). Without `trl`, rlpipe's CPU is compared with TRL's last recorded figure (`TRL_RECORDED_CPU_S_PER_STEP`),
 and the printout says so; with `trl` the ratios printed are the ones measured in this run (TRL's CPU per step
-grows with the machine's load far more than rlpipe's: compare runs at the same load). TRL runs with
-`OMP_WAIT_POLICY=PASSIVE` (`TRL_OMP_WAIT_POLICY`; `--trl_omp_wait_policy pytorch` for PyTorch's spinning default).
-rlpipe runs without its evaluator (`evaluator: false`): TRL evaluates nothing, and both systems' rewards are read
-from their training batches; it publishes its policies in bfloat16 (`PUBLISH_DTYPE`, `--publish_dtype`).
+grows with the machine's load far more than rlpipe's: compare runs at the same load). At steady state rlpipe's CPU
+is also split by phase (`rlpipe_phases`: the learner's train steps and batch reads, the rollout workers' sampling
+and file writes, cut at the times their metrics records give; the rest of each process, i.e. the learner's publishing
+and the workers' policy loads, and the other processes).
+
+Settings, each run once in the same invocation at the sizes of `--every_setting` (default ~50M; the tiny size runs
+only the first of each, to keep the part short): TRL with `OMP_WAIT_POLICY=PASSIVE` and with PyTorch's default
+(`pytorch`: OMP_WAIT_POLICY unset, its OpenMP threads spin while they wait; `TRL_OMP_WAIT_POLICIES`,
+`--trl_omp_wait_policy`), rlpipe publishing its policies in bfloat16 and in float32, the job's default on CPU
+(`PUBLISH_DTYPES`, `--publish_dtype`); every rlpipe run is compared with every TRL run of its size (`ratios`), the
+first pairing also as `ratio`. rlpipe runs without its evaluator (`evaluator: false`): TRL evaluates nothing, and both
+systems' rewards are read from their training batches.
 
     python -m bench.bench_trl --sizes tiny,50m --steps 50 --steps_50m 10 --json out.json [--work_dir DIR]
+    python -m bench.bench_trl --sizes 50m --publish_dtype bfloat16 --trl_omp_wait_policy PASSIVE   # one pairing
 TRL runs in the interpreter named by --trl_python (default: this one); without `trl` there, the TRL column is
 skipped with a note.
 """
@@ -69,6 +78,10 @@ on CPU): half the bytes serialised, hashed, written, read and laid out for the s
 learner's float32 ones by 0.007 nats per token on average (max 0.03, random init at ~50M), two orders of magnitude
 below the one-step policy lag of these runs (`mismatch_abs_logp` 1.1-1.7). `--publish_dtype float32` measures
 the job's CPU default."""
+PUBLISH_DTYPES = ("bfloat16", "float32")
+"""The publish dtypes rlpipe runs with at the sizes of `--every_setting` (`--publish_dtype`): bfloat16, and the
+job's CPU default float32; the first is the only one at the other sizes and the one `ratio` and the recorded
+figures name first."""
 ROLLOUT_WORKERS = {"tiny": 2, "50m": 1}
 """rlpipe's rollout workers per size: at ~50M one worker's sampler already uses both cores of the 2-core machine,
 and a second one only races it for them (and for the same rows, which then go stale)."""
@@ -185,19 +198,85 @@ def cpu_breakdown(tree: TreeCpu, cpu_s: float, step_times: list[float], steps: i
     return out
 
 
+def _overlap(a: float, b: float, intervals: list[tuple[float, float]]) -> float:
+    """Seconds of (a, b] inside the union of `intervals` (sorted by start, not overlapping one another)."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in intervals if hi > a and lo < b)
+
+
+def cpu_by_phase(
+    tree: TreeCpu, lo: float, hi: float, steps: int, phases: dict[str, list[tuple[str, list[tuple[float, float]]]]]
+) -> dict[str, float]:
+    """CPU seconds per learner step between epoch times `lo` and `hi` (cut at the same samples as `cpu_at`) split by
+    phase: a process of role R in `phases` gives each named phase its CPU inside that phase's intervals (a sample
+    period's CPU shared in proportion to the time inside) and `R: other` the rest; a process of any other role
+    gives its CPU to its role. Where phases of one role overlap in time, the one listed first takes the CPU."""
+    samples = [(t, cpu) for t, cpu in tree.samples if t <= hi]
+    first = max((i for i, (t, _) in enumerate(samples) if t <= lo), default=0)
+    out: dict[str, float] = {}
+    for (ta, ca), (tb, cb) in itertools.pairwise(samples[first:]):
+        for pid, c in cb.items():
+            delta = c - ca.get(pid, 0.0)
+            role = tree.roles.get(pid, "other")
+            left = delta
+            for name, intervals in phases.get(role, []):
+                share = delta * _overlap(ta, tb, intervals) / max(tb - ta, 1e-9)
+                share = min(share, left) if delta >= 0 else share  # phases that overlap: the first listed has it
+                out[name] = out.get(name, 0.0) + share
+                left -= share
+            key = f"{role}: other" if role in phases else role
+            out[key] = out.get(key, 0.0) + left
+    return {k: round(v / max(steps, 1), 3) for k, v in sorted(out.items())}
+
+
+def rlpipe_phases(metrics: dict[str, list[dict[str, Any]]]) -> dict[str, list[tuple[str, list[tuple[float, float]]]]]:
+    """The phases of an rlpipe run's learner and rollout processes, as intervals of epoch time from their metrics
+    records: the learner's jitted train steps (`train_started_at` -> `trained_at`) and batch reads (the batch
+    noticed -> its train step started); the rollout workers' sampling (`generate_started_at` -> `generated_at`: the
+    sampler's calls and scoring) and rollout-file writes (-> `rollout_committed_at`). What is left of a process is
+    its `other`: the learner's publishing (on its publisher thread, while it waits for the next batch) and waits, the
+    worker's policy loads (read, crc32c, sampler layout) and pacing. With several rollout workers (the tiny size's
+    two) their intervals are pooled: one worker's CPU while another samples counts as sampling."""
+
+    def spans(rows: list[dict[str, Any]], a: str, b: str) -> list[tuple[float, float]]:
+        """The union of the rows' intervals (several workers' overlap: no second a worker's CPU is counted twice)."""
+        out: list[tuple[float, float]] = []
+        for lo, hi in sorted((float(r[a]), float(r[b])) for r in rows if a in r and b in r):
+            if out and lo <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        return out
+
+    learner = [r for r in metrics.get("learner", []) if "train_s" in r]
+    writes = [r for r in metrics.get("rollout", []) if r.get("event") == "write"]
+    return {
+        "learner": [
+            ("learner: train step", spans(learner, "train_started_at", "trained_at")),
+            ("learner: batch read", spans(learner, "learner_noticed_at", "train_started_at")),
+        ],
+        "rollout": [
+            ("rollout: sampling", spans(writes, "generate_started_at", "generated_at")),
+            ("rollout: write", spans(writes, "generated_at", "rollout_committed_at")),
+        ],
+    }
+
+
 TRL_OMP_WAIT_POLICY = "PASSIVE"
 """The bench's OMP_WAIT_POLICY for TRL (`--trl_omp_wait_policy`): PyTorch's OpenMP threads otherwise spin while they
 wait, and on a loaded machine that spin, not TRL's work, sets its CPU per step. rlpipe's processes do not spin
 while they wait (measured 2026-11-26: the learner's XLA threads 0.03 CPU s per 0.5 s wait for a batch, the rollout
 worker 0.11 cores while idle; docs/benchmarks.md "rlpipe vs TRL"), so with PASSIVE the bench compares two systems
 whose idle threads sleep."""
+TRL_OMP_WAIT_POLICIES = (TRL_OMP_WAIT_POLICY, "pytorch")
+"""TRL's OpenMP waiting at the sizes of `--every_setting` (`--trl_omp_wait_policy`): PASSIVE, and PyTorch's default
+(`pytorch`: OMP_WAIT_POLICY unset, its threads spin); the first is the only one at the other sizes."""
 
 
 def run_trl(python: str, size: str, steps: int, tmp: Path, omp_wait_policy: str | None = None) -> dict[str, Any]:
     """TRL's run at `size` (`trl_child` in a fresh process); `omp_wait_policy` sets its `OMP_WAIT_POLICY` (None:
     PyTorch's default, whose OpenMP threads spin while they wait: on a loaded machine that multiplies TRL's CPU per
     step, 18.2 against 4.0 CPU s with `PASSIVE` at ~50M, load 5-7, 2026-11-26)."""
-    out = tmp / f"trl-{size}.json"
+    out = tmp / f"trl-{size}-{omp_wait_policy or 'pytorch'}.json"
     cmd = [python, "-m", "bench.bench_trl", "--trl_child", size, "--steps", str(steps), "--child_out", str(out)]
     # TRL needs transformers' PyTorch classes: USE_TORCH=0 (set for step processes) must not reach it.
     t_start = time.time()
@@ -232,11 +311,12 @@ def rlpipe_overrides(size: str, steps: int, run_root: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_rlpipe(size: str, steps: int, tmp: Path, extra: list[str] | None = None) -> dict[str, Any]:
-    """The rlpipe job at `size` for `steps` learner steps (`rlpipe_overrides`, then the overrides `extra`)."""
+def run_rlpipe(size: str, steps: int, tmp: Path, extra: list[str] | None = None, tag: str = "") -> dict[str, Any]:
+    """The rlpipe job at `size` for `steps` learner steps (`rlpipe_overrides`, then the overrides `extra`), its run
+    root `rlpipe-<size>[-<tag>]` under `tmp`. At steady state its CPU is also split by phase (`rlpipe_phases`)."""
     from pipeline.report import load_run
 
-    run_root = str(tmp / f"rlpipe-{size}")
+    run_root = str(tmp / "-".join(["rlpipe", size, *([tag] if tag else [])]))
     run = _spawn([sys.executable, "-m", "steps.run", *rlpipe_overrides(size, steps, run_root), *(extra or [])], 3600)
     t0 = run["t0"]
     data = load_run(run_root)
@@ -248,9 +328,14 @@ def run_rlpipe(size: str, steps: int, tmp: Path, extra: list[str] | None = None)
         {"step": s, "reward": rewards[s], "t": float(learner[s]["time"]) - t0} for s in sorted(learner) if s in rewards
     ]
     times = sorted(float(learner[s]["time"]) for s in learner)
+    cpu = cpu_breakdown(run["tree"], run["cpu_s"], times, steps)
+    if cpu.get("steady_steps"):
+        phases = rlpipe_phases(data.metrics)
+        cpu["cpu_s_per_step_steady_by_phase"] = cpu_by_phase(
+            run["tree"], times[2], times[-1], cpu["steady_steps"], phases
+        )
     return {
-        "rows": rows, "wall_s": run["wall_s"], "peak_rss_mib": run["peak"] / 2**20, "load_avg": run["load"],
-        **cpu_breakdown(run["tree"], run["cpu_s"], times, steps),
+        "rows": rows, "wall_s": run["wall_s"], "peak_rss_mib": run["peak"] / 2**20, "load_avg": run["load"], **cpu,
     }  # fmt: skip
 
 
@@ -277,62 +362,92 @@ def _trl_available(python: str) -> bool:
     return probe.returncode == 0
 
 
+RATIO_KEYS = (
+    "steps_to_3x_start", "steps_to_0.5", "s_per_step", "s_to_3x_start", "s_to_0.5", "peak_rss_mib", "cpu_s_per_step",
+    "cpu_s_per_step_steady",
+)  # fmt: skip
+"""The figures compared as rlpipe / TRL."""
+
+
+def _ratios(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+    return {k: (mine[k] / theirs[k] if mine.get(k) and theirs.get(k) else None) for k in RATIO_KEYS}
+
+
 def compare(
     sizes: list[str],
     steps: dict[str, int],
     trl_python: str,
     work_dir: str | None = None,
     rlpipe_extra: list[str] | None = None,
-    trl_omp_wait_policy: str | None = None,
+    trl_omp_wait_policy: str | None = TRL_OMP_WAIT_POLICY,
+    publish_dtypes: list[str] | None = None,
+    omp_policies: list[str | None] | None = None,
+    every_setting: tuple[str, ...] = ("50m",),
 ) -> list[dict[str, Any]]:
-    """One row per (size, system), with milestones, memory, CPU and ratios rlpipe / TRL (measured in this run when
-    `trl` imports; else rlpipe's CPU against TRL's recorded figure). The runs' files (rlpipe's run roots, with their
-    step logs) go to `work_dir` when given (kept), else to a temporary folder (removed). `rlpipe_extra`: overrides
-    appended to rlpipe's job command line (e.g. `--model.publish_dtype bfloat16`); `trl_omp_wait_policy`: see
-    `run_trl`."""
+    """One row per (size, system, setting), with milestones, memory and CPU; each rlpipe row also has rlpipe / TRL
+    for every TRL run of its size (`ratios`: TRL's `OMP_WAIT_POLICY`, `pytorch` for PyTorch's default, -> figure ->
+    ratio; `ratio`: against the first TRL setting), measured in this run when `trl` imports, else `vs_recorded_trl`
+    (rlpipe's CPU against TRL's recorded figure).
+
+    Settings: rlpipe runs once per publish dtype of `publish_dtypes` (default `[PUBLISH_DTYPE]`), TRL once per
+    `OMP_WAIT_POLICY` of `omp_policies` (None: PyTorch's default; default `[trl_omp_wait_policy]`), at the sizes of
+    `every_setting`; at the other sizes only the first of each. The runs of a size alternate between the systems
+    (TRL first at the first size, rlpipe first at the next, ...). `rlpipe_extra`: overrides appended to rlpipe's
+    job command line after the dtype's. The runs' files (rlpipe's run roots, with their step logs) go to `work_dir`
+    when given (kept), else to a temporary folder (removed)."""
+    dtypes = publish_dtypes or [PUBLISH_DTYPE]
+    policies = omp_policies or [trl_omp_wait_policy]
     have_trl = _trl_available(trl_python)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rlpipe-trl-") as d:
         tmp = Path(work_dir or d)
         tmp.mkdir(parents=True, exist_ok=True)
         for i, size in enumerate(sizes):
-            order = ["trl", "rlpipe"] if i % 2 == 0 else ["rlpipe", "trl"]
-            got: dict[str, dict[str, Any]] = {}
-            for system in order:
-                if system == "trl" and not have_trl:
-                    continue
-                res = (
-                    run_trl(trl_python, size, steps[size], tmp, trl_omp_wait_policy)
-                    if system == "trl"
-                    else run_rlpipe(size, steps[size], tmp, rlpipe_extra)
-                )
-                got[system] = {
-                    **milestones(res["rows"]),
-                    "wall_s": res["wall_s"],
-                    "peak_rss_mib": res["peak_rss_mib"],
-                    "load_avg": res["load_avg"],
+            every = size in every_setting
+            trl_runs = [("trl", p) for p in (policies if every else policies[:1])] if have_trl else []
+            rl_runs = [("rlpipe", dt) for dt in (dtypes if every else dtypes[:1])]
+            first, second = (trl_runs, rl_runs) if i % 2 == 0 else (rl_runs, trl_runs)
+            order = [r for pair in itertools.zip_longest(first, second) for r in pair if r is not None]
+            got: list[dict[str, Any]] = []
+            for system, setting in order:
+                if system == "trl":
+                    res = run_trl(trl_python, size, steps[size], tmp, setting)
+                    label = {"omp_wait_policy": setting or "pytorch"}
+                else:
+                    extra = ["--model.publish_dtype", str(setting), *(rlpipe_extra or [])]
+                    res = run_rlpipe(size, steps[size], tmp, extra, tag=str(setting))
+                    label = {"publish_dtype": str(setting)}
+                got.append({
+                    "size": size, "system": system, **label, "steps": steps[size], **milestones(res["rows"]),
+                    "wall_s": res["wall_s"], "peak_rss_mib": res["peak_rss_mib"], "load_avg": res["load_avg"],
                     **{k: v for k, v in res.items() if k.startswith("cpu_s")},
-                }
-                got[system]["rewards"] = [round(r["reward"], 4) for r in sorted(res["rows"], key=lambda r: r["step"])]
-            for system, figs in got.items():
-                row = {"size": size, "system": system, "steps": steps[size], **figs}
-                if system == "rlpipe" and "trl" in got:
-                    row["ratio"] = {
-                        k: (figs[k] / got["trl"][k] if figs.get(k) and got["trl"].get(k) else None)
-                        for k in ("steps_to_3x_start", "steps_to_0.5", "s_per_step", "s_to_3x_start", "s_to_0.5",
-                                  "peak_rss_mib", "cpu_s_per_step", "cpu_s_per_step_steady")
-                    }  # fmt: skip
-                elif system == "rlpipe" and TRL_RECORDED_CPU_S_PER_STEP.get(size, (None,))[0] == steps[size]:
+                    "rewards": [round(r["reward"], 4) for r in sorted(res["rows"], key=lambda r: r["step"])],
+                })  # fmt: skip
+            trls = [r for r in got if r["system"] == "trl"]
+            # TRL's rows first, each system's in its settings' order: `ratio` is against TRL's first setting
+            for row in sorted(got, key=lambda r: (r["system"] != "trl", order.index((r["system"], _setting(r))))):
+                if row["system"] == "rlpipe" and trls:
+                    row["ratios"] = {t["omp_wait_policy"]: _ratios(row, t) for t in trls}
+                    row["ratio"] = row["ratios"][trls[0]["omp_wait_policy"]]
+                elif row["system"] == "rlpipe" and TRL_RECORDED_CPU_S_PER_STEP.get(size, (None,))[0] == steps[size]:
                     _, recorded, where = TRL_RECORDED_CPU_S_PER_STEP[size]
                     row["vs_recorded_trl"] = {
                         "trl_cpu_s_per_step": recorded, "source": where,
-                        "cpu_s_per_step": figs["cpu_s_per_step"] / recorded,
-                        "cpu_s_per_step_steady": (figs["cpu_s_per_step_steady"] or 0) / recorded or None,
+                        "cpu_s_per_step": row["cpu_s_per_step"] / recorded,
+                        "cpu_s_per_step_steady": (row["cpu_s_per_step_steady"] or 0) / recorded or None,
                     }  # fmt: skip
                 results.append(row)
             if not have_trl:
                 print(f"note: `trl` not importable by {trl_python}; TRL column skipped", file=sys.stderr)
     return results
+
+
+def _setting(row: dict[str, Any]) -> str | None:
+    """The setting a row was run with, as `compare` lists it (TRL's OMP_WAIT_POLICY, None for PyTorch's; rlpipe's
+    publish dtype)."""
+    if row["system"] == "trl":
+        return None if row["omp_wait_policy"] == "pytorch" else str(row["omp_wait_policy"])
+    return str(row["publish_dtype"])
 
 
 TRL_RECORDED_CPU_S_PER_STEP: dict[str, tuple[int, float, str]] = {
@@ -348,6 +463,13 @@ def _f(x: Any, fmt: str = ".3g") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _name(row: dict[str, Any]) -> str:
+    """A row's system and setting, as the table prints them."""
+    if row["system"] == "trl":
+        return f"TRL omp={row.get('omp_wait_policy', '-')}"
+    return f"rlpipe {row.get('publish_dtype', '-')}"
+
+
 def print_table(rows: list[dict[str, Any]], machine: str) -> None:
     print(f"\nrlpipe vs TRL GRPOTrainer, cats task, machine: {machine}")
     cols = (
@@ -359,26 +481,33 @@ def print_table(rows: list[dict[str, Any]], machine: str) -> None:
     for r in rows:
         vals = [
             r["size"],
-            r["system"],
+            _name(r),
             r["steps"],
             _f(r["start_reward"]),
             _f(r["end_reward"]),
             *(_f(r.get(c)) for c in cols),
         ]
         print("  ".join(f"{v!s:>17}" for v in vals))
-        if "ratio" in r:
-            rat = ["", "rlpipe/TRL", "", "", "", *(_f(r["ratio"][c], ".2f") for c in cols)]
+        for omp, ratio in (r.get("ratios") or {}).items():
+            rat = ["", f"/ TRL omp={omp}", "", "", "", *(_f(ratio[c], ".2f") for c in cols)]
             print("  ".join(f"{v!s:>17}" for v in rat))
-    print("\nCPU s per learner step: whole run (start-up and compilation included) | steady state (third step to last)")
+    print("\nrlpipe / TRL per pairing: CPU s per learner step, whole run (start-up and compilation included) | steady")
+    print("state (third step to last); learner steps to 3x start reward")
+    for r in rows:
+        for omp, ratio in (r.get("ratios") or {}).items():
+            steps_trl = _trl_row(rows, r["size"], omp).get("steps_to_3x_start")
+            print(
+                f"  {r['size']:>5} {_name(r):>16} / TRL omp={omp:<8}: CPU {_f(ratio.get('cpu_s_per_step'), '.2f')}"
+                f" | {_f(ratio.get('cpu_s_per_step_steady'), '.2f')}   steps to 3x"
+                f" {_f(ratio.get('steps_to_3x_start'), '.2f')} ({_f(r.get('steps_to_3x_start'))} vs {_f(steps_trl)})"
+            )
+    print("\nCPU s per learner step: whole run | steady state (third step to last)")
     for r in rows:
         line = (
-            f"  {r['size']:>5} {r['system']:>7}: {_f(r.get('cpu_s_per_step'))} | {_f(r.get('cpu_s_per_step_steady'))}"
+            f"  {r['size']:>5} {_name(r):>16}: {_f(r.get('cpu_s_per_step'))} | {_f(r.get('cpu_s_per_step_steady'))}"
             f"   (load average {'→'.join(map(str, r.get('load_avg') or []))})"
         )
-        if "ratio" in r:
-            line += (f"   rlpipe/TRL {_f(r['ratio'].get('cpu_s_per_step'), '.2f')} | "
-                     f"{_f(r['ratio'].get('cpu_s_per_step_steady'), '.2f')}")  # fmt: skip
-        elif "vs_recorded_trl" in r:
+        if "vs_recorded_trl" in r:
             v = r["vs_recorded_trl"]
             line += (f"   vs TRL's recorded {v['trl_cpu_s_per_step']} (TRL not run here; {v['source']}): "
                      f"{_f(v['cpu_s_per_step'], '.2f')} | {_f(v['cpu_s_per_step_steady'], '.2f')} "
@@ -387,6 +516,15 @@ def print_table(rows: list[dict[str, Any]], machine: str) -> None:
         whole, steady = r.get("cpu_s_by_process") or {}, r.get("cpu_s_per_step_steady_by_process") or {}
         for role in sorted(set(whole) | set(steady), key=lambda k: -whole.get(k, 0.0)):
             print(f"      {role:>12}: {_f(whole.get(role))} CPU s whole run | {_f(steady.get(role))} per step steady")
+        phases = r.get("cpu_s_per_step_steady_by_phase") or {}
+        if phases:
+            print("      by phase, CPU s per step at steady state:")
+            for name, v in sorted(phases.items(), key=lambda kv: -kv[1]):
+                print(f"      {name:>36}: {_f(v)}")
+
+
+def _trl_row(rows: list[dict[str, Any]], size: str, omp: str) -> dict[str, Any]:
+    return next((r for r in rows if r["size"] == size and r.get("omp_wait_policy") == omp), {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,16 +537,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work_dir", default=None, help="keep the runs' files (rlpipe run roots, step logs) here")
     ap.add_argument(
         "--publish_dtype",
-        default=PUBLISH_DTYPE,
-        choices=["auto", "float32", "bfloat16"],
-        help="rlpipe's model.publish_dtype (default %(default)s; the job's own default on CPU is float32)",
+        default=",".join(PUBLISH_DTYPES),
+        help="rlpipe's model.publish_dtype, one run each, comma-separated, of auto, float32, bfloat16 (default "
+        "%(default)s; the job's own default on CPU is float32); at sizes not in --every_setting only the first",
     )
     ap.add_argument(
         "--trl_omp_wait_policy",
-        default=TRL_OMP_WAIT_POLICY,
-        choices=["PASSIVE", "ACTIVE", "pytorch"],
-        help="OMP_WAIT_POLICY for TRL's process (default %(default)s: idle threads sleep, as rlpipe's do; "
-        "'pytorch': PyTorch's own, spinning)",
+        default=",".join(TRL_OMP_WAIT_POLICIES),
+        help="OMP_WAIT_POLICY for TRL's process, one run each, comma-separated, of PASSIVE (idle threads sleep, as "
+        "rlpipe's do), ACTIVE, pytorch (PyTorch's own, spinning) (default %(default)s); at sizes not in "
+        "--every_setting only the first",
+    )
+    ap.add_argument(
+        "--every_setting",
+        default="50m",
+        help="sizes that run every --publish_dtype and --trl_omp_wait_policy (default %(default)s; '' for none)",
     )
     ap.add_argument(
         "--rlpipe_args",
@@ -428,21 +571,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes: unknown {bad}; choose from {list(SIZES)}")
     steps = {s: (args.steps_50m if s == "50m" else args.steps) for s in sizes}
     machine = machine_name()
-    extra = ["--model.publish_dtype", args.publish_dtype, *args.rlpipe_args.split()]
-    omp = None if args.trl_omp_wait_policy == "pytorch" else args.trl_omp_wait_policy
-    rows = compare(sizes, steps, args.trl_python, args.work_dir, extra, omp)
+    dtypes = [d for d in args.publish_dtype.split(",") if d]
+    policies = [p for p in args.trl_omp_wait_policy.split(",") if p]
+    if not dtypes or not set(dtypes) <= {"auto", "float32", "bfloat16"}:
+        ap.error(f"--publish_dtype: {args.publish_dtype!r}: choose from auto, float32, bfloat16")
+    if not policies or not set(policies) <= {"PASSIVE", "ACTIVE", "pytorch"}:
+        ap.error(f"--trl_omp_wait_policy: {args.trl_omp_wait_policy!r}: choose from PASSIVE, ACTIVE, pytorch")
+    extra = args.rlpipe_args.split()
+    omp: list[str | None] = [None if p == "pytorch" else p for p in policies]
+    every = tuple(s for s in args.every_setting.split(",") if s)
+    rows = compare(sizes, steps, args.trl_python, args.work_dir, extra, None, dtypes, omp, every)
     print_table(rows, machine)
     if args.json:
+        settings = {"publish_dtypes": dtypes, "trl_omp_wait_policies": policies, "every_setting": list(every)}
         Path(args.json).write_text(
-            json.dumps(
-                {
-                    "machine": machine,
-                    "rlpipe_args": extra,
-                    "trl_omp_wait_policy": omp or "pytorch",
-                    "rows": rows,
-                },
-                indent=2,
-            )
+            json.dumps({"machine": machine, "rlpipe_args": extra, **settings, "rows": rows}, indent=2)
         )
     return 0
 

@@ -161,10 +161,20 @@ def _rollout_ratio(size: str) -> Callable[[dict[str, Any]], float | None]:
     return get
 
 
-def _trl_ratio(size: str, key: str) -> Callable[[dict[str, Any]], float | None]:
+def _trl_ratio(
+    size: str, key: str, dtype: str = "bfloat16", omp: str = "PASSIVE"
+) -> Callable[[dict[str, Any]], float | None]:
+    """rlpipe / TRL's `key` at `size` for rlpipe publishing in `dtype` against TRL with OMP_WAIT_POLICY `omp`
+    (`pytorch`: PyTorch's default); a row that names no setting (an older `bench.bench_trl`) is bfloat16 against
+    PASSIVE."""
+
     def get(res: dict[str, Any]) -> float | None:
-        row = next((r for r in res.get("trl") or [] if r.get("size") == size and "ratio" in r), None)
-        return row["ratio"].get(key) if row else None
+        rows = [r for r in res.get("trl") or [] if r.get("size") == size and "ratio" in r]
+        row = next((r for r in rows if r.get("publish_dtype", "bfloat16") == dtype), None)
+        if row is None:
+            return None
+        ratios = row["ratios"].get(omp) if "ratios" in row else row["ratio"] if omp == "PASSIVE" else None
+        return ratios.get(key) if ratios else None
 
     return get
 
@@ -239,6 +249,15 @@ CPU_EXTRACTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "trl_tiny_step_ratio": _trl_ratio("tiny", "s_per_step"),
     "trl_50m_step_ratio": _trl_ratio("50m", "s_per_step"),
     "trl_50m_cpu_ratio": _trl_ratio("50m", "cpu_s_per_step"),
+    "trl_50m_cpu_ratio_bf16_pytorch": _trl_ratio("50m", "cpu_s_per_step", "bfloat16", "pytorch"),
+    "trl_50m_cpu_ratio_f32_passive": _trl_ratio("50m", "cpu_s_per_step", "float32", "PASSIVE"),
+    "trl_50m_cpu_ratio_f32_pytorch": _trl_ratio("50m", "cpu_s_per_step", "float32", "pytorch"),
+    "trl_50m_cpu_steady_ratio_bf16_passive": _trl_ratio("50m", "cpu_s_per_step_steady", "bfloat16", "PASSIVE"),
+    "trl_50m_cpu_steady_ratio_bf16_pytorch": _trl_ratio("50m", "cpu_s_per_step_steady", "bfloat16", "pytorch"),
+    "trl_50m_cpu_steady_ratio_f32_passive": _trl_ratio("50m", "cpu_s_per_step_steady", "float32", "PASSIVE"),
+    "trl_50m_cpu_steady_ratio_f32_pytorch": _trl_ratio("50m", "cpu_s_per_step_steady", "float32", "pytorch"),
+    "trl_50m_steps_ratio_bf16": _trl_ratio("50m", "steps_to_3x_start", "bfloat16", "PASSIVE"),
+    "trl_50m_steps_ratio_f32": _trl_ratio("50m", "steps_to_3x_start", "float32", "PASSIVE"),
     "latency_trl_setting_s": _get("latency", "trl_setting", "steady_s_per_step"),
     "retention_ratio": _get("retention", "ratio_on_to_off"),
     "verifiers_pool_ratio": _get("verifiers", "verifiers", "ratio"),

@@ -464,6 +464,8 @@ def _rows_trl(results: dict[str, Any]) -> list[Row]:
         if "ratio" not in r:
             continue
         trl = next(t for t in results["trl"] if t["size"] == r["size"] and t["system"] == "trl")
+        # `ratio` is against the size's first TRL run; `bench.bench_trl` prints every pairing of settings
+        setting = f" (rlpipe {r['publish_dtype']}, TRL omp={trl['omp_wait_policy']})" if "publish_dtype" in r else ""
         for key, label in (
             ("steps_to_3x_start", "learner steps to 3x start reward"),
             ("steps_to_0.5", "learner steps to reward 0.5"),
@@ -476,7 +478,7 @@ def _rows_trl(results: dict[str, Any]) -> list[Row]:
         ):
             rows.append(
                 (
-                    f"vs TRL, {r['size']}: {label}",
+                    f"vs TRL, {r['size']}{setting}: {label}",
                     _f(r.get(key)),
                     f"TRL {_f(trl.get(key))}",
                     _f(r["ratio"].get(key), ".2f"),

@@ -6,8 +6,11 @@ logic) -> `schemas` (declared records and tables).
 
 # First, before any module of this package imports levanter: load levanter's submodules without its package
 # `__init__` (which imports datasets, pandas, ray and torch and costs ~10 s per step process). See _imports.py.
-from policy import _hf_structure, _imports
+from policy import _compile_cache, _hf_structure, _imports
 
 _imports.install()
 # transformers.models (imported by levanter's models) scans ~1,400 source files at every import: cached on disk.
 _hf_structure.install()
+# JAX's persistent compilation cache stays writable when its folder holds entries written without a size limit (the
+# test suite's): otherwise every step start compiles its programs again. See _compile_cache.py.
+_compile_cache.install()

@@ -96,34 +96,41 @@ def cached(define: Callable[..., Any]) -> Callable[..., Any]:
     return define_cached
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Finds `transformers.models` as usual and runs its `__init__` with the cached `define_import_structure`."""
+class ExecWrappingFinder(importlib.abc.MetaPathFinder):
+    """Finds module `target` as usual and executes it through `wrap(run, module)`, `run` being its loader's own
+    `exec_module`: a module patched around its execution without being imported first (also used by
+    `policy/_compile_cache.py`)."""
+
+    def __init__(
+        self, target: str, wrap: Callable[[Callable[[types.ModuleType], None], types.ModuleType], None]
+    ) -> None:
+        self.target, self.wrap = target, wrap
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TARGET:
+        if fullname != self.target:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader = spec.loader
-        run = loader.exec_module
-
-        def exec_module(module: types.ModuleType) -> None:
-            utils = sys.modules.get("transformers.utils.import_utils")
-            original = getattr(utils, "define_import_structure", None)
-            if utils is None or original is None:
-                run(module)
-                return
-            utils.define_import_structure = cached(original)  # type: ignore[attr-defined]
-            try:
-                run(module)  # binds the cached function by `from ..utils.import_utils import ...`
-            finally:
-                utils.define_import_structure = original  # type: ignore[attr-defined]
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        run, wrap = spec.loader.exec_module, self.wrap
+        spec.loader.exec_module = lambda module: wrap(run, module)  # type: ignore[method-assign]
         return spec
+
+
+def _exec_with_cached_structure(run: Callable[[types.ModuleType], None], module: types.ModuleType) -> None:
+    """Run `transformers.models`' `__init__` with the cached `define_import_structure`."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "define_import_structure", None)
+    if utils is None or original is None:
+        run(module)
+        return
+    utils.define_import_structure = cached(original)  # type: ignore[attr-defined]
+    try:
+        run(module)  # binds the cached function by `from ..utils.import_utils import ...`
+    finally:
+        utils.define_import_structure = original  # type: ignore[attr-defined]
 
 
 def install() -> bool:
@@ -131,7 +138,7 @@ def install() -> bool:
     because transformers.models is imported already or the cache is turned off). Idempotent."""
     if os.environ.get("RLPIPE_HF_STRUCTURE_CACHE", "1") == "0" or TARGET in sys.modules:
         return False
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
+    if any(isinstance(f, ExecWrappingFinder) and f.target == TARGET for f in sys.meta_path):
         return True
-    sys.meta_path.insert(0, _Finder())
+    sys.meta_path.insert(0, ExecWrappingFinder(TARGET, _exec_with_cached_structure))
     return True

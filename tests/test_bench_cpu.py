@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench.bench_trl import _spawn, cpu_breakdown
+from bench.bench_trl import _spawn, cpu_breakdown, cpu_by_phase, rlpipe_phases
 from bench.common import TreeCpu, process_role
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
@@ -66,3 +66,36 @@ def test_steady_state_is_the_cpu_between_the_third_step_and_the_last() -> None:
     # each step is 0.2 CPU s; a sample may lag a step's end by a period (longer on a loaded machine)
     assert figs["cpu_s_per_step_steady"] == pytest.approx(0.2, abs=0.07)
     assert figs["cpu_s_per_step"] > figs["cpu_s_per_step_steady"]  # the whole run includes the start-up
+
+
+def test_steady_cpu_is_split_by_the_phases_intervals() -> None:
+    """A process alternating 0.2 CPU s of work (its start and end times printed) with 0.2 s idle: cut at the work
+    intervals, the steady-state CPU per step is the work's, and what falls outside them is near nothing."""
+    step = (
+        "t0 = time.time()\n" + BURN.format(s=0.2) + "print(t0, time.time(), flush=True)\n"
+        "time.sleep(0.2)\n"  # idle between steps (the phase's complement), not a wait on anything
+    )
+    prog = BURN.format(s=0.1) + "".join(step for _ in range(5))
+    with subprocess.Popen([sys.executable, "-c", prog], stdout=subprocess.PIPE, text=True) as proc:
+        tree = TreeCpu(proc.pid, period_s=0.05)
+        out, _ = proc.communicate(timeout=120)
+        tree.stop()
+    spans = [(float(a), float(b)) for a, b in (line.split() for line in out.splitlines())]
+    assert len(spans) == 5
+    ends = [b for _, b in spans]
+    split = cpu_by_phase(tree, ends[2], ends[-1], 2, {"other": [("work", spans)]})
+    assert set(split) == {"work", "other: other"}
+    # each step's work is 0.2 CPU s; a sample period straddling an interval's edge is shared by time
+    assert split["work"] == pytest.approx(0.2, abs=0.06)
+    assert split["other: other"] < 0.06
+
+
+def test_the_rollout_workers_sampling_intervals_are_pooled_without_overlap() -> None:
+    """Two workers sampling at overlapping times: their intervals are one union (no second counted twice)."""
+    writes = [
+        {"event": "write", "generate_started_at": 1.0, "generated_at": 3.0, "rollout_committed_at": 3.5},
+        {"event": "write", "generate_started_at": 2.0, "generated_at": 4.0, "rollout_committed_at": 4.2},
+        {"event": "write", "generate_started_at": 5.0, "generated_at": 6.0, "rollout_committed_at": 6.1},
+    ]
+    phases = dict(rlpipe_phases({"rollout": writes})["rollout"])
+    assert phases["rollout: sampling"] == [(1.0, 4.0), (5.0, 6.0)]

@@ -149,6 +149,29 @@ def test_a_full_run_sets_its_figures_and_a_quick_run_none(summary: dict[str, Any
     assert by["e2e_steps_per_min"] == figures.figures(summary)["e2e_steps_per_min"]  # not measured: left as it was
 
 
+def test_the_trl_figures_name_their_pairing_of_settings(summary: dict[str, Any]) -> None:
+    """`bench.bench_trl` compares every rlpipe publish dtype with every TRL OpenMP setting (`ratios`); each TRL
+    figure takes its own pairing, whatever the rows' order."""
+
+    def rlpipe(dtype: str, passive: float, pytorch: float) -> dict[str, Any]:
+        ratios = {"PASSIVE": {"cpu_s_per_step": passive}, "pytorch": {"cpu_s_per_step": pytorch}}
+        return {"size": "50m", "system": "rlpipe", "publish_dtype": dtype, "ratios": ratios, "ratio": ratios["PASSIVE"]}
+
+    trl = [{"size": "50m", "system": "trl", "omp_wait_policy": p} for p in ("PASSIVE", "pytorch")]
+    results = {
+        "when": "2027-01-02 03:04 UTC",
+        "machine": "m",
+        "trl": [*trl, rlpipe("float32", 1.4, 1.3), rlpipe("bfloat16", 1.2, 1.1)],
+    }
+    mine = copy.deepcopy(summary)
+    figures.record_run(mine, results, "x.json")
+    by = figures.figures(mine)
+    assert by["trl_50m_cpu_ratio"]["value"] == 1.2
+    assert by["trl_50m_cpu_ratio_bf16_pytorch"]["value"] == 1.1
+    assert by["trl_50m_cpu_ratio_f32_passive"]["value"] == 1.4
+    assert by["trl_50m_cpu_ratio_f32_pytorch"]["value"] == 1.3
+
+
 def test_a_gpu_json_sets_the_gpu_figures(summary: dict[str, Any]) -> None:
     result = {
         "date": "2027-01-02 03:04 UTC",
