@@ -72,6 +72,10 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 BACKENDS = ("local", "file", "memory", "gs")
 
 
+LONG_TIER = "guides_long"
+"""The long tier's marker (tests/test_guides_long.py: recipes of CPU-minutes to CPU-hours, the judge on port 8000):
+its tests run only when `-m` names it (`make test-guides`), never in `make test`, `make test-slow` or CI."""
+
 FAST_TIER = os.environ.get("RLPIPE_TEST_TIER") == "fast"
 """Set by `make test-fast`: a test that starts a step program fails (see tests/tiers.py)."""
 
@@ -79,6 +83,7 @@ FAST_TIER = os.environ.get("RLPIPE_TEST_TIER") == "fast"
 def _add_markers(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a slow test (crash suites, end-to-end runs)")
     config.addinivalue_line("markers", "heavy: not slow, but starts step programs or compiles models (tests/tiers.py)")
+    config.addinivalue_line("markers", f"{LONG_TIER}: the long tier, run only when selected (`make test-guides`)")
 
 
 def _shared_scope(item: pytest.Item) -> str | None:
@@ -200,7 +205,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The mostly waiting tests (`WAITING_FIRST`), then longest first (`EXPECTED_SECONDS`), then the other slow
     tests, so the short ones fill in at the end; a worker records the groups for the scheduler. The tests of
-    tests/tiers.py are marked `heavy`."""
+    tests/tiers.py are marked `heavy`. The long tier's tests (`LONG_TIER`) are deselected unless `-m` names it."""
+    if LONG_TIER not in (config.getoption("markexpr", "") or ""):
+        long_tier = [it for it in items if it.get_closest_marker(LONG_TIER)]
+        if long_tier:
+            config.hook.pytest_deselected(items=long_tier)
+            items[:] = [it for it in items if not it.get_closest_marker(LONG_TIER)]
     for it in items:
         if is_heavy(it.nodeid, getattr(it, "fixturenames", ())):
             it.add_marker(pytest.mark.heavy)

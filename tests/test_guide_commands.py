@@ -9,7 +9,8 @@ fence of these pages names its language, and no command is written as an indente
 rule (`test_every_block_declares_what_it_is`).
 
 Each command block is in `WHERE` (checked both ways: every block is listed, every entry names a block): run here
-(the test that runs it), run by another test (named), or not run, with the reason. A block
+(the test that runs it), run by another test (named), run by the long tier (`LONG`: a test of
+tests/test_guides_long.py, `make test-guides`, not in `make test`), or not run, with the reason. A block
 is run by `run_block`: its `make …` lines as the Makefile's recipe lines (`tests/makefile.py`: `make` itself would
 first re-sync the environment), every other line as typed, all in one `bash -e` from the page's folder with the
 Makefile's environment (and the test XLA flags tests/conftest.py sets, as for every process a test starts). A
@@ -23,13 +24,16 @@ test job (`default_job`: configs/test_cats.yaml, 6 learner steps) at `runs/demo`
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import FinishedJob
@@ -74,6 +78,10 @@ def command_blocks() -> list[Block]:
 HERE = "run here: "
 ELSEWHERE = "run by "
 NOT_RUN = "not run: "
+LONG = "long tier: "
+"""Run as written by the named test of tests/test_guides_long.py (`make test-guides`, not in `make test`: recipes
+of CPU-minutes to CPU-hours, the judge on its fixed port 8000 in a network namespace of its own)."""
+LONG_TESTS = REPO / "tests" / "test_guides_long.py"
 WHERE: dict[tuple[str, str], str] = {
     ("docs/guides/configuration.md", "--run_root runs/gspo"): HERE + "test_configuration_guide",
     ("docs/guides/configuration.md", "--run_root runs/lessons"): HERE + "test_configuration_guide",
@@ -88,45 +96,29 @@ WHERE: dict[tuple[str, str], str] = {
     + "tests/test_readme_gcs.py (parsed from the guide; CFG, ROOT and N set as a scheduler would, on the emulator)",
     ("docs/guides/reasoning-tasks.md", "pipeline.environments.bpe_training --check"): ELSEWHERE
     + "tests/test_bpe_tokenizer.py (the same command in a fresh process)",
-    ("docs/guides/reasoning-tasks.md", "bench.bench_tokenizer"): NOT_RUN
-    + "a benchmark (~20 s of CPU) that only measures; its held-out items and the ratio it reports are checked in "
-    "tests/test_bpe_tokenizer.py",
-    ("docs/guides/reasoning-tasks.md", "make recipe RECIPE=prime_factorization"): NOT_RUN
-    + "a real-task recipe (SFT, then 75 RL steps at 512 rows per step: CPU-hours)",
-    ("docs/guides/environments.md", ".tools/bin/uv add --editable"): NOT_RUN
-    + "it adds a package to pyproject.toml and uv.lock and re-syncs the environment from the package index",
-    ("docs/guides/bring-your-environment.md", "configs/verifiers_example.yaml"): NOT_RUN
-    + "a whole verifiers job, already the smallest (2 steps of 8 rows), 26 s of CPU as written; "
-    "tests/test_verifiers_env.py runs a job of this config with both shipped verifiers examples as lessons",
-    ("docs/guides/bring-your-environment.md", "configs/agent_example.yaml"): NOT_RUN
-    + "a whole agent job (one agent process per episode): tests/test_agent_env.py runs this config as a job",
-    ("docs/guides/bring-your-environment.md", "python -m steps.serve --run_root runs/judge_example"): NOT_RUN
-    + "the judge server on the fixed port 8000 in a second shell (a test never takes a fixed port); "
-    "tests/test_judge_job.py runs the judged job with its judge served by steps.serve on a port it binds itself",
-    ("docs/guides/bring-your-environment.md", "make serve RUN=runs/judge_example"): NOT_RUN
-    + "the fixed port 8000; `make serve` on a port of its own: tests/test_judge_job.py",
-    ("docs/reference/steps.md", "make rescore RUN=runs/judge_example"): NOT_RUN
-    + "needs the judged job of bring-your-environment.md (see above); steps.rescore on a real run root: "
-    "tests/test_rescore.py",
+    ("docs/guides/reasoning-tasks.md", "bench.bench_tokenizer"): LONG + "test_bench_tokenizer_reproduces_the_table",
+    ("docs/guides/reasoning-tasks.md", "make recipe RECIPE=prime_factorization"): LONG
+    + "test_prime_factorization_recipe",
+    ("docs/guides/environments.md", ".tools/bin/uv add --editable"): LONG
+    + "test_uv_add_keeps_a_local_package_installed",
+    ("docs/guides/bring-your-environment.md", "configs/verifiers_example.yaml"): LONG + "test_verifiers_example_job",
+    ("docs/guides/bring-your-environment.md", "configs/agent_example.yaml"): LONG + "test_agent_example_job",
+    ("docs/guides/bring-your-environment.md", "python -m steps.serve --run_root runs/judge_example"): LONG
+    + "test_judge_example_on_port_8000",
+    ("docs/guides/bring-your-environment.md", "make serve RUN=runs/judge_example"): LONG
+    + "test_judge_example_on_port_8000",
+    ("docs/reference/steps.md", "make rescore RUN=runs/judge_example"): LONG + "test_judge_example_on_port_8000",
     ("docs/guides/sft-and-recipe.md", "make sft SFT_CONFIG="): ELSEWHERE
     + "tests/test_recipe.py (as written, in a page folder of its own: its run root is the RL run's initial policy)",
-    ("docs/guides/sft-and-recipe.md", "make recipe"): NOT_RUN
-    + "the real-task recipe (SFT, then 75 RL steps at 512 rows per step: CPU-hours); its smaller twin (50 steps) "
-    "is tests/test_recipe.py",
+    ("docs/guides/sft-and-recipe.md", "make recipe"): LONG + "test_basic_arithmetic_recipe",
     ("docs/guides/tool-use-recipe.md", "pipeline.environments.tool_transcripts"): ELSEWHERE
     + "tests/test_tool_recipe.py (the same command in a fresh process)",
-    ("docs/guides/tool-use-recipe.md", "make recipe RECIPE=tool_calculator"): NOT_RUN
-    + "the whole tool-use recipe (SFT, then 40 RL steps of 256 two-turn rollouts: ~8 CPU-minutes); its smaller "
-    "twin (12 RL steps) is tests/test_tool_recipe.py",
-    ("docs/guides/tool-use-recipe.md", "configs/tool_calculator_agent.yaml"): NOT_RUN
-    + "the tool task's RL through the openai-SDK agent (20 steps of 256 episodes: ~800 CPU-s); the agent's rows "
-    "against the class's and the SFT transcripts' are tests/test_tool_agent.py",
-    ("docs/guides/tool-use-recipe.md", "configs/tool_calculator_verifiers.yaml"): NOT_RUN
-    + "the tool task's RL as a verifiers environment (20 steps of 256 episodes: ~2,000 CPU-s); its episodes against "
-    "the class's are tests/test_tool_verifiers.py",
-    ("docs/guides/distillation.md", "--store.run_root runs/cats-teacher"): NOT_RUN
-    + "the teacher is the whole 20-step demo job (a shorter one would teach nothing); the distillation learning "
-    "test is tests/test_opd.py",
+    ("docs/guides/tool-use-recipe.md", "make recipe RECIPE=tool_calculator"): LONG + "test_tool_calculator_recipe",
+    ("docs/guides/tool-use-recipe.md", "configs/tool_calculator_agent.yaml"): LONG + "test_tool_calculator_agent",
+    ("docs/guides/tool-use-recipe.md", "configs/tool_calculator_verifiers.yaml"): LONG
+    + "test_tool_calculator_verifiers",
+    ("docs/guides/distillation.md", "--store.run_root runs/cats-teacher"): LONG
+    + "test_distillation_teacher_then_student",
 }
 """Every command block of the pages -> where it is run (keyed by its page and a text unique to the block)."""
 
@@ -137,9 +129,10 @@ def where(block: Block) -> str:
     return WHERE[keys[0]]
 
 
-def blocks_of(page: str, test: str) -> list[Block]:
-    """The command blocks of `page` that `test` runs, in page order."""
-    out = [b for b in command_blocks() if b.page == page and where(b) == HERE + test]
+def blocks_of(page: str, test: str, kind: str = HERE) -> list[Block]:
+    """The command blocks of `page` that `test` runs (`kind`: HERE, or LONG for tests/test_guides_long.py), in
+    page order."""
+    out = [b for b in command_blocks() if b.page == page and where(b) == kind + test]
     assert out, f"{page} has no block for {test}"
     return out
 
@@ -168,9 +161,12 @@ def test_every_command_block_is_accounted_for() -> None:
     for (page, key), what in WHERE.items():
         matching = [b for b in blocks if b.page == page and key in b.text]
         assert len(matching) == 1, f"WHERE entry ({page}, {key!r}) matches {len(matching)} command blocks"
-        assert what.startswith((HERE, ELSEWHERE, NOT_RUN)), what
+        assert what.startswith((HERE, ELSEWHERE, NOT_RUN, LONG)), what
         if what.startswith(HERE):
             assert what.removeprefix(HERE) in globals(), f"no test {what}"
+        if what.startswith(LONG):
+            test = what.removeprefix(LONG)
+            assert re.search(rf"^def {test}\(", LONG_TESTS.read_text(), re.M), f"no test {test} in {LONG_TESTS}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,15 +200,41 @@ def shell_line(line: str) -> str:
     return " && ".join(commands)
 
 
-def run_block(block: Block, cwd: Path) -> subprocess.CompletedProcess[str]:
+def block_lines(block: Block) -> list[str]:
+    """The block's non-blank lines as the shell runs them (`shell_line`)."""
+    return [shell_line(ln) for ln in block.text.splitlines() if ln.strip()]
+
+
+def run_script(
+    what: object,
+    script: str,
+    cwd: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = BLOCK_TIMEOUT_S,
+    prefix: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    """`script` in one `bash -e` from `cwd` (`env`: default the Makefile's environment), started as `prefix` +
+    `bash -c` (e.g. `unshare …`), in a session of its own: past `timeout_s` the whole session is killed (the steps a
+    job started with it) and the test fails. Asserts it exits 0 without a traceback; returns the finished process."""
+    proc = subprocess.Popen([*prefix, "bash", "-c", f"set -e\n{script}"], cwd=cwd, env=env or make_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{what}: still running after {timeout_s:.0f} s\n{out[-2000:]}\n{err[-4000:]}") from None
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert done.returncode == 0, f"{what}: exit {done.returncode}\n{script}\n{out[-2000:]}\n{err[-4000:]}"
+    assert "Traceback" not in err, f"{what}\n{err[-4000:]}"
+    return done
+
+
+def run_block(block: Block, cwd: Path, **kw: Any) -> subprocess.CompletedProcess[str]:
     """The block in one `bash -e` from `cwd` (the Makefile's environment), each line as typed (make lines as
-    their recipes); asserts it exits 0 and returns the finished process."""
-    script = "\n".join(["set -e", *(shell_line(ln) for ln in block.text.splitlines() if ln.strip())])
-    proc = subprocess.run(["bash", "-c", script], cwd=cwd, env=make_env(), capture_output=True, text=True,
-                          timeout=BLOCK_TIMEOUT_S)  # fmt: skip
-    assert proc.returncode == 0, f"{block}\n{script}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    return proc
+    their recipes); asserts it exits 0 and returns the finished process. `kw`: `run_script`'s."""
+    return run_script(block, "\n".join(block_lines(block)), cwd, **kw)
 
 
 def contract(root: Path) -> dict:
