@@ -116,32 +116,47 @@ PROGRAMS = [
 ]
 
 
-def start(program: Program, tmp: Path) -> tuple[subprocess.Popen[str], list[str], threading.Event]:
-    """`rlpipe <args>` in a session of its own; (process, its output lines as they come, set at the first)."""
+@dataclass
+class Output:
+    """A started program's output lines as they come; `first` is set at the first line (or the end), `ended` once
+    the output is read to its end."""
+
+    lines: list[str] = field(default_factory=list)
+    first: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+
+def start(program: Program, tmp: Path) -> tuple[subprocess.Popen[str], Output]:
+    """`rlpipe <args>` in a session of its own, its output read as it comes."""
     proc = subprocess.Popen([str(RLPIPE), *program.args(tmp)], cwd=program.cwd(tmp), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    lines: list[str] = []
-    first = threading.Event()
+    out = Output()
 
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            first.set()
-        first.set()
+            out.lines.append(line.rstrip("\n"))
+            out.first.set()
+        out.first.set()
+        out.ended.set()
 
     threading.Thread(target=read, daemon=True).start()
-    return proc, lines, first
+    return proc, out
 
 
-def stop_at_a_random_point(proc: subprocess.Popen[str], first: threading.Event, delay_s: float, sig: int) -> int:
-    """Wait for the first line, then `delay_s` (the drawn point), send `sig` to the process group; its exit code."""
+def stop_at_a_random_point(proc: subprocess.Popen[str], out: Output, delay_s: float, sig: int) -> int:
+    """Wait for the first line, then `delay_s` (the drawn point), send `sig` to the process group; its exit code,
+    once its output is read to the end (the last lines can still be in the pipe when the process has exited)."""
     try:
-        assert first.wait(FIRST_LINE_S), "no output"
+        assert out.first.wait(FIRST_LINE_S), "no output"
         threading.Event().wait(delay_s)  # the drawn point of the program's life; nothing is waited for
         if proc.poll() is None:
             os.killpg(proc.pid, sig)
-        return proc.wait(timeout=STOP_S)
+        code = proc.wait(timeout=STOP_S)
+        # the last lines can still be in the pipe when the process has exited; a descendant still holding the pipe
+        # (none should) bounds the wait, and the assertions then read what came
+        out.ended.wait(STOP_S)
+        return code
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -158,9 +173,10 @@ DELAYS = {p.name: _DRAW.random() for p in PROGRAMS}
 def test_ctrl_c_at_a_random_point_ends_the_program_in_one_line(program: Program, tmp_path: Path) -> None:
     program.prepare(tmp_path)
     delay = program.max_delay_s * DELAYS[program.name]
-    proc, lines, first = start(program, tmp_path)
+    proc, out = start(program, tmp_path)
     started = time.monotonic()
-    code = stop_at_a_random_point(proc, first, delay, signal.SIGINT)
+    code = stop_at_a_random_point(proc, out, delay, signal.SIGINT)
+    lines = out.lines
     output = "\n".join(lines)
     where = f"{program.name}: SIGINT {delay:.2f} s after its first line ({time.monotonic() - started:.1f} s)"
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, f"{where}:\n{output[-4000:]}"
@@ -177,8 +193,9 @@ def test_sigterm_is_one_line_and_143(name: str, tmp_path: Path) -> None:
     phase it runs, which ends with the line and 143, and so does the recipe)."""
     (program,) = [p for p in PROGRAMS if p.name == name]
     program.prepare(tmp_path)
-    proc, lines, first = start(program, tmp_path)
-    code = stop_at_a_random_point(proc, first, 0.5, signal.SIGTERM)
+    proc, out = start(program, tmp_path)
+    code = stop_at_a_random_point(proc, out, 0.5, signal.SIGTERM)
+    lines = out.lines
     output = "\n".join(lines)
     assert code == Exit.TERMINATED, output[-4000:]
     assert "Traceback" not in output and lines[-1] == TERMINATE_LINE, output[-4000:]
