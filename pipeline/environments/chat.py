@@ -159,10 +159,8 @@ def chat_prompts(
     raise (of the first failing conversation when it is the only kind of failure), at the cost of one
     `pipeline.environments.tokenizer.render_chats` call (two batched template calls and one tokenizer call)
     instead of up to four template and tokenizer calls per conversation."""
-    from pipeline.environments.tokenizer import has_chat_template, render_chats
+    from pipeline.environments.tokenizer import render_chats  # refuses a tokenizer without a chat template
 
-    if not has_chat_template(tok):
-        raise ValueError(f"tokenizer {type(tok).__name__} has no chat template")
     wanted = [
         [(conv, True)] if prefix is None else _continuation_renders(conv)
         for conv, prefix in zip(conversations, prefixes, strict=True)
