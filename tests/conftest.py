@@ -129,7 +129,7 @@ EXPECTED_SECONDS = {
     "tests/test_readme_gcs.py": 105,  # two gs:// runs; the scheduled one 12 step processes (3 rounds, ~82 s)
     "default_job": 40,
     "tests/test_server_job.py": 45,
-    "tests/test_lora.py::test_lora_learns_cats": 36,  # the demo job (no evaluator, 14 steps), then a replay
+    "tests/test_lora.py::test_lora_learns_cats": 45,  # the demo job (no evaluator, 20 steps), then a replay
     "tests/test_learn_crash.py": 34,
     "tests/test_loss_learning.py": 30,  # each the demo job without evaluator, probes, report
     "tests/test_opd.py::test_opd_on_cats_reaches_the_teacher_reward_in_fewer_steps_than_rloo": 40,  # 2 in-process runs

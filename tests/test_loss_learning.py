@@ -15,6 +15,11 @@ gspo took 29 s of CPU for the job alone through `steps.demo`).
 Critic PPO runs 24 learner steps, not 16: its value head starts untrained, and at 16 steps its end reward ranged
 from 0.204 (a clean-clone `make test` on 2026-11-29: start 0.081, below its 0.244 bar) through 0.344, 0.391, 0.631,
 0.712, 0.844 to 0.887 in seven runs; at 24 steps 0.901, 0.995, 1.000 and 0.993 in four runs (about 6 s more CPU).
+
+GSPO runs 20 learner steps (the demo's own count), not 16: its tiny clip range moves the policy slowly, and at 16
+steps its end reward ranged 0.518 to 0.865 over eight runs (2026-11-29, four of them in pairs on the loaded VM:
+0.853, 0.518, 0.798, 0.853), the lowest ~0.19 above its bar, the same shape that ended a 14-step LoRA run at 0.215
+in CI. At 20 steps, in pairs: 0.896, 0.935, 0.781, 0.902 (about 4 s more CPU).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from jobs import demo_job_rewards
 from pipeline.config import CISPOLossConfig, CriticPPOLossConfig, GSPOLossConfig, LossConfig
 
 STEPS = 16
-STEPS_OF = {"ppo_critic": 24}
+STEPS_OF = {"gspo": 20, "ppo_critic": 24}
 """Learner steps per loss where they differ from `STEPS` (the module docstring says why)."""
 LOSSES: dict[str, LossConfig] = {
     "gspo": GSPOLossConfig(),
