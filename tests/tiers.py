@@ -27,6 +27,7 @@ HEAVY_FILES = (
     "test_harness_pool.py",
     "test_hf_export.py",
     "test_hf_structure.py",
+    "test_host_malloc.py",
     "test_import_set.py",
     "test_guides_long.py",  # also marked guides_long: run only by `make test-guides`
     "test_inference.py",

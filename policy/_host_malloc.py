@@ -1,0 +1,83 @@
+"""glibc's allocator tuned for XLA on CPU: freed buffers stay in the process instead of going back to the kernel.
+
+XLA's CPU runtime allocates each step's temporary buffers with `malloc` and frees them at the step's end. Under
+glibc's defaults the large ones (above the dynamic mmap threshold, at most 32 MiB) are fresh `mmap`s, and the rest
+live in per-thread arenas whose heaps are unmapped once empty, so every step touches new pages again: one minor
+page fault per 4 KiB. Measured on a 2-core VM (2026-11-29): the tool-use recipe's SFT step
+(`configs/tool_calculator_sft.yaml`, 100 steps) took 5.5M minor faults and 14.4 s of system time in 53.6 CPU-s;
+with one arena, no `mmap` for allocations and a 1 GiB trim threshold, 0.13M faults and 0.5 s, 33.2 CPU-s (-38%,
+wall 35.6 -> 22.5 s). The TRL comparison's ~50M RL job (`bench.bench_trl`): learner CPU per step at steady state
+3.14 / 2.78 -> 2.62 / 2.39 s, the whole job 7.79 / 7.36 -> 6.86 / 6.96 CPU-s per learner step (two runs each).
+
+`install()` applies that setting (`mallopt`: `M_ARENA_MAX` 1, `M_MMAP_MAX` 0, `M_TRIM_THRESHOLD` 1 GiB) to this
+process, before JAX starts its threads, when all of these hold: the C library is glibc; JAX will compute on the CPU
+(`JAX_PLATFORMS` is `cpu`, or is unset and the machine shows no GPU or TPU device files: on an accelerator XLA's
+buffers are device memory, and a host heap that never returns large blocks would hold the host copies of
+checkpoints); the user has not tuned malloc already (no `MALLOC_*` variable, no `glibc.malloc` tunable); and
+`RLPIPE_HOST_MALLOC` is not `default` (the opt-out). The cost: up to 1 GiB of freed memory kept per process for
+reuse (peak RSS of that SFT run: 683 -> 643 MB), and one arena lock shared by the threads (XLA's few threads
+allocate large, rarely).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import platform
+
+logger = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+TRIM_THRESHOLD = 1 << 30
+"""Freed memory above this at the heap's top goes back to the kernel (1 GiB: a few steps' temporaries of a ~50M
+model on CPU stay, a checkpoint's worth does not)."""
+OPT_OUT = "RLPIPE_HOST_MALLOC"
+"""Environment variable: `default` leaves glibc's allocator as it is."""
+ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/dri/renderD*")
+"""Device files of a GPU or TPU (NVIDIA, TPU VMs, AMD ROCm): JAX would compute there."""
+
+_installed: bool | None = None
+
+
+def wanted(environ: dict[str, str] | os._Environ[str] | None = None) -> tuple[bool, str]:
+    """(whether `install` would tune malloc here, why) for the environment `environ` (default: this process's)."""
+    env = os.environ if environ is None else environ
+    if env.get(OPT_OUT, "").strip().lower() == "default":
+        return False, f"{OPT_OUT}=default"
+    if platform.libc_ver()[0] != "glibc":
+        return False, "the C library is not glibc"
+    if any(k.startswith("MALLOC_") for k in env) or "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
+        return False, "malloc is tuned by the environment already"
+    platforms = env.get("JAX_PLATFORMS", "").strip().lower()
+    if platforms:
+        if platforms.split(",")[0] != "cpu":
+            return False, f"JAX_PLATFORMS={platforms}"
+    elif any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES):
+        return False, "an accelerator's device files are present"
+    return True, "XLA on CPU"
+
+
+def install() -> bool:
+    """Tune this process's glibc malloc for XLA on CPU where `wanted` says so (once; later calls return the first
+    result). True if tuned. Never raises: a C library without `mallopt` leaves the defaults."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    ok, why = wanted()
+    if ok:
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            ok = all(
+                mallopt(p, v) == 1 for p, v in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+            )
+            why = "XLA on CPU" if ok else "mallopt refused a setting"
+        except (OSError, AttributeError) as e:
+            ok, why = False, f"no mallopt ({e})"
+    logger.debug("host malloc %s: %s", "tuned" if ok else "left as is", why)
+    _installed = ok
+    return ok
