@@ -11,21 +11,22 @@ wall 35.6 -> 22.5 s). The TRL comparison's ~50M RL job (`bench.bench_trl`): lear
 
 `install()` applies that setting (`mallopt`: `M_ARENA_MAX` 1, `M_MMAP_MAX` 0, `M_TRIM_THRESHOLD` 1 GiB) to this
 process, before JAX starts its threads, when all of these hold: the C library is glibc; JAX will compute on the CPU
-(`JAX_PLATFORMS` is `cpu`, or is unset and the machine shows no GPU or TPU device files: on an accelerator XLA's
-buffers are device memory, and a host heap that never returns large blocks would hold the host copies of
-checkpoints); the user has not tuned malloc already (no `MALLOC_*` variable, no `glibc.malloc` tunable); and
-`RLPIPE_HOST_MALLOC` is not `default` (the opt-out). The cost: up to 1 GiB of freed memory kept per process for
-reuse (peak RSS of that SFT run: 683 -> 643 MB), and one arena lock shared by the threads (XLA's few threads
-allocate large, rarely).
+(`JAX_PLATFORMS` starts with `cpu`, or is unset and a step process's default here would be `cpu`:
+`pipeline.process.platforms`; on an accelerator XLA's buffers are device memory, and a host heap that never returns
+large blocks would hold the host copies of checkpoints); the user has not tuned malloc already (no `MALLOC_*`
+variable, no `glibc.malloc` tunable); and `RLPIPE_HOST_MALLOC` is not `default` (the opt-out). The cost: up to
+1 GiB of freed memory kept per process for reuse (peak RSS of that SFT run: 683 -> 643 MB), and one arena lock
+shared by the threads (XLA's few threads allocate large, rarely).
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
 import logging
 import os
 import platform
+
+from pipeline.process.platforms import default_jax_platforms
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,6 @@ TRIM_THRESHOLD = 1 << 30
 model on CPU stay, a checkpoint's worth does not)."""
 OPT_OUT = "RLPIPE_HOST_MALLOC"
 """Environment variable: `default` leaves glibc's allocator as it is."""
-ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/dri/renderD*")
-"""Device files of a GPU or TPU (NVIDIA, TPU VMs, AMD ROCm): JAX would compute there."""
 
 _installed: bool | None = None
 
@@ -53,11 +52,12 @@ def wanted(environ: dict[str, str] | os._Environ[str] | None = None) -> tuple[bo
     if any(k.startswith("MALLOC_") for k in env) or "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
         return False, "malloc is tuned by the environment already"
     platforms = env.get("JAX_PLATFORMS", "").strip().lower()
-    if platforms:
+    if not platforms:  # unset or empty: what a step process would default to (libtpu installed: None, the TPU)
+        platforms = default_jax_platforms() or "tpu"
         if platforms.split(",")[0] != "cpu":
-            return False, f"JAX_PLATFORMS={platforms}"
-    elif any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES):
-        return False, "an accelerator's device files are present"
+            return False, f"JAX_PLATFORMS unset and this machine's default is {platforms}"
+    if platforms.split(",")[0] != "cpu":
+        return False, f"JAX_PLATFORMS={platforms}"
     return True, "XLA on CPU"
 
 

@@ -86,10 +86,15 @@ def test_the_setting_applies_only_to_untuned_cpu_processes(env: dict[str, str], 
     assert ok is applies and why in reason, (ok, reason)
 
 
-def test_an_accelerators_device_files_keep_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("default", "applies"), [("cpu", True), ("cuda,cpu", False), ("rocm,cpu", False), (None, False)]
+)
+def test_unset_platforms_follow_the_step_default(
+    monkeypatch: pytest.MonkeyPatch, default: str | None, applies: bool
+) -> None:
+    """JAX_PLATFORMS unset or empty: the machine's step default decides (None: libtpu installed, JAX takes the TPU)."""
     if not hm.wanted({"JAX_PLATFORMS": "cpu"})[0]:
         pytest.skip("not glibc: the setting never applies")
-    monkeypatch.setattr(hm.glob, "glob", lambda pattern: ["/dev/nvidia0"] if "nvidia" in pattern else [])
-    assert hm.wanted({}) == (False, "an accelerator's device files are present")
-    monkeypatch.setattr(hm.glob, "glob", lambda pattern: [])
-    assert hm.wanted({}) == (True, "XLA on CPU")
+    monkeypatch.setattr(hm, "default_jax_platforms", lambda: default)
+    assert hm.wanted({})[0] is applies
+    assert hm.wanted({"JAX_PLATFORMS": ""})[0] is applies
