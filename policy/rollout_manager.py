@@ -130,7 +130,7 @@ class RolloutManager:
         if stage is None or not getattr(self._backend, "partial_rollouts", False):
             raise RuntimeError(
                 f"inference backend {type(self._backend).__name__} does not do partial rollouts "
-                "(inference.partial_rollouts needs type dense with continuous_batching: true)"
+                "(inference.partial_rollouts needs type dense with continuous batching)"
             )
         stage(model, step)
         self._policy_model = model

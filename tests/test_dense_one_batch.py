@@ -1,4 +1,5 @@
-"""The dense backend samples a call's rows as one device batch when they fit one and the padding is cheap.
+"""The dense backend's static batches (`continuous_batching: false`) sample a call's rows as one device batch when
+they fit one and the padding is cheap (continuous batching pads each prefill batch to its longest prompt anyway).
 
 A call with prompts in two length buckets (8 and 16 tokens) and rows that fit `max_seqs` runs one sampling call (one
 compiled shape: batch bucket x the longest prompt bucket), where it used to run one per prompt bucket. Checked on a
@@ -42,9 +43,8 @@ def model() -> Any:
 
 @pytest.fixture(scope="module")
 def dense(model: Any) -> Iterator[DenseBackend]:
-    b = make_backend(
-        DenseInferenceConfig(max_seqs=16), model, load_tokenizer("builtin:tiny"), MAX_SEQ_LEN, fast_compile=True
-    )
+    config = DenseInferenceConfig(max_seqs=16, continuous_batching=False)  # static batches: what this file is about
+    b = make_backend(config, model, load_tokenizer("builtin:tiny"), MAX_SEQ_LEN, fast_compile=True)
     assert isinstance(b, DenseBackend)
     yield b
     b.shutdown()

@@ -10,9 +10,11 @@ and only shapes likely to run (each warm-up costs a trace and a compile, and mos
   in (not even one another family ran), never a prompt too long to sample, nothing without an expectation;
 - the rollout worker's start check (`check_lessons`) returns the lengths of the prompts it drew, and the manager
   `policy_runtime` builds hands them to its dense backend (cats: buckets 8 and 16);
-- on a tiny levanter model (CPU float32): after a call of short prompts, with the 9-token prompt expected, one
-  warm-up traces once (the 16-token bucket) and leaves `prefill_tokens` as it was, the next finds nothing; a later
-  call with the 9-token prompt traces nothing, and a call's tokens are the same as before the warm-up.
+- on a tiny levanter model (CPU float32), with static batches and with continuous batching: after a call of short
+  prompts, with the 9-token prompt expected, one warm-up compiles the 16-token bucket (static: its one program;
+  continuous: its prefill and insert, the decode programs being shared since every call's cache is sized for the
+  largest expected bucket) and leaves `prefill_tokens` as it was, the next finds nothing; a later call with the
+  9-token prompt traces nothing, and a call's tokens are the same as before the warm-up.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def _rows(prompts: list[list[int]], n: int = 4) -> list[SampleRow]:
     return [SampleRow(i, j, p, 12, i * n + j) for i, p in enumerate(prompts) for j in range(n)]
 
 
-def test_warm_up_compiles_the_longer_prompt_bucket_before_a_call_needs_it(model: Any) -> None:
+@pytest.mark.parametrize("continuous", [False, True], ids=["static", "continuous"])
+def test_warm_up_compiles_the_longer_prompt_bucket_before_a_call_needs_it(model: Any, continuous: bool) -> None:
     tokenizer = load_tokenizer("builtin:tiny")
     # `steps.rollout`'s wiring: `check_lessons` returns the token counts of the prompts it drew (cats: its 9-token
     # prompt among them), and the manager `policy_runtime` builds hands them to its dense backend as bucket counts
@@ -111,8 +114,10 @@ def test_warm_up_compiles_the_longer_prompt_bucket_before_a_call_needs_it(model:
     expected = manager._backend._shapes._expected
     manager.shutdown()
     assert expected == {8: sum(n <= 8 for n in lengths), 16: sum(n > 8 for n in lengths)} and expected[16] > 0
-    dense = make_backend(DenseInferenceConfig(max_seqs=16), model, tokenizer, MAX_SEQ_LEN, fast_compile=True)
-    assert isinstance(dense, DenseBackend)
+    sampling = DenseInferenceConfig(max_seqs=16, continuous_batching=continuous)
+    dense = make_backend(sampling, model, tokenizer, MAX_SEQ_LEN, fast_compile=True)
+    assert isinstance(dense, DenseBackend) and dense.continuous_batching is continuous
+    warm_traces = 2 if continuous else 1  # continuous: the bucket's prefill and insert; static: its one program
     try:
         dense.expect_prompt_lengths([MAX_SEQ_LEN, MAX_SEQ_LEN + 5])  # no room for a new token: never sampled
         dense.expect_prompt_lengths([len(p) for p in [*SHORT, LONG]])
@@ -123,11 +128,11 @@ def test_warm_up_compiles_the_longer_prompt_bucket_before_a_call_needs_it(model:
         traces, prefill = dense.trace_count, dense.prefill_tokens
         assert dense.warm_up(draws_left=4) is False  # 4 more prompts: bucket 16 (1 in 5) likely never drawn
         assert dense.warm_up() is True
-        assert dense.trace_count == traces + 1 and dense.prefill_tokens == prefill
+        assert dense.trace_count == traces + warm_traces and dense.prefill_tokens == prefill
         assert dense.warm_up() is False  # exactly one shape warmed: the 16-token bucket, not 32 or 4
         mixed = _rows([*SHORT[:3], LONG])  # 16 rows, one prompt of 9 tokens: one 16 x 16 batch
         dense.generate_rows(mixed, temperature=1.0, seed=4, stops=[2])
-        assert dense.trace_count == traces + 1  # warmed: no compile inside the call
+        assert dense.trace_count == traces + warm_traces  # warmed: no compile inside the call
         after = dense.generate_rows(rows, temperature=1.0, seed=3, stops=[2])
         assert [c.tokens if c else None for c in after] == [c.tokens if c else None for c in before]
     finally:

@@ -75,7 +75,10 @@ def model() -> Any:
 
 @pytest.fixture(scope="module")
 def dense(model, tokenizer) -> Iterator[DenseBackend]:
-    b = make_backend(DenseInferenceConfig(max_seqs=8), model, tokenizer, MAX_SEQ_LEN, fast_compile=True)
+    # static batches (the default on an accelerator); continuous batching gives the same samples
+    # (tests/test_continuous_batching.py) and is what the jobs of this suite use on CPU
+    config = DenseInferenceConfig(max_seqs=8, continuous_batching=False)
+    b = make_backend(config, model, tokenizer, MAX_SEQ_LEN, fast_compile=True)
     assert isinstance(b, DenseBackend)
     yield b
     b.shutdown()

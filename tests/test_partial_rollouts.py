@@ -157,11 +157,12 @@ def test_full_weight_swap_keeps_earlier_tokens_and_refills_slots(dense: DenseBac
 
 
 def test_config_refuses_partial_rollouts_without_continuous_batching_or_on_a_server() -> None:
-    with pytest.raises(ConfigError, match=r"inference\.partial_rollouts=True: needs inference\.continuous_batching"):
-        DenseInferenceConfig(partial_rollouts=True)
+    with pytest.raises(ConfigError, match=r"inference\.partial_rollouts=True: needs continuous batching"):
+        DenseInferenceConfig(partial_rollouts=True, continuous_batching=False)
     with pytest.raises(ConfigError, match="not supported by inference type 'server'"):
         ServerInferenceConfig(partial_rollouts=True, openai_base_url="http://127.0.0.1:1/v1")
     assert DenseInferenceConfig(partial_rollouts=True, continuous_batching=True).partial_rollouts
+    assert DenseInferenceConfig(partial_rollouts=True).partial_rollouts  # unset: continuous, whatever the device
 
 
 # ------------------------------------------------------------------ rows and the lag rule

@@ -169,8 +169,8 @@ class InferenceConfig(draccus.ChoiceRegistry):
     """Partial rollouts: the rollout worker loads each new committed policy in a background thread and the sampler
     switches to it between decode steps, sequences in flight continuing on the new weights (their KV cache as
     computed); rollout rows record the policy step of every token (`token_policy_steps`) and the lag rule applies
-    to the oldest (docs/guides/partial-rollouts.md). Only `type: dense` with `continuous_batching: true`; refused
-    for any other backend."""
+    to the oldest (docs/guides/partial-rollouts.md). Only `type: dense` with continuous batching
+    (`continuous_batching` true or unset); refused for any other backend."""
     partial_rollouts_swap_steps: int = 8
     """With partial rollouts: the most decode steps between two checks for a staged newer policy (the decode
     program returns to the host that often; 1 swaps at the next step, at the cost of a host round trip per step)."""
@@ -209,11 +209,13 @@ class DenseInferenceConfig(InferenceConfig):
     compute_dtype: str | None = None
     """Sampler weights, activations and KV cache dtype: float32, bfloat16, float16, or auto (float32 on CPU,
     bfloat16 on an accelerator). None: `model.compute_dtype` (float32 unless set)."""
-    continuous_batching: bool = False
-    """Continuous batching: `max_seqs` decode slots, a finished sequence's slot refilled from the call's queue at
-    the next decode step, and the n samples of a prompt sharing one prefill (its KV copied into their slots). The
-    same samples as static batches (which run each batch until its longest sequence ends); faster when completion
-    lengths vary widely (docs/benchmarks.md, "Continuous batching"), slower on short equal-length calls."""
+    continuous_batching: bool | None = None
+    """Continuous batching: `max_seqs` decode slots, a finished sequence's slot refilled from the call's queue
+    every few decode steps, and the n samples of a prompt sharing one prefill (its KV copied into their slots). The
+    same samples as static batches (which run each batch until its longest sequence ends). null: on where it
+    measured no slower than static batches on equal lengths, on CPU (0.99x; 2.65x on long-tailed lengths), and
+    with partial rollouts; off on an accelerator (an H200: 0.92x on equal lengths, 1.47x on long-tailed ones;
+    docs/benchmarks.md, "Continuous batching")."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -225,10 +227,11 @@ class DenseInferenceConfig(InferenceConfig):
             f"one of {DENSE_DTYPES} or null",
         )
         require(
-            not self.partial_rollouts or self.continuous_batching,
+            not self.partial_rollouts or self.continuous_batching is not False,
             "inference.partial_rollouts",
             self.partial_rollouts,
-            "needs inference.continuous_batching: true (a static batch decodes to its end on one policy)",
+            "needs continuous batching (inference.continuous_batching: true or null): a static batch decodes to "
+            "its end on one policy",
         )
 
 

@@ -55,9 +55,12 @@ token still belongs to the old policy and the ones after it to the new one. `Seq
 step per token, and its logprob is that policy's.
 
 Shapes compiled: prefill per (Bp, Pb); insert per (Bp, Pb, slots, L, K); decode per (slots, L, T, K), attention
-length (at most log2(L / 128) + 1 of them) and whether controls are set; L = bucket(longest prompt) + T,
-T = bucket(largest budget) >= 16 and K = bucket(stop tokens) >= 4, as the static path buckets them (Bp takes at most
-log2(slots) + 1 values per Pb). Refilling slots compiles nothing beyond those buckets; `trace_count` counts traces.
+length (at most log2(L / 128) + 1 of them) and whether controls are set; L = max(bucket(longest prompt), the
+caller's `prompt_bucket`) + T, T = bucket(largest budget) >= 16 and K = bucket(stop tokens) >= 4, as the static path
+buckets them (Bp takes at most log2(slots) + 1 values per Pb). Refilling slots compiles nothing beyond those
+buckets; `trace_count` counts traces. A caller that passes one `prompt_bucket` for all its calls (the dense backend:
+the largest prompt bucket it expects) keeps L, and so every decode program, across prompt buckets: a new bucket
+needs only its prefill and insert, which `warm_up` compiles in idle time.
 
 Size: `ContinuousSampler` is over 400 lines as one unit: the host scheduler (`run`) and the three compiled programs it
 drives (prefill, insert, decode) share one device-state layout (`_empty_state`), one set of shape buckets and the
@@ -162,6 +165,10 @@ class ContinuousSampler:
         slots or more, down to this many."""
         self.host_syncs = 0
         """Device-to-host transfers so far: one per decode program (its results), none per token."""
+        self._inserted: dict[tuple[int, int, int, int, int], None] = {}
+        """(Bp, S, L, T, K) of every insert a call ran, in order of first use: what `warm_up` replays."""
+        self._compiled: set[tuple[int, int, int, int, int, int]] = set()
+        """(Bp, Pb, S, L, T, K) of every prefill + insert pair run or warmed."""
         self.policy_step = policy_step
         """The policy step of the weights in use (None: unknown)."""
         self.swaps = 0
@@ -214,6 +221,30 @@ class ContinuousSampler:
         self.swaps += 1
         logger.info("continuous sampler: policy %s -> %d between decode steps", old, step)
         return True
+
+    def warm_up(self, prompt_buckets: Sequence[int]) -> bool:
+        """Compile, before a call needs them, the prefill and insert programs of one prompt bucket of
+        `prompt_buckets` not yet run, for a (prompts, slots, cache length, token and stop buckets) shape an earlier
+        call's insert used; True if it compiled one such pair (seconds of work), False when none is left (cheap).
+        Only buckets that fit the cache's prompt part (`run`'s `prompt_bucket`) are warmed: a call whose prompts
+        fit it runs the decode programs an earlier call compiled, so after the warm-up it compiles nothing. Runs
+        one prefill of padding prompts and an insert that starts no sequence in a scratch state: nothing a caller
+        sees changes but `trace_count`."""
+        for Bp, S, L, T, K in self._inserted:
+            for Pb in sorted(set(prompt_buckets)):
+                if Pb > L - T or (Bp, Pb, S, L, T, K) in self._compiled:
+                    continue
+                self._compiled.add((Bp, Pb, S, L, T, K))
+                toks, plens = np.zeros((Bp, Pb), np.int32), np.ones((Bp,), np.int32)
+                ks, vs, logits = self._prefill(self.dense.params, *jax.device_put((toks, plens)))
+                unused = np.full((S,), S, np.int32)  # every slot index out of range: nothing is started
+                zeros, ids = np.zeros((S,), np.int32), np.zeros((S,), np.uint32)
+                host = jax.device_put((plens, zeros, unused, zeros + 1, ids, ids))
+                shared = jax.device_put((np.float32(1.0), np.full((K,), -1, np.int32)))
+                jax.block_until_ready(self._insert(self._empty_state(S, L, T, K), ks, vs, logits, *host, *shared))
+                logger.info("continuous sampler: warmed prefill + insert prompts=%d prompt=%d slots=%d", Bp, Pb, S)
+                return True
+        return False
 
     # -- the compiled programs ---------------------------------------------------------------
 
@@ -429,6 +460,7 @@ class ContinuousSampler:
         controls: SamplingControls = NO_CONTROLS,
         share_prefixes: bool = True,
         before_decode: Callable[[int], None] | None = None,
+        prompt_bucket: int = 0,
     ) -> list[SeqResult]:
         """Sample every request with at most `slots` sequences in flight; one `SeqResult` per request, in order.
 
@@ -436,8 +468,11 @@ class ContinuousSampler:
         request is prefilled on its own, for comparison). With partial rollouts a staged policy is swapped in at
         the call's start and between decode programs; each result's `policy_steps` says which policy sampled each
         token (None while the sampler's policy step is unknown). `before_decode(decode_steps)`, if given, is called
-        on this thread before each decode program (tests stage a policy at a chosen step with it). Raises
-        ValueError for an empty request list, an empty prompt or a budget < 1.
+        on this thread before each decode program (tests stage a policy at a chosen step with it).
+        `prompt_bucket`: the prompt part of the KV cache, at least the longest prompt's bucket (0: that bucket);
+        calls whose prompts fit the same `prompt_bucket` share every decode program (the caches have one length
+        L), so a new prompt bucket then needs only a prefill and an insert, which `warm_up` compiles beforehand.
+        Raises ValueError for an empty request list, an empty prompt or a budget < 1.
         """
         if not requests:
             raise ValueError("no requests")
@@ -445,7 +480,7 @@ class ContinuousSampler:
             raise ValueError("every request needs a non-empty prompt and max_tokens >= 1")
         S = bucket(min(slots, len(requests)))
         T = bucket(max(r.max_tokens for r in requests), minimum=16)
-        L = bucket(max(len(r.prompt) for r in requests), minimum=8) + T
+        L = max(bucket(max(len(r.prompt) for r in requests), minimum=8), prompt_bucket) + T
         K = bucket(len(stop_tokens), minimum=4)
         stops = np.full((K,), -1, np.int32)
         stops[: len(stop_tokens)] = list(stop_tokens)
@@ -537,6 +572,9 @@ class ContinuousSampler:
                 ks, vs, logits, plens = out
                 host = jax.device_put((plens, src, idx, lim, seeds, ids))
                 state = self._insert(state, ks, vs, logits, *host, *shared)
+                Bp, Pb = int(plens.shape[0]), int(ks[0].shape[2 if self.head_major else 1])
+                self._inserted.setdefault((Bp, S, L, T, K))
+                self._compiled.add((Bp, Pb, S, L, T, K))
             # return for a refill once `refill_at` sequences finished (a batch of slots, or all the queue fills),
             # never while the queue is empty; the attention length covers every live sequence's next `check` steps
             # (the program returns early if one would pass it)

@@ -17,10 +17,10 @@ slots; `compute_dtype` picks the sampler's dtype (weights, activations and KV ca
 auto (float32 on CPU, bfloat16 on an accelerator); None: the dtype `make_backend` was given (`model.compute_dtype`),
 or auto when none was. `kv_cache_bytes` says what a batch's cache costs.
 
-`continuous_batching: true` serves a call through `policy.inference.continuous` instead: `max_seqs` slots, a
-finished sequence's slot refilled from the call's queue at the next host check (every few decode steps), and the n
-samples of a prompt sharing one prefill. Same samples (same PRNG streams); faster when completion lengths vary
-(docs/benchmarks.md).
+`continuous_batching: true` (the default on CPU: `continuous_default`) serves a call through
+`policy.inference.continuous` instead: `max_seqs` slots, a finished sequence's slot refilled from the call's queue
+at the next host check (every few decode steps), and the n samples of a prompt sharing one prefill. Same samples
+(same PRNG streams); faster when completion lengths vary (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -48,6 +48,17 @@ MERGE_PADDING_RATIO = 2.0
 when that batch's prompt positions (batch bucket x prompt bucket) are at most this many times those of the
 per-bucket batches; beyond it (a few long prompts among many short ones) the padding would cost more than the
 extra decode loops it saves."""
+
+
+def continuous_default(configured: bool | None) -> bool:
+    """Whether the dense sampler batches continuously: `configured`, or when None (`inference.continuous_batching`
+    unset) where continuous batching measured no slower than static batches on equal lengths: on CPU (0.99x, and
+    2.65x on long-tailed lengths), not on an accelerator (0.92x on an H200 at equal lengths; docs/benchmarks.md)."""
+    if configured is not None:
+        return bool(configured)
+    import jax
+
+    return jax.default_backend() == "cpu"
 
 
 @register_backend(DenseInferenceConfig)
@@ -108,7 +119,9 @@ class DenseBackend(LocalBackend):
             max_seqs=config.max_seqs,
             compute_dtype=dtype,
             fast_compile=build.fast_compile,
-            continuous_batching=bool(getattr(config, "continuous_batching", False)),
+            # partial rollouts switch policies between decode steps: continuous batching's, also where unset
+            continuous_batching=continuous_default(getattr(config, "continuous_batching", False))
+            or bool(getattr(config, "partial_rollouts", False)),
             partial_rollouts=bool(getattr(config, "partial_rollouts", False)),
             partial_rollouts_swap_steps=int(getattr(config, "partial_rollouts_swap_steps", 8)),
         )
@@ -196,12 +209,14 @@ class DenseBackend(LocalBackend):
     def _continuous_rows(
         self, rows: list[SampleRow], temperature: float, seed: int, stops: list[int], controls: SamplingControls
     ) -> list[Completion | None]:
+        # one cache length for every expected prompt bucket: a new bucket then compiles no decode program
         out = self.continuous_sampler().run(
             [SeqRequest(r.prompt, r.max_tokens, r.sample_id, seed) for r in rows],
             slots=self.max_seqs,
             stop_tokens=stops,
             temperature=temperature,
             controls=controls,
+            prompt_bucket=self._shapes.largest_expected(),
         )
         done = [self._completion(o.tokens, o.logprobs, stops) if len(o.tokens) else None for o in out]
         for c, o in zip(done, out, strict=True):  # partial rollouts: the policy step of every token
@@ -237,9 +252,12 @@ class DenseBackend(LocalBackend):
         return results
 
     def warm_up(self, draws_left: float | None = None) -> bool:
-        """Compile one static-batch shape a later call is likely to need, before it is needed; True if it compiled
+        """Compile one sampler shape a later call is likely to need, before it is needed; True if it compiled
         one (seconds of work), False when none is left (cheap). Meant for idle time (a rollout worker paused by
-        pacing): the likely shapes are, for each (batch, token, stop) bucket family a real call used, the expected
+        pacing). With continuous batching: the prefill and insert programs of an expected prompt bucket not yet
+        run (`ContinuousSampler.warm_up`; every call's cache is sized for the largest expected bucket, so those are
+        the only programs a new bucket needs), the buckets chosen as below. Static batches: the likely
+        shapes are, for each (batch, token, stop) bucket family a real call used, the expected
         prompt buckets (`expect_prompt_lengths`; `_ShapeLedger`) not yet run, each only when `draws_left` (how many
         prompts the caller may still sample; None: no end in sight) makes it at least `WARM_UP_MIN_CHANCE` likely
         that one of them falls in it. So a prompt of another bucket than the first file's does not compile in the
@@ -247,8 +265,15 @@ class DenseBackend(LocalBackend):
         each rollout worker compiled the 16-token bucket when it first drew that prompt, ~2 s per worker), while a
         bucket no expected prompt falls in, or one a short run will likely never draw, is not compiled for nothing
         (a warm-up costs a trace and a compile whether or not its bucket is drawn). The warm-up runs one row for
-        one token and changes no state a caller sees: `prefill_tokens` is restored; `trace_count` counts its trace.
-        The continuous-batching path is not warmed."""
+        one token and changes no state a caller sees: `prefill_tokens` is restored; `trace_count` counts its trace."""
+        if self.continuous_batching:
+            if self._continuous is None or self._continuous.dense is not self.sampler:
+                return False  # no call ran on this sampler yet: nothing to replay
+            t0 = time.monotonic()
+            warmed = self._continuous.warm_up(self._shapes.likely_buckets(draws_left))
+            if warmed:
+                logger.info("dense sampler: warmed a continuous-batching prompt bucket in %.2fs", time.monotonic() - t0)
+            return warmed
         shape = self._shapes.next_pending(self.sampler, draws_left)
         if shape is None or self.sampler is None:
             return False
@@ -358,17 +383,26 @@ class _ShapeLedger:
         self._seen.add(shape.key())
         self._warm.setdefault(shape.family(), shape)
 
-    def next_pending(self, sampler: Any, draws_left: float | None = None) -> _Shape | None:
-        """The next shape to warm (marked seen), or None. `draws_left`: how many prompts may still be sampled (None:
-        unbounded); a bucket whose share p of the expected prompts gives 1 - (1 - p)^draws_left <
-        `WARM_UP_MIN_CHANCE` is not warmed."""
-        self._follow(sampler)
+    def largest_expected(self) -> int:
+        """The largest expected prompt bucket (0 with no expectation)."""
+        return max(self._expected, default=0)
+
+    def likely_buckets(self, draws_left: float | None = None) -> list[int]:
+        """The expected prompt buckets worth warming, ascending. `draws_left`: how many prompts may still be
+        sampled (None: unbounded); a bucket whose share p of the expected prompts gives
+        1 - (1 - p)^draws_left < `WARM_UP_MIN_CHANCE` is left out."""
         total = sum(self._expected.values())
-        buckets = sorted(
+        return sorted(
             b
             for b, n in self._expected.items()
             if draws_left is None or 1.0 - (1.0 - n / total) ** max(draws_left, 0.0) >= WARM_UP_MIN_CHANCE
         )
+
+    def next_pending(self, sampler: Any, draws_left: float | None = None) -> _Shape | None:
+        """The next static shape to warm (marked seen), or None: an expected bucket of `likely_buckets(draws_left)`
+        not yet run in a family a real call used."""
+        self._follow(sampler)
+        buckets = self.likely_buckets(draws_left)
         for first in self._warm.values():
             for p in buckets:
                 shape = dataclasses.replace(first, prompt_bucket=p)
