@@ -12,9 +12,10 @@ and only shapes likely to run (each warm-up costs a trace and a compile, and mos
   `policy_runtime` builds hands them to its dense backend (cats: buckets 8 and 16);
 - on a tiny levanter model (CPU float32), with static batches and with continuous batching: after a call of short
   prompts, with the 9-token prompt expected, one warm-up compiles the 16-token bucket (static: its one program;
-  continuous: its prefill and insert, the decode programs being shared since every call's cache is sized for the
+  continuous: its prefill and insert, the decode programs being shared since a call's cache is sized for the
   largest expected bucket) and leaves `prefill_tokens` as it was, the next finds nothing; a later call with the
-  9-token prompt traces nothing, and a call's tokens are the same as before the warm-up.
+  9-token prompt traces nothing, and a call's tokens are the same as before the warm-up; a continuous call's cache
+  is not sized for an expected bucket that would more than double it.
 """
 
 from __future__ import annotations
@@ -135,5 +136,11 @@ def test_warm_up_compiles_the_longer_prompt_bucket_before_a_call_needs_it(model:
         assert dense.trace_count == traces + warm_traces  # warmed: no compile inside the call
         after = dense.generate_rows(rows, temperature=1.0, seed=3, stops=[2])
         assert [c.tokens if c else None for c in after] == [c.tokens if c else None for c in before]
+        # continuous calls size their cache for the largest expected bucket (16: what made the sharing above),
+        # unless that more than doubles it: a 40-token prompt expected (bucket 64) leaves short calls at their own
+        assert dense._cache_prompt_bucket(rows) == 16
+        dense.expect_prompt_lengths([40])
+        assert dense._cache_prompt_bucket(rows) == 0  # 64 + 16 > 2 x (8 + 16)
+        assert dense._cache_prompt_bucket(_rows([[1] * 20])) == 64  # bucket 32: 64 + 16 <= 2 x (32 + 16)
     finally:
         dense.shutdown()

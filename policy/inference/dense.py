@@ -209,20 +209,29 @@ class DenseBackend(LocalBackend):
     def _continuous_rows(
         self, rows: list[SampleRow], temperature: float, seed: int, stops: list[int], controls: SamplingControls
     ) -> list[Completion | None]:
-        # one cache length for every expected prompt bucket: a new bucket then compiles no decode program
         out = self.continuous_sampler().run(
             [SeqRequest(r.prompt, r.max_tokens, r.sample_id, seed) for r in rows],
             slots=self.max_seqs,
             stop_tokens=stops,
             temperature=temperature,
             controls=controls,
-            prompt_bucket=self._shapes.largest_expected(),
+            prompt_bucket=self._cache_prompt_bucket(rows),
         )
         done = [self._completion(o.tokens, o.logprobs, stops) if len(o.tokens) else None for o in out]
         for c, o in zip(done, out, strict=True):  # partial rollouts: the policy step of every token
             if c is not None and o.policy_steps is not None:
                 c.policy_steps = [int(x) for x in o.policy_steps]
         return done
+
+    def _cache_prompt_bucket(self, rows: list[SampleRow]) -> int:
+        """The prompt part of a continuous call's KV cache: the largest expected prompt bucket, so that calls of
+        every expected bucket share one cache length and so their decode programs (a new bucket then compiles
+        only a prefill and an insert, which `warm_up` does beforehand); the call's own bucket instead (0) when
+        that would more than double the cache (a rare long prompt among short ones)."""
+        largest = self._shapes.largest_expected()
+        own = bucket(max(len(r.prompt) for r in rows), minimum=8)
+        tokens = bucket(max(r.max_tokens for r in rows), minimum=16)
+        return largest if largest + tokens <= 2 * (own + tokens) else 0
 
     def _static_rows(
         self, rows: list[SampleRow], temperature: float, seed: int, stops: list[int], controls: SamplingControls
@@ -252,20 +261,20 @@ class DenseBackend(LocalBackend):
         return results
 
     def warm_up(self, draws_left: float | None = None) -> bool:
-        """Compile one sampler shape a later call is likely to need, before it is needed; True if it compiled
-        one (seconds of work), False when none is left (cheap). Meant for idle time (a rollout worker paused by
-        pacing). With continuous batching: the prefill and insert programs of an expected prompt bucket not yet
-        run (`ContinuousSampler.warm_up`; every call's cache is sized for the largest expected bucket, so those are
-        the only programs a new bucket needs), the buckets chosen as below. Static batches: the likely
-        shapes are, for each (batch, token, stop) bucket family a real call used, the expected
-        prompt buckets (`expect_prompt_lengths`; `_ShapeLedger`) not yet run, each only when `draws_left` (how many
-        prompts the caller may still sample; None: no end in sight) makes it at least `WARM_UP_MIN_CHANCE` likely
-        that one of them falls in it. So a prompt of another bucket than the first file's does not compile in the
-        middle of a long run, on the learner's critical path (the cats task: 15 prompts of <= 8 tokens, one of 9;
-        each rollout worker compiled the 16-token bucket when it first drew that prompt, ~2 s per worker), while a
-        bucket no expected prompt falls in, or one a short run will likely never draw, is not compiled for nothing
-        (a warm-up costs a trace and a compile whether or not its bucket is drawn). The warm-up runs one row for
-        one token and changes no state a caller sees: `prefill_tokens` is restored; `trace_count` counts its trace."""
+        """Compile one sampler shape a later call is likely to need, before it is needed; True if it compiled one
+        (seconds of work), False when none is left (cheap). Meant for idle time (a rollout worker paused by pacing).
+        With continuous batching: the prefill and insert programs of an expected prompt bucket not yet run
+        (`ContinuousSampler.warm_up`; a call's cache is sized for the largest expected bucket,
+        `_cache_prompt_bucket`, so those are the only programs a new bucket needs), the buckets chosen as below.
+        Static batches: the likely shapes are, for each (batch, token, stop) bucket family a real call used, the
+        expected prompt buckets (`expect_prompt_lengths`; `_ShapeLedger`) not yet run, each only when `draws_left`
+        (how many prompts the caller may still sample; None: no end in sight) makes it at least `WARM_UP_MIN_CHANCE`
+        likely that one of them falls in it. So a prompt of another bucket than the first file's does not compile in
+        the middle of a long run, on the learner's critical path (the cats task: 15 prompts of <= 8 tokens, one of
+        9; each rollout worker compiled the 16-token bucket when it first drew that prompt, ~2 s per worker), while
+        a bucket no expected prompt falls in, or one a short run will likely never draw, is not compiled for nothing
+        (a warm-up costs a trace and a compile whether or not its bucket is drawn). The warm-up runs one row for one
+        token and changes no state a caller sees: `prefill_tokens` is restored; `trace_count` counts its trace."""
         if self.continuous_batching:
             if self._continuous is None or self._continuous.dense is not self.sampler:
                 return False  # no call ran on this sampler yet: nothing to replay
