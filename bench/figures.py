@@ -290,6 +290,21 @@ def record_run(summary: Summary, results: dict[str, Any], source: str) -> list[s
     return _update(summary, values, str(results["when"]), str(results["machine"]), source)
 
 
+def unmeasured(results: dict[str, Any]) -> list[str]:
+    """The CPU figures a full run's parts should have measured but did not (their value None, e.g. a reward never
+    reached): `record_run` leaves each as stored, from an earlier run, so its label may no longer hold. A figure
+    belongs to the longest part name of `results` its id starts with (`trl_…` to `trl`)."""
+    if results.get("quick"):
+        return []
+    parts = sorted((k for k, v in results.items() if isinstance(v, dict | list)), key=len, reverse=True)
+    out = []
+    for fid, get in CPU_EXTRACTORS.items():
+        part = next((p for p in parts if fid.startswith(p + "_")), None)
+        if part is not None and get(results) is None:
+            out.append(fid)
+    return out
+
+
 def record_gpu_run(summary: Summary, result: dict[str, Any], source: str) -> list[str]:
     """Set the GPU figures a `bench.bench_gpu --json` result measured: rlpipe's learner MFU (best over its runs) per
     shape, the fast decode step's share of the roofline at batch 128, and continuous batching's tokens/s over the

@@ -661,6 +661,9 @@ def record_figures(results: dict[str, Any], path: Path, summary_path: Path) -> N
     until they are updated: a stated figure is refreshed or flagged, never silently old."""
     summary = figures.load(summary_path)
     done = figures.record_run(summary, results, str(path))
+    missing = figures.unmeasured(results)
+    if missing:  # kept from an earlier run: a label saying "same run" would no longer hold
+        print(f"figures: not measured by this run though their part ran, left from earlier runs: {', '.join(missing)}")
     if not done:
         print(f"figures: none updated in {summary_path} (quick run, or no part measured one)")
         return

@@ -147,6 +147,12 @@ def test_a_full_run_sets_its_figures_and_a_quick_run_none(summary: dict[str, Any
     assert by["storage_read_ratio"]["date"] == "2027-01-02 03:04 UTC"
     assert by["storage_read_ratio"]["machine"] == "test machine"
     assert by["e2e_steps_per_min"] == figures.figures(summary)["e2e_steps_per_min"]  # not measured: left as it was
+    # figures of a part that ran but gave no value (e.g. a reward never reached) are named: their stored values
+    # come from an earlier run; parts that did not run are not
+    missing = figures.unmeasured(results)
+    assert "trl_50m_steps_ratio_f32" in missing and "trl_50m_cpu_ratio" not in missing
+    assert not any(f.startswith(("storage_", "startup_", "e2e_")) for f in missing)
+    assert figures.unmeasured({**results, "quick": True}) == []
 
 
 def test_the_trl_figures_name_their_pairing_of_settings(summary: dict[str, Any]) -> None:
