@@ -227,7 +227,8 @@ class ContinuousSampler:
         `prompt_buckets` not yet run, for a (prompts, slots, cache length, token and stop buckets) shape an earlier
         call's insert used; True if it compiled one such pair (seconds of work), False when none is left (cheap).
         Only buckets that fit the cache's prompt part (`run`'s `prompt_bucket`) are warmed: a call whose prompts
-        fit it runs the decode programs an earlier call compiled, so after the warm-up it compiles nothing. Runs
+        fit it runs the decode programs an earlier call compiled (one per attention length those calls reached),
+        so after the warm-up its new bucket compiles nothing. Runs
         one prefill of padding prompts and an insert that starts no sequence in a scratch state: nothing a caller
         sees changes but `trace_count`."""
         for Bp, S, L, T, K in self._inserted:
