@@ -196,6 +196,7 @@ def test_pool_scales_up_and_down_during_a_job(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time: two starting together on 2 cores took minutes
 def test_ray_launcher_starts_and_stops_a_rollout_worker(tmp_path: Path) -> None:
     """What the pool does on a Ray backend: `RayLauncher.prepare` with the pool's headroom checks the cluster for
     max_workers, `start` runs a rollout worker in an actor, `terminate` (SIGTERM) stops it and frees the actor. (The

@@ -45,6 +45,7 @@ def _until(cond: Callable[[], Any], what: str, job: subprocess.Popen[str], timeo
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time: two starting together on 2 cores took minutes
 def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole job as Ray tasks, its run root on gs:// (the GCS emulator): every step task reads and writes the
     bucket through the job's storage options, step logs included, and nothing is written locally. Its output,
@@ -69,8 +70,10 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypat
         job = subprocess.Popen([sys.executable, "-m", "steps.run", "--config_path", str(cfg)], cwd=ROOT,
                                stdout=out, stderr=err, text=True)  # fmt: skip
         try:
+            # a Ray cluster's start and its actors' first imports (no fork server) took 4.5 min once under twice
+            # CI's load beside another Ray test (now in one xdist group with it): a generous bound for this wait
             learner = _until(lambda: store.exists(layout.policy_marker(0)) and _descendant(job, "steps.learn"),
-                             "learner holding policy 0", job)  # fmt: skip
+                             "learner holding policy 0", job, timeout_s=600)  # fmt: skip
             learner.send_signal(signal.SIGSTOP)
             held = learner
             assert not store.exists(layout.LEARNER_DONE), "the job ended before the learner was held"
@@ -123,6 +126,7 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypat
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time: two starting together on 2 cores took minutes
 def test_ray_backend_refuses_resources_the_cluster_cannot_hold(tmp_path: Path) -> None:
     """A step asking for a GPU on a CPU-only local cluster would wait forever: refused, naming `resources`."""
     cfg = job_config(tmp_path, str(tmp_path / "run"), **{"backend.type": "ray", "backend.resources.learner_gpus": "1"})

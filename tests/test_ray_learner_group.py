@@ -56,6 +56,7 @@ def _prepare(tmp_path: Path, steps: int) -> tuple[RunStore, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one Ray cluster at a time: two starting together on 2 cores took minutes
 def test_ray_backend_starts_one_actor_per_learner_process(tmp_path: Path, learner_env: None) -> None:
     store, config_path = _prepare(tmp_path, steps=2)
     launcher = RayLauncher(RayBackendConfig())
