@@ -9,11 +9,15 @@ What is checked:
   program (where the attention products read the [batch, slots, heads, dim] cache transposed) has such copies,
   which shows the check can fail; the same for the continuous sampler's decode program (per-slot cache writes
   as scatters into the loop-carried cache; its slot-major layout, kept for the legacy options, has the copies);
+- fused projections (query/key/value as one weight, gate/up as one) sample the unfused loop's tokens, with
+  biases (qwen2), query/key norms (qwen3) and neither (llama), static and continuous, and a policy swapped in
+  through `update_params` / `stage_model` is fused too;
 - the phase lengths: powers of two times the bucket above the prompt bucket, the last one the cache length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -22,7 +26,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import ModelSpec
-from policy.inference.continuous import ContinuousSampler
+from policy.inference.continuous import ContinuousSampler, SeqRequest
 from policy.inference.dense_sampler import LEGACY_DECODE, DecodeOptions, DenseSampler, phase_lengths
 from policy.model import build_model
 
@@ -78,6 +82,38 @@ def test_fast_decode_samples_what_legacy_samples(model: Any, options: DecodeOpti
         np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
         # the budgets bind and generation runs past the first phase (16 cache slots: prompt bucket 8 + 8 tokens)
         assert a.lengths[2] <= 7 and a.lengths.max() > 8
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_projections_sample_the_same_tokens(family: str) -> None:
+    spec = dataclasses.replace(SPEC, family=family)
+    first, second = (build_model(spec, 512, key=jax.random.PRNGKey(s)) for s in (0, 1))
+    plain = DenseSampler(
+        first, "float32", fast_compile=True, decode=DecodeOptions(length_bucket=8, fused_projections=False)
+    )
+    fused = DenseSampler(
+        first, "float32", fast_compile=True, decode=DecodeOptions(length_bucket=8, fused_projections=True)
+    )
+    layer = fused.params["layers"][0]
+    assert "w_qkv" in layer and "w_gate_up" in layer and "wq" not in layer and "w_up" not in layer
+    assert (layer["b_qkv"] is not None) == (family == "qwen2")
+    for model in (first, second):  # the second through update_params: the swapped-in weights are fused too
+        plain.update_params(model)
+        fused.update_params(model)
+        a, b = _generate(plain, 1.0), _generate(fused, 1.0)
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_array_equal(b.lengths, a.lengths)
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5, rtol=0)
+    requests = [SeqRequest(p, n, i, 3) for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS, strict=True))]
+    results = []
+    for sampler in (plain, fused):
+        cont = ContinuousSampler(sampler)
+        cont.stage_model(first, 0)
+        results.append(cont.run(requests, slots=2, stop_tokens=STOPS, temperature=1.0))
+    for x, y in zip(*results, strict=True):
+        np.testing.assert_array_equal(y.tokens, x.tokens)
+        assert len(x.tokens) > 0
+        np.testing.assert_allclose(y.logprobs, x.logprobs, atol=1e-5, rtol=0)
 
 
 def _cache_copies(sampler: DenseSampler) -> list[str]:

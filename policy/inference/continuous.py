@@ -83,7 +83,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from policy.inference.base import NO_CONTROLS, SamplingControls
-from policy.inference.dense_params import extract_params
 from policy.inference.dense_sampler import DenseSampler, bucket, phase_lengths, sample_tokens, sample_tokens_fast
 
 logger = logging.getLogger(__name__)
@@ -207,7 +206,7 @@ class ContinuousSampler:
         (its weights cannot go into the compiled programs)."""
         if not self.dense.compatible(model):
             raise ValueError(f"policy {step} has another model structure than the sampler's: cannot swap it in")
-        self.stage(extract_params(model, self.dense.arch.compute_dtype), step)
+        self.stage(self.dense.extract(model), step)
 
     def _swap_in_staged(self) -> bool:
         """Swap in the staged policy, if any (on the sampling thread, between decode programs). True if swapped."""

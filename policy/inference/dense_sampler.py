@@ -58,6 +58,7 @@ from policy.inference.dense_params import (
     activation,
     dense_arch,
     extract_params,
+    fuse_projections,
     rotary_module,
 )
 
@@ -93,13 +94,25 @@ class DecodeOptions:
     reduce_attention: bool = False
     """Head-major decode attention as fused multiply-and-sum reductions in float32 instead of two batched matrix
     products (an ablation: which one streams the cache faster depends on the backend)."""
+    fused_projections: bool | None = None
+    """Each layer's query/key/value projections read as one weight and its gate/up projections as one
+    (`policy.inference.dense_params.fuse_projections`): two matrix products per layer fewer, each over a wider
+    output, for the same values. None: fused on an accelerator (a decode step 7% faster on an H200 at the 1B shape),
+    separate on CPU (where fused measured 1.57x the CPU time per call at the ~50M shape)."""
     length_bucket: int = 128
     """Attend over the filled part of the cache only: the decode loop runs in phases whose attention reads the
     first L slots, L = the powers of two times this value that exceed the prompt bucket, capped at the cache
     length (one loop per phase in the same program). 0: every step reads the whole cache."""
 
 
-LEGACY_DECODE = DecodeOptions(fast_sampling=False, head_major_cache=False, length_bucket=0)
+def resolve_decode(options: DecodeOptions) -> DecodeOptions:
+    """`options` with its backend-dependent defaults (None) set for the backend JAX runs on."""
+    if options.fused_projections is None:
+        options = dataclasses.replace(options, fused_projections=jax.default_backend() != "cpu")
+    return options
+
+
+LEGACY_DECODE = DecodeOptions(fast_sampling=False, head_major_cache=False, length_bucket=0, fused_projections=False)
 """The decode loop before the decode-efficiency work (several float32 passes in sampling, whole-cache attention)."""
 
 
@@ -156,9 +169,13 @@ class _Model:
 
     def qkv(self, lp: dict[str, Any], h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         eps = self.arch.norm_eps
-        q = _add(jnp.einsum("bqd,kghd->bqkgh", h, lp["wq"]), lp["bq"])
-        k = _add(jnp.einsum("bqd,khd->bqkh", h, lp["wk"]), lp["bk"])
-        v = _add(jnp.einsum("bqd,khd->bqkh", h, lp["wv"]), lp["bv"])
+        if "w_qkv" in lp:
+            qkv = _add(jnp.einsum("bqd,kghd->bqkgh", h, lp["w_qkv"]), lp["b_qkv"])
+            q, k, v = qkv[:, :, :, :-2], qkv[:, :, :, -2], qkv[:, :, :, -1]
+        else:
+            q = _add(jnp.einsum("bqd,kghd->bqkgh", h, lp["wq"]), lp["bq"])
+            k = _add(jnp.einsum("bqd,khd->bqkh", h, lp["wk"]), lp["bk"])
+            v = _add(jnp.einsum("bqd,khd->bqkh", h, lp["wv"]), lp["bv"])
         if self.arch.qk_norm:
             q = rms_norm(q, lp["q_norm"], eps)
             k = rms_norm(k, lp["k_norm"], eps)
@@ -180,8 +197,12 @@ class _Model:
     def mlp_block(self, lp: dict[str, Any], x: jax.Array) -> jax.Array:
         eps = self.arch.norm_eps
         h = rms_norm(x, lp["ln2"], eps)
-        g = _add(jnp.einsum("bqd,md->bqm", h, lp["w_gate"]), lp["b_gate"])
-        u = _add(jnp.einsum("bqd,md->bqm", h, lp["w_up"]), lp["b_up"])
+        if "w_gate_up" in lp:
+            gu = _add(jnp.einsum("bqd,smd->bqsm", h, lp["w_gate_up"]), lp["b_gate_up"])
+            g, u = gu[:, :, 0], gu[:, :, 1]
+        else:
+            g = _add(jnp.einsum("bqd,md->bqm", h, lp["w_gate"]), lp["b_gate"])
+            u = _add(jnp.einsum("bqd,md->bqm", h, lp["w_up"]), lp["b_up"])
         m = _add(jnp.einsum("bqm,dm->bqd", self.act(g) * u, lp["w_down"]), lp["b_down"])
         m = rms_norm(m, lp["post_mlp_ln"], eps)
         return x + m
@@ -390,10 +411,10 @@ class DenseSampler:
         """`fast_compile`: ask XLA for its lowest backend optimisation level (about half the CPU compile
         time, slower execution; meant for tests). `decode`: how the decode loop computes (None: the defaults
         of `DecodeOptions`, the fast path)."""
-        self.decode = decode or DecodeOptions()
+        self.decode = resolve_decode(decode or DecodeOptions())
         self.arch = dense_arch(model, compute_dtype)
         self._m = _Model(self.arch, rotary_module(model), activation(model))
-        self.params = extract_params(model, compute_dtype)
+        self.params = self.extract(model)
         self.trace_count = 0
         self.prefill_tokens = 0
         """Prompt-slot tokens run through prefill so far, padding included (batch bucket × prompt bucket per call)."""
@@ -408,9 +429,14 @@ class DenseSampler:
         except UnsupportedModelError:
             return False
 
+    def extract(self, model: Any) -> dict[str, Any]:
+        """`model`'s weights as this sampler's calls take them (`extract_params`, fused per `decode`)."""
+        params = extract_params(model, self.arch.compute_dtype)
+        return fuse_projections(params) if self.decode.fused_projections else params
+
     def update_params(self, model: Any) -> None:
         """Use `model`'s weights from the next call on (the caller checked `compatible`)."""
-        self.params = extract_params(model, self.arch.compute_dtype)
+        self.params = self.extract(model)
 
     def _generate_impl(
         self,
