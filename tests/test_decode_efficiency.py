@@ -12,12 +12,15 @@ What is checked:
 - fused projections (query/key/value as one weight, gate/up as one) sample the unfused loop's tokens, with
   biases (qwen2), query/key norms (qwen3) and neither (llama), static and continuous, and a policy swapped in
   through `update_params` / `stage_model` is fused too;
+- no weight is copied or transposed inside the decode loop (weights are [out, in] matrices; the layout they had
+  before, several output axes, was transposed into a new buffer at every step on CPU), separate and fused;
 - the phase lengths: powers of two times the bucket above the prompt bucket, the last one the cache length.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -114,6 +117,78 @@ def test_fused_projections_sample_the_same_tokens(family: str) -> None:
         np.testing.assert_array_equal(y.tokens, x.tokens)
         assert len(x.tokens) > 0
         np.testing.assert_allclose(y.logprobs, x.logprobs, atol=1e-5, rtol=0)
+
+
+def _compiled_text(sampler: DenseSampler) -> str:
+    """The optimized HLO of the static sampler's program (4 rows, 8-token prompts, 32 new tokens)."""
+    B = 4
+    host = (
+        np.zeros((B, 8), np.int32),
+        np.ones(B, np.int32),
+        np.ones(B, np.int32),
+        np.ones(B, bool),
+        jax.random.PRNGKey(0),
+        np.zeros(B, np.uint32),
+        np.zeros(4, np.int32),
+        np.float32(1.0),
+    )
+    controls = (np.float32(1.0), np.int32(0), np.float32(0.0))
+    truncate = not sampler.decode.fast_sampling
+    compiled = sampler._jitted.lower(sampler.params, *host, controls, max_new=32, truncate=truncate).compile()
+    return compiled.as_text() or ""
+
+
+def _loop_weight_copies(hlo: str, sizes: set[int]) -> list[str]:
+    """Copies and transposes inside while-loop bodies (what a decode step runs) whose result has as many elements
+    as one of the weights (`sizes`): a weight re-laid out into a new buffer at every step."""
+    comps: dict[str, list[str]] = {}
+    current = None
+    for raw in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%[\w.-]+) .*\{$", raw)
+        if header:
+            current = comps.setdefault(header.group(1), [])
+        elif current is not None:
+            current.append(raw.split(", metadata=")[0].strip())
+    called = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?(%[\w.-]+)")
+    todo = re.findall(r"body=(%[\w.-]+)", hlo)
+    loop: set[str] = set()
+    while todo:
+        c = todo.pop()
+        if c not in loop:
+            loop.add(c)
+            todo += [d for line in comps.get(c, []) for d in called.findall(line)]
+    out = []
+    for c in loop:
+        for line in comps.get(c, []):
+            m = re.search(r"= f32\[([\d,]*)\]\S* (copy|transpose)\(", line)
+            if m and math.prod(int(d) for d in m.group(1).split(",") if d) in sizes:
+                out.append(line)
+    return out
+
+
+def _weight_sizes(sampler: DenseSampler) -> set[int]:
+    return {int(w.size) for lp in sampler.params["layers"] for w in lp.values() if hasattr(w, "ndim") and w.ndim >= 2}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_weights_read_in_place(fused: bool) -> None:
+    # sizes no other array of the program has (cache 4·40·2·12, logits 4·500, ...), so a copy's size names a weight
+    spec = dataclasses.replace(SPEC, hidden_dim=48, intermediate_dim=88)
+    model = build_model(spec, 500, key=jax.random.PRNGKey(0))
+    sampler = DenseSampler(model, "float32", decode=DecodeOptions(fused_projections=fused))
+    sizes = _weight_sizes(sampler)
+    assert _loop_weight_copies(_compiled_text(sampler), sizes) == []
+    # the check is not blind: a loop reading a query weight laid out [kv_heads, group, head, embed] (the layout the
+    # sampler used before) copies it, transposed, at every step on CPU
+    K, G, h, D = 2, 2, 8, 32
+    wq = np.ones((K, G, h, D), np.float32)
+
+    def body(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.numpy.einsum("bd,kghd->bkgh", x, w).reshape(x.shape[0], -1)[:, :D] * 0.5
+
+    loop = jax.jit(lambda x, w: jax.lax.fori_loop(0, 4, lambda i, y: body(y, w), x))
+    hlo = loop.lower(np.ones((4, D), np.float32), wq)
+    assert _loop_weight_copies(hlo.compile().as_text() or "", {K * G * h * D}), "the check is blind"
 
 
 def _cache_copies(sampler: DenseSampler) -> list[str]:

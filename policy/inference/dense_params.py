@@ -109,7 +109,31 @@ def dense_arch(model: Any, compute_dtype: str) -> DenseArch:
     )
 
 
+def _rows(x: jax.Array | None, out_dims: int) -> jax.Array | None:
+    """`x` [..., *out, in] (the `out_dims` output axes before the input axis) as [..., prod(out), in]."""
+    if x is None:
+        return None
+    lead = x.shape[: x.ndim - out_dims - 1]
+    return x.reshape(*lead, -1, x.shape[-1])
+
+
+def _flat(x: jax.Array | None, dims: int) -> jax.Array | None:
+    """`x` with its last `dims` axes as one."""
+    return None if x is None else x.reshape(*x.shape[: x.ndim - dims], -1)
+
+
 def _one_layer_params(layer: Any, dtype: Any) -> dict[str, Any]:
+    """One layer's weights as matrices [out, in] (a leading layer axis kept) and biases as vectors [out]: the
+    layout a matrix product reads without a transposed copy on every backend (on CPU, XLA transposes a weight of
+    several output axes into a new buffer at every use, inside the decode loop too)."""
+    p = _one_layer_named(layer, dtype)
+    p["wq"], p["wk"], p["wv"] = _rows(p["wq"], 3), _rows(p["wk"], 2), _rows(p["wv"], 2)
+    p["bq"], p["bk"], p["bv"] = _flat(p["bq"], 3), _flat(p["bk"], 2), _flat(p["bv"], 2)
+    p["wo"] = _flat(p["wo"], 2)  # [D, heads·h]: the attention output's heads and head dims are its input
+    return p
+
+
+def _one_layer_named(layer: Any, dtype: Any) -> dict[str, Any]:
     att = layer.self_attn
     mlp = layer.mlp
     p: dict[str, Any] = {
@@ -169,29 +193,26 @@ def extract_params(model: Any, compute_dtype: str) -> dict[str, Any]:
     }
 
 
-def _cat_bias(parts: list[jax.Array | None], shapes: list[tuple[int, ...]], axis: int) -> jax.Array | None:
-    """Biases concatenated like their weights (a missing one as zeros); None when all are missing."""
+def _zeros_or(b: jax.Array | None, n: int, dtype: Any) -> jax.Array:
+    return jnp.zeros((n,), dtype) if b is None else b
+
+
+def _cat_bias(parts: list[jax.Array | None], sizes: list[int]) -> jax.Array | None:
+    """Biases concatenated like their weights' rows (a missing one as zeros); None when all are missing."""
     if all(b is None for b in parts):
         return None
     dtype = next(b.dtype for b in parts if b is not None)
-    return jnp.concatenate([jnp.zeros(s, dtype) if b is None else b for b, s in zip(parts, shapes, strict=True)], axis)
+    return jnp.concatenate([_zeros_or(b, n, dtype) for b, n in zip(parts, sizes, strict=True)])
 
 
 def _fuse_layer(lp: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in lp.items() if k not in _FUSED_AWAY}
-    wq, wk, wv = lp["wq"], lp["wk"], lp["wv"]  # [K, G, h, D], [K, h, D], [K, h, D]
-    K, G, h, _ = wq.shape
-    out["w_qkv"] = jnp.concatenate([wq, wk[:, None], wv[:, None]], axis=1)  # [K, G + 2, h, D]
-    out["b_qkv"] = _cat_bias(
-        [lp["bq"], None if lp["bk"] is None else lp["bk"][:, None], None if lp["bv"] is None else lp["bv"][:, None]],
-        [(K, G, h), (K, 1, h), (K, 1, h)],
-        axis=1,
-    )
-    out["w_gate_up"] = jnp.stack([lp["w_gate"], lp["w_up"]])  # [2, M, D]
+    wq, wk, wv = lp["wq"], lp["wk"], lp["wv"]  # [K·G·h, D], [K·h, D], [K·h, D]
+    out["w_qkv"] = jnp.concatenate([wq, wk, wv])  # rows: the query heads', then the keys', then the values'
+    out["b_qkv"] = _cat_bias([lp["bq"], lp["bk"], lp["bv"]], [wq.shape[0], wk.shape[0], wv.shape[0]])
+    out["w_gate_up"] = jnp.concatenate([lp["w_gate"], lp["w_up"]])  # [2·M, D]
     M = lp["w_gate"].shape[0]
-    out["b_gate_up"] = _cat_bias(
-        [None if b is None else b[None] for b in (lp["b_gate"], lp["b_up"])], [(1, M), (1, M)], axis=0
-    )
+    out["b_gate_up"] = _cat_bias([lp["b_gate"], lp["b_up"]], [M, M])
     return out
 
 
@@ -200,9 +221,10 @@ _FUSED_AWAY = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up", "b_gate", "
 
 @jax.jit
 def fuse_projections(params: dict[str, Any]) -> dict[str, Any]:
-    """`extract_params`' weights with each layer's query, key and value projections as one weight (`w_qkv`
-    [kv_heads, group + 2, head, embed]) and its gate and up projections as one (`w_gate_up` [2, mlp, embed]), so
-    that a decode step reads them in one matrix product each instead of three and two. Same values, one copy."""
+    """`extract_params`' weights with each layer's query, key and value projections as one weight and its gate and
+    up projections as one, so that a decode step reads them in one matrix product each instead of three and two:
+    `w_qkv` [K·G·h + 2·K·h, D] (the query heads' rows, then the keys', then the values'), `w_gate_up` [2·M, D].
+    Same values, one copy."""
     return {**params, "layers": [_fuse_layer(lp) for lp in params["layers"]]}
 
 
