@@ -196,25 +196,7 @@ def _cache_copies(sampler: DenseSampler) -> list[str]:
     that take a whole-cache-sized operand and produce a whole-cache-sized result other than an in-place
     dynamic-update-slice (a transposed or re-laid-out copy of the cache)."""
     a = sampler.arch
-    B, S = 4, 8 + 32
-    host = (
-        np.zeros((B, 8), np.int32),
-        np.ones(B, np.int32),
-        np.ones(B, np.int32),
-        np.ones(B, bool),
-        jax.random.PRNGKey(0),
-        np.zeros(B, np.uint32),
-        np.zeros(4, np.int32),
-        np.float32(1.0),
-    )
-    controls = (np.float32(1.0), np.int32(0), np.float32(0.0))
-    hlo: str = (
-        sampler._jitted.lower(sampler.params, *host, controls, max_new=32, truncate=not sampler.decode.fast_sampling)
-        .compile()
-        .as_text()
-        or ""
-    )
-    return _loop_cache_copies(hlo, (B, S, a.num_kv_heads, a.head_dim))
+    return _loop_cache_copies(_compiled_text(sampler), (4, 8 + 32, a.num_kv_heads, a.head_dim))
 
 
 # ops that pass a cache buffer through or update it in place (not a per-step copy)
