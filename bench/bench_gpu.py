@@ -202,9 +202,9 @@ def bench_rollout(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
 DECODE_VARIANTS = ("legacy", "fast", "continuous")
 """The decode bench's main variants, run at every `--decode-batches` size. `fast-tail` and `continuous-tail` (not
 in the default list) are the static and continuous paths on long-tailed lengths (`tail_budgets`)."""
-DECODE_ABLATIONS = ("sampling-only", "layout-only", "fast-no-phases", "fast-reduce-attn", "fast-fused")
+DECODE_ABLATIONS = ("sampling-only", "layout-only", "fast-no-phases", "fast-reduce-attn", "fast-unfused")
 """One change at a time (at `--ablation-batch` only): the fast sampling alone, the head-major cache alone, the
-fast path without length phases, the fast path with multiply-and-sum attention, and with fused projections."""
+fast path without length phases, the fast path with multiply-and-sum attention, and with separate projections."""
 
 
 def decode_options(variant: str) -> Any:

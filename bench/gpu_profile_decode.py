@@ -1,7 +1,7 @@
 """Where a dense-sampler decode step's device time goes: one traced call, kernel time grouped by name.
 
 Run on the GPU machine after `bench/gpu_decode.sh` set up the path:
-    python3 -m bench.gpu_profile_decode [--tiny] [--batch 128] [--continuous] [--fused] [--out DIR]
+    python3 -m bench.gpu_profile_decode [--tiny] [--batch 128] [--continuous] [--separate] [--out DIR]
 Prints the top kernels by total device time per decode step, the device-busy share of the call's wall time and
 time by category (matmul, attention/fusion, reduce, copy/other)."""
 
@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--device-compat", action="store_true")
     ap.add_argument("--continuous", action="store_true", help="profile continuous batching (B slots, B requests)")
-    ap.add_argument("--fused", action="store_true", help="fused projections (DecodeOptions.fused_projections)")
+    ap.add_argument("--separate", action="store_true", help="separate projections (not fused, as before)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/prof"))
     args = ap.parse_args()
     if args.device_compat:
@@ -43,7 +43,7 @@ def main() -> None:
 
     cfg, vocab = model_config(shape, max(P + T, 256))
     model = cfg.build(hax.Axis("vocab", vocab), key=jax.random.PRNGKey(0))
-    sampler = DenseSampler(model, "bfloat16", decode=DecodeOptions(fused_projections=args.fused))
+    sampler = DenseSampler(model, "bfloat16", decode=DecodeOptions(fused_projections=not args.separate))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, P).tolist() for _ in range(B)]
 

@@ -128,14 +128,14 @@ def main() -> None:
                 print(f"{name:<18} error {r['error']}", flush=True)
             elif r["kind"] == "decode":
                 step, share = r.get("decode_step_ms", 0), r.get("decode_roofline_ratio", 0)
-                print(f"{name:<18} {r['variant']:<11} step {step:7.3f} ms  roofline {share:6.1%}  "
+                print(f"{name:<18} {r['variant']:<12} step {step:7.3f} ms  roofline {share:6.1%}  "
                       f"call {r['call_s'] * 1e3:7.1f} ms", flush=True)  # fmt: skip
             else:
                 print(f"{name:<18} learner b{r['rl_batch']} MFU {r.get('rl_mfu', 0):6.1%} step "
                       f"{r.get('rl_step_s', 0):.3f} s {r.get('error', '')}", flush=True)  # fmt: skip
 
     for name, flags in DECODE_SETTINGS:
-        case(name, flags, [*DECODE_ARGS, "--decode-variants", "fast,fast-fused", *shape])
+        case(name, flags, [*DECODE_ARGS, "--decode-variants", "fast-unfused,fast-fused", *shape])
     if not (args.skip_learner or args.tiny):
         decode = [r for r in rows if r.get("kind") == "decode" and "decode_step_ms" in r]
         best = min(decode, key=lambda r: r["decode_step_ms"])["case"] if decode else "xla-default"
