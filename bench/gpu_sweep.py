@@ -5,7 +5,8 @@ per setting, on a GPU machine:
 
 XLA flags are read once per process, so each setting runs `bench.bench_gpu` in a process of its own (the
 Llama-3.2-1B shape, batch 128, 64-token prompts, 128 new tokens; the fast decode loop with separate and with fused
-projections), then the learner step at its best measured batch under the default and the best decode setting.
+projections), then the learner step (`--learner-batches`, default 64) under the default and the best decode
+setting (`--decode-cases`, `--decode-variants`, `--learner-cases` choose).
 Cases still pending after `--budget` seconds are listed as skipped. Prints one table and writes `sweep.jsonl` (one
 line per case) and `log.txt` (each process's output tail) to `--out` (default `$OUT`, else /tmp/gpu_sweep). The
 machine's python needs levanter and haliax importable, as for `bench/gpu_decode.sh` (wheels installed with
@@ -27,8 +28,11 @@ DECODE_SETTINGS: list[tuple[str, str]] = [
     ("cublas-only", "--xla_gpu_enable_triton_gemm=false"),
     ("cublaslt", "--xla_gpu_enable_cublaslt=true"),
     ("no-command-buffer", "--xla_gpu_enable_command_buffer="),
+    ("exhaustive-tiling", "--xla_gpu_exhaustive_tiling_search=true"),
 ]
-"""(name, XLA_FLAGS) of the decode settings, in the order they run."""
+"""(name, XLA_FLAGS) of the settings, in the order they run. `exhaustive-tiling` is not among the defaults: its
+autotuning did not finish within a case's 170 s on an H200 (2026-11-29)."""
+DEFAULT_DECODE_CASES = ["xla-default", "cublas-only", "cublaslt", "no-command-buffer"]
 
 DECODE_ARGS = [
     "--decode-only",
@@ -55,8 +59,6 @@ LEARNER_ARGS = [
     "--skip-decode",
     "--rl-attn",
     "cudnn",
-    "--rl-batch",
-    "64",
     "--remat",
     "full",
     "--logprob-block",
@@ -103,6 +105,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_sweep")
     ap.add_argument("--case-timeout", type=float, default=170.0)
     ap.add_argument("--skip-learner", action="store_true")
+    ap.add_argument("--decode-cases", default="", help="comma list of DECODE_SETTINGS names (default: the four)")
+    ap.add_argument("--decode-variants", default="fast-unfused,fast-fused", help="bench_gpu --decode-variants")
+    ap.add_argument(
+        "--learner-cases", default="", help="comma list of settings for the learner (default: default and best)"
+    )
+    ap.add_argument("--learner-batches", default="64", help="bench_gpu --rl-batch for the learner cases")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny shape, decode settings only")
     ap.add_argument("--device-compat", action="store_true", help="bench.bench_gpu --device-compat (the shim)")
     args = ap.parse_args()
@@ -134,14 +142,15 @@ def main() -> None:
                 print(f"{name:<18} learner b{r['rl_batch']} MFU {r.get('rl_mfu', 0):6.1%} step "
                       f"{r.get('rl_step_s', 0):.3f} s {r.get('error', '')}", flush=True)  # fmt: skip
 
-    for name, flags in DECODE_SETTINGS:
-        case(name, flags, [*DECODE_ARGS, "--decode-variants", "fast-unfused,fast-fused", *shape])
+    settings = dict(DECODE_SETTINGS)
+    for name in args.decode_cases.split(",") if args.decode_cases else DEFAULT_DECODE_CASES:
+        case(name, settings[name], [*DECODE_ARGS, "--decode-variants", args.decode_variants, *shape])
     if not (args.skip_learner or args.tiny):
         decode = [r for r in rows if r.get("kind") == "decode" and "decode_step_ms" in r]
         best = min(decode, key=lambda r: r["decode_step_ms"])["case"] if decode else "xla-default"
-        settings = dict(DECODE_SETTINGS)
-        for name in dict.fromkeys(["xla-default", best]):
-            case(f"learner-{name}", settings[name], [*LEARNER_ARGS, *shape])
+        learner = args.learner_cases.split(",") if args.learner_cases else ["xla-default", best]
+        for name in dict.fromkeys(learner):
+            case(f"learner-{name}", settings[name], [*LEARNER_ARGS, "--rl-batch", args.learner_batches, *shape])
     if skipped:
         print(f"skipped (budget {args.budget:.0f} s): {', '.join(skipped)}")
     print(f"sweep: {len(rows)} rows in {time.perf_counter() - start:.0f} s -> {args.out}/sweep.jsonl")
