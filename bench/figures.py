@@ -179,6 +179,13 @@ def _trl_ratio(
     return get
 
 
+def _train_step_ratio(res: dict[str, Any]) -> float | None:
+    """rlpipe's train step alone (XLA's default flags) over PyTorch's, CPU s per step (`bench.bench_train_step`)."""
+    ours = _by(res.get("train_step"), system="rlpipe", xla_flags="")
+    torch = _by(res.get("train_step"), system="pytorch")
+    return ours["train_step"] / torch["train_step"] if ours and torch and "train_step" in ours | torch else None
+
+
 def _startup(forked: bool) -> Callable[[dict[str, Any]], float | None]:
     def get(res: dict[str, Any]) -> float | None:
         rows = [r for r in res.get("startup") or [] if r["step"].endswith("(forked)") == forked]
@@ -258,6 +265,7 @@ CPU_EXTRACTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "trl_50m_cpu_steady_ratio_f32_pytorch": _trl_ratio("50m", "cpu_s_per_step_steady", "float32", "pytorch"),
     "trl_50m_steps_ratio_bf16": _trl_ratio("50m", "steps_to_3x_start", "bfloat16", "PASSIVE"),
     "trl_50m_steps_ratio_f32": _trl_ratio("50m", "steps_to_3x_start", "float32", "PASSIVE"),
+    "train_step_cpu_ratio_torch": _train_step_ratio,
     "latency_trl_setting_s": _get("latency", "trl_setting", "steady_s_per_step"),
     "retention_ratio": _get("retention", "ratio_on_to_off"),
     "verifiers_pool_ratio": _get("verifiers", "verifiers", "ratio"),

@@ -28,7 +28,10 @@ JSON; this program prints each part's own table as it finishes, then the summary
   demo job (run here) and of the recipe's run root `runs/basic_arithmetic` when `make recipe` left one
   (`bench.bench_rows_trained`);
 - trl: rlpipe vs TRL's GRPOTrainer on the cats task at the tiny and ~50M sizes (needs `trl` and CPU torch, the
-  `bench` dependency group that `make bench` installs; `--skip_trl` leaves it out).
+  `bench` dependency group that `make bench` installs; `--skip_trl` leaves it out);
+- train_step: the learner's jitted train step alone against PyTorch's on the same ~50M Llama and batch, CPU s per
+  step, split into forward, backward and optimizer (`bench.bench_train_step`; needs CPU torch, left out with
+  `--skip_trl`).
 
     python -m bench.run_all                      # everything (~15-25 min on 2 cores)
     python -m bench.run_all --quick              # smaller sizes, for a smoke check (~5 min)
@@ -69,6 +72,7 @@ PARTS = (
     "e2e",
     "startup",
     "trl",
+    "train_step",
     "latency",
     "retention",
     "scale",
@@ -147,6 +151,12 @@ def part_trl(tmp: Path, quick: bool) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "bench.bench_trl", "--sizes", "tiny" if quick else "tiny,50m"]
     _run([*cmd, "--steps", "20" if quick else "50", "--steps_50m", "10", "--json", str(out)], 7200)
     return list(json.loads(out.read_text())["rows"])
+
+
+def part_train_step(tmp: Path, quick: bool) -> list[dict[str, Any]]:
+    out = tmp / "train_step.json"
+    _run([sys.executable, "-m", "bench.bench_train_step", "--steps", "4" if quick else "12", "--json", str(out)], 1800)
+    return list(json.loads(out.read_text()))
 
 
 def e2e_figures(run_root: str, wall_s: float) -> dict[str, Any]:
@@ -493,6 +503,23 @@ def _rows_trl(results: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _rows_train_step(results: dict[str, Any]) -> list[Row]:
+    """Summary rows of the `train_step` part (none when it did not run)."""
+    runs = [r for r in results.get("train_step") or [] if "error" not in r]
+    ours = next((r for r in runs if r["system"] == "rlpipe" and not r.get("xla_flags")), None)
+    torch = next((r for r in runs if r["system"] == "pytorch"), None)
+    if not ours or not torch:
+        return []
+    rows: list[Row] = []
+    for key, label in (("train_step", "whole step"), ("forward", "forward"), ("optimizer", "optimizer + clip")):
+        rows.append((f"train step alone, ~50M, 16 x 25 tokens: CPU s, {label}", _f(ours[key]),
+                     f"PyTorch {_f(torch[key])}", _f(ours[key] / torch[key], ".2f"), "-"))  # fmt: skip
+    bwd = ours["forward_backward"] - ours["forward"]
+    rows.append(("train step alone, ~50M, 16 x 25 tokens: CPU s, backward", _f(bwd),
+                 f"PyTorch {_f(torch['backward'])}", _f(bwd / torch["backward"], ".2f"), "-"))  # fmt: skip
+    return rows
+
+
 def _rows_latency(results: dict[str, Any]) -> list[Row]:
     """Summary rows of the `latency` part (none when it did not run)."""
     rows: list[Row] = []
@@ -625,6 +652,7 @@ def summary_rows(results: dict[str, Any]) -> list[Row]:
         _rows_e2e,
         _rows_startup,
         _rows_trl,
+        _rows_train_step,
         _rows_latency,
         _rows_retention,
         _rows_scale,
@@ -682,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", default=str(figures.SUMMARY), help="figures summary to update ('': none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    parts = [p for p in args.only.split(",") if p and not (args.skip_trl and p == "trl")]
+    parts = [p for p in args.only.split(",") if p and not (args.skip_trl and p in ("trl", "train_step"))]
     bad = [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"--only: unknown part(s) {bad}; choose from {PARTS}")
@@ -703,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         "e2e": part_e2e,
         "startup": part_startup,
         "trl": part_trl,
+        "train_step": part_train_step,
         "latency": part_latency,
         "retention": part_retention,
         "scale": part_scale,
