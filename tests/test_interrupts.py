@@ -230,6 +230,27 @@ def test_a_signal_after_the_code_is_decided_leaves_the_code() -> None:
     assert (done.returncode, done.stderr) == (3, "")
 
 
+def test_a_program_stopped_by_a_signal_skips_jaxs_exit_functions() -> None:
+    """`end_process` leaves JAX's backend clients as they are: JAX's exit functions destroy them (and collect XLA's
+    garbage), which can crash a process whose computations were interrupted. A probe registered before JAX's exit
+    functions runs after them (atexit runs last-registered first) and sees whether they ran."""
+    script = (
+        "import atexit, sys\n"
+        "def probe():\n"
+        "    from jax._src import xla_bridge\n"
+        "    sys.stderr.write('backends kept\\n' if xla_bridge._backends else 'backends cleared\\n')\n"
+        "atexit.register(probe)\n"
+        "import jax.numpy as jnp\n"
+        "from pipeline.process.interrupts import end_process\n"
+        "(jnp.ones(4) * 2).block_until_ready()\n"
+        "end_process(130)\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-c", script]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.strip().splitlines()[-1:]) == (130, ["backends kept"]), done.stderr[-2000:]
+
+
 def test_a_program_stopped_by_a_signal_skips_the_teardown() -> None:
     """After a stop by a signal, `rlpipe`'s process ends with `end_process`: its output flushed, its atexit functions
     run, its code kept, and no object finalized by the teardown (finalizing JAX/XLA objects while their threads
