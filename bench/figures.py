@@ -183,7 +183,8 @@ def _train_step_ratio(res: dict[str, Any]) -> float | None:
     """rlpipe's train step alone (XLA's default flags) over PyTorch's, CPU s per step (`bench.bench_train_step`)."""
     ours = _by(res.get("train_step"), system="rlpipe", xla_flags="")
     torch = _by(res.get("train_step"), system="pytorch")
-    return ours["train_step"] / torch["train_step"] if ours and torch and "train_step" in ours | torch else None
+    measured = ours and torch and "error" not in ours and "error" not in torch
+    return ours["train_step"] / torch["train_step"] if measured else None
 
 
 def _startup(forked: bool) -> Callable[[dict[str, Any]], float | None]:
