@@ -16,33 +16,24 @@ import subprocess
 import sys
 import time
 
-from bench.common import machine_name, synthetic_learner_batch
+from bench.common import machine_name
 
 B, S, VOCAB = 32, 128, 512
 
 
 def child(steps: int) -> dict[str, float]:
     """Time `steps` optimizer steps of the tiny model on the mesh of every visible device."""
-    import equinox as eqx
     import jax
 
+    from bench.common import learner_on_mesh
     from pipeline.config import LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
-    from policy import learner as L
-    from policy import mesh as mesh_lib
-    from policy import model as M
-    from policy.losses import Batch
 
     config = LearnerStepConfig(
         model=ModelSpec(max_seq_len=S),
         train=TrainParams(batch_size=B, seq_len=S, num_train_steps=100),
         mesh=MeshConfig(fsdp=-1),
     )
-    lm = mesh_lib.build_mesh(config.mesh)
-    model = M.build_model(config.model, VOCAB)
-    optimizer = L.build_optimizer(config.optimizer, 100)
-    state = L.shard_state(L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None), lm)
-    batch = Batch(**mesh_lib.global_batch(synthetic_learner_batch(B, S, VOCAB, -6.0), lm, B))
-    step = L.mesh_train_step(config, lm)
+    state, batch, step = learner_on_mesh(config, VOCAB, -6.0)
     m, o, metrics = step(state.model, state.opt_state, None, batch)
     jax.block_until_ready(m)
     t0 = time.perf_counter()

@@ -48,13 +48,10 @@ def rlpipe_child(steps: int) -> dict[str, Any]:
     import equinox as eqx
     import jax
 
-    from bench.common import synthetic_learner_batch
+    from bench.common import learner_on_mesh
     from pipeline.config import LearnerStepConfig, MeshConfig, ModelSpec, TrainParams
     from pipeline.environments.tokenizer import build_tiny_tokenizer
     from policy import learner as L
-    from policy import mesh as mesh_lib
-    from policy import model as M
-    from policy.losses import Batch
 
     vocab = len(build_tiny_tokenizer())
     spec = ModelSpec(
@@ -69,12 +66,9 @@ def rlpipe_child(steps: int) -> dict[str, Any]:
     config = LearnerStepConfig(
         model=spec, train=TrainParams(batch_size=ROWS, seq_len=SEQ, num_train_steps=1000), mesh=MeshConfig(fsdp=-1)
     )
-    lm = mesh_lib.build_mesh(config.mesh)
-    model = M.build_model(config.model, vocab)
+    state, batch, step = learner_on_mesh(config, vocab, -3.0)
+    model = state.model
     optimizer = L.build_optimizer(config.optimizer, 1000)
-    state = L.shard_state(L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None), lm)
-    batch = Batch(**mesh_lib.global_batch(synthetic_learner_batch(ROWS, SEQ, vocab, -3.0), lm, ROWS))
-    step = L.mesh_train_step(config, lm)
     carry = [state.model, state.opt_state]
 
     def train() -> None:

@@ -55,6 +55,27 @@ def synthetic_learner_batch(batch: int, seq: int, vocab: int, sampler_logprob: f
     }
 
 
+def learner_on_mesh(config: Any, vocab: int, sampler_logprob: float) -> tuple[Any, Any, Any]:
+    """(state, batch, step) for timing `policy.learner.mesh_train_step` under `config` (a `LearnerStepConfig`): the
+    model built from scratch and sharded with a fresh optimizer state, one synthetic batch slot on the mesh
+    (`synthetic_learner_batch`), and the jitted step `(model, opt_state, reference, batch) -> (model, opt_state,
+    metrics)`."""
+    import equinox as eqx
+
+    from policy import learner as L
+    from policy import mesh as mesh_lib
+    from policy import model as M
+    from policy.losses import Batch
+
+    lm = mesh_lib.build_mesh(config.mesh)
+    model = M.build_model(config.model, vocab)
+    optimizer = L.build_optimizer(config.optimizer, config.train.num_train_steps)
+    state = L.shard_state(L.LearnerState(0, model, optimizer.init(eqx.filter(model, eqx.is_array)), None), lm)
+    B, S = config.train.batch_size, config.train.seq_len
+    batch = Batch(**mesh_lib.global_batch(synthetic_learner_batch(B, S, vocab, sampler_logprob), lm, B))
+    return state, batch, L.mesh_train_step(config, lm)
+
+
 STEP_ROLES = (
     ("steps.forkserver", "fork server"),
     ("steps.learn", "learner"),
