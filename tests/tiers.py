@@ -13,6 +13,7 @@ HEAVY_FILES = (
     "test_agent_env.py",
     "test_attention.py",
     "test_bench_cpu.py",
+    "test_bench_gpu_gemm.py",
     "test_blocked_logprobs.py",
     "test_cli.py",
     "test_continuous_batching.py",
