@@ -4,12 +4,14 @@ format (token ids, prompt token ids, logprobs) and, given a tokenizer with a cha
 in vLLM's format (`prompt_token_ids`, choice `token_ids`, `message.tool_calls`, `logprobs.content` entries named
 `token_id:<id>`; see `policy/inference/openai_chat.py`). They record every request they receive.
 
-As a program, `python tests/fake_servers.py launcher --host H --port P [--step S] [--api_key K]` is a stand-in of
+As a program, `python tests/fake_servers.py launcher --host H --port P [--step S] [--api_key K] [--key_env NAME]`
+is a stand-in of
 rlpipe's levanter launcher (`policy.inference.adapters.levanter_server`) without JAX, speaking the same address and
 identity protocol through the same helpers (`pipeline.process.ports`, `pipeline.process.listener`): it binds its
 own port (`--port 0`: one the kernel picks; a port in use: it exits, saying so), announces the bound address in
 `RLPIPE_SERVER_ANNOUNCE`, and refuses with 401, on every route, a request without the secret of
-`RLPIPE_SERVER_TOKEN` (or `--api_key`, as vLLM and SGLang take it). It serves `/health`, `/v1/models`,
+`RLPIPE_SERVER_TOKEN` (or `--api_key`, as vLLM and SGLang take it, or the variable `--key_env` names, as vLLM reads
+`VLLM_API_KEY`). It serves `/health`, `/v1/models`,
 `POST /rlpipe/load_policy`, `GET /rlpipe/policy_step` (`{"step", "pid"}`: its own process id, so a client can tell
 which server answered) and vLLM's reload routes (`/collective_rpc`, `/reset_prefix_cache`).
 
@@ -163,10 +165,12 @@ def launcher(argv: list[str]) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--step", type=int, default=0)
     p.add_argument("--api_key", default=None)
+    p.add_argument("--key_env", default=None)
     a = p.parse_args(argv)
     identity = ServerIdentity.from_env()
-    if a.api_key:
-        identity = ServerIdentity(a.api_key, identity.announce_file)
+    key = a.api_key or (os.environ[a.key_env] if a.key_env else None)
+    if key:
+        identity = ServerIdentity(key, identity.announce_file)
     state = {"step": a.step}
 
     class Handler(BoundedHandler):

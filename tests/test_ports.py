@@ -183,6 +183,24 @@ def test_a_picked_port_found_taken_is_retried_on_another(
         assert "Address already in use" in (tmp_path / f"{kind}.server.log").read_text()
 
 
+def test_vllm_finds_the_secret_in_its_environment_not_on_the_command_line(tmp_path: Path) -> None:
+    """vLLM reads its key from `VLLM_API_KEY` when `--api-key` is not given: the worker puts the start's secret there,
+    so a command without `{api_key}` still gets the identity check, and no process listing shows the secret."""
+    command = f"{{python}} {FAKE} launcher --host {{host}} --port {{port}} --key_env VLLM_API_KEY"
+    b = backend(tmp_path, "envkey", command=command, adapter="vllm")
+    try:
+        assert b.checks_secret and not b.announced
+        b.load_policy(2)
+        assert b.process is not None and b.process.proc is not None and b.served_policy_step() == 2
+        secret = b._client.headers["authorization"][len("Bearer ") :]
+        cmdline = Path(f"/proc/{b.process.proc.pid}/cmdline").read_bytes().decode()
+        assert secret not in cmdline and secret not in " ".join(b.process.argv)
+        wrong = httpx.get(f"{b.root_url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=30)
+        assert wrong.status_code == 401  # the server checks the secret it found in its environment
+    finally:
+        b.shutdown()
+
+
 def test_a_running_server_without_command_is_checked_when_it_has_a_key(
     tmp_path: Path, squatter: _Squatter, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -294,8 +294,8 @@ class ServerInferenceConfig(OpenAIInferenceConfig):
     command: str | None = None
     """Shell-split command line that starts the server; None: the server at `openai_base_url` is already up.
     `{python}` is this environment's own Python, whose bin folder is also first on the server's PATH. `{api_key}`
-    is the start's secret (vLLM and SGLang: `--api-key {api_key}`); rlpipe's levanter server reads it from
-    `RLPIPE_SERVER_TOKEN`."""
+    is the start's secret (SGLang: `--api-key {api_key}`); rlpipe's levanter server reads it from
+    `RLPIPE_SERVER_TOKEN` and vLLM from `VLLM_API_KEY`, so their commands need not show it."""
     host: str = "127.0.0.1"
     """Host the started server binds to (and the worker connects to)."""
     port: int = 8000

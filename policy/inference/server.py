@@ -19,10 +19,11 @@ Promises
   (vLLM, SGLang) gets one the worker picks; a start that finds it taken (the child exits saying "address already
   in use", or a foreign server answers the identity check) is stopped and retried on another port, at most
   `PORT_CLASH_RETRIES` times, and is neither a start nor a config error. A fixed `port` is used as given.
-- Identity: every start gets a fresh secret (`RLPIPE_SERVER_TOKEN` in the child's environment, and `{api_key}`),
-  sent with every request as `Authorization: Bearer <secret>`. Before the first request the worker asks the
-  adapter's `identity_route` with it (must be 200) and, when the server checks the secret (rlpipe's launcher, or a
-  command that passes `{api_key}`), with a wrong one (must be 401). Anything else is a foreign server: one line,
+- Identity: every start gets a fresh secret (`RLPIPE_SERVER_TOKEN` in the child's environment, and in the
+  adapter's `secret_env` where it has one: `VLLM_API_KEY` for vLLM; and `{api_key}`), sent with every request as
+  `Authorization: Bearer <secret>`. Before the first request the worker asks the adapter's `identity_route` with it
+  (must be 200) and, when the server checks the secret (rlpipe's launcher, vLLM, or a command that passes
+  `{api_key}`), with a wrong one (must be 401). Anything else is a foreign server: one line,
   `ServerLoadError("a foreign server answers on HOST:PORT: GET /route -> 404 ...")`. Without `command`, the same
   check runs before the first request when `api_key_env` names the server's key.
 - Start-up rule: a server that exits before it is ready, on its FIRST start, cannot start at all (a bad
@@ -228,7 +229,9 @@ class ServerBackend(OpenAIBackend):
         """The worker chooses the port (`port: 0` with `command`): announced by the server, or picked and retried."""
         self.announced = self.owns_port and self.adapter.announces
         """The server binds its own port and announces it (`{port}` is 0)."""
-        self.checks_secret = bool(config.command) and (self.adapter.announces or "{api_key}" in (config.command or ""))
+        self.checks_secret = bool(config.command) and (
+            self.adapter.announces or bool(self.adapter.secret_env) or "{api_key}" in (config.command or "")
+        )
         """The started server refuses requests without this start's secret (checked before the first request)."""
         if not config.command:
             self.checks_secret = bool(config.api_key_env)
@@ -237,7 +240,7 @@ class ServerBackend(OpenAIBackend):
         if config.command and not self.checks_secret:
             logger.warning(
                 "inference.command does not pass {api_key}: the %s server will not check the worker's secret, so a "
-                "foreign server on its port cannot be told from it (vLLM, SGLang: add --api-key {api_key})",
+                "foreign server on its port cannot be told from it (SGLang: add --api-key {api_key})",
                 config.adapter,
             )
 
@@ -362,7 +365,10 @@ class ServerBackend(OpenAIBackend):
         self.set_api_key(secret)
         if not self.announced:
             self._set_address(c.host, port)
-        self.process.start({TOKEN_ENV: secret, ANNOUNCE_ENV: announce_file})
+        env = {TOKEN_ENV: secret, ANNOUNCE_ENV: announce_file}
+        if self.adapter.secret_env:
+            env[self.adapter.secret_env] = secret
+        self.process.start(env)
         deadline = time.monotonic() + c.startup_timeout_s
         if self.announced:
             where = self._wait_for_announcement(announce_file, deadline)

@@ -29,13 +29,16 @@ class ServerAdapter(abc.ABC):
     `needs_hf = True`: the server loads Hugging Face folders (`policies/step-S/hf/`), which must exist first.
     `announces = True`: the server, started with port 0, binds a port itself and announces it
     (`pipeline.process.ports`); otherwise the worker must give it a port number. `identity_route`: a GET route
-    that answers 200 to the start's secret and 401 to any other (the worker's identity check).
+    that answers 200 to the start's secret and 401 to any other (the worker's identity check). `secret_env`: an
+    environment variable the server reads its API key from; a started server finds the start's secret there, so the
+    command need not show it (`{api_key}` on a command line is visible to every user of the host).
     """
 
     name = "abstract"
     needs_hf = False
     announces = False
     identity_route = "/v1/models"
+    secret_env: str | None = None
 
     def __init__(self, root_url: str, client: httpx.Client) -> None:
         self.root_url = root_url.rstrip("/")

@@ -25,6 +25,7 @@ class VLLMAdapter(ServerAdapter):
 
     name = "vllm"
     needs_hf = True
+    secret_env = "VLLM_API_KEY"  # `vllm serve` takes `--api-key` or, without it, this variable
 
     def __init__(self, root_url: str, client: object) -> None:
         super().__init__(root_url, client)  # type: ignore[arg-type]
