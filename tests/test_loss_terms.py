@@ -184,6 +184,28 @@ def test_ppo_clip_hand_computed() -> None:
     assert metrics["clip_fraction"] == 0.5
 
 
+@pytest.mark.parametrize("cfg", [RLOOLossConfig(dual_clip=3.0), PPOClipLossConfig(dual_clip=3.0)], ids=["rloo", "ppo"])
+def test_dual_clip_bounds_negative_advantages_far_above_the_ratio(cfg: LossConfig) -> None:
+    """r = e^2 (A = −1: dual-clipped to −3, no gradient), r = e^0.5 (A = −1: under c, unclipped r·A), r = e^2
+    (A = +1: the usual upper clip), r = e^-0.5 (A = −1: the usual lower clip, 0.8·A for ε_low = 0.2)."""
+    batch = batch_of([[2.0, 0.5, 2.0, -0.5]], [[-1.0, -1.0, 1.0, -1.0]])
+    loss, grad, metrics = loss_and_grad(cfg, batch)
+    r = np.exp([2.0, 0.5, 2.0, -0.5])
+    high = 1.28 if isinstance(cfg, RLOOLossConfig) else 1.2
+    terms = [-3.0, -r[1], high, -0.8]
+    assert loss == pytest.approx(-sum(terms) / 4, abs=1e-5)
+    np.testing.assert_allclose(grad[0, :4], [0.0, r[1] / 4, 0.0, 0.0], rtol=1e-6, atol=1e-7)
+    assert metrics["dual_clip_fraction"] == 0.25 and metrics["clip_fraction"] == 0.5
+    plain = loss_and_grad(dataclasses.replace(cfg, dual_clip=None), batch)
+    assert plain[0] == pytest.approx(loss + (r[0] - 3.0) / 4, abs=1e-5)  # without it: the unbounded −r·A
+    assert plain[1][0, 0] == pytest.approx(r[0] / 4, rel=1e-6) and "dual_clip_fraction" not in plain[2]
+
+
+def test_dual_clip_must_exceed_one() -> None:
+    with pytest.raises(ConfigError, match=r"loss\.dual_clip"):
+        RLOOLossConfig(dual_clip=1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # GSPO
 # ---------------------------------------------------------------------------------------------

@@ -229,9 +229,23 @@ class LossConfig(draccus.ChoiceRegistry):
     default_choice_name = default_choice("rloo")
 
 
+@dataclass(frozen=True)
+class ClippedTokenLossConfig(LossConfig):
+    """The token-level PPO clip's shared field (rloo, ppo)."""
+
+    dual_clip: float | None = None
+    """Dual clip c (> 1; None: off): a token with negative advantage contributes at least c·A, so a ratio far above
+    1 (a stale row the policy now much prefers) cannot make its loss, or its gradient, unbounded; such tokens get
+    no gradient (metric `dual_clip_fraction`). 3 in the paper that introduced it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.dual_clip is None or self.dual_clip > 1, "loss.dual_clip", self.dual_clip, "must be > 1 or null")
+
+
 @LossConfig.register_subclass("rloo")
 @dataclass(frozen=True)
-class RLOOLossConfig(LossConfig):
+class RLOOLossConfig(ClippedTokenLossConfig):
     """RLOO advantages with a PPO-style clipped importance ratio (clip-higher)."""
 
     clip_low: float = 0.2
@@ -249,7 +263,7 @@ class RLOOLossConfig(LossConfig):
 
 @LossConfig.register_subclass("ppo")
 @dataclass(frozen=True)
-class PPOClipLossConfig(LossConfig):
+class PPOClipLossConfig(ClippedTokenLossConfig):
     """Plain PPO-clip with a symmetric clip range."""
 
     clip_epsilon: float = 0.2

@@ -10,6 +10,7 @@ clamps log-ratios to ±`max_log_ratio` before `exp`. With `overlong_filter` (RLO
 truncated responses get m = 0.
 
 RLOOLoss (`type: rloo`): L = −agg( min(r·A, clip(r, 1−ε_low, 1+ε_high)·A) ) with r = π_θ/π_sampler.
+  Dual clip (`dual_clip` = c, rloo and ppo): for A < 0 the objective is max(that, c·A), bounded as r grows.
   With truncated importance sampling (`tis_cap` = C set), the ratio is taken to the learner's own
   pre-update policy, π_old = stop_gradient(π_θ), and the sampler mismatch is corrected by a capped weight:
   L = −agg( min(π_old/π_sampler, C) · min(r'·A, clip(r')·A) ), r' = π_θ/π_old. With one optimizer update per
@@ -54,6 +55,8 @@ References:
         arXiv:2506.13585.
     KL estimators k1/k2/k3: Schulman 2020, "Approximating KL Divergence", blog post
         (http://joschu.net/blog/kl-approx.html).
+    dual-clip PPO: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning",
+        arXiv:1912.09729.
     on-policy distillation: Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
         Self-Generated Mistakes" (GKD), arXiv:2306.13649; Lu and Thinking Machines Lab 2025, "On-Policy
         Distillation" (blog post, thinkingmachines.ai).
@@ -370,7 +373,9 @@ _SEQUENCE_MEANS = frozenset(
     {"mismatch_seq_abs_logp_mean", "mismatch_seq_abs_logp_max", "mismatch_seq_abs_log_ratio", "mis_masked_seq_fraction"}
 )
 """Means over sequences with loss tokens."""
-_POLICY_MEANS = frozenset({"ratio_mean", "clip_fraction", "tis_weight_mean", "is_weight_mean", "clamped_fraction"})
+_POLICY_MEANS = frozenset(
+    {"ratio_mean", "clip_fraction", "dual_clip_fraction", "tis_weight_mean", "is_weight_mean", "clamped_fraction"}
+)
 """The policy term's means: over the tokens it kept (over sequences for GSPO)."""
 
 
@@ -439,7 +444,9 @@ def _tis_weight(module: _LossModuleBase, logp_old: Array, batch: Batch, mask: Ar
 
 @dataclasses.dataclass(frozen=True)
 class _ClipLossBase(_LossModuleBase):
-    """Token-level PPO clip with an optional TIS weight (RLOO and PPO)."""
+    """Token-level PPO clip with an optional TIS weight and dual clip (RLOO and PPO)."""
+
+    dual_clip: float | None = None
 
     def policy_term(self, logp: Array, batch: Batch, mask: Array) -> tuple[Array, dict[str, Array]]:
         adv, logp_gen = batch.advantages, batch.generator_logprobs
@@ -452,9 +459,15 @@ class _ClipLossBase(_LossModuleBase):
         else:
             ratio, _ = T.importance_ratio(logp, logp_old, self.max_log_ratio)  # see the module docstring
             weight = _tis_weight(self, logp_old, batch, mask)
-        surrogate = weight * T.clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
+        if self.dual_clip is None:
+            surrogate = weight * T.clipped_surrogate(ratio, adv, self.eps_low, self.eps_high)
+        else:
+            surrogate = weight * T.dual_clipped_surrogate(ratio, adv, self.eps_low, self.eps_high, self.dual_clip)
         pg_loss = -self.aggregate(surrogate, mask, batch.seq_index)
-        return pg_loss, self.ratio_metrics(ratio, adv, weight, lambda x: T.token_mean(x, mask), clamped, mask)
+        metrics = self.ratio_metrics(ratio, adv, weight, lambda x: T.token_mean(x, mask), clamped, mask)
+        if self.dual_clip is not None:
+            metrics["dual_clip_fraction"] = T.token_mean(T.dual_clip_indicator(ratio, adv, self.dual_clip), mask)
+        return pg_loss, metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,7 +488,12 @@ class RLOOLoss(_ClipLossBase):
     @classmethod
     def from_config(cls, config: RLOOLossConfig) -> RLOOLoss:
         return cls(
-            config, config.clip_low, config.clip_high, overlong_filter=config.overlong_filter, **_correction(config)
+            config,
+            config.clip_low,
+            config.clip_high,
+            overlong_filter=config.overlong_filter,
+            dual_clip=config.dual_clip,
+            **_correction(config),
         )
 
 
@@ -489,7 +507,14 @@ class PPOClipLoss(_ClipLossBase):
 
     @classmethod
     def from_config(cls, config: PPOClipLossConfig) -> PPOClipLoss:
-        return cls(config, config.clip_epsilon, config.clip_epsilon, overlong_filter=False, **_correction(config))
+        return cls(
+            config,
+            config.clip_epsilon,
+            config.clip_epsilon,
+            overlong_filter=False,
+            dual_clip=config.dual_clip,
+            **_correction(config),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,6 +81,25 @@ def clipped_surrogate(ratio: Array, advantages: Array, eps_low: float, eps_high:
     return jnp.where(clipped, bounded * advantages, ratio * advantages)
 
 
+def dual_clip_indicator(ratio: Array, advantages: Array, c: float) -> Array:
+    """1 where the dual clip bounds the objective (no gradient): A < 0 ∧ r > c."""
+    return (advantages < 0) & (ratio > c)
+
+
+def dual_clipped_surrogate(ratio: Array, advantages: Array, eps_low: float, eps_high: float, c: float) -> Array:
+    """max(min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), c·A) for A < 0, the PPO objective otherwise (c > 1).
+
+    With A < 0 and r > c the PPO objective r·A is unbounded below as r grows; the dual clip replaces it with the
+    constant c·A (no gradient), as `clipped_surrogate` replaces its clipped branch.
+
+    References:
+        Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning" (dual-clip PPO),
+            AAAI 2020, arXiv:1912.09729.
+    """
+    return jnp.where(dual_clip_indicator(ratio, advantages, c), c * advantages,
+                     clipped_surrogate(ratio, advantages, eps_low, eps_high))  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # CISPO
 # ---------------------------------------------------------------------------------------------
