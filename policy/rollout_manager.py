@@ -161,8 +161,15 @@ class RolloutManager:
             return bool(warm(draws_left))
 
     def shutdown(self) -> None:
-        """Release the inference backend."""
+        """Close every environment it built (their processes and connections; one that fails to close is logged,
+        the others still close), then release the inference backend. Idempotent."""
         with self._lock:
+            environments, self._environments = list(self._environments.values()), {}
+            for env in environments:
+                try:
+                    env.close()
+                except Exception as e:  # a failing close must not keep the others, or the backend, open
+                    logger.warning("closing environment %s failed: %s: %s", type(env).__name__, type(e).__name__, e)
             self._backend.shutdown()
 
     # -- environments -----------------------------------------------------------------------------

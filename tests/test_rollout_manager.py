@@ -489,3 +489,25 @@ def test_a_rollout_worker_goes_on_past_broken_rewards_and_records_them(broken_en
     assert reasons == ["reward error: episode reward is nan, not a finite number"] * summary.failures
     rows = [r for rel in summary.files for r in ROLLOUT.from_table(store.read_parquet(rel, ROLLOUT))]
     assert rows and all(r.episode_reward == 1.0 for r in rows)
+
+
+def test_shutdown_closes_every_environment_once_even_when_one_fails(tokenizer: Any) -> None:
+    """The environments a manager built hold processes and connections (a verifiers harness pool, a judge's
+    client): `shutdown` closes each once, and one whose close raises does not keep the others open."""
+    cur = _curriculum(cats=EnvConfig(), calc=EnvConfig("pipeline.environments.calculator.CalculatorEnv", {}))
+    m = RolloutManager(DenseInferenceConfig(), SPEC, cur, tokenizer, None, backend=ScriptedBackend(tokenizer, ["x"]))
+    m.sample_batch("cats", 2, 2, "train", 0, 1, "w")
+    m.sample_batch("calc", 2, 2, "train", 0, 1, "w")
+    closed: list[str] = []
+
+    def failing() -> None:
+        closed.append("cats")
+        raise RuntimeError("boom")
+
+    envs = {type(e).__name__: e for e in m._environments.values()}
+    assert sorted(envs) == ["CalculatorEnv", "CatsEnv"]
+    envs["CatsEnv"].close = failing  # type: ignore[method-assign]
+    envs["CalculatorEnv"].close = lambda: closed.append("calc")  # type: ignore[method-assign]
+    m.shutdown()
+    m.shutdown()
+    assert sorted(closed) == ["calc", "cats"]

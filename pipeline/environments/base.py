@@ -213,6 +213,10 @@ class Environment(ABC):
     def sample(self, ctx: InferenceContext, spec: SampleSpec, rng: np.random.Generator) -> SampleResult:
         """Sample `spec.n_examples` examples, `spec.n_generations` completions each, score them, and group them."""
 
+    def close(self) -> None:  # noqa: B027 - optional hook: most environments hold nothing
+        """Release what the environment holds (processes, servers, connections); called once when its sampler
+        shuts down. The default holds nothing."""
+
 
 # ---------------------------------------------------------------------------------------
 # helpers

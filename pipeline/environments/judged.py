@@ -172,9 +172,10 @@ class JudgedEnv(Environment):
             self.base.examples = recording  # type: ignore[method-assign]
 
     def close(self) -> None:
-        """Release the scorers' connections and models."""
+        """Release the scorers' connections and models, then close the wrapped environment."""
         for s in self.scorers:
             s.close()
+        self.base.close()
 
     def _request(self, r: EnvRollout, tok: Any, stop: set[int]) -> ScoreRequest:
         ex = self._examples.get(r.example_id)
