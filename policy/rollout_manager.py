@@ -10,7 +10,7 @@ backend) that reports a different policy step during one call, the whole call is
 fails is retried (a fresh example of the same lesson is drawn, since environments choose examples by rng) up to
 `max_example_retries` more times (in training; an eval example that fails is recorded as failed, never replaced);
 every failure is kept with its reason. Nothing is dropped silently. A missing or non-finite reward, from any
-environment kind, fails its example with the reason (`pipeline.environments.base.split_bad_rewards`).
+environment kind, fails its example with the reason (`pipeline.environments.reward_checks.split_bad_rewards`).
 
 With partial rollouts (`inference.partial_rollouts`, dense backend with continuous batching) `stage_model` hands a
 newer policy to the sampler without waiting for the running call: it is swapped in between decode steps, every
@@ -33,7 +33,8 @@ import numpy as np
 
 from pipeline.config import CurriculumConfig, InferenceConfig, ModelSpec, SamplingParams
 from pipeline.environments import Environment, SampleSpec, load_environment
-from pipeline.environments.base import PromptSkip, split_bad_rewards
+from pipeline.environments.base import PromptSkip
+from pipeline.environments.reward_checks import split_bad_rewards
 from pipeline.environments.tokenizer import check_chat_lessons
 from pipeline.rollout.rollout_batch import (  # noqa: F401  (re-exported: the manager's return types)
     SUCCESS_REWARD,
@@ -296,10 +297,10 @@ class RolloutManager:
         example that fails is recorded as failed, never replaced: the eval stream is fixed, so a re-draw would
         evaluate another example twice).
 
-        Every group passes the shared reward check (`pipeline.environments.base.split_bad_rewards`): a missing or
-        non-finite reward fails its example with the reason. `env_metrics["failures"]` counts every failure of every
-        attempt; `n_*` counts (and `SUMMED_ENV_METRICS`) are summed over attempts, other metrics are the last
-        attempt's.
+        Every group passes the shared reward check (`pipeline.environments.reward_checks.split_bad_rewards`): a
+        missing or non-finite reward fails its example with the reason. `env_metrics["failures"]` counts every
+        failure of every attempt; `n_*` counts (and `SUMMED_ENV_METRICS`) are summed over attempts, other metrics
+        are the last attempt's.
 
         A call during which an external server reported more than one policy step is discarded whole and
         re-rolled (counted as an attempt); if that keeps happening, its examples are recorded as failed.

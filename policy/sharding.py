@@ -9,11 +9,12 @@ between devices). The gradient of the slot's loss is the sum over microbatches o
 where loss_i is the loss module's objective on microbatch i and w_i its aggregation weight: the number of
 loss tokens for token-level aggregation, the number of sequences with loss tokens for sequence-level (and
 GSPO); with masked IS (`loss.mis_level`) the tokens / sequences it kept. w_i is read from microbatch i's own
-count metrics (`policy.losses.modules.loss_weight`), since a rejection depends on the learner's logprobs. Each
-aggregated term is a mean with that denominator, so the weighted sum equals the objective of the whole slot (up
-to floating-point summation order). Every metric is combined with its own denominator (token means by loss
-tokens, sequence means by sequences, counts summed, maxima maximised:
-`policy.losses.modules.combine_microbatch_metrics`), so the slot's metrics do not depend on the microbatch size.
+count metrics (`policy.losses.microbatch_metrics.loss_weight`), since a rejection depends on the learner's
+logprobs. Each aggregated term is a mean with that denominator, so the weighted sum equals the objective of the
+whole slot (up to floating-point summation order). Every metric is combined with its own denominator (token
+means by loss tokens, sequence means by sequences, counts summed, maxima maximised:
+`policy.losses.microbatch_metrics.combine_microbatch_metrics`), so the slot's metrics do not depend on the
+microbatch size.
 
 Several optimizer updates per slot (`train.minibatches_per_slot` = k, `train.ppo_epochs` = E): the slot's rows
 are split into k minibatches the same strided way (minibatch j: rows j, j+k, …), and the slot step makes E
@@ -43,7 +44,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from policy import lora
 from policy.losses import Batch, RLLossModule
-from policy.losses.modules import GSPOLoss, combine_microbatch_metrics, loss_weight
+from policy.losses.microbatch_metrics import combine_microbatch_metrics, loss_weight
+from policy.losses.modules import GSPOLoss
 from policy.mesh import LearnerMesh
 from policy.update_guard import guarded_update
 

@@ -162,7 +162,7 @@ def test_token_mean_metrics_are_weighted_by_tokens_not_by_the_loss_shares() -> N
     ½. Computed through the module's objective on the whole slot and on each row as its own microbatch."""
     from test_loss_terms import batch_of
 
-    from policy.losses.modules import combine_microbatch_metrics
+    from policy.losses.microbatch_metrics import combine_microbatch_metrics
 
     module = loss_module_from_config(RLOOLossConfig(aggregation="sequence"))
     whole = batch_of([[0.0] * 3, [0.0]], [[1.0] * 3, [-1.0]])

@@ -328,9 +328,9 @@ def token_rewards_for(n_tokens: int, reward: float, loss_mask: Sequence[int] | N
 
 def reward_problem(value: Any, what: str = "reward") -> str | None:
     """Why `value` cannot be a reward (missing, not a number, NaN or infinite), or None when it can: the one check
-    every reward of every environment kind passes (`rollout_problem`, applied by the rollout manager to every
-    group an environment returns; `rollout_from_completion`, `rollouts_from_calls` and `VerifiersEnv` use it too), so
-    a broken reward fails its example with this reason instead of the worker or the evaluator."""
+    every reward of every environment kind passes (`reward_checks.rollout_problem`, applied by the rollout manager
+    to every group an environment returns; `rollout_from_completion`, `rollouts_from_calls` and `VerifiersEnv` use
+    it too), so a broken reward fails its example with this reason instead of the worker or the evaluator."""
     if value is None:
         return f"{what} is missing (None)"
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
@@ -346,38 +346,6 @@ def checked_reward(value: Any, what: str = "reward") -> float:
     if problem is not None:
         raise ValueError(problem)
     return float(value)
-
-
-def rollout_problem(rollout: EnvRollout) -> str | None:
-    """Why a scored episode cannot be trained on or reported (its episode reward, a per-token reward or a reward
-    component missing or not finite), or None: the shared check of every environment kind's results."""
-    problem = reward_problem(rollout.episode_reward, "episode reward")
-    if problem is not None:
-        return problem
-    for name, value in (rollout.reward_components or {}).items():
-        problem = reward_problem(value, f"reward component {name!r}")
-        if problem is not None:
-            return problem
-    for i, value in enumerate(rollout.token_rewards):
-        problem = reward_problem(value, f"token reward {i}")
-        if problem is not None:
-            return problem
-    return None
-
-
-def split_bad_rewards(groups: Sequence[EnvGroup]) -> tuple[list[EnvGroup], list[ExampleFailure]]:
-    """(the groups every rollout of which passes `rollout_problem`, one `ExampleFailure` per other group naming the
-    first broken reward): a group with a broken reward fails its example, whatever environment made it."""
-    good: list[EnvGroup] = []
-    bad: list[ExampleFailure] = []
-    for g in groups:
-        problem = next((p for p in map(rollout_problem, g.rollouts) if p is not None), None)
-        if problem is None:
-            good.append(g)
-        else:
-            example_id = g.rollouts[0].example_id if g.rollouts else g.key
-            bad.append(ExampleFailure(str(example_id), f"reward error: {problem}"))
-    return good, bad
 
 
 def rollout_from_completion(
