@@ -54,7 +54,8 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypat
     A step killed with SIGKILL is restarted: once a rollout worker has committed a rollout file, its program is
     SIGKILLed; the runner restarts it (a new program, a second log) and the job completes with the run's
     exactly-once invariants (`check_finished_run`). The learner is held (SIGSTOP) from the commit of policy 0
-    until the restarted program runs, so the job cannot reach its end before the kill and the restart."""
+    until the restarted program runs, so the job cannot reach its end before the kill and the restart. The step
+    programs run at the job runner's niceness (Ray's workers default to 15)."""
     monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)  # the launcher's own default, not this environment's
     run_root = f"gs://{gcs_endpoint.bucket}/ray-{os.getpid()}"
     cfg = job_config(
@@ -76,6 +77,9 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypat
                              "learner holding policy 0", job, timeout_s=600)  # fmt: skip
             learner.send_signal(signal.SIGSTOP)
             held = learner
+            # the step programs run at the runner's niceness, not Ray's worker default of 15 (beside other work
+            # on the host they got a fraction of its CPU: 7x this test's time on a loaded 2-core VM)
+            assert learner.nice() == psutil.Process(job.pid).nice(), (learner.nice(), psutil.Process(job.pid).nice())
             assert not store.exists(layout.LEARNER_DONE), "the job ended before the learner was held"
 
             def committed() -> list[str]:

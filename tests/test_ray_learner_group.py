@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 import draccus
+import psutil
 import pytest
-from jobs import simulated_devices
+from jobs import simulated_devices, step_module
 
 from pipeline.config import RayBackendConfig
 from pipeline.jobs.launchers.base import StepSpec
@@ -66,8 +67,15 @@ def test_ray_backend_starts_one_actor_per_learner_process(tmp_path: Path, learne
         group = launcher.start(spec, log_target(store.root, None, "learner"))
         assert isinstance(group, RayProcessGroup) and len(group.members) == 2
         deadline = time.monotonic() + 600
+        niceness: set[int] = set()  # of the learner programs (children of Ray workers of the cluster started here)
         while (rc := group.poll()) is None:
             assert time.monotonic() < deadline, "the learner group did not finish"
+            for p in psutil.Process().children(recursive=True):
+                try:
+                    if step_module(p.cmdline()) == "steps.learn":
+                        niceness.add(p.nice())
+                except psutil.Error:
+                    pass
             time.sleep(0.2)
     finally:
         ray.shutdown()
@@ -78,3 +86,5 @@ def test_ray_backend_starts_one_actor_per_learner_process(tmp_path: Path, learne
     assert len(logs) == 2 and all("jax.distributed: process" in text for text in logs.values()), list(logs)
     rec = CommitMarker.from_json(store.get(layout.checkpoint_marker(2)), path="m")
     assert sorted(rec.files) == ["p0", "p1"]  # both processes wrote blocks of the checkpoint
+    # at this process's niceness, not Ray's worker default of 15 (a fraction of the CPU beside other work)
+    assert niceness == {psutil.Process().nice()}, niceness
