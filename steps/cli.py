@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import functools
 import gc
 import importlib
@@ -271,6 +272,10 @@ def run_command(
     """
     level, args = pop_log_level(sys.argv[1:] if argv is None else argv)
     configure_logging(level)
+    # A crash in native code (SIGSEGV, SIGABRT, ...) prints every thread's Python stack on stderr (the step's log),
+    # so a fatal error names where it happened instead of a bare exit -11.
+    with contextlib.suppress(Exception):  # a stderr without a file descriptor (embedded use): no handler
+        faulthandler.enable()
     # The program's modules are imported by now; their objects live as long as the process. Frozen, the cyclic
     # collector stops walking them at every full collection, which JAX's tracing triggers often (~1/3 of the CPU
     # of tracing a sampler program in a process that was not forked from the frozen fork server).

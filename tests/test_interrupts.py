@@ -230,31 +230,40 @@ def test_a_signal_after_the_code_is_decided_leaves_the_code() -> None:
     assert (done.returncode, done.stderr) == (3, "")
 
 
-def test_a_program_stopped_by_a_signal_skips_jaxs_exit_functions() -> None:
-    """`end_process` leaves JAX's backend clients as they are: JAX's exit functions destroy them (and collect XLA's
-    garbage), which can crash a process whose computations were interrupted. A probe registered before JAX's exit
-    functions runs after them (atexit runs last-registered first) and sees whether they ran."""
+def test_a_program_stopped_by_a_signal_skips_the_libraries_exit_functions() -> None:
+    """`end_process` leaves JAX's backend clients as they are and waits for none of its effect tokens: JAX's exit
+    functions destroy the clients (and collect XLA's garbage) and equinox's waits for JAX's tokens, which can crash a
+    process whose computations were interrupted (exit -11 after the stop line, seen under load). Equinox unregisters
+    JAX's token wait and registers its own copy, which an earlier `end_process` that unregistered only JAX's own
+    still ran: the probes below see whether either ran."""
     script = (
-        "import atexit, sys\n"
-        "def probe():\n"
-        "    from jax._src import xla_bridge\n"
-        "    sys.stderr.write('backends kept\\n' if xla_bridge._backends else 'backends cleared\\n')\n"
-        "atexit.register(probe)\n"
-        "import jax.numpy as jnp\n"
+        "import sys\n"
+        "import equinox, jax.numpy as jnp\n"
+        "from jax._src import xla_bridge\n"
+        "import equinox._jit as ej\n"
         "from pipeline.process.interrupts import end_process\n"
+        "waited = ej.wait_for_tokens\n"
+        "def probe():\n"
+        "    sys.stderr.write('tokens waited\\n')\n"
+        "    waited()\n"
+        "ej.wait_for_tokens = probe  # what equinox's exit function calls\n"
         "(jnp.ones(4) * 2).block_until_ready()\n"
+        "import multiprocessing.util  # its exit function still runs (children of multiprocessing end)\n"
+        "multiprocessing.util._exit_function = lambda: sys.stderr.write('children ended\\n')\n"
+        "assert xla_bridge._backends\n"
         "end_process(130)\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, "-c", script]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stderr.strip().splitlines()[-1:]) == (130, ["backends kept"]), done.stderr[-2000:]
+    assert (done.returncode, done.stderr.strip().splitlines()[-1:]) == (130, ["children ended"]), done.stderr[-2000:]
+    assert "tokens waited" not in done.stderr, done.stderr[-2000:]
 
 
 def test_a_program_stopped_by_a_signal_skips_the_teardown() -> None:
-    """After a stop by a signal, `rlpipe`'s process ends with `end_process`: its output flushed, its atexit functions
-    run, its code kept, and no object finalized by the teardown (finalizing JAX/XLA objects while their threads
-    still hold the interrupted work can crash the process: SIGSEGV, -11 instead of 130)."""
+    """After a stop by a signal, `rlpipe`'s process ends with `end_process`: its output flushed, its code kept, and
+    neither an atexit function run nor an object finalized by the teardown (finalizing JAX/XLA objects while their
+    threads still hold the interrupted work can crash the process: SIGSEGV, -11 instead of 130)."""
     script = (
         "import atexit, sys\n"
         "from pipeline.process.interrupts import end_process\n"
@@ -267,4 +276,4 @@ def test_a_program_stopped_by_a_signal_skips_the_teardown() -> None:
         "end_process(130)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stdout, done.stderr) == (130, "buffered", "atexit\n")
+    assert (done.returncode, done.stdout, done.stderr) == (130, "buffered", "")

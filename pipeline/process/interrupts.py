@@ -17,9 +17,10 @@ Three stages of a program's life, one rule each:
 
 The line is `error: interrupted: stopped by SIGINT (Ctrl-C)` / `error: terminated: stopped by SIGTERM`: the label of
 the code in the one table (`pipeline.process.exits.LABELS`). `rlpipe` ends a program stopped by a signal with
-`end_process`: its line is out and its `finally` blocks ran, and the interpreter's teardown and JAX's exit
-functions, which can crash while JAX's threads still hold the interrupted work, are skipped; a program that ended on
-its own ignores a signal that lands after its code is decided (`ignore_stop_signals`), so it exits with that code.
+`end_process`: its line is out and its `finally` blocks ran, and the interpreter's teardown and the libraries'
+exit functions (JAX's, equinox's), which can crash while JAX's threads still hold the interrupted work, are
+skipped; a program that ended on its own ignores a signal that lands after its code is decided
+(`ignore_stop_signals`), so it exits with that code.
 """
 
 from __future__ import annotations
@@ -128,38 +129,24 @@ def interrupted(signum: int = signal.SIGINT) -> int:
 
 
 def end_process(code: int) -> NoReturn:
-    """End this program's process now with `code`, after what it wrote is flushed and its atexit functions ran, but
-    without the interpreter's teardown and without JAX's own exit functions. For a program stopped by a signal:
-    finalizing JAX/XLA objects while their threads still hold the interrupted work (a compile, a running
-    computation) can crash the process after its line was printed (SIGSEGV, exit -11 instead of 130), and JAX's
-    exit functions do exactly that (they destroy its backend clients, collect XLA's garbage and wait for pending
-    effects). Skipping both loses nothing: every commit is atomic against a SIGKILL at any point, and the
-    interrupted program's `finally` blocks have run."""
+    """End this program's process now with `code`, after what it wrote is flushed, its logging handlers closed and
+    the children of `multiprocessing` ended, but without the interpreter's teardown and without the other atexit
+    functions. For a program stopped by a signal: finalizing JAX/XLA objects while their threads still hold the
+    interrupted work (a compile, a running computation) can crash the process after its line was printed (SIGSEGV,
+    exit -11 instead of 130), and the libraries' exit functions do exactly that: JAX's destroy its backend clients,
+    collect XLA's garbage and wait for pending effects, equinox replaces JAX's token wait by its own copy, and
+    pybind11's and pyarrow's release native objects. Skipping them loses nothing: rlpipe registers none, every commit
+    is atomic against a SIGKILL at any point, and the interrupted program's `finally` blocks have run."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     logging.shutdown()
-    for func in _jax_exit_functions():
-        atexit.unregister(func)
+    atexit._clear()
+    mp = sys.modules.get("multiprocessing.util")
     with contextlib.suppress(Exception):
-        atexit._run_exitfuncs()
+        if mp is not None:
+            mp._exit_function()  # terminates daemonic children, joins the others: what Python's own exit does
     os._exit(code)
-
-
-def _jax_exit_functions() -> list[Any]:
-    """The exit functions JAX and jaxlib register (of the modules this process has imported; none imported here)."""
-    found = []
-    for module, name in (
-        ("jax._src.api", "clean_up"),
-        ("jax._src.dispatch", "wait_for_tokens"),
-        ("jaxlib.xla_client", "_xla"),
-    ):
-        obj = getattr(sys.modules.get(module), name, None)
-        if name == "_xla":
-            obj = getattr(obj, "collect_garbage", None)
-        if obj is not None:
-            found.append(obj)
-    return found
 
 
 def ignore_stop_signals() -> None:
