@@ -138,3 +138,33 @@ def test_ray_backend_refuses_resources_the_cluster_cannot_hold(tmp_path: Path) -
     assert proc.returncode == Exit.CONFIG, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resources=" in proc.stderr and "GPUs" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "rollouts").exists()
+
+
+def test_a_local_cluster_that_does_not_start_is_started_again_then_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray waits a fixed 30 s for its node to register, which two suites side by side on 2 cores exceeded once: the
+    start is tried `RAY_START_TRIES` times, each failed start's processes stopped, then one line (RayStartError, an
+    expected failure). Ray's start is replaced here by one that starts a process and fails as Ray's does."""
+    import ray
+
+    from pipeline.jobs.launchers import ray as launcher
+    from steps.cli import expected_failure
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def failing_init(**kwargs: Any) -> None:
+        assert kwargs["_system_config"] == {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)}
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        raise Exception(  # Ray's own words (ray/_private/node.py)
+            "The current node timed out during startup. This could happen because some of the raylet failed to "
+            "startup or the GCS has become overloaded."
+        )
+
+    monkeypatch.setattr(ray, "init", failing_init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(launcher.RayStartError) as refused:
+        launcher.init_ray(None, 1.0, 0.0)
+    assert len(started) == launcher.RAY_START_TRIES
+    assert all(p.wait(timeout=30) == -signal.SIGKILL for p in started)  # each failed start's processes stopped
+    assert expected_failure(refused.value) == (Exit.FAILED, str(refused.value))
+    assert "backend.type=ray" in str(refused.value) and "\n" not in str(refused.value)

@@ -3,6 +3,7 @@ step's output goes to its log under the run root and, through Ray's `log_to_driv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -19,6 +20,7 @@ from typing import Any
 from pipeline.config import ConfigError, RayBackendConfig
 from pipeline.jobs.launchers.base import STOP_GRACE_S, StepGroup, StepProcess, StepSpec
 from pipeline.jobs.step_logs import LogTarget, StepLog, pump
+from pipeline.process.exits import ExpectedFailure
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +237,9 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
             # (a test job took 7x its time on a loaded 2-core VM). A local cluster runs them as the local backend
             # does, at this process's own niceness; a cluster started elsewhere keeps its own setting.
             kwargs["_system_config"] = {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)}
-        ray.init(address=address, include_dashboard=False, log_to_driver=True, ignore_reinit_error=True, **kwargs)
+            start_local_cluster(kwargs)
+        else:
+            ray.init(address=address, include_dashboard=False, log_to_driver=True, ignore_reinit_error=True, **kwargs)
     total = ray.cluster_resources()
     have_cpus, have_gpus = float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0))
     if have_cpus + 1e-9 < need_cpus or have_gpus + 1e-9 < need_gpus:
@@ -246,6 +250,56 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
             f"{address or 'local'} has {have_cpus:g} CPUs and {have_gpus:g} GPUs; every step must run at once "
             "(lower backend.resources.*_cpus / *_gpus or add nodes)",
         )
+
+
+RAY_START_TRIES = 3
+"""Starts of a local Ray cluster before giving up: Ray waits a fixed 30 s for its node to register with its GCS
+server, which a loaded machine can exceed (seen with two test suites side by side on 2 cores)."""
+
+
+class RayStartError(ExpectedFailure):
+    """A local Ray cluster did not start: one line naming the cause, exit 1."""
+
+
+def start_local_cluster(kwargs: dict[str, Any]) -> None:
+    """`ray.init` of a local cluster, started again (up to `RAY_START_TRIES` times) when Ray's node does not register
+    in its fixed 30 s, the processes of the failed start stopped first; RayStartError after the last try."""
+    import ray
+
+    for attempt in range(1, RAY_START_TRIES + 1):
+        before = _children()
+        try:
+            ray.init(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True, **kwargs)
+            return
+        except Exception as e:  # Ray raises a bare Exception when its node does not register in time
+            if "timed out during startup" not in str(e):
+                raise
+            for pid in _children() - before:  # the failed start's GCS server, raylet, monitors
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            if attempt == RAY_START_TRIES:
+                raise RayStartError(
+                    f"backend.type=ray: the local Ray cluster did not start in {RAY_START_TRIES} tries (its node did "
+                    f"not register within Ray's 30 s each time: an overloaded machine?): {' '.join(str(e).split())}"
+                ) from e
+            logger.warning("the local Ray cluster did not start (try %d/%d): %s; starting it again", attempt,
+                           RAY_START_TRIES, str(e).splitlines()[0])  # fmt: skip
+
+
+def _children() -> set[int]:
+    """The pids of this process's children (from /proc; empty where there is none)."""
+    me, found = os.getpid(), set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    with open(f"/proc/{name}/stat") as f:
+                        stat = f.read()
+                    if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                        found.add(int(name))
+    return found
 
 
 class RayLauncher:
