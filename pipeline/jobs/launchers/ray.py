@@ -230,16 +230,15 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
 
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {}
-        if address is None and not os.environ.get("RAY_ADDRESS"):
+        local = address is None and not os.environ.get("RAY_ADDRESS")  # a cluster started here, by ray.init
+        if local:
             kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(need_cpus))
             # Ray starts its workers at niceness 15 (its `worker_niceness`), and a step program inherits its
             # actor's: beside any other work on the host the steps then got ~1/30 of a normal process's CPU share
             # (a test job took 7x its time on a loaded 2-core VM). A local cluster runs them as the local backend
             # does, at this process's own niceness; a cluster started elsewhere keeps its own setting.
             kwargs["_system_config"] = {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)}
-            start_local_cluster(kwargs)
-        else:
-            ray.init(address=address, include_dashboard=False, log_to_driver=True, ignore_reinit_error=True, **kwargs)
+        start_ray(address, kwargs, tries=RAY_START_TRIES if local else 1)
     total = ray.cluster_resources()
     have_cpus, have_gpus = float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0))
     if have_cpus + 1e-9 < need_cpus or have_gpus + 1e-9 < need_gpus:
@@ -261,15 +260,15 @@ class RayStartError(ExpectedFailure):
     """A local Ray cluster did not start: one line naming the cause, exit 1."""
 
 
-def start_local_cluster(kwargs: dict[str, Any]) -> None:
-    """`ray.init` of a local cluster, started again (up to `RAY_START_TRIES` times) when Ray's node does not register
-    in its fixed 30 s, the processes of the failed start stopped first; RayStartError after the last try."""
+def start_ray(address: str | None, kwargs: dict[str, Any], tries: int) -> None:
+    """`ray.init`; a local cluster whose node does not register within Ray's fixed 30 s is started again (up to
+    `tries` starts), the processes of the failed start stopped first; RayStartError after the last."""
     import ray
 
-    for attempt in range(1, RAY_START_TRIES + 1):
+    for attempt in range(1, tries + 1):
         before = _children()
         try:
-            ray.init(include_dashboard=False, log_to_driver=True, ignore_reinit_error=True, **kwargs)
+            ray.init(address=address, include_dashboard=False, log_to_driver=True, ignore_reinit_error=True, **kwargs)
             return
         except Exception as e:  # Ray raises a bare Exception when its node does not register in time
             if "timed out during startup" not in str(e):
@@ -279,13 +278,13 @@ def start_local_cluster(kwargs: dict[str, Any]) -> None:
                     os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(Exception):
                 ray.shutdown()
-            if attempt == RAY_START_TRIES:
+            if attempt == tries:
                 raise RayStartError(
-                    f"backend.type=ray: the local Ray cluster did not start in {RAY_START_TRIES} tries (its node did "
-                    f"not register within Ray's 30 s each time: an overloaded machine?): {' '.join(str(e).split())}"
+                    f"backend.type=ray: the local Ray cluster did not start in {tries} tries (its node did not "
+                    f"register within Ray's 30 s each time: an overloaded machine?): {' '.join(str(e).split())}"
                 ) from e
-            logger.warning("the local Ray cluster did not start (try %d/%d): %s; starting it again", attempt,
-                           RAY_START_TRIES, str(e).splitlines()[0])  # fmt: skip
+            logger.warning("the local Ray cluster did not start (try %d/%d): %s; starting it again", attempt, tries,
+                           str(e).splitlines()[0])  # fmt: skip
 
 
 def _children() -> set[int]:
