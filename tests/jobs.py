@@ -66,13 +66,17 @@ class FinishedJob:
     proc: subprocess.CompletedProcess[str]
 
 
-def run_job(config_path: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def run_job(
+    config_path: Path, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The job runner on `config_path` to its end (`env`: the whole environment, default this process's)."""
     return subprocess.run(
         [sys.executable, "-m", "steps.run", "--config_path", str(config_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 

@@ -132,12 +132,33 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypat
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray")  # one Ray cluster at a time: two starting together on 2 cores took minutes
 def test_ray_backend_refuses_resources_the_cluster_cannot_hold(tmp_path: Path) -> None:
-    """A step asking for a GPU on a CPU-only local cluster would wait forever: refused, naming `resources`."""
+    """A step asking for a GPU on a CPU-only local cluster would wait forever: refused, naming `resources`, before
+    a local cluster is started for nothing (Ray's own GPU detection, as its node start counts them)."""
     cfg = job_config(tmp_path, str(tmp_path / "run"), **{"backend.type": "ray", "backend.resources.learner_gpus": "1"})
-    proc = run_job(cfg, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_OVERRIDE_RESOURCES")}
+    proc = run_job(cfg, timeout=300, env={**env, "CUDA_VISIBLE_DEVICES": ""})  # no GPU, also on a host with one
     assert proc.returncode == Exit.CONFIG, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "resources=" in proc.stderr and "GPUs" in proc.stderr, proc.stderr[-3000:]
+    assert "resources=" in proc.stderr and " and 0 GPUs;" in proc.stderr, proc.stderr[-3000:]
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "rollouts").exists()
+
+
+def test_a_local_clusters_gpus_are_rays_own_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPUs counted before a local cluster starts are what Ray's node start would count: the visible devices
+    cap the detected ones; a user's `RAY_OVERRIDE_RESOURCES` leaves the count to the cluster."""
+    from ray._private import accelerators
+
+    from pipeline.jobs.launchers.ray import local_gpus
+
+    manager = accelerators.get_accelerator_manager_for_resource("GPU")
+    detected = manager.get_current_node_num_accelerators() if manager is not None else 0
+    monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local_gpus() == detected
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local_gpus() == 0
+    monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", '{"GPU": 4}')
+    assert local_gpus() is None
 
 
 def test_a_local_cluster_that_does_not_start_is_started_again_then_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -232,6 +232,11 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
         kwargs: dict[str, Any] = {}
         local = address is None and not os.environ.get("RAY_ADDRESS")  # a cluster started here, by ray.init
         if local:
+            # A local cluster gets every CPU asked for (below) and the GPUs Ray detects on this host: a GPU ask it
+            # cannot hold is refused before a cluster is started for nothing.
+            gpus = local_gpus()
+            if gpus is not None:
+                refuse_unless_held(None, need_cpus, need_gpus, need_cpus, float(gpus))
             kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(need_cpus))
             # Ray starts its workers at niceness 15 (its `worker_niceness`), and a step program inherits its
             # actor's: beside any other work on the host the steps then got ~1/30 of a normal process's CPU share
@@ -240,7 +245,12 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
             kwargs["_system_config"] = {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)}
         start_ray(address, kwargs, tries=RAY_START_TRIES if local else 1)
     total = ray.cluster_resources()
-    have_cpus, have_gpus = float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0))
+    refuse_unless_held(address, need_cpus, need_gpus, float(total.get("CPU", 0.0)), float(total.get("GPU", 0.0)))
+
+
+def refuse_unless_held(address: str | None, need_cpus: float, need_gpus: float, have_cpus: float,
+                       have_gpus: float) -> None:  # fmt: skip
+    """ConfigError naming `backend.resources` unless a cluster of `have_*` holds every step's ask at once."""
     if have_cpus + 1e-9 < need_cpus or have_gpus + 1e-9 < need_gpus:
         raise ConfigError(
             "backend.resources",
@@ -249,6 +259,27 @@ def init_ray(address: str | None, need_cpus: float, need_gpus: float) -> None:
             f"{address or 'local'} has {have_cpus:g} CPUs and {have_gpus:g} GPUs; every step must run at once "
             "(lower backend.resources.*_cpus / *_gpus or add nodes)",
         )
+
+
+def local_gpus() -> int | None:
+    """The GPUs a Ray cluster started on this host would have, by Ray's own detection (its accelerator manager for
+    `GPU`, capped by the visible devices); None where this Ray version's detection cannot be reached (the cluster's
+    own count is then checked once it is up)."""
+    if os.environ.get("RAY_OVERRIDE_RESOURCES"):  # the node's resources as the user set them: Ray's to count
+        return None
+    try:
+        from ray._private import accelerators  # Ray's node start counts GPUs with it (resource_and_label_spec)
+
+        manager = accelerators.get_accelerator_manager_for_resource("GPU")
+        if manager is None:
+            return 0
+        count = int(manager.get_current_node_num_accelerators())
+        visible = manager.get_current_process_visible_accelerator_ids()
+        return count if visible is None else min(count, len(visible))
+    except Exception:  # a private module: a Ray that moved it keeps the check after the start
+        logger.debug("Ray's GPU detection is not reachable; the cluster's GPUs are checked once it is up",
+                     exc_info=True)  # fmt: skip
+        return None
 
 
 RAY_START_TRIES = 3
