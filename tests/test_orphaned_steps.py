@@ -233,3 +233,84 @@ def test_the_harness_worker_ends_with_its_parent(tmp_path: Path) -> None:
     worker_proc = psutil.Process(int(pid))
     assert '"ready": true' in ready
     _kill_then_wait_for_its_child(middle, worker_proc)
+
+
+SERVER_STARTER = """
+import os, subprocess, sys, threading
+from pipeline.process.parent_watch import tied_command
+program, log = sys.argv[1:3]
+started = []
+
+def start():  # as a rollout worker starts its child server: its own session, tied to this process
+    env = dict(os.environ)
+    with open(log, "ab") as out:
+        started.append(subprocess.Popen(tied_command([sys.executable, "-c", program], env), env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True))
+
+t = threading.Thread(target=start)
+t.start()
+t.join()  # started from a thread that has ended: the tie follows the process, not the thread
+print(started[0].pid, flush=True)
+sys.stdin.read()
+"""
+"""A step stand-in that starts a server program tied to itself (`tied_command`), prints the server's pid and waits
+to be killed."""
+
+SERVER_PROGRAM = "import os, time; print('server', os.getpid(), flush=True); time.sleep(300)"
+
+
+def _tied_server(tmp_path: Path, program: str) -> tuple[subprocess.Popen[str], psutil.Process, Path]:
+    log = tmp_path / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    starter = subprocess.Popen([sys.executable, "-c", SERVER_STARTER, program, str(log)], cwd=ROOT, env=env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert starter.stdout is not None
+    return starter, psutil.Process(int(starter.stdout.readline())), log
+
+
+def _watchers(starter_pid: int) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "exec-tied" in cmd and cmd[-1] == str(starter_pid):
+            found.append(p)
+    return found
+
+
+def test_a_tied_server_ends_with_its_sigkilled_starter(tmp_path: Path) -> None:
+    """A child server of a step that is SIGKILLed would hold its port, memory and accelerator forever: tied, it is
+    stopped within the deadline, with one line in its log. Its pid is the server program's own (what the step
+    tracks and stops), and no process but the server names the server's command."""
+    starter, server, log = _tied_server(tmp_path, SERVER_PROGRAM)
+    try:
+        deadline = time.monotonic() + 60
+        while f"server {server.pid}" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"server {server.pid}" in log.read_text()  # the pid the starter holds is the program itself
+        naming = [
+            p.pid for p in psutil.process_iter(["cmdline"]) if "time.sleep(300)" in " ".join(p.info["cmdline"] or [])
+        ]
+        assert naming == [starter.pid, server.pid], naming  # the stand-in was given the program on its command line
+        assert len(_watchers(starter.pid)) == 1
+        _kill_then_wait_for_its_child(starter, server)
+        assert "error: terminated: the process that started this server" in log.read_text()
+        assert not _wait_gone(_watchers(starter.pid), within=10.0)
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+        if _alive(server):
+            server.kill()
+
+
+def test_a_tied_program_that_cannot_run_is_one_line_and_127(tmp_path: Path) -> None:
+    """A server command whose program does not exist ends as a program that exited before it was ready (the step's
+    one-line start error), never as a traceback in the step."""
+    from pipeline.process.parent_watch import tied_command
+
+    env = dict(os.environ)
+    argv = tied_command([str(tmp_path / "no-such-server"), "--port", "0"], env)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, start_new_session=True)
+    assert done.returncode == 127, done
+    assert done.stderr.strip() == (
+        f"error: cannot run the server's program {str(tmp_path / 'no-such-server')!r}: No such file or directory"
+    )

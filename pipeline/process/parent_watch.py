@@ -22,6 +22,13 @@ or cron: `rlpipe learn …`) is never tied to its parent: it outlives the shell 
 process is alive but is not this process's parent was inherited by mistake (through a program that does not
 consume it) and is ignored.
 
+A server a step starts as a child (`policy.inference.server.ServerProcess`: its own session, so that stopping it
+stops what it started) is tied to the step by `tied_command()`: this file, run by path, becomes the server's program
+(the same pid) and leaves a watcher process beside it that stops the server's process group once the step is no
+longer the server's parent (a SIGKILLed step included): SIGTERM, then SIGKILL `GRACE_S` later. Any command works
+(vLLM, SGLang, rlpipe's own servers), and the watcher follows the step process, not the thread that started the
+server. Linux only (it reads `/proc`); elsewhere the server is started untied.
+
 Standard library only: the verifiers harness worker (`pipeline/environments/harness_worker.py`), which runs on
 another interpreter, loads this file by path for its own parent watch.
 """
@@ -30,12 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, MutableMapping
+from typing import NoReturn
 
 PARENT_ENV = "RLPIPE_PARENT"
 """`<pid>` or `<pid>:poll`: set by a supervisor in the environment of each process it starts (`starter_env()`)."""
@@ -48,6 +57,9 @@ TERMINATED = 143
 """The exit code of a process ended this way: 128 + SIGTERM (`pipeline.process.exits.Exit.TERMINATED`; a literal
 here, as this file is loaded by path on other interpreters)."""
 PR_SET_PDEATHSIG = 1
+TIED_ARGV_ENV = "RLPIPE_TIED_ARGV"
+"""The tied program's command line (JSON), passed in the environment so that the watcher's own command line does not
+name the server's program (a search of the process table for the server finds the server alone)."""
 
 
 def starter_env() -> dict[str, str]:
@@ -156,3 +168,68 @@ def end_with_starter(environ: MutableMapping[str, str] = os.environ) -> bool:
         return False
     end_with_parent(parent, death_signal=mode != "poll")
     return True
+
+
+def tied_command(argv: list[str], env: MutableMapping[str, str]) -> list[str]:
+    """The command line that runs `argv` tied to this process (see the module docstring), `env` (the child's
+    environment) given what it needs; `argv` itself where the tie cannot work (no `/proc`)."""
+    if not os.path.isdir(f"/proc/{os.getpid()}"):
+        return argv
+    env[TIED_ARGV_ENV] = json.dumps(argv)
+    return [sys.executable, "-I", os.path.abspath(__file__), "exec-tied", str(os.getpid())]
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of live process `pid` (from /proc), None once it has ended (a zombie included)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold ")"
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[1])
+
+
+def _watch_tied(program: int, parent: int) -> NoReturn:
+    """The watcher: once `program` is no longer `parent`'s child, stop `program`'s process group (SIGTERM, SIGKILL
+    `GRACE_S` later); exit once `program` has ended."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the group's stop is the program's, not ours
+        signal.signal(signum, signal.SIG_IGN)
+    while (now := _parent_of(program)) == parent:
+        time.sleep(POLL_S)
+    if now is not None:
+        _write_line(f"error: terminated: the process that started this server (pid {parent}) is gone; stopping it")
+        with contextlib.suppress(OSError):
+            os.killpg(os.getpgid(program), signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while _parent_of(program) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _parent_of(program) is not None:
+            _write_line(f"error: terminated: the server is still running {GRACE_S:.0f} s after SIGTERM; killing it")
+            with contextlib.suppress(OSError):
+                os.killpg(os.getpgid(program), signal.SIGKILL)
+    os._exit(0)
+
+
+def exec_tied(parent: int) -> NoReturn:
+    """Become the program of `TIED_ARGV_ENV` (this pid), a watcher (`_watch_tied`) beside it; exit 143 with one line
+    if `parent` is gone already, 127 if the program cannot be run."""
+    argv = json.loads(os.environ.pop(TIED_ARGV_ENV))
+    if os.getppid() != parent:
+        _write_line(f"error: terminated: the process that started this server (pid {parent}) is gone; not starting")
+        os._exit(TERMINATED)
+    program = os.getpid()
+    first = os.fork()
+    if first == 0:  # the watcher is forked twice, so that nobody has to reap it (its parent exits at once)
+        if os.fork() == 0:
+            _watch_tied(program, parent)
+        os._exit(0)
+    os.waitpid(first, 0)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        _write_line(f"error: cannot run the server's program {argv[0]!r}: {e.strerror or e}")
+        os._exit(127)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["exec-tied"]:
+    exec_tied(int(sys.argv[2]))

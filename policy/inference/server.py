@@ -63,6 +63,7 @@ import httpx
 
 from pipeline.config import ConfigError, ServerInferenceConfig
 from pipeline.environments.chat import ChatRequest, ChatTurn
+from pipeline.process.parent_watch import tied_command
 from pipeline.process.ports import (
     ANNOUNCE_ENV,
     TOKEN_ENV,
@@ -130,7 +131,8 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 class ServerProcess:
-    """A server started from a command line as a child process (its own process group), restartable.
+    """A server started from a command line as a child process (its own process group), restartable, tied to this
+    process: it is stopped once this process is gone (`pipeline.process.parent_watch.tied_command`).
 
     `secrets`: strings of `argv` shown as `<secret>` when the command is logged."""
 
@@ -149,12 +151,15 @@ class ServerProcess:
         if self.log_path and os.path.exists(self.log_path):
             self._log_offset = os.path.getsize(self.log_path)
         full_env = {**child_env(), **(env or {})}
+        # tied to this process: a step that dies (a SIGKILL included) takes its server with it, not leaving it to
+        # hold the port, the memory and the accelerator
+        argv = tied_command(self.argv, full_env)
         if self.log_path:
             with open(self.log_path, "ab") as out:  # the child has its own copy of the descriptor
-                self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                              start_new_session=True, env=full_env)  # fmt: skip
         else:
-            self.proc = subprocess.Popen(self.argv, start_new_session=True, env=full_env)
+            self.proc = subprocess.Popen(argv, start_new_session=True, env=full_env)
         self.starts += 1
         logger.info("started server pid %d: %s", self.proc.pid, self.shown())
 
