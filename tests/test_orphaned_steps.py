@@ -302,6 +302,28 @@ def test_a_tied_server_ends_with_its_sigkilled_starter(tmp_path: Path) -> None:
             server.kill()
 
 
+def test_a_tied_server_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) -> None:
+    """A server that does not stop on SIGTERM (a hung shutdown) is SIGKILLed `GRACE_S` after its starter is gone."""
+    from pipeline.process.parent_watch import GRACE_S
+
+    program = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SERVER_PROGRAM
+    starter, server, log = _tied_server(tmp_path, program)
+    try:
+        deadline = time.monotonic() + 60
+        while f"server {server.pid}" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        starter.kill()
+        starter.wait()
+        assert _wait_gone([server], within=5.0) == [server], "a server that ignores SIGTERM ended before the grace"
+        assert not _wait_gone([server], within=GRACE_S + 10.0), "the server outlived the grace"
+        assert f"the server is still running {GRACE_S:.0f} s after SIGTERM; killing it" in log.read_text()
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+        if _alive(server):
+            server.kill()
+
+
 def test_a_tied_program_that_cannot_run_is_one_line_and_127(tmp_path: Path) -> None:
     """A server command whose program does not exist ends as a program that exited before it was ready (the step's
     one-line start error), never as a traceback in the step."""
