@@ -54,6 +54,7 @@ def run_group(config: ReplayConfig, store: RunStore, topology: Topology, program
 
     import draccus
 
+    from pipeline.process.parent_watch import starter_env
     from pipeline.process.ports import reserve_port
 
     n = topology.processes
@@ -72,8 +73,9 @@ def run_group(config: ReplayConfig, store: RunStore, topology: Topology, program
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i in range(n):
+            # each ends with this process (a SIGKILLed replay included), not waiting in a collective forever
             env = {**os.environ, "XLA_FLAGS": " ".join(flags), "RLPIPE_COORDINATOR": port.address,
-                   "RLPIPE_NUM_PROCESSES": str(n), "RLPIPE_PROCESS_ID": str(i)}  # fmt: skip
+                   "RLPIPE_NUM_PROCESSES": str(n), "RLPIPE_PROCESS_ID": str(i), **starter_env()}  # fmt: skip
             procs.append(subprocess.Popen([sys.executable, "-m", program, "--config_path", path], env=env))
         return wait_group(procs)
     finally:

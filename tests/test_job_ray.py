@@ -80,6 +80,8 @@ def test_ray_backend_runs_the_same_steps(tmp_path: Path, gcs_endpoint, monkeypat
             # the step programs run at the runner's niceness, not Ray's worker default of 15 (beside other work
             # on the host they got a fraction of its CPU: 7x this test's time on a loaded 2-core VM)
             assert learner.nice() == psutil.Process(job.pid).nice(), (learner.nice(), psutil.Process(job.pid).nice())
+            # and end with their actor's process, started from one of its threads (pipeline.process.parent_watch)
+            assert learner.environ().get("RLPIPE_PARENT") == f"{learner.ppid()}:poll", learner.environ()
             assert not store.exists(layout.LEARNER_DONE), "the job ended before the learner was held"
 
             def committed() -> list[str]:

@@ -11,6 +11,7 @@ tests/test_job_crash_learner_group.py, whose two-process learner group was SIGKI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -115,3 +116,44 @@ def test_a_failing_replay_process_stops_the_group_with_one_line(capsys: pytest.C
             p.wait()
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["replay process 1 of 2 failed (exit code 3); the other processes were stopped"]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_replay_leaves_none_of_its_processes(two_process_run: Path, tmp_path: Path) -> None:
+    """The group's processes end with the replay that started them: SIGKILLed once both run, none is left waiting
+    for the other in a collective."""
+    import time
+
+    import psutil
+    from jobs import step_module
+
+    cmd = [sys.executable, "-m", "steps.replay", "--store.run_root", str(two_process_run), "--from_step",
+           str(STEPS - 1), "--to_step", str(STEPS), "--scratch", str(tmp_path / "s")]  # fmt: skip
+    replay = subprocess.Popen(cmd, cwd=ROOT, env=_replay_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    group: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while len(group) < 2 and replay.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            with contextlib.suppress(psutil.Error):
+                group = [p for p in psutil.Process(replay.pid).children() if step_module(p.cmdline()) == "steps.replay"]
+        assert len(group) == 2, f"the replay's two processes did not start (exit code {replay.poll()})"
+        replay.kill()
+        replay.wait()
+
+        def running(p: psutil.Process) -> bool:
+            with contextlib.suppress(psutil.Error):
+                return p.status() != psutil.STATUS_ZOMBIE
+            return False
+
+        deadline = time.monotonic() + 30
+        while (alive := [p.pid for p in group if running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive, f"replay processes {alive} outlived the SIGKILLed replay"
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.wait()
+        for p in group:
+            with contextlib.suppress(psutil.Error):
+                p.kill()

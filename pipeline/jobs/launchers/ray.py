@@ -21,6 +21,7 @@ from pipeline.config import ConfigError, RayBackendConfig
 from pipeline.jobs.launchers.base import STOP_GRACE_S, StepGroup, StepProcess, StepSpec
 from pipeline.jobs.step_logs import LogTarget, StepLog, pump
 from pipeline.process.exits import ExpectedFailure
+from pipeline.process.parent_watch import starter_env
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,9 @@ class StepActor:
                 with self._lock:  # `stop` may run (second thread) before the program exists: hand it on
                     self._proc = subprocess.Popen(
                         [sys.executable, "-m", module, "--config_path", path],
-                        env={**os.environ, **env},
+                        # the program ends with this actor's process (one Ray kills, or whose node is lost),
+                        # never left running on the node (pipeline.process.parent_watch)
+                        env={**os.environ, **env, **starter_env()},
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
                     )
