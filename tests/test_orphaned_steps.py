@@ -265,7 +265,11 @@ def _tied_server(tmp_path: Path, program: str) -> tuple[subprocess.Popen[str], p
     starter = subprocess.Popen([sys.executable, "-c", SERVER_STARTER, program, str(log)], cwd=ROOT, env=env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert starter.stdout is not None
-    return starter, psutil.Process(int(starter.stdout.readline())), log
+    server = psutil.Process(int(starter.stdout.readline()))
+    deadline = time.monotonic() + 60  # until the program runs (the tie forks its watcher, then becomes it)
+    while f"server {server.pid}" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return starter, server, log
 
 
 def _watchers(starter_pid: int) -> list[psutil.Process]:
@@ -283,9 +287,6 @@ def test_a_tied_server_ends_with_its_sigkilled_starter(tmp_path: Path) -> None:
     tracks and stops), and no process but the server names the server's command."""
     starter, server, log = _tied_server(tmp_path, SERVER_PROGRAM)
     try:
-        deadline = time.monotonic() + 60
-        while f"server {server.pid}" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
-            time.sleep(0.05)
         assert f"server {server.pid}" in log.read_text()  # the pid the starter holds is the program itself
         naming = [
             p.pid for p in psutil.process_iter(["cmdline"]) if "time.sleep(300)" in " ".join(p.info["cmdline"] or [])
@@ -309,9 +310,6 @@ def test_a_tied_server_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: 
     program = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SERVER_PROGRAM
     starter, server, log = _tied_server(tmp_path, program)
     try:
-        deadline = time.monotonic() + 60
-        while f"server {server.pid}" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
-            time.sleep(0.05)
         starter.kill()
         starter.wait()
         assert _wait_gone([server], within=5.0) == [server], "a server that ignores SIGTERM ended before the grace"
