@@ -179,8 +179,8 @@ def tied_command(argv: list[str], env: MutableMapping[str, str]) -> list[str]:
     return [sys.executable, "-I", os.path.abspath(__file__), "exec-tied", str(os.getpid())]
 
 
-def _parent_of(pid: int) -> int | None:
-    """The parent of live process `pid` (from /proc), None once it has ended (a zombie included)."""
+def parent_of(pid: int) -> int | None:
+    """The parent of live process `pid` (from /proc), None once it has ended (a zombie included) or without /proc."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold ")"
@@ -194,16 +194,16 @@ def _watch_tied(program: int, parent: int) -> NoReturn:
     `GRACE_S` later); exit once `program` has ended."""
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the group's stop is the program's, not ours
         signal.signal(signum, signal.SIG_IGN)
-    while (now := _parent_of(program)) == parent:
+    while (now := parent_of(program)) == parent:
         time.sleep(POLL_S)
     if now is not None:
         _write_line(f"error: terminated: the process that started this server (pid {parent}) is gone; stopping it")
         with contextlib.suppress(OSError):
             os.killpg(os.getpgid(program), signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
-        while _parent_of(program) is not None and time.monotonic() < deadline:
+        while parent_of(program) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _parent_of(program) is not None:
+        if parent_of(program) is not None:
             _write_line(f"error: terminated: the server is still running {GRACE_S:.0f} s after SIGTERM; killing it")
             with contextlib.suppress(OSError):
                 os.killpg(os.getpgid(program), signal.SIGKILL)

@@ -21,7 +21,7 @@ from pipeline.config import ConfigError, RayBackendConfig
 from pipeline.jobs.launchers.base import STOP_GRACE_S, StepGroup, StepProcess, StepSpec
 from pipeline.jobs.step_logs import LogTarget, StepLog, pump
 from pipeline.process.exits import ExpectedFailure
-from pipeline.process.parent_watch import starter_env
+from pipeline.process.parent_watch import parent_of, starter_env
 
 logger = logging.getLogger(__name__)
 
@@ -322,17 +322,13 @@ def start_ray(address: str | None, kwargs: dict[str, Any], tries: int) -> None:
 
 
 def _children() -> set[int]:
-    """The pids of this process's children (from /proc; empty where there is none)."""
-    me, found = os.getpid(), set()
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    with open(f"/proc/{name}/stat") as f:
-                        stat = f.read()
-                    if int(stat.rsplit(")", 1)[1].split()[1]) == me:
-                        found.add(int(name))
-    return found
+    """The pids of this process's live children (from /proc; empty where there is none)."""
+    me = os.getpid()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return set()
+    return {int(n) for n in names if n.isdigit() and parent_of(int(n)) == me}
 
 
 class RayLauncher:
