@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -259,7 +260,11 @@ to be killed."""
 SERVER_PROGRAM = "import os, time; print('server', os.getpid(), flush=True); time.sleep(300)"
 
 
-def _tied_server(tmp_path: Path, program: str) -> tuple[subprocess.Popen[str], psutil.Process, Path]:
+def _tied_server(tmp_path: Path, program: str) -> tuple[subprocess.Popen[str], psutil.Process, Path, str]:
+    """Starts the stand-in with `program`, whose command line carries a mark no other process has (tests run side by
+    side, and other tests' processes run the same program text); returns the mark last."""
+    mark = f"tied-server-{uuid.uuid4().hex}"
+    program = f"{program}  # {mark}"
     log = tmp_path / "server.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     starter = subprocess.Popen([sys.executable, "-c", SERVER_STARTER, program, str(log)], cwd=ROOT, env=env,
@@ -269,7 +274,7 @@ def _tied_server(tmp_path: Path, program: str) -> tuple[subprocess.Popen[str], p
     deadline = time.monotonic() + 60  # until the program runs (the tie forks its watcher, then becomes it)
     while f"server {server.pid}" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
         time.sleep(0.05)
-    return starter, server, log
+    return starter, server, log, mark
 
 
 def _watchers(starter_pid: int) -> list[psutil.Process]:
@@ -285,13 +290,12 @@ def test_a_tied_server_ends_with_its_sigkilled_starter(tmp_path: Path) -> None:
     """A child server of a step that is SIGKILLed would hold its port, memory and accelerator forever: tied, it is
     stopped within the deadline, with one line in its log. Its pid is the server program's own (what the step
     tracks and stops), and no process but the server names the server's command."""
-    starter, server, log = _tied_server(tmp_path, SERVER_PROGRAM)
+    starter, server, log, mark = _tied_server(tmp_path, SERVER_PROGRAM)
     try:
         assert f"server {server.pid}" in log.read_text()  # the pid the starter holds is the program itself
-        naming = [
-            p.pid for p in psutil.process_iter(["cmdline"]) if "time.sleep(300)" in " ".join(p.info["cmdline"] or [])
-        ]
-        assert naming == [starter.pid, server.pid], naming  # the stand-in was given the program on its command line
+        naming = sorted(p.pid for p in psutil.process_iter(["cmdline"]) if mark in " ".join(p.info["cmdline"] or []))
+        # the stand-in was given the program on its command line; the watcher was not
+        assert naming == sorted([starter.pid, server.pid]), naming
         assert len(_watchers(starter.pid)) == 1
         _kill_then_wait_for_its_child(starter, server)
         assert "error: terminated: the process that started this server" in log.read_text()
@@ -308,7 +312,7 @@ def test_a_tied_server_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: 
     from pipeline.process.parent_watch import GRACE_S
 
     program = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " + SERVER_PROGRAM
-    starter, server, log = _tied_server(tmp_path, program)
+    starter, server, log, _ = _tied_server(tmp_path, program)
     try:
         starter.kill()
         starter.wait()
