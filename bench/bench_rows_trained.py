@@ -2,11 +2,14 @@
 rows generated, read from a finished run root's committed files (what the report's "generated rows trained" row
 shows), with the dropped rows per reason (stale, zero_variance, ...).
 
-Runs the demo job itself (`configs/demo_cats.yaml`, or the smaller `configs/test_cats.yaml` with `--quick`) on a
-fresh run root, and reads the recipe's run root (`make recipe`, `runs/basic_arithmetic`) when one exists; the
-recipe takes minutes to run, so it is not run here (the output says when there is none).
+Runs the demo job itself (`configs/demo_cats.yaml`, or the smaller `configs/test_cats.yaml` with `--quick`) on
+fresh run roots, `--demo_runs` times (default 5): the share depends on how early the asynchronous run solves the
+task (its groups then have no reward spread), 60-96% between runs of the same code, so one run says little; the
+figure is pooled over the runs (rows trained / rows generated, all runs), with each run's share beside it. Reads
+the recipe's run root (`make recipe`, `runs/basic_arithmetic`) when one exists; the recipe takes minutes to run,
+so it is not run here (the output says when there is none).
 
-    .venv/bin/python -m bench.bench_rows_trained                       # the demo, and the recipe's run if any
+    .venv/bin/python -m bench.bench_rows_trained                       # the demo (5 runs), and the recipe's run if any
     .venv/bin/python -m bench.bench_rows_trained --demo '' --recipe runs/basic_arithmetic   # read one run only
 """
 
@@ -60,14 +63,35 @@ def run_demo(run_root: str, quick: bool) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, env=env, timeout=1800, stdout=subprocess.DEVNULL)
 
 
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of several runs of one job as one: rows generated, trained and dropped summed over `runs`,
+    `fraction` = trained / generated of the sums, and `runs`: each run's fraction, in order."""
+    generated = sum(r["generated"] for r in runs)
+    trained = sum(r["trained"] for r in runs)
+    dropped: dict[str, int] = {}
+    for r in runs:
+        for k, v in r["dropped"].items():
+            dropped[k] = dropped.get(k, 0) + int(v)
+    return {
+        "run_root": f"{len(runs)} fresh run roots",
+        "generated": generated,
+        "trained": trained,
+        "fraction": trained / generated,
+        "dropped": dropped,
+        "runs": [r["fraction"] for r in runs],
+    }
+
+
 def line(name: str, fig: dict[str, Any] | None, why: str = "") -> str:
     """One printed line of a run's figures (or why there are none)."""
     if fig is None:
         return f"{name}: {why}"
     dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(fig["dropped"].items())) or "none"
+    runs = fig.get("runs") or []
+    each = f", {len(runs)} runs: " + " ".join(f"{f:.1%}" for f in runs) if len(runs) > 1 else ""
     return (
         f"{name}: {fig['trained']:,} of {fig['generated']:,} generated rows trained = {fig['fraction']:.1%} "
-        f"(dropped: {dropped}) [{fig['run_root']}]"
+        f"(dropped: {dropped}{each}) [{fig['run_root']}]"
     )
 
 
@@ -76,15 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demo", default="run", help="'run': run the demo on a fresh run root; a path: read it; '': skip")
     ap.add_argument("--recipe", default=RECIPE_ROOT, help="the recipe's run root, read if it exists ('': skip)")
     ap.add_argument("--quick", action="store_true", help="run the smaller test_cats job instead of the demo")
+    ap.add_argument("--demo_runs", type=int, default=5, help="demo runs pooled into the figure (with --demo run)")
     ap.add_argument("--json", default="", help="write the figures here")
     args = ap.parse_args(argv)
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rlpipe-rows-trained-") as tmp:
-        if args.demo:
-            root = str(Path(tmp) / "demo") if args.demo == "run" else args.demo
-            if args.demo == "run":
+        if args.demo == "run":
+            runs = []
+            for i in range(max(1, args.demo_runs)):
+                root = str(Path(tmp) / f"demo-{i}")
                 run_demo(root, args.quick)
-            out["demo"] = rows_trained(root)
+                runs.append(rows_trained(root))
+                print(line(f"demo run {i + 1}", runs[-1]), flush=True)
+            out["demo"] = pooled(runs)
+        elif args.demo:
+            out["demo"] = rows_trained(args.demo)
+        if args.demo:
             out["demo"]["config"] = "configs/test_cats.yaml" if args.quick else "configs/demo_cats.yaml"
             print(line("demo", out["demo"]))
     if args.recipe:

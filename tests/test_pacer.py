@@ -155,3 +155,57 @@ def test_a_scheduled_worker_paused_for_its_bounded_wait_stops_saying_why(tmp_pat
     while not worker.stop_reasons:
         assert pacer.paused(ahead) and time.monotonic() < deadline
     assert worker.stop_reasons[0].startswith("nothing more to do: paused by pacing"), worker.stop_reasons
+
+
+def test_once_every_slot_of_the_run_is_committed_a_scheduled_worker_stops_at_once(tmp_path: Path) -> None:
+    """Rows sampled after the run's last batch slot can never be trained: a scheduled worker stops without waiting
+    out its bounded wait, naming why; a following worker pauses until the learner's last policy ends it."""
+    store = RunStore(str(tmp_path / "run"))
+    publish_policy(store, 1)
+    train = TrainParams(batch_size=4, replay_buffer_capacity=64, max_lag=1, filter_zero_variance=False,
+                        num_train_steps=2)  # fmt: skip
+    for slot in (1, 2):
+        put_log_entry(store, slot)
+    scheduled = _Worker(store)
+    pacer = scheduled.pacer(_config(tmp_path / "run", train=train, follow=False), "wa.1", stall_grace_s=0.0)
+    done = pacer.pace(1, 0)
+    assert not done.produce and done.reason.startswith("finished"), done
+    assert pacer.paused(done) and scheduled.stop_reasons == [f"nothing more to do: {done.reason}"]
+
+    following = _Worker(store)
+    pacer = following.pacer(_config(tmp_path / "run", train=train), "wb.1", stall_grace_s=0.0)
+    for _ in range(3):  # no stall grace: an "ahead" pause would let a write through at once
+        assert pacer.paused(pacer.pace(1, 0)) and not following.stop_reasons
+
+
+def test_a_saturated_run_samples_the_missing_rows_not_a_multiple_of_them(tmp_path: Path) -> None:
+    """With zero-variance filtering a worker oversamples by the recent share of rows with signal (the BatchMaker
+    drops the rest); once the newest slot says the next one fills at once (`fills_at_once`), every row is taken,
+    so it samples just the rows missing."""
+    from pipeline.rollout.pacing import signal_rows
+    from schemas.rollout import ROLLOUT
+
+    store = RunStore(str(tmp_path / "run"))
+    publish_policy(store, 0)
+    train = TrainParams(batch_size=16, replay_buffer_capacity=64, max_lag=1, filter_zero_variance=True)
+    rows = rows_for(0, "a", [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 1.0]])  # 2 of 8 rows with signal
+    store.commit_data(layout.rollout_file(0, "w", 0), ROLLOUT.to_table(rows), ROLLOUT,
+                      extra={"signal_rows": signal_rows(rows)})  # fmt: skip
+    seen = store.list_committed(layout.rollout_step_dir(0))
+    consumed = Cursor(version=1, seen=seen, reservoir=Reservoir(next_seq=0, files=[]))
+    cfg = _config(tmp_path / "run", train=train)
+
+    put_log_entry(store, 1, cursor=consumed)  # slot 1 filtered as usual and needed no fill
+    filtering = _Worker(store).pacer(cfg, "wa.1", stall_grace_s=1000.0)
+    go = filtering.pace(0, 0)
+    assert go.produce and go.room == 16 and filtering.room == 64, (go, filtering.room)  # 16 / (2/8)
+
+    publish_policy(store, 1)
+    store.commit_data(layout.rollout_file(1, "w", 1), ROLLOUT.to_table(rows), ROLLOUT,
+                      extra={"signal_rows": signal_rows(rows)})  # fmt: skip
+    seen += store.list_committed(layout.rollout_step_dir(1))
+    consumed = Cursor(version=1, seen=seen, reservoir=Reservoir(next_seq=0, files=[]))
+    put_log_entry(store, 2, cursor=consumed, filled_no_signal=16)  # slot 2 was all fill: slot 3 fills at once
+    saturated = _Worker(store).pacer(cfg, "wb.1", stall_grace_s=1000.0)
+    go = saturated.pace(1, 1)
+    assert go.produce and go.room == 16 and saturated.room == 16, (go, saturated.room)

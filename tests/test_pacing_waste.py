@@ -281,9 +281,14 @@ def test_the_default_job_wastes_few_generated_rows(default_job: FinishedJob) -> 
 def test_the_bench_reads_the_share_of_generated_rows_a_finished_run_trained(default_job: FinishedJob) -> None:
     """`bench.bench_rows_trained` (the `rows_trained` part of `make bench`) on the session job's run root: distinct
     rows in its committed batches over the rows its workers committed, with every drop counted by reason."""
-    from bench.bench_rows_trained import rows_trained
+    from bench.bench_rows_trained import pooled, rows_trained
 
     fig = rows_trained(str(default_job.root))
     assert glob.glob(str(default_job.root / "rollouts" / "step-*" / "*.parquet"))
     assert 0 < fig["trained"] <= fig["generated"] and fig["fraction"] == fig["trained"] / fig["generated"]
     assert fig["trained"] + sum(fig["dropped"].values()) <= fig["generated"]
+    # the demo's figure pools several runs: the same run twice pools to its own share, every count doubled
+    both = pooled([fig, fig])
+    assert (both["generated"], both["trained"]) == (2 * fig["generated"], 2 * fig["trained"])
+    assert both["fraction"] == fig["fraction"] and both["runs"] == [fig["fraction"]] * 2
+    assert both["dropped"] == {k: 2 * v for k, v in fig["dropped"].items()}

@@ -168,6 +168,19 @@ def test_pacing_decision_ahead_limit() -> None:
     assert pacing_decision(unconsumed_rows=8, max_steps_ahead=2, **kw).produce
 
 
+def test_pacing_decision_generates_nothing_past_the_runs_last_slot() -> None:
+    """Rows sampled once every slot of the run is committed can never be trained: the worker pauses "finished"
+    (never let through as a stalled "ahead" pause); before that, "ahead" counts only the slots the run has left."""
+    kw = dict(policy_step=9, max_lag=1, batch_size=8, max_steps_ahead=2, unconsumed_rows=0, num_train_steps=10)
+    done = pacing_decision(last_slot=10, **kw)  # slots 1..10 committed
+    assert not done.produce and done.reason.startswith("finished") and "num_train_steps=10" in done.reason
+    last = pacing_decision(last_slot=9, **kw)  # slot 10 left: one slot's rows, not max_steps_ahead=2 slots'
+    assert last.produce and last.room == 8
+    assert not pacing_decision(last_slot=9, **{**kw, "unconsumed_rows": 8}).produce
+    assert pacing_decision(last_slot=8, **{**kw, "unconsumed_rows": 8}).room == 8  # slots 9, 10 left
+    assert pacing_decision(last_slot=10, **{**kw, "num_train_steps": None}).produce  # unbounded: as before
+
+
 def test_estimate_unconsumed_rows() -> None:
     # slot B=3 committed, max_lag=1: policies >= 2 are usable by slot 4; slot 3 may have eaten 8 rows of policy 2
     assert estimate_unconsumed_rows({1: 100, 2: 12, 3: 4}, last_slot=3, max_lag=1, batch_size=8) == 8

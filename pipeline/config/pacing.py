@@ -59,9 +59,11 @@ class RolloutPacing:
     SECTION: ClassVar[str] = "pacing"
 
     max_steps_ahead: int = 1
-    """A worker pauses while rollouts from the current policy already cover this many unconsumed batches: the
-    committed unconsumed rows (with zero-variance filtering, those with signal) plus, with `count_claims`, the rows
-    other workers are generating now."""
+    """A worker pauses while rollouts from the current policy already cover this many unconsumed batches (or the
+    run's remaining batch slots, if fewer): the committed unconsumed rows (with zero-variance filtering, those with
+    signal) plus, with `count_claims`, the rows other workers are generating now. Once every batch slot of the run
+    (`train.num_train_steps`) is committed a worker generates nothing more (no row sampled then can be trained): a
+    following worker waits for the learner's last policy, a scheduled one stops."""
     count_claims: bool = True
     """Before generating, a worker announces an in-flight claim (one empty object under `pacing/claims/`, naming its
     policy step and rows, expiring after 3× its last generate-and-commit cycle: 30 s at least, 120 s for a first
@@ -74,8 +76,9 @@ class RolloutPacing:
     batches minus the unconsumed and claimed rows; at most the lesson's `n_prompts`): a whole file for a backlog a
     few rows short would mostly go stale. With zero-variance filtering the backlog counts rows with signal, so the
     rows generated are the missing ones divided by the share of recent rows with signal (at least 0.1): files stay
-    large instead of shrinking to a group or two, whose no-signal files would start the BatchMaker's no-signal fill.
-    Off: always `n_prompts` prompts."""
+    large instead of shrinking to a group or two, whose no-signal files would start the BatchMaker's no-signal fill;
+    while the run is saturated (the newest slot says the next one admits rows without signal from its first file
+    on) every row is taken, so the rows generated are just the missing ones. Off: always `n_prompts` prompts."""
 
     def __post_init__(self) -> None:
         at_least(self, 0, "max_steps_ahead")

@@ -35,8 +35,9 @@ from pipeline.telemetry.metrics import MetricsWriter
 logger = logging.getLogger(__name__)
 
 PAUSE_RECORD_S = 2.0
-"""A paused worker logs a `pause` metrics record (`paused_s`, `reason`: ahead or stale) per this many seconds of
-pausing, and one when a run of pauses ends: the job runner's elastic pool reads them (`pipeline.jobs.pool`)."""
+"""A paused worker logs a `pause` metrics record (`paused_s`, `reason`: ahead, stale or finished) per this many
+seconds of pausing, and one when a run of pauses ends: the job runner's elastic pool reads them
+(`pipeline.jobs.pool`)."""
 
 
 class Pacer:
@@ -92,6 +93,9 @@ class Pacer:
         self._backoff = Backoff(config.polling.interval_s)
         self._slot_floor = 0
         self._mark = 0
+        self._saturated = False
+        """Whether the newest batch log entry says the next slot fills at once (`fills_at_once`), at the last
+        `pace`."""
 
     def last_batch_slot(self) -> int:
         """The newest committed batch slot."""
@@ -136,6 +140,7 @@ class Pacer:
             no_signal_fill_after=c.train.no_signal_fill_after,
             saturated=saturated,
         )
+        self._saturated = saturated
         decision = self._decision(policy, last_slot, unconsumed)
         if decision.produce and c.pacing.count_claims:
             decision = self._claim(policy, last_slot, unconsumed, files, seq)
@@ -143,7 +148,11 @@ class Pacer:
         return decision
 
     def _rows_for(self, room: int, files: dict[str, Any]) -> int:
-        """Rows to generate for `room` missing rows: `rows_for_room` at the signal fraction of the recent `files`."""
+        """Rows to generate for `room` missing rows: `rows_for_room` at the signal fraction of the recent `files`;
+        `room` itself while the run is saturated (the BatchMaker admits the next slot's rows without signal from its
+        first file on, so rows sampled to find signal would only be dropped)."""
+        if self._saturated:
+            return room
         return rows_for_room(room, self._view.signal_fraction(files))
 
     def _decision(self, policy: int, last_slot: int, unconsumed: int, claimed: int = 0) -> PacingDecision:
@@ -157,6 +166,7 @@ class Pacer:
             batch_size=c.train.batch_size,
             max_steps_ahead=c.pacing.max_steps_ahead,
             claimed_rows=claimed,
+            num_train_steps=c.train.num_train_steps,
         )
 
     def _claim(self, policy: int, last_slot: int, unconsumed: int, files: dict[str, Any], seq: int) -> PacingDecision:
@@ -213,6 +223,9 @@ class Pacer:
         # the stall clock runs only while paused: the time this worker spent generating its last file (a first
         # generation compiles for seconds) is no stall, and letting a write through then only makes stale rows
         stalled = min(stalled, paused)
+        if not self.config.follow and decision.reason.startswith("finished"):  # scheduled: nothing left, ever
+            self._stop(f"nothing more to do: {decision.reason}")
+            return True
         if not self.config.follow and paused >= self.config.polling.bounded_wait_s:  # scheduled: nothing to do now
             self._stop(f"nothing more to do: paused by pacing for {paused:.0f}s ({decision.reason})")
             return True

@@ -44,8 +44,9 @@ class PacingDecision:
     next_slot: int
     slot_lag: int
     room: int = 0
-    """When producing: rows still missing from the backlog (max_steps_ahead × batch_size minus the unconsumed and
-    claimed rows); a worker with `pacing.fit_room` generates no more prompts than cover it."""
+    """When producing: rows still missing from the backlog (the next min(max_steps_ahead, slots left) slots' rows
+    minus the unconsumed and claimed rows); a worker with `pacing.fit_room` generates no more prompts than cover
+    it."""
 
 
 def estimate_unconsumed_rows(rows_by_policy: dict[int, int], last_slot: int, max_lag: int, batch_size: int) -> int:
@@ -167,15 +168,26 @@ def pacing_decision(
     batch_size: int,
     max_steps_ahead: int,
     claimed_rows: int = 0,
+    num_train_steps: int | None = None,
 ) -> PacingDecision:
     """Produce iff rollouts from `policy_step` are usable by the next slot and we are not too far ahead.
 
-    next slot T = last_slot + 1. Pause "stale" when (T-1) - P > max_lag; pause "ahead" when
-    unconsumed_rows + claimed_rows >= max_steps_ahead × batch_size (`claimed_rows`: rows other workers are
-    generating now, from their standing claims). Producing, `room` is the rows still missing.
+    next slot T = last_slot + 1. Pause "finished" when T > `num_train_steps` (every slot of the run is committed:
+    no row generated now can be trained); pause "stale" when (T-1) - P > max_lag; pause "ahead" when
+    unconsumed_rows + claimed_rows >= the rows of the next min(max_steps_ahead, slots left) slots (batch_size
+    each; `claimed_rows`: rows other workers are generating now, from their standing claims). Producing, `room`
+    is the rows still missing.
     """
     nxt = last_slot + 1
     lag = staleness.lag(nxt, policy_step)
+    if num_train_steps is not None and nxt > num_train_steps:
+        return PacingDecision(
+            False,
+            f"finished: every batch slot of the run (train.num_train_steps={num_train_steps}) is committed; "
+            "waiting for the learner's last policy",
+            nxt,
+            lag,
+        )
     if lag > max_lag:
         return PacingDecision(
             False,
@@ -184,12 +196,13 @@ def pacing_decision(
             nxt,
             lag,
         )
-    limit = max_steps_ahead * batch_size
+    slots_left = max_steps_ahead if num_train_steps is None else min(max_steps_ahead, num_train_steps - last_slot)
+    limit = slots_left * batch_size
     if unconsumed_rows + claimed_rows >= limit:
         claimed = f" + {claimed_rows} being generated" if claimed_rows else ""
         return PacingDecision(
             False,
-            f"ahead: ~{unconsumed_rows} unconsumed rows{claimed} >= max_steps_ahead×batch_size={limit}",
+            f"ahead: ~{unconsumed_rows} unconsumed rows{claimed} >= the next {slots_left} slot(s)' rows ({limit})",
             nxt,
             lag,
         )
