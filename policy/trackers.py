@@ -240,7 +240,13 @@ class RunTracker:
     def _forward(self) -> None:
         with self._pending_lock:
             records, self._pending = self._pending, []
-        rollouts = [r for r in records if r.get("kind") == StepKind.ROLLOUT and "rows" in r]
+        # a worker's writes only: its `stop` record repeats the rows of every write (records without an event are
+        # writes of older workers)
+        rollouts = [
+            r
+            for r in records
+            if r.get("kind") == StepKind.ROLLOUT and r.get("event", "write") == "write" and "rows" in r
+        ]
         for rec in records:
             kind = rec.get("kind")
             if kind == StepKind.BATCHMAKER:

@@ -37,8 +37,10 @@ def test_records_of_every_step_reach_the_tracker(tmp_path: Path) -> None:
     ro = MetricsWriter(store, "rollout", "w0", flush_every=1)
     ev = MetricsWriter(store, "evaluate", "evaluator", flush_every=1)
     bm.log({"slot": 2, "mean_reward": 0.25, "staleness_mean": 0.5, "n_rollouts": 16})
-    ro.log({"rows": 16, "tokens": 100, "mean_reward": 0.5, "policy_lag": 1})
-    ro.log({"rows": 16, "tokens": 50, "mean_reward": 0.0, "policy_lag": 0})
+    ro.log({"event": "write", "rows": 16, "tokens": 100, "mean_reward": 0.5, "policy_lag": 1})
+    ro.log({"rows": 16, "tokens": 50, "mean_reward": 0.0, "policy_lag": 0})  # a write of a worker before events
+    ro.log({"event": "pause", "reason": "ahead", "paused_s": 2.0})
+    ro.log({"event": "stop", "reason": "signal 15", "rows": 32, "files": 2})  # the worker's totals: not new rows
     time.sleep(0.3)
     tracker.log({"learner/loss": 1.5}, step=2)
     bm.log({"slot": 1, "mean_reward": 0.75, "staleness_mean": 0.0})  # arrives late: logged at the newest step
