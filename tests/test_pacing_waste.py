@@ -206,6 +206,34 @@ def test_batchmaker_fills_the_slot_after_a_no_signal_fill_from_its_first_file(tm
     assert snapshot == entry.cursor.reservoir.to_dict()
 
 
+def test_a_file_too_old_for_the_slot_does_not_start_the_fill_live_or_in_a_rebuild(tmp_path: Path) -> None:
+    """A file without signal whose rows are too old for the slot (committed after the slots of its policy) does not
+    count toward `no_signal_fill_after`: the next file's groups without spread are dropped, not admitted at
+    advantage 0, and the slot's rebuild makes the same decision (it counted every zero-variance file before, so its
+    reservoir differed from the committed slot's)."""
+    root = tmp_path / "run"
+    store = RunStore(str(root))
+    publish_policy(store, 0)
+    publish_policy(store, 1)
+    commit_rollouts(store, 0, 0, rows_for(0, "a", [[0.0, 1.0], [1.0, 0.0]], seed=1))
+    commit_rollouts(store, 1, 1, rows_for(1, "b", [[0.0, 1.0], [1.0, 0.0]], seed=2))
+    kw = {"train.no_signal_fill_after": 1}
+    r = run_step(root, max_batches=2, **kw)
+    assert r.returncode == 0, r.stderr
+    publish_policy(store, 2)
+    old = commit_rollouts(store, 0, 2, rows_for(0, "z", [[1.0, 1.0], [1.0, 1.0]], seed=3))  # policy 0: lag 2 in slot 3
+    new = commit_rollouts(store, 2, 3, rows_for(2, "c", [[0.0, 1.0], [1.0, 1.0], [1.0, 0.0]], seed=4))
+    r = run_step(root, max_batches=1, **kw)
+    assert r.returncode == 0, r.stderr
+    entry = store.read_log_entry(3)
+    assert entry.ingested_files == [old, new] and entry.filled_no_signal == 0
+    assert entry.dropped == {"zero_variance": 6}  # the old file's 4 rows and the new file's group without spread
+    train = TrainParams(batch_size=4, seq_len=16, max_lag=1, max_batches_ahead=1, no_signal_fill_after=1)
+    batch, snapshot = rebuild_slot(store, 3, train)
+    assert sorted(set(batch.source_files)) == entry.lineage.source_files == [new]
+    assert snapshot == entry.cursor.reservoir.to_dict()
+
+
 # ---------------------------------------------------------------------------------------------- curriculum
 
 

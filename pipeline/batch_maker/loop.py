@@ -321,7 +321,7 @@ class BatchMakerLoop:
         rep = st.bm.add_rollouts(
             table, path, slot=slot, latest_policy=latest, dir_policy_step=p, admit_no_signal=log["no_signal_fill"]
         )
-        if rep.admitted == 0 and rep.fresh_zero_variance_groups:
+        if rep.without_signal:
             log["no_signal_files"] += 1
             log["no_signal_rows"] += table.num_rows
         if log["no_signal_fill"]:

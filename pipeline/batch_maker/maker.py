@@ -49,6 +49,13 @@ class IngestReport:
     filtered for want of signal *within* the lag window is what `train.no_signal_fill_after` counts (a file too
     old for the slot could not fill it either way)."""
 
+    @property
+    def without_signal(self) -> bool:
+        """Whether this file counts toward the slot's no-signal fill (`train.no_signal_fill_after`): nothing admitted,
+        and groups young enough for the slot filtered for want of signal. The live BatchMaker and its rebuild count
+        files by this one rule, so a rebuilt slot starts its fill where the live one did."""
+        return self.admitted == 0 and self.fresh_zero_variance_groups > 0
+
 
 def recency_weights(n: int, alpha: float) -> np.ndarray:
     """The sampling weight of each of `n` candidates by arrival rank (0 = oldest): `(1 + rank / n) ** alpha`

@@ -154,7 +154,7 @@ def rebuild_slot(store: RunStore, slot: int, train: TrainParams) -> tuple[BatchR
             fill = True
         rep = bm.add_rollouts(table, path, slot=slot, latest_policy=entry.learner_step,
                               dir_policy_step=layout.parse_step(path), admit_no_signal=fill)  # fmt: skip
-        if rep.admitted == 0 and rep.filtered_groups.get("zero_variance", 0):
+        if rep.without_signal:
             no_signal_files += 1
             no_signal_rows += table.num_rows
     batch = bm.make_batch(slot)
