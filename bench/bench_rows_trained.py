@@ -65,7 +65,8 @@ def run_demo(run_root: str, quick: bool) -> None:
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The figures of several runs of one job as one: rows generated, trained and dropped summed over `runs`,
-    `fraction` = trained / generated of the sums, and `runs`: each run's fraction, in order."""
+    `fraction` = trained / generated of the sums, `runs`: each run's fraction, and `final_success`: each run's
+    last evaluation's success rate (None without one), in order."""
     generated = sum(r["generated"] for r in runs)
     trained = sum(r["trained"] for r in runs)
     dropped: dict[str, int] = {}
@@ -79,6 +80,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "fraction": trained / generated,
         "dropped": dropped,
         "runs": [r["fraction"] for r in runs],
+        "final_success": [next(reversed(r["eval_success"].values()), None) for r in runs],
     }
 
 
@@ -89,6 +91,10 @@ def line(name: str, fig: dict[str, Any] | None, why: str = "") -> str:
     dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(fig["dropped"].items())) or "none"
     runs = fig.get("runs") or []
     each = f", {len(runs)} runs: " + " ".join(f"{f:.1%}" for f in runs) if len(runs) > 1 else ""
+    if len(runs) > 1 and any(s is not None for s in fig.get("final_success") or []):
+        each += "; last evaluation's success: " + " ".join(
+            "-" if s is None else f"{s:.2f}" for s in fig["final_success"]
+        )
     return (
         f"{name}: {fig['trained']:,} of {fig['generated']:,} generated rows trained = {fig['fraction']:.1%} "
         f"(dropped: {dropped}{each}) [{fig['run_root']}]"

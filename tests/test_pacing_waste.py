@@ -142,12 +142,13 @@ def test_a_killed_workers_claim_expires_and_is_deleted_by_the_next_reader(tmp_pa
 def test_a_slot_fills_at_once_while_nearly_all_of_the_slot_before_had_no_signal() -> None:
     kw: dict[str, Any] = {"filter_zero_variance": True, "no_signal_fill_after": 4}
     assert fills_at_once(28, False, 32, **kw)  # filtered as usual, still had to fill 7/8 of it: saturated
+    assert fills_at_once(24, False, 32, **kw) and not fills_at_once(23, False, 32, **kw)  # from 3/4 of the slot
     assert not fills_at_once(0, False, 32, **kw) and not fills_at_once(None, False, 32, **kw)
     # a small fill (a few files without signal among files with it) is no saturation: filling the next slot from
     # its start would admit every group without signal, and push the rows with signal past the batch (stale)
     assert not fills_at_once(8, False, 32, **kw)
-    assert fills_at_once(28, True, 32, **kw) and fills_at_once(32, True, 32, **kw)  # filled at once, 7/8 no signal
-    assert not fills_at_once(27, True, 32, **kw) and not fills_at_once(16, True, 32, **kw)  # signal: filter again
+    assert fills_at_once(24, True, 32, **kw) and fills_at_once(32, True, 32, **kw)  # filled at once, 3/4 no signal
+    assert not fills_at_once(23, True, 32, **kw) and not fills_at_once(16, True, 32, **kw)  # signal: filter again
     assert not fills_at_once(32, False, 32, filter_zero_variance=False, no_signal_fill_after=4)
     assert not fills_at_once(32, False, 32, filter_zero_variance=True, no_signal_fill_after=0)  # 0: never fill
 
@@ -319,4 +320,6 @@ def test_the_bench_reads_the_share_of_generated_rows_a_finished_run_trained(defa
     both = pooled([fig, fig])
     assert (both["generated"], both["trained"]) == (2 * fig["generated"], 2 * fig["trained"])
     assert both["fraction"] == fig["fraction"] and both["runs"] == [fig["fraction"]] * 2
+    last = list(fig["eval_success"].values())[-1] if fig["eval_success"] else None
+    assert both["final_success"] == [last, last]
     assert both["dropped"] == {k: 2 * v for k, v in fig["dropped"].items()}
