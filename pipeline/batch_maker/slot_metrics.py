@@ -14,7 +14,7 @@ SATURATED_NO_SIGNAL = 0.75
 """The share of a slot's rows admitted without signal (advantage 0) from which the next slot fills at once
 (`fills_at_once`): fewer than one row in 4 had signal, so filtering would read 4 times the batch to fill it and drop
 the rest. At 7/8 the demo job (configs/demo_cats.yaml) trained on 76.9% of the rows it generated (10 runs pooled),
-at 3/4 on 81.2% (15 runs), every run solving the task; no slot of the basic_arithmetic recipe fills at all."""
+at 3/4 on 81.0% (20 runs), every run solving the task; no slot of the basic_arithmetic recipe fills at all."""
 
 METRICS = {
     "slot": "batch slot T",
