@@ -136,6 +136,7 @@ HEAVY_TESTS = (
     "test_openai_backend.py::test_rollout_manager_over_the_openai_backend",
     "test_openai_backend.py::test_served_step_follows_the_server_and_model_names",
     "test_pacing_waste.py::test_batchmaker_fills_the_slot_after_a_no_signal_fill_from_its_first_file",
+    "test_pacing_waste.py::test_a_file_too_old_for_the_slot_does_not_start_the_fill_live_or_in_a_rebuild",
     "test_partial_rollouts.py::test_full_weight_swap_keeps_earlier_tokens_and_refills_slots",
     "test_partial_rollouts.py::test_job_with_partial_rollouts_and_killed_rollout_worker",
     "test_partial_rollouts.py::test_swap_between_decode_steps_tags_tokens_and_matches_teacher_forcing",
