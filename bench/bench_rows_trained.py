@@ -103,7 +103,7 @@ def line(name: str, fig: dict[str, Any] | None, why: str = "") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--demo", default="run", help="'run': run the demo on a fresh run root; a path: read it; '': skip")
+    ap.add_argument("--demo", default="run", help="'run': run the demo (--demo_runs times); a path: read it; '': skip")
     ap.add_argument("--recipe", default=RECIPE_ROOT, help="the recipe's run root, read if it exists ('': skip)")
     ap.add_argument("--quick", action="store_true", help="run the smaller test_cats job instead of the demo")
     ap.add_argument("--demo_runs", type=int, default=5, help="demo runs pooled into the figure (with --demo run)")
