@@ -230,10 +230,33 @@ def test_a_zero_spread_group_that_is_also_stale_is_dropped_zero_variance() -> No
     fresh = BatchMaker(params(batch_size=2, max_lag=max_lag))  # the same groups in the window: counted as fresh
     rep2 = fresh.add_rollouts(table(make_rows(4, [[1.0, 1.0]])), "rollouts/new", slot=slot, latest_policy=4)
     assert rep2.dropped == {"zero_variance": 2} and rep2.fresh_zero_variance_groups == 1
-    # admitted without filtering (a slot filled without signal), an old row is only `stale`
+    # read while the slot fills without signal (the no-signal fill), an old row without signal keeps its reason
     fill = BatchMaker(params(batch_size=2, max_lag=max_lag))
     rep3 = fill.add_rollouts(table(rows), "rollouts/old", slot=slot, latest_policy=4, admit_no_signal=True)
-    assert rep3.dropped == {"stale": 7}
+    assert rep3.dropped == {"zero_variance": 4, "zero_advantage": 1, "stale": 2}
+    assert rep3.fresh_zero_variance_groups == 0 and not rep3.without_signal
+    details = {x["reason"]: x["detail"] for x in fill.take_dropped(slot).to_pylist()}
+    assert "too old for the no-signal fill" in details["zero_variance"] and "lag > max_lag 1" in details["stale"]
+    # without zero-variance filtering such rows are trained like any other, so the lag alone cost them: `stale`
+    plain = BatchMaker(params(batch_size=2, max_lag=max_lag, filter_zero_variance=False))
+    rep4 = plain.add_rollouts(table(rows), "rollouts/old", slot=slot, latest_policy=4, dir_policy_step=1)
+    assert rep4.dropped == {"stale": 7}
+
+
+def test_rows_the_no_signal_fill_admitted_leave_the_reservoir_as_zero_variance_not_stale() -> None:
+    """Rows admitted without signal (the no-signal fill) that age out of the reservoir before a batch takes them
+    are dropped for want of signal, not for the lag; their neighbours with signal are `stale`."""
+    bm = BatchMaker(params(batch_size=64, max_lag=1))
+    rows = make_rows(1, [[1.0, 1.0], [0.0, 0.5, 1.0]])  # solved; spread with one row at advantage 0
+    rep = bm.add_rollouts(table(rows), "rollouts/p1", slot=2, latest_policy=1, admit_no_signal=True)
+    assert rep.admitted == 5 and rep.admitted_no_signal == 3
+    bm.take_dropped(2)
+    assert bm.make_batch(4) is None  # slot 4 takes policies 2..3: every live row is too old
+    d = bm.take_dropped(4).to_pylist()
+    assert Counter(x["reason"] for x in d) == {"zero_variance": 2, "zero_advantage": 1, "stale": 2}
+    assert {x["rollout_id"] for x in d if x["reason"] == "zero_variance"} == {"f-0-0", "f-0-1"}
+    assert all("admitted by the no-signal fill" in x["detail"] for x in d if x["reason"] != "stale")
+    assert bm.n_live == 0
 
 
 def test_zero_advantage_member_dropped() -> None:

@@ -17,8 +17,9 @@ Ingestion (`add_rollouts(table, source_file, slot=T, latest_policy=S)`), in orde
 2. policy_step > S (the newest published policy) -> `future_policy`;
    policy_step < T-1-max_lag (too old for slot T and every later slot) -> `stale`, except rows rule 3 drops for
    want of signal: a row of a zero-variance group stays `zero_variance` and a zero-advantage row `zero_advantage`
-   however old (it could not have been trained fresh either, so `stale` counts only what the lag cost;
-   `maker.KEPT_BEFORE_STALE`);
+   however old, also while the slot admits rows without signal (it could not have been trained fresh either, so
+   `stale` counts only what the lag cost; `maker.KEPT_BEFORE_STALE`; without `filter_zero_variance` every row has
+   signal here);
 3. groups = episodes of this file sharing (group_key, policy_step); an episode is the rows sharing a non-empty
    `episode_id` (its segments; one sample whose reward is the episode's, its policy step its oldest segment's),
    else one row; advantages per group of episodes with the configured estimator
@@ -39,7 +40,7 @@ segment decides `stale`, the newest `future_policy`), and a batch takes all of a
 (`packing.keep_whole_episodes`).
 
 Batch T (`make_batch(T)`): live rows with lag `(T-1) - policy_step` outside `[0, max_lag]` are dropped
-`stale` first. Eligible rows (live, used fewer than `max_samples_per_rollout` times) are ordered by
+`stale` first (rows the no-signal fill admitted without signal: `zero_variance` / `zero_advantage`, as in rule 2). Eligible rows (live, used fewer than `max_samples_per_rollout` times) are ordered by
 policy step, oldest first (slow, long rollouts are not starved), and within one policy step by a seeded
 weighted random key (Efraimidis-Spirakis, RNG seeded by (seed, T), so a rebuilt batch is the same):
 weight `(1 + rank/n)^alpha`, rank 0 = oldest arrival, so alpha > 0 favours recent arrivals. Unpacked,

@@ -9,6 +9,10 @@ import pyarrow as pa
 
 from pipeline.batch_maker.arrays import ranges
 
+NO_SIGNAL_REASONS = ("", "zero_variance", "zero_advantage")
+"""`Chunk.no_signal` codes: the drop reason a row would have had for want of learning signal under
+`train.filter_zero_variance` (0: it has signal)."""
+
 
 @dataclasses.dataclass
 class Chunk:
@@ -38,6 +42,7 @@ class Chunk:
     mask_vals: np.ndarray  # int8
     uses: np.ndarray  # int64
     alive: np.ndarray  # bool
+    no_signal: np.ndarray  # int8 index into NO_SIGNAL_REASONS (rows admitted without signal by the no-signal fill)
 
     @property
     def n_alive(self) -> int:
@@ -49,7 +54,7 @@ class Chunk:
         arrays = (self.rows, self.group, self.episode, self.reward, self.advantage, self.temperature, self.truncated,
                   self.cut, self.prompt_len, self.resp_len, self.prompt_off, self.resp_off, self.prompt_vals,
                   self.resp_vals, self.logprob_vals, self.reward_vals, self.mask_vals, self.uses,
-                  self.alive)  # fmt: skip
+                  self.alive, self.no_signal)  # fmt: skip
         return sum(a.nbytes for a in arrays) + self.rollout_ids.nbytes + self.problems.nbytes
 
     def take(self, keep: np.ndarray) -> Chunk:
@@ -83,4 +88,5 @@ class Chunk:
             mask_vals=np.ascontiguousarray(self.mask_vals[r_idx]),
             uses=self.uses[keep],
             alive=self.alive[keep],
+            no_signal=self.no_signal[keep],
         )

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.batch_maker.advantages import estimator_for
-from pipeline.batch_maker.chunk import Chunk
+from pipeline.batch_maker.chunk import NO_SIGNAL_REASONS, Chunk
 from pipeline.batch_maker.packing import BatchResult, build_batch, keep_whole_episodes, place
 from pipeline.batch_maker.staging import Staged, spread_over_episodes, stage
 from pipeline.config import TrainParams
@@ -28,6 +28,9 @@ KEPT_BEFORE_STALE = ("malformed", "future_policy", "zero_variance", "zero_advant
 """Drop reasons a row keeps when it is also too old for the slot: a malformed row or a row of a future policy is
 that first, and a row without learning signal (`zero_variance`, `zero_advantage`) could not have been trained even
 when fresh, so counting it `stale` would blame the lag for rows the task's difficulty cost."""
+
+_NO_SIGNAL_DETAIL = ("", "all rewards of the group are equal", "advantage is exactly 0")
+"""The detail of each `NO_SIGNAL_REASONS` code's drop (as staging words it)."""
 
 
 @dataclasses.dataclass
@@ -256,11 +259,16 @@ class BatchMaker:
         low = staleness.oldest_allowed_policy(slot, self.params.max_lag)
         old = policy < low
         # a row without learning signal (its group's rewards all equal, or its own advantage 0) could never have
-        # been trained, fresh or not: its verdict stays `zero_variance` / `zero_advantage`, so `stale` counts only
-        # rows that the lag alone cost
+        # been trained, fresh or not: its verdict stays `zero_variance` / `zero_advantage` (also when the no-signal
+        # fill would have admitted it), so `stale` counts only rows that the lag alone cost
+        lag = f"lag > max_lag {self.params.max_lag} for batch {slot}"
+        for code in (1, 2):
+            sel = old & (reason == "") & (st.chunk.no_signal == code)
+            reason[sel] = NO_SIGNAL_REASONS[code]
+            detail[sel] = f"{_NO_SIGNAL_DETAIL[code]}; too old for the no-signal fill ({lag})"
         stale = ~np.isin(reason, KEPT_BEFORE_STALE) & old
         reason[stale] = "stale"
-        detail[stale] = f"lag > max_lag {self.params.max_lag} for batch {slot}"
+        detail[stale] = lag
         return old
 
     def _retain_latest(self, st: Staged) -> None:
@@ -358,13 +366,18 @@ class BatchMaker:
         self._chunks = out
 
     def drop_stale(self, slot: int) -> int:
-        """Drop live rows too old for batch `slot` (and hence every later slot); return how many."""
+        """Drop live rows too old for batch `slot` (and hence every later slot); return how many. Rows the no-signal
+        fill admitted without learning signal go as `zero_variance` / `zero_advantage`, the rest as `stale`."""
         low = staleness.oldest_allowed_policy(slot, self.params.max_lag)
+        lag = f"lag > max_lag {self.params.max_lag} for batch {slot}"
         n = 0
         for c in self._chunks:
             if c.policy_step < low:
                 n += c.n_alive
-                self._kill(c, c.alive, "stale", f"lag > max_lag {self.params.max_lag} for batch {slot}")
+                for code in (1, 2):
+                    why = f"{_NO_SIGNAL_DETAIL[code]}; admitted by the no-signal fill, then too old ({lag})"
+                    self._kill(c, c.no_signal == code, NO_SIGNAL_REASONS[code], why)
+                self._kill(c, c.alive, "stale", lag)
         self._compact()
         return n
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.batch_maker.arrays import column, list_parts, segment_any
-from pipeline.batch_maker.chunk import Chunk
+from pipeline.batch_maker.chunk import NO_SIGNAL_REASONS, Chunk
 from pipeline.config import TrainParams
 
 LIST_COLUMNS = ("response_tokens", "response_logprobs", "token_rewards", "response_loss_mask")
@@ -181,10 +181,11 @@ def _check_episodes(table: pa.Table, cols: _Columns, v: _Verdicts, episode: np.n
 
 
 def _score_groups(
-    cols: _Columns, v: _Verdicts, estimator: Estimator, filter_no_signal: bool, episode: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Group codes ((group_key, episode policy step) among well-formed rows; -1 elsewhere) and advantages; with
-    `filter_no_signal`, zero-variance groups and zero-advantage rows are marked.
+    cols: _Columns, v: _Verdicts, estimator: Estimator, filtering: bool, filter_no_signal: bool, episode: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group codes ((group_key, episode policy step) among well-formed rows; -1 elsewhere), advantages, and (with
+    `filtering`, i.e. `train.filter_zero_variance`) each row's want of signal as a `NO_SIGNAL_REASONS` code; with
+    `filter_no_signal` as well, zero-variance groups and zero-advantage rows are marked.
 
     The group's samples are episodes, not rows: the segments of one episode (`episode`, whole by now: see
     `_check_episodes`) are one sample whose reward is the episode's, the estimator sees one reward per episode,
@@ -194,8 +195,9 @@ def _score_groups(
     ok = v.ok()
     codes = np.full(n, -1, dtype=np.int64)
     advantage = np.zeros(n, dtype=np.float64)
+    no_signal = np.zeros(n, dtype=np.int8)
     if not ok.any():
-        return codes, advantage
+        return codes, advantage, no_signal
     reward = cols.reward
     # one representative row per episode (its first well-formed segment), the episode's oldest policy step
     ok_idx = np.flatnonzero(ok)
@@ -214,15 +216,19 @@ def _score_groups(
     ep_adv = np.zeros(n_ep, dtype=np.float64)
     ep_adv[eps] = estimator(reward[reps], codes[reps])
     advantage[ok] = ep_adv[episode[ok]]
-    if filter_no_signal:
+    if filtering:
         n_codes = int(codes_all.max()) + 1
         gmax = np.full(n_codes, -np.inf)
         gmin = np.full(n_codes, np.inf)
         np.maximum.at(gmax, codes[ok], reward[ok])
         np.minimum.at(gmin, codes[ok], reward[ok])
-        v.set(ok & (gmax == gmin)[np.maximum(codes, 0)], "zero_variance", "all rewards of the group are equal")
-        v.set(v.ok() & (advantage == 0.0), "zero_advantage", "advantage is exactly 0")
-    return codes, advantage
+        flat = ok & (gmax == gmin)[np.maximum(codes, 0)]
+        no_signal[flat] = NO_SIGNAL_REASONS.index("zero_variance")
+        no_signal[ok & ~flat & (advantage == 0.0)] = NO_SIGNAL_REASONS.index("zero_advantage")
+        if filter_no_signal:
+            v.set(flat, "zero_variance", "all rewards of the group are equal")
+            v.set(v.ok() & (advantage == 0.0), "zero_advantage", "advantage is exactly 0")
+    return codes, advantage, no_signal
 
 
 def _apply_overlong(
@@ -267,7 +273,9 @@ def stage(
     cols = _check_rows(table, v, dir_policy_step)
     episode = episode_codes(table)
     _check_episodes(table, cols, v, episode)
-    codes, advantage = _score_groups(cols, v, estimator, params.filter_zero_variance and filter_no_signal, episode)
+    codes, advantage, no_signal = _score_groups(
+        cols, v, estimator, params.filter_zero_variance, filter_no_signal, episode
+    )
     p_len = np.diff(cols.p_off)
     r_len, cut = _apply_overlong(p_len, np.diff(cols.r_off), v, params)
     spread_over_episodes(v.reason, v.detail, episode)  # a segment too long for seq_len takes its episode along
@@ -298,5 +306,6 @@ def stage(
         mask_vals=np.asarray(cols.m_vals, dtype=np.int8),
         uses=np.zeros(n, dtype=np.int64),
         alive=np.zeros(n, dtype=bool),
+        no_signal=no_signal,
     )
     return Staged(chunk, v.reason, v.detail, policy)
