@@ -29,9 +29,11 @@ RECIPE_ROOT = "runs/basic_arithmetic"
 
 
 def rows_trained(run_root: str) -> dict[str, Any]:
-    """{generated, trained, fraction, dropped (rows per reason), eval (held-out success by policy step)} of a run
-    root: generated = the rows its rollout workers committed (their write records), trained = distinct rollout
-    rows in its committed batches (their lineage). Raises RuntimeError for a run root without both."""
+    """{generated, trained, fraction, trained_with_signal, dropped (rows per reason), eval (held-out success by
+    policy step)} of a run root: generated = the rows its rollout workers committed (their write records), trained
+    = distinct rollout rows in its committed batches (their lineage), trained_with_signal = those of them with a
+    non-zero advantage (a slot filled without signal trains rows at advantage 0). Raises RuntimeError for a run
+    root without both."""
     from pipeline.report import load_run
     from pipeline.report.sections import generation_rows
 
@@ -50,6 +52,7 @@ def rows_trained(run_root: str) -> dict[str, Any]:
         "generated": int(generated),
         "trained": int(data.rollouts_used),
         "fraction": data.rollouts_used / generated,
+        "trained_with_signal": data.rollouts_used_with_signal,
         "dropped": dict(data.dropped_by_reason),
         "eval_success": dict(sorted(evals.items())),
     }
@@ -69,6 +72,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     last evaluation's success rate (None without one), in order."""
     generated = sum(r["generated"] for r in runs)
     trained = sum(r["trained"] for r in runs)
+    signal = [r.get("trained_with_signal") for r in runs]
     dropped: dict[str, int] = {}
     for r in runs:
         for k, v in r["dropped"].items():
@@ -78,6 +82,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "generated": generated,
         "trained": trained,
         "fraction": trained / generated,
+        "trained_with_signal": None if None in signal else sum(int(x) for x in signal if x is not None),
         "dropped": dropped,
         "runs": [r["fraction"] for r in runs],
         "final_success": [next(reversed(r["eval_success"].values()), None) for r in runs],
@@ -95,9 +100,11 @@ def line(name: str, fig: dict[str, Any] | None, why: str = "") -> str:
         each += "; last evaluation's success: " + " ".join(
             "-" if s is None else f"{s:.2f}" for s in fig["final_success"]
         )
+    signal = fig.get("trained_with_signal")
+    with_signal = "" if signal is None else f", {signal / fig['generated']:.1%} with signal (advantage ≠ 0)"
     return (
-        f"{name}: {fig['trained']:,} of {fig['generated']:,} generated rows trained = {fig['fraction']:.1%} "
-        f"(dropped: {dropped}{each}) [{fig['run_root']}]"
+        f"{name}: {fig['trained']:,} of {fig['generated']:,} generated rows trained = {fig['fraction']:.1%}"
+        f"{with_signal} (dropped: {dropped}{each}) [{fig['run_root']}]"
     )
 
 

@@ -316,6 +316,7 @@ def test_the_bench_reads_the_share_of_generated_rows_a_finished_run_trained(defa
     assert glob.glob(str(default_job.root / "rollouts" / "step-*" / "*.parquet"))
     assert 0 < fig["trained"] <= fig["generated"] and fig["fraction"] == fig["trained"] / fig["generated"]
     assert fig["trained"] + sum(fig["dropped"].values()) <= fig["generated"]
+    assert 0 < fig["trained_with_signal"] <= fig["trained"]  # a job of the cats task: most batch rows have signal
     # the demo's figure pools several runs: the same run twice pools to its own share, every count doubled
     both = pooled([fig, fig])
     assert (both["generated"], both["trained"]) == (2 * fig["generated"], 2 * fig["trained"])
@@ -323,3 +324,4 @@ def test_the_bench_reads_the_share_of_generated_rows_a_finished_run_trained(defa
     last = list(fig["eval_success"].values())[-1] if fig["eval_success"] else None
     assert both["final_success"] == [last, last]
     assert both["dropped"] == {k: 2 * v for k, v in fig["dropped"].items()}
+    assert both["trained_with_signal"] == 2 * fig["trained_with_signal"]

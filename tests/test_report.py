@@ -31,8 +31,9 @@ FINAL_REWARD = 0.8125
 LESSONS = ("cats", "addition_easy")
 
 
-def _batch_row(rollout_ids: list[str]) -> BatchRow:
-    """One packed training row holding one segment per rollout id (4 tokens each)."""
+def _batch_row(rollout_ids: list[str], no_signal: tuple[int, ...] = ()) -> BatchRow:
+    """One packed training row holding one segment per rollout id (4 tokens each); the segments `no_signal` at
+    advantage 0 (as a slot filled without signal has them), the others at 0.5."""
     n = len(rollout_ids)
     seg = [i for i in range(n) for _ in range(4)]
     return BatchRow(
@@ -40,7 +41,7 @@ def _batch_row(rollout_ids: list[str]) -> BatchRow:
         loss_mask=[0, 1, 1, 1] * n,
         segment_ids=seg,
         position_ids=[0, 1, 2, 3] * n,
-        advantages=[0.5] * 4 * n,
+        advantages=[0.0 if i in no_signal else 0.5 for i in seg],
         generator_logprobs=[-1.0] * 4 * n,
         reference_logprobs=None,
         truncated=[False] * n,
@@ -186,7 +187,8 @@ def _write_run(root: Path) -> None:
         attempt = f"a{step}"
         data_rel = layout.batch_data_file(step, attempt)
         ids = [f"r{step}-{j}" for j in range(4)]
-        store.write_parquet(data_rel, BATCH.to_table([_batch_row(ids[:2]), _batch_row(ids[2:])]), BATCH)
+        rows = [_batch_row(ids[:2]), _batch_row(ids[2:], no_signal=(1,))]  # r{step}-3 without signal
+        store.write_parquet(data_rel, BATCH.to_table(rows), BATCH)
         dropped_rel = None
         if step in drops:
             dropped_rel = layout.dropped_file(step, attempt)
@@ -258,6 +260,8 @@ def test_report_of_a_small_run(tmp_path: Path) -> None:
     generated = 2 * N_STEPS * 8  # two workers' writes of 8 rows each
     assert f"<td>rollout rows generated</td><td>{generated}</td>" in summary
     assert f"<td>{report.sections.GENERATED_TRAINED_LABEL}</td><td>{report.fmt(20 / generated)}</td>" in summary
+    # the fourth rollout of each slot's batch went in at advantage 0: used, but not with signal
+    assert f"<td>{report.sections.GENERATED_SIGNAL_LABEL}</td><td>{report.fmt(15 / generated)}</td>" in summary
     # one draw of four passed over in each write: a skip rate of 1 / (1 + 4)
     assert f"<td>{report.sections.SKIP_RATE_LABEL}</td><td>{report.fmt(0.2)}</td>" in summary
     assert f"<td>{2 * N_STEPS} / {N_STEPS}</td>" in summary  # passed over / kept as re-tests (worker 1's)

@@ -16,7 +16,9 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.process.step_kind import StepKind
@@ -88,6 +90,9 @@ class RunData:
     """Rollout uses summed over committed batches (None: no lineage found)."""
     rollouts_used: int | None = None
     """Distinct rollouts in committed batches (None: no lineage found)."""
+    rollouts_used_with_signal: int | None = None
+    """Distinct rollouts in committed batches with a non-zero advantage in at least one batch (rows a slot filled
+    without signal, advantage 0, are used but teach nothing); None when some batch files are gone (retention)."""
     dropped_by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
     """Distinct dropped rollouts per reason."""
     curriculum_events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -237,6 +242,7 @@ def _read_lineage(store: RunStore, data: RunData, data_files: Sequence[str], pri
     if not data_files and not prior:
         return
     ids: list[str] = list(prior)
+    with_signal: set[str] = set()
     unreadable = 0
     for rel, blob in zip(data_files, _get_many(store, data_files), strict=True):
         if blob is None:
@@ -245,17 +251,37 @@ def _read_lineage(store: RunStore, data: RunData, data_files: Sequence[str], pri
         try:
             pf = pq.ParquetFile(pa.BufferReader(blob))
             BATCH.check_metadata(pf.schema_arrow.metadata, rel)
-            table = pf.read(columns=["rollout_ids"])
+            table = pf.read(columns=["rollout_ids", "segment_ids", "advantages"])
         except (pa.ArrowException, OSError, ValueError) as e:  # SchemaMismatchError is a ValueError
             logger.warning("report: skipping batch file %s: %s", rel, e)
             unreadable += 1
             continue
-        for seg_ids in table.column("rollout_ids").to_pylist():
+        row_ids = table.column("rollout_ids").to_pylist()
+        for seg_ids in row_ids:
             ids.extend(seg_ids or [])
+        with_signal.update(_ids_with_signal(table, row_ids))
     if unreadable:
         data.notes.append(f"{unreadable} committed batch data file(s) unreadable: rollout counts are partial")
     data.rollout_uses = len(ids)
     data.rollouts_used = len(set(ids))
+    data.rollouts_used_with_signal = None if prior else len(with_signal)
+
+
+def _ids_with_signal(table: pa.Table, row_ids: list[list[str] | None]) -> set[str]:
+    """The rollout ids of `table`'s batch rows (a row's k-th id is its segment k) whose segment carries a non-zero
+    advantage on some token."""
+    segments = table.column("segment_ids").combine_chunks()
+    row = np.asarray(pc.list_parent_indices(segments).to_numpy(), dtype=np.int64)
+    seg = np.asarray(pc.list_flatten(segments).to_numpy(), dtype=np.int64)
+    adv = np.asarray(pc.list_flatten(table.column("advantages").combine_chunks()).to_numpy())
+    hit = (adv != 0) & (seg >= 0)
+    pairs = np.unique(np.stack([row[hit], seg[hit]], axis=1), axis=0) if hit.any() else np.empty((0, 2), np.int64)
+    out: set[str] = set()
+    for r, k in pairs.tolist():
+        ids = row_ids[r] or []
+        if k < len(ids):
+            out.add(ids[k])
+    return out
 
 
 def _read_dropped(store: RunStore, data: RunData, named: Sequence[str], attempts: dict[int, str]) -> None:

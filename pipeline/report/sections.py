@@ -54,6 +54,9 @@ _SKIPPED = "env/n_skipped_prompts"
 _RETESTED = "env/n_retested_prompts"
 GENERATED_TRAINED_LABEL = "generated rows trained (distinct rows used / rows generated)"
 """The summary row of the fraction of generated rollout rows that went into a batch."""
+GENERATED_SIGNAL_LABEL = "generated rows trained with signal (distinct rows used with an advantage ≠ 0 / generated)"
+"""The summary row of the fraction of generated rollout rows that went into a batch with learning signal (rows a
+slot filled without signal, at advantage 0, are trained on but teach nothing)."""
 SKIP_RATE_LABEL = "prompt draws skipped as solved or hopeless (curriculum.skip_after)"
 """The summary row of the skip rate: skipped draws / (skipped + kept draws), from the rollout records."""
 
@@ -134,6 +137,8 @@ def generation_rows(data: RunData) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("rollout rows generated", int(generated))]
     if data.rollouts_used is not None and generated > 0:
         out.append((GENERATED_TRAINED_LABEL, data.rollouts_used / generated))
+    if data.rollouts_used_with_signal is not None and generated > 0:
+        out.append((GENERATED_SIGNAL_LABEL, data.rollouts_used_with_signal / generated))
     if any(num(r, _SKIPPED) is not None for r in recs):
         skipped, drawn = total(_SKIPPED), total("env/n_examples")
         out.append((SKIP_RATE_LABEL, skipped / (skipped + drawn) if skipped + drawn > 0 else None))
