@@ -259,6 +259,19 @@ def test_rows_the_no_signal_fill_admitted_leave_the_reservoir_as_zero_variance_n
     assert bm.n_live == 0
 
 
+def test_rows_admitted_without_signal_only_top_a_batch_up() -> None:
+    """Rows the no-signal fill admitted (advantage 0) go into a batch after every row with signal, although they
+    are of an older policy: a slot that fills without signal trains all the signal it has."""
+    bm = BatchMaker(params(batch_size=4, max_lag=1))
+    old = make_rows(1, [[1.0, 1.0], [0.0, 0.0]], tag="a")  # solved and hopeless: four rows without signal
+    assert bm.add_rollouts(table(old), "rollouts/a", slot=2, latest_policy=1, admit_no_signal=True).admitted == 4
+    new = make_rows(2, [[0.0, 1.0]], tag="b")  # spread: two rows with signal, of a newer policy
+    assert bm.add_rollouts(table(new), "rollouts/b", slot=3, latest_policy=2).admitted == 2
+    batch = bm.make_batch(3)
+    assert batch is not None
+    assert {"b-0-0", "b-0-1"} <= set(batch.rollout_ids) and len(batch.rollout_ids) == 4
+
+
 def test_zero_advantage_member_dropped() -> None:
     bm = BatchMaker(params(batch_size=2))
     rep = bm.add_rollouts(table(make_rows(0, [[0.0, 0.5, 1.0]])), "f", slot=1, latest_policy=0)

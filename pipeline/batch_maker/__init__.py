@@ -40,7 +40,9 @@ segment decides `stale`, the newest `future_policy`), and a batch takes all of a
 (`packing.keep_whole_episodes`).
 
 Batch T (`make_batch(T)`): live rows with lag `(T-1) - policy_step` outside `[0, max_lag]` are dropped
-`stale` first (rows the no-signal fill admitted without signal: `zero_variance` / `zero_advantage`, as in rule 2). Eligible rows (live, used fewer than `max_samples_per_rollout` times) are ordered by
+`stale` first (rows the no-signal fill admitted without signal: `zero_variance` / `zero_advantage`, as in
+rule 2). Eligible rows (live, used fewer than `max_samples_per_rollout` times) are ordered rows with signal first
+(rows the no-signal fill admitted at advantage 0 only top a batch up), then by
 policy step, oldest first (slow, long rollouts are not starved), and within one policy step by a seeded
 weighted random key (Efraimidis-Spirakis, RNG seeded by (seed, T), so a rebuilt batch is the same):
 weight `(1 + rank/n)^alpha`, rank 0 = oldest arrival, so alpha > 0 favours recent arrivals. Unpacked,

@@ -397,6 +397,9 @@ class BatchMaker:
             return None
         c_idx, r_idx = c_idx[ok], r_idx[ok]
         pstep = np.concatenate([np.full(len(c.alive), c.policy_step, dtype=np.int64) for _, c in cands])[ok]
+        # rows the no-signal fill admitted (advantage 0) only top a batch up: rows with signal go first, whatever
+        # their policy step, so a slot that fills without signal trains every row with signal it has
+        idle = np.concatenate([c.no_signal != 0 for _, c in cands])[ok]
         length = np.concatenate([c.prompt_len + c.resp_len for _, c in cands])[ok]
         n = len(c_idx)
         # arrival order is (chunk seq, row): chunks are kept in seq order, so position = rank from oldest
@@ -405,12 +408,12 @@ class BatchMaker:
         _, ep_first, ep_code = np.unique(episode, return_index=True, return_inverse=True)
         whole = len(ep_first) == n  # every candidate is an episode of its own (no split episodes)
         if whole:
-            order = np.lexsort((-key, pstep))
+            order = np.lexsort((-key, pstep, idle))
         else:
             # an episode is one candidate: its segments share its first segment's key and stay adjacent, in file order
             ep_code = ep_code.reshape(-1)
             key = key[ep_first][ep_code]
-            order = np.lexsort((r_idx, ep_code, -key, pstep))
+            order = np.lexsort((r_idx, ep_code, -key, pstep, idle))
         rows_of, offs_of = place(length[order], params.batch_size, params.seq_len, params.pack)
         if not whole:
             keep_whole_episodes(length[order], episode[order], rows_of, offs_of, params.batch_size, params.seq_len,
