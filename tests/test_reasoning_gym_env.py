@@ -4,8 +4,11 @@ answers, train and eval seeds are disjoint, difficulty levels and mixes, and bad
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +21,11 @@ from reasoning_gym.utils import extract_answer
 from pipeline.config import ConfigError
 from pipeline.config.curriculum import CurriculumConfig, EnvConfig, LessonConfig
 from pipeline.curriculum import fold_prompts, initial_state
+from pipeline.environments import reasoning_gym_env
 from pipeline.environments.base import PromptSkip, SampleSpec, draw_skipping
 from pipeline.environments.reasoning_gym_env import ReasoningGymEnv, extract, extract_strict
 from pipeline.environments.scripted import ScriptedContext
+from pipeline.environments.time_limit import TimeLimitExceeded, run_with_time_limit
 from pipeline.environments.tokenizer import build_tiny_tokenizer
 from pipeline.process.exits import Exit
 
@@ -139,6 +144,49 @@ def test_train_and_eval_item_seeds_are_disjoint_and_eval_is_fixed() -> None:
         "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, n_eval=64, dedupe_eval=False
     )
     assert {ex.prompt for ex in loose.examples(300, np.random.default_rng(2), "train")} & eval_questions
+
+
+HANGING_NUMBER_SEQUENCE = 1012332337
+"""An item seed for which reasoning-gym's number_sequence squares its terms until they have billions of digits (a
+rollout worker hung on it for good in a run of the basic_arithmetic recipe's sizes on number_sequence)."""
+
+
+@pytest.mark.timeout(120, method="thread")  # never returns without the limit (SIGALRM is the limit's)
+def test_an_item_whose_generator_never_ends_fails_that_example_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reasoning_gym_env, "ITEM_TIME_LIMIT_S", 0.5)
+    env = ReasoningGymEnv("number_sequence", {}, seed=HANGING_NUMBER_SEQUENCE, n_eval=2, dedupe_eval=False)
+    handler = signal.getsignal(signal.SIGALRM)
+    t0 = time.monotonic()
+    hung, fine = env.examples(2, np.random.default_rng(0), "eval")
+    assert time.monotonic() - t0 < 10
+    assert hung.prompt is None and hung.example_id == f"number_sequence-{HANGING_NUMBER_SEQUENCE}"
+    assert hung.error and "took over 0.5 s" in hung.error and str(HANGING_NUMBER_SEQUENCE) in hung.error
+    assert fine.prompt and fine.error is None  # the next seed's item is made as usual
+    assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_the_time_limit_interrupts_on_the_main_thread_only_and_never_over_another_timer() -> None:
+    def spin() -> str:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass
+        return "done"
+
+    with pytest.raises(TimeLimitExceeded, match=r"after 0\.1 s"):
+        run_with_time_limit(spin, 0.1)
+    assert run_with_time_limit(lambda: 7, 0.1) == 7 and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    out: list[str] = []
+    thread = threading.Thread(target=lambda: out.append(run_with_time_limit(spin, 0.1)))
+    thread.start()
+    thread.join()
+    assert out == ["done"]  # SIGALRM reaches the main thread only: elsewhere the call runs unlimited
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 30.0)  # somebody else's timer (math-verify's) is left alone
+    try:
+        assert run_with_time_limit(spin, 0.1) == "done" and signal.getitimer(signal.ITIMER_REAL)[0] > 25
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0.0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_levels_follow_the_library_curriculum() -> None:

@@ -48,6 +48,10 @@ arXiv:2501.12948) the whole response, surrounding whitespace aside, must be the 
 `first_line`): anything before or after it (such as text a policy keeps writing past `</answer>` instead of ending
 its response) extracts None, a parse failure that scores 0.
 
+**A generator that fails on one item seed** (raises, or runs past `ITEM_TIME_LIMIT_S`) fails that example only, with
+its seed and the reason: a training draw is replaced by another (`max_example_retries`), an eval example is recorded
+as failed, and the rest of the call goes on.
+
 **Reward** = `score_answer(extracted, entry)` of the task (a float in [0, 1], partial credit as the task defines it);
 success iff reward >= 1. A scorer that raises scores 0.0 (`score_error` info 1). The rollout keeps the response text,
 the extracted answer and the entry's `answer` as ground truth.
@@ -68,6 +72,7 @@ import numpy as np
 
 from pipeline.config.base import ConfigError
 from pipeline.environments.base import Example, Score, SingleTurnEnvironment, check_mode
+from pipeline.environments.time_limit import TimeLimitExceeded, run_with_time_limit
 
 ANSWER_FORMATS = ("tag", "boxed", "last_number", "first_line", "full")
 """The answer-extraction conventions (module docstring)."""
@@ -75,6 +80,11 @@ TRAIN_SEED_SPAN = 2**30
 """How many item seeds the training stream draws from (after the eval seeds)."""
 DEDUPE_TRIES = 16
 """Redraws of a train example whose question is an eval question before it is used anyway."""
+ITEM_TIME_LIMIT_S = 10.0
+"""How long generating one item may take before the item counts as a failed example (generators take milliseconds;
+reasoning-gym's number_sequence squares its terms for some seeds, e.g. item seed 1012332337, until the numbers have
+billions of digits, which never ends). Applies where the item is generated on the process's main thread, as in the
+rollout, evaluate and validation steps (`pipeline.environments.time_limit`)."""
 
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
@@ -420,7 +430,10 @@ class ReasoningGymEnv(SingleTurnEnvironment):
         spec = self.spec_for(item_seed)
         example_id = f"{spec.task}-{item_seed}"
         try:
-            entry, ds = make_entry(spec.task, spec.config, item_seed)
+            entry, ds = run_with_time_limit(lambda: make_entry(spec.task, spec.config, item_seed), ITEM_TIME_LIMIT_S)
+        except TimeLimitExceeded as e:  # a generator that never ends on one seed fails that example only
+            why = f"generating the item took over {e.seconds:g} s (ITEM_TIME_LIMIT_S)"
+            return Example(example_id, None, error=f"reasoning-gym {spec.task!r} seed {item_seed}: {why}")
         except Exception as e:  # a generator failing on one seed fails that example only
             return Example(example_id, None, error=f"reasoning-gym {spec.task!r} seed {item_seed}: {e!r}")
         prompt = self.prompt_template.format(question=entry["question"])
