@@ -227,6 +227,17 @@ def _percent(get: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]],
     return percent
 
 
+def _signal_share(name: str) -> Callable[[dict[str, Any]], float | None]:
+    """The percent of generated rows that the `rows_trained` part's `name` run trained with signal (advantage ≠ 0)."""
+
+    def share(res: dict[str, Any]) -> float | None:
+        fig = (res.get("rows_trained") or {}).get(name) or {}
+        signal, generated = fig.get("trained_with_signal"), fig.get("generated")
+        return 100.0 * signal / generated if signal is not None and generated else None
+
+    return share
+
+
 def _mesh_ratio(res: dict[str, Any]) -> float | None:
     rows = res.get("learner_mesh") or []
     return rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"] if len(rows) > 1 else None
@@ -274,6 +285,8 @@ CPU_EXTRACTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "verifiers_pool_speedup": _verifiers_pool_speedup,
     "rows_trained_demo": _percent(_get("rows_trained", "demo", "fraction")),
     "rows_trained_recipe": _percent(_get("rows_trained", "recipe", "fraction")),
+    "rows_trained_signal_demo": _signal_share("demo"),
+    "rows_trained_signal_recipe": _signal_share("recipe"),
 }
 
 

@@ -456,6 +456,10 @@ def _rows_rows_trained(results: dict[str, Any]) -> list[Row]:
         spread = f", {len(runs)} runs {min(runs):.0%}-{max(runs):.0%}" if len(runs) > 1 else ""
         rows.append((f"generated rows trained, {label}", f"{fig['fraction']:.1%}",
                      f"{fig['trained']:,} of {fig['generated']:,} rows{spread}", "-", goal))  # fmt: skip
+        if fig.get("trained_with_signal") is not None:
+            rows.append((f"generated rows trained with signal (advantage != 0), {label}",
+                         f"{fig['trained_with_signal'] / fig['generated']:.1%}",
+                         f"{fig['trained_with_signal']:,} of {fig['generated']:,} rows", "-", "-"))  # fmt: skip
     return rows
 
 
