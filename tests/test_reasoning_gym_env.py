@@ -151,7 +151,7 @@ HANGING_NUMBER_SEQUENCE = 1012332337
 rollout worker hung on it for good in a run of the basic_arithmetic recipe's sizes on number_sequence)."""
 
 
-@pytest.mark.timeout(120, method="thread")  # never returns without the limit (SIGALRM is the limit's)
+@pytest.mark.timeout(120, method="thread")  # never returns without the limit; a signal-method timer would turn it off
 def test_an_item_whose_generator_never_ends_fails_that_example_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reasoning_gym_env, "ITEM_TIME_LIMIT_S", 0.5)
     env = ReasoningGymEnv("number_sequence", {}, seed=HANGING_NUMBER_SEQUENCE, n_eval=2, dedupe_eval=False)
@@ -165,6 +165,7 @@ def test_an_item_whose_generator_never_ends_fails_that_example_only(monkeypatch:
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
+@pytest.mark.timeout(120, method="thread")  # `make test`'s --timeout sets an interval timer, which turns the limit off
 def test_the_time_limit_interrupts_on_the_main_thread_only_and_never_over_another_timer() -> None:
     def spin() -> str:
         end = time.monotonic() + 1.0
