@@ -136,7 +136,11 @@ def train(learner: Learner, state: pf.LearnerState) -> tuple[pf.LearnerState, st
         if writer
         else _NoMetrics()
     )
-    learner.tracker = make_run_tracker(config.tracker, config.store.run_root, learner.store) if writer else None
+    # a fresh run's tracker forwards the records committed before it opened too; a restarted one from now on
+    fresh = state.step == 0
+    learner.tracker = (
+        make_run_tracker(config.tracker, config.store.run_root, learner.store, fresh=fresh) if writer else None
+    )
     learner.publisher = P.PolicyPublisher(learner.store, config)
     progress = _progress(learner.total, state.step)
     started_at = time.time()

@@ -164,15 +164,25 @@ class RunTracker:
     step logged) so that every tracker sees non-decreasing steps. `finish()` forwards what is committed by then.
     """
 
-    def __init__(self, tracker: Tracker, store: RunStore, *, forward_every_s: float = FORWARD_EVERY_S) -> None:
+    def __init__(
+        self,
+        tracker: Tracker,
+        store: RunStore,
+        *,
+        forward_every_s: float = FORWARD_EVERY_S,
+        fresh: bool = False,
+    ) -> None:
+        """`fresh`: the learner starts the run (no step trained yet), so every record of the run root is forwarded,
+        including those committed before the tracker opened (a short run's workers may have written all their files
+        by then); otherwise only records from now on: a restarted learner opens a new tracker run and does not replay
+        what the previous one already logged."""
         import threading
 
         from pipeline.telemetry.metrics import MetricsTail
 
         self.tracker = tracker
         self._t0 = time.time()
-        # A restarted learner opens a new tracker run; it does not replay what the previous one already logged.
-        self._tail = MetricsTail(store, FORWARDED_KINDS, since=self._t0)
+        self._tail = MetricsTail(store, FORWARDED_KINDS, since=None if fresh else self._t0)
         self._tail_lock = threading.Lock()
         self._pending: list[dict[str, Any]] = []
         self._pending_lock = threading.Lock()
@@ -258,6 +268,8 @@ class RunTracker:
                     self._evaluated.add((int(rec["policy_step"]), lesson))
         if rollouts:
             self._rollout_rows += sum(float(r["rows"]) for r in rollouts)
+            # over the time since the earliest write forwarded (before the tracker opened, in a fresh run)
+            self._t0 = min(self._t0, *(float(r.get("time", self._t0)) for r in rollouts))
             summary = rollout_summary(rollouts)
             summary["rollout/rows_per_s"] = self._rollout_rows / max(time.time() - self._t0, 1e-9)
             self._log_at(summary, self._step)
@@ -290,8 +302,10 @@ def rollout_summary(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def make_run_tracker(config: TrackerConfig, run_root: str, store: RunStore) -> RunTracker | None:
+def make_run_tracker(
+    config: TrackerConfig, run_root: str, store: RunStore, *, fresh: bool = False
+) -> RunTracker | None:
     """The run's tracker (`make_tracker`) with the other steps' metrics forwarded from `store` (the run root's
-    RunStore); None for `type: none`."""
+    RunStore; all of them when the learner starts the run, `fresh`, else from now on); None for `type: none`."""
     tracker = make_tracker(config, run_root)
-    return None if tracker is None else RunTracker(tracker, store)
+    return None if tracker is None else RunTracker(tracker, store, fresh=fresh)

@@ -64,6 +64,26 @@ def test_records_of_every_step_reach_the_tracker(tmp_path: Path) -> None:
     assert 9.0 not in [v for vs in merged.values() for _, v in vs]  # older than the tracker run: not replayed
 
 
+def test_a_fresh_run_forwards_what_its_steps_committed_before_the_tracker_opened(tmp_path: Path) -> None:
+    """A short run's workers can write every file before the learner opens its tracker (under load, in a 2-step gs://
+    run, the tracker never got `rollout/rows_per_s`): a learner that starts the run forwards those records too, a
+    restarted one (not fresh) only what is committed after it opens."""
+    store = RunStore(str(tmp_path / "run"))
+    ro = MetricsWriter(store, "rollout", "w0", flush_every=1)
+    ro.log({"event": "write", "rows": 16, "tokens": 100, "mean_reward": 0.5, "policy_lag": 0})
+    ro.log({"event": "write", "rows": 16, "tokens": 100, "mean_reward": 0.25, "policy_lag": 1})
+    ro.log({"event": "stop", "reason": "done", "rows": 32, "files": 2})
+    time.sleep(0.01)
+    fresh, restarted = RecordingTracker(), RecordingTracker()
+    for recorder, is_fresh in ((fresh, True), (restarted, False)):
+        tracker = RunTracker(recorder, store, forward_every_s=60, fresh=is_fresh)
+        tracker.log({"learner/loss": 1.0}, step=1)
+        tracker.finish()
+    seen = {k: v for _, metrics in fresh.logged for k, v in metrics.items()}
+    assert seen["rollout/rows"] == 32.0 and seen["rollout/rows_per_s"] > 0
+    assert not [k for _, metrics in restarted.logged for k in metrics if k.startswith("rollout/")]
+
+
 def test_evaluations_that_finish_after_the_learner_are_awaited(tmp_path: Path) -> None:
     """The final policy's evaluations, committed after the learner's last step, are forwarded before the tracker
     run closes; a lesson that never arrives makes the wait give up at its bound."""
