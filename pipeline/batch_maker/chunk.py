@@ -12,6 +12,8 @@ from pipeline.batch_maker.arrays import ranges
 NO_SIGNAL_REASONS = ("", "zero_variance", "zero_advantage")
 """`Chunk.no_signal` codes: the drop reason a row would have had for want of learning signal under
 `train.filter_zero_variance` (0: it has signal)."""
+NO_SIGNAL_DETAILS = ("", "all rewards of the group are equal", "advantage is exactly 0")
+"""The detail of each `NO_SIGNAL_REASONS` drop."""
 
 
 @dataclasses.dataclass

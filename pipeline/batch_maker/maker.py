@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.batch_maker.advantages import estimator_for
-from pipeline.batch_maker.chunk import NO_SIGNAL_REASONS, Chunk
+from pipeline.batch_maker.chunk import NO_SIGNAL_DETAILS, NO_SIGNAL_REASONS, Chunk
 from pipeline.batch_maker.packing import BatchResult, build_batch, keep_whole_episodes, place
 from pipeline.batch_maker.staging import Staged, spread_over_episodes, stage
 from pipeline.config import TrainParams
@@ -28,9 +28,6 @@ KEPT_BEFORE_STALE = ("malformed", "future_policy", "zero_variance", "zero_advant
 """Drop reasons a row keeps when it is also too old for the slot: a malformed row or a row of a future policy is
 that first, and a row without learning signal (`zero_variance`, `zero_advantage`) could not have been trained even
 when fresh, so counting it `stale` would blame the lag for rows the task's difficulty cost."""
-
-_NO_SIGNAL_DETAIL = ("", "all rewards of the group are equal", "advantage is exactly 0")
-"""The detail of each `NO_SIGNAL_REASONS` code's drop (as staging words it)."""
 
 
 @dataclasses.dataclass
@@ -265,7 +262,7 @@ class BatchMaker:
         for code in (1, 2):
             sel = old & (reason == "") & (st.chunk.no_signal == code)
             reason[sel] = NO_SIGNAL_REASONS[code]
-            detail[sel] = f"{_NO_SIGNAL_DETAIL[code]}; too old for the no-signal fill ({lag})"
+            detail[sel] = f"{NO_SIGNAL_DETAILS[code]}; too old for the no-signal fill ({lag})"
         stale = ~np.isin(reason, KEPT_BEFORE_STALE) & old
         reason[stale] = "stale"
         detail[stale] = lag
@@ -375,7 +372,7 @@ class BatchMaker:
             if c.policy_step < low:
                 n += c.n_alive
                 for code in (1, 2):
-                    why = f"{_NO_SIGNAL_DETAIL[code]}; admitted by the no-signal fill, then too old ({lag})"
+                    why = f"{NO_SIGNAL_DETAILS[code]}; admitted by the no-signal fill, then too old ({lag})"
                     self._kill(c, c.no_signal == code, NO_SIGNAL_REASONS[code], why)
                 self._kill(c, c.alive, "stale", lag)
         self._compact()

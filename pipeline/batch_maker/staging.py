@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.batch_maker.arrays import column, list_parts, segment_any
-from pipeline.batch_maker.chunk import NO_SIGNAL_REASONS, Chunk
+from pipeline.batch_maker.chunk import NO_SIGNAL_DETAILS, NO_SIGNAL_REASONS, Chunk
 from pipeline.config import TrainParams
 
 LIST_COLUMNS = ("response_tokens", "response_logprobs", "token_rewards", "response_loss_mask")
@@ -223,11 +223,12 @@ def _score_groups(
         np.maximum.at(gmax, codes[ok], reward[ok])
         np.minimum.at(gmin, codes[ok], reward[ok])
         flat = ok & (gmax == gmin)[np.maximum(codes, 0)]
-        no_signal[flat] = NO_SIGNAL_REASONS.index("zero_variance")
-        no_signal[ok & ~flat & (advantage == 0.0)] = NO_SIGNAL_REASONS.index("zero_advantage")
+        zv, za = NO_SIGNAL_REASONS.index("zero_variance"), NO_SIGNAL_REASONS.index("zero_advantage")
+        no_signal[flat] = zv
+        no_signal[ok & ~flat & (advantage == 0.0)] = za
         if filter_no_signal:
-            v.set(flat, "zero_variance", "all rewards of the group are equal")
-            v.set(v.ok() & (advantage == 0.0), "zero_advantage", "advantage is exactly 0")
+            v.set(flat, "zero_variance", NO_SIGNAL_DETAILS[zv])
+            v.set(v.ok() & (advantage == 0.0), "zero_advantage", NO_SIGNAL_DETAILS[za])
     return codes, advantage, no_signal
 
 
