@@ -153,7 +153,7 @@ rollout worker hung on it for good in a run of the basic_arithmetic recipe's siz
 
 @pytest.mark.timeout(120, method="thread")  # never returns without the limit; a signal-method timer would turn it off
 def test_an_item_whose_generator_never_ends_fails_that_example_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reasoning_gym_env, "ITEM_TIME_LIMIT_S", 0.5)
+    monkeypatch.setattr(reasoning_gym_env, "ITEM_TIME_LIMIT_S", 0.5)  # the default, when item_time_limit_s is unset
     env = ReasoningGymEnv("number_sequence", {}, seed=HANGING_NUMBER_SEQUENCE, n_eval=2, dedupe_eval=False)
     handler = signal.getsignal(signal.SIGALRM)
     t0 = time.monotonic()
@@ -163,6 +163,11 @@ def test_an_item_whose_generator_never_ends_fails_that_example_only(monkeypatch:
     assert hung.error and "took over 0.5 s" in hung.error and str(HANGING_NUMBER_SEQUENCE) in hung.error
     assert fine.prompt and fine.error is None  # the next seed's item is made as usual
     assert signal.getsignal(signal.SIGALRM) is handler and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    set_here = ReasoningGymEnv(
+        "number_sequence", {}, seed=HANGING_NUMBER_SEQUENCE, n_eval=1, dedupe_eval=False, item_time_limit_s=0.25
+    )
+    (hung,) = set_here.examples(1, np.random.default_rng(0), "eval")
+    assert hung.error and "took over 0.25 s (item_time_limit_s)" in hung.error
 
 
 @pytest.mark.timeout(120, method="thread")  # `make test`'s --timeout sets an interval timer, which turns the limit off
@@ -271,6 +276,8 @@ def test_a_finite_training_pool_makes_prompts_recur_so_skip_records_fire() -> No
         ({"task": "chain_sum", "strict_format": "yes"}, "strict_format"),
         ({"task": "chain_sum", "n_train_items": 0}, "n_train_items"),
         ({"task": "chain_sum", "n_train_items": 2.5}, "n_train_items"),
+        ({"task": "chain_sum", "item_time_limit_s": 0}, "item_time_limit_s"),
+        ({"task": "chain_sum", "item_time_limit_s": "10"}, "item_time_limit_s"),
         ({}, "task"),
     ],
 )

@@ -48,9 +48,9 @@ arXiv:2501.12948) the whole response, surrounding whitespace aside, must be the 
 `first_line`): anything before or after it (such as text a policy keeps writing past `</answer>` instead of ending
 its response) extracts None, a parse failure that scores 0.
 
-**A generator that fails on one item seed** (raises, or runs past `ITEM_TIME_LIMIT_S`) fails that example only, with
-its seed and the reason: a training draw is replaced by another (`max_example_retries`), an eval example is recorded
-as failed, and the rest of the call goes on.
+**A generator that fails on one item seed** (raises, or runs past `item_time_limit_s`, 10 s by default) fails that
+example only, with its seed and the reason: a training draw is replaced by another (`max_example_retries`), an eval
+example is recorded as failed, and the rest of the call goes on.
 
 **Reward** = `score_answer(extracted, entry)` of the task (a float in [0, 1], partial credit as the task defines it);
 success iff reward >= 1. A scorer that raises scores 0.0 (`score_error` info 1). The rollout keeps the response text,
@@ -81,10 +81,11 @@ TRAIN_SEED_SPAN = 2**30
 DEDUPE_TRIES = 16
 """Redraws of a train example whose question is an eval question before it is used anyway."""
 ITEM_TIME_LIMIT_S = 10.0
-"""How long generating one item may take before the item counts as a failed example (generators take milliseconds;
-reasoning-gym's number_sequence squares its terms for some seeds, e.g. item seed 1012332337, until the numbers have
-billions of digits, which never ends). Applies where the item is generated on the process's main thread, as in the
-rollout, evaluate and validation steps (`pipeline.environments.time_limit`)."""
+"""The default `item_time_limit_s`: how long generating one item may take before the item counts as a failed example
+(the slowest of 8 items of each of the 105 tasks at default sizes took 0.5 s; reasoning-gym's number_sequence squares
+its terms for some seeds, e.g. item seed 1012332337, until the numbers have billions of digits, which never ends).
+Applies where the item is generated on the process's main thread, as in the rollout, evaluate and validation steps
+(`pipeline.environments.time_limit`)."""
 
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
@@ -335,6 +336,11 @@ class ReasoningGymEnv(SingleTurnEnvironment):
         seed = env_args.get("seed", 0)
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ConfigError("seed", seed, "must be an integer >= 0")
+        limit = env_args.get("item_time_limit_s")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int | float) or not limit > 0):
+            raise ConfigError(
+                "item_time_limit_s", limit, f"must be a number of seconds > 0 (null: {ITEM_TIME_LIMIT_S:g})"
+            )
         template = env_args.get("prompt_template", "{question}")
         if not isinstance(template, str) or "{question}" not in template:
             raise ConfigError("prompt_template", template, "must be a string containing {question}")
@@ -371,6 +377,7 @@ class ReasoningGymEnv(SingleTurnEnvironment):
         name: str | None = None,
         max_prompt_tokens: int | None = None,
         add_bos: bool = True,
+        item_time_limit_s: float | None = None,
     ) -> None:
         super().__init__(max_prompt_tokens=max_prompt_tokens, add_bos=add_bos)
         self.check_args(
@@ -386,6 +393,7 @@ class ReasoningGymEnv(SingleTurnEnvironment):
                 "answer_format": answer_format,
                 "strict_format": strict_format,
                 "prompt_template": prompt_template,
+                "item_time_limit_s": item_time_limit_s,
             }
         )
         self.specs = _specs(task, config, tasks, level, levels)
@@ -398,6 +406,7 @@ class ReasoningGymEnv(SingleTurnEnvironment):
         self.strict_format = strict_format
         self.prompt_template = prompt_template
         self.dedupe_eval = dedupe_eval
+        self.item_time_limit_s = ITEM_TIME_LIMIT_S if item_time_limit_s is None else float(item_time_limit_s)
         self.name = name or ("reasoning_gym-" + "+".join(s.task for s in self.specs))
         self._weights = [s.weight for s in self.specs]
         self._eval_questions: set[str] | None = None
@@ -430,9 +439,10 @@ class ReasoningGymEnv(SingleTurnEnvironment):
         spec = self.spec_for(item_seed)
         example_id = f"{spec.task}-{item_seed}"
         try:
-            entry, ds = run_with_time_limit(lambda: make_entry(spec.task, spec.config, item_seed), ITEM_TIME_LIMIT_S)
+            limit = self.item_time_limit_s
+            entry, ds = run_with_time_limit(lambda: make_entry(spec.task, spec.config, item_seed), limit)
         except TimeLimitExceeded as e:  # a generator that never ends on one seed fails that example only
-            why = f"generating the item took over {e.seconds:g} s (ITEM_TIME_LIMIT_S)"
+            why = f"generating the item took over {e.seconds:g} s (item_time_limit_s)"
             return Example(example_id, None, error=f"reasoning-gym {spec.task!r} seed {item_seed}: {why}")
         except Exception as e:  # a generator failing on one seed fails that example only
             return Example(example_id, None, error=f"reasoning-gym {spec.task!r} seed {item_seed}: {e!r}")
