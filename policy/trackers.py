@@ -181,8 +181,8 @@ class RunTracker:
         from pipeline.telemetry.metrics import MetricsTail
 
         self.tracker = tracker
-        self._t0 = time.time()
-        self._tail = MetricsTail(store, FORWARDED_KINDS, since=None if fresh else self._t0)
+        opened = time.time()
+        self._tail = MetricsTail(store, FORWARDED_KINDS, since=None if fresh else opened)
         self._tail_lock = threading.Lock()
         self._pending: list[dict[str, Any]] = []
         self._pending_lock = threading.Lock()
@@ -190,6 +190,8 @@ class RunTracker:
         self._evaluated: set[tuple[int, str]] = set()
         """(policy step, lesson) of every evaluation forwarded so far."""
         self._rollout_rows = 0.0
+        self._rows_since = opened
+        """The start of `rollout/rows_per_s`: the tracker's opening, or the earliest write forwarded if older."""
         self._stop = threading.Event()
         self._every = forward_every_s
         self._thread = threading.Thread(target=self._collect_loop, name="tracker-forward", daemon=True)
@@ -268,10 +270,9 @@ class RunTracker:
                     self._evaluated.add((int(rec["policy_step"]), lesson))
         if rollouts:
             self._rollout_rows += sum(float(r["rows"]) for r in rollouts)
-            # over the time since the earliest write forwarded (before the tracker opened, in a fresh run)
-            self._t0 = min(self._t0, *(float(r.get("time", self._t0)) for r in rollouts))
+            self._rows_since = min(self._rows_since, *(float(r.get("time", self._rows_since)) for r in rollouts))
             summary = rollout_summary(rollouts)
-            summary["rollout/rows_per_s"] = self._rollout_rows / max(time.time() - self._t0, 1e-9)
+            summary["rollout/rows_per_s"] = self._rollout_rows / max(time.time() - self._rows_since, 1e-9)
             self._log_at(summary, self._step)
 
     def _log_at(self, metrics: dict[str, Any], step: int) -> None:
