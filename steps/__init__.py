@@ -24,6 +24,10 @@ def step_process_defaults(environ: MutableMapping[str, str] = os.environ) -> Non
     # it off; the size limit turns on JAX's LRU eviction and its file lock between processes.
     environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "rlpipe", "jax"))
     environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+    # JAX caches only programs that took over a second to compile by default; a step start also compiles a few of
+    # 0.3-1 s (the sampler's layer unstacking, prefill and insert of a ~50M model: ~2.5 CPU s per rollout worker
+    # start on a 2-core machine, docs/benchmarks.md), which then load from the cache instead.
+    environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
     # Unset, JAX probes every platform it knows, TPU first: without libtpu that logs "Unable to initialize backend
     # 'tpu' … libtpu.so" at every step start. The default names the platforms this machine has, found without
     # importing JAX; JAX_PLATFORMS set (even empty: JAX's own probe) is left as it is.
@@ -35,6 +39,12 @@ def step_process_defaults(environ: MutableMapping[str, str] = os.environ) -> Non
 
 if sys.argv[:1] == ["-m"]:  # while `python -m steps.<name>` locates the module, sys.argv[0] is "-m"
     step_process_defaults()
+    # glibc's allocator setting for XLA on CPU must come before this process starts any thread (the parent watch
+    # below starts one): a thread that allocates first gets an arena of its own, and the threads that later share
+    # it (XLA's among them) map every buffer over 64 MiB afresh, a page fault per 4 KiB (policy/_host_malloc.py).
+    from policy import _host_malloc
+
+    _host_malloc.install()
     # A step the job runner (or its fork server) started ends when the runner is gone; one started from a shell
     # outlives it (pipeline.process.parent_watch).
     from pipeline.process.parent_watch import end_with_starter

@@ -98,3 +98,66 @@ def test_unset_platforms_follow_the_step_default(
     monkeypatch.setattr(hm, "default_jax_platforms", lambda: default)
     assert hm.wanted({})[0] is applies
     assert hm.wanted({"JAX_PLATFORMS": ""})[0] is applies
+
+
+ARENAS_AT_EXIT = """
+import atexit
+
+
+def _report() -> None:
+    from policy import _host_malloc
+
+    print("arenas at exit:", _host_malloc.arena_count(), flush=True)
+
+
+atexit.register(_report)
+"""
+
+
+@pytest.mark.skipif(not hm.wanted({"JAX_PLATFORMS": "cpu"})[0], reason="not glibc: the setting does not apply")
+def test_a_step_process_tied_to_its_starter_keeps_one_arena(tmp_path: Path) -> None:
+    """A step started by a job runner (tied to it: its parent watch starts a thread at once) has its threads on the
+    main heap: the setting comes before that thread. With the thread first it had an arena of its own, which XLA's
+    threads later shared, mapping a fresh buffer above 64 MiB every train step (docstring of `policy._host_malloc`).
+    A `sitecustomize` on the path reports the arenas when the process exits (`--help`: it exits at once)."""
+    from pipeline.process.parent_watch import starter_env
+
+    (tmp_path / "sitecustomize.py").write_text(ARENAS_AT_EXIT)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", hm.OPT_OUT)
+    }
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]), **starter_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "steps.gc", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "arenas at exit: 1" in proc.stdout, (proc.stdout[-500:], proc.stderr[-2000:])
+    assert "allocator arenas existed" not in proc.stderr
+
+
+def test_install_reports_arenas_made_by_threads_that_started_first() -> None:
+    """A process whose thread allocated before the setting: `install()` says so (one warning line)."""
+    program = (
+        "import threading\n"
+        "go = threading.Event()\n"
+        "def work():\n"
+        "    _ = [bytearray(100) for _ in range(1000)]\n"
+        "    go.wait()\n"
+        "t = threading.Thread(target=work); t.start()\n"
+        "import time; time.sleep(0.2)\n"
+        "import policy\n"
+        "from policy import _host_malloc\n"
+        "print('arenas', _host_malloc.arena_count()); go.set(); t.join()\n"
+    )
+    if not hm.wanted({"JAX_PLATFORMS": "cpu"})[0]:
+        pytest.skip("not glibc: the setting does not apply")
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", hm.OPT_OUT)
+    }
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "arenas 2" in proc.stdout, proc.stdout
+    assert "2 allocator arenas existed before the setting" in proc.stderr, proc.stderr[-2000:]
