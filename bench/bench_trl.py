@@ -39,11 +39,12 @@ only the first of each, to keep the part short): TRL with `OMP_WAIT_POLICY=PASSI
 (`pytorch`: OMP_WAIT_POLICY unset, its OpenMP threads spin while they wait; `TRL_OMP_WAIT_POLICIES`,
 `--trl_omp_wait_policy`), rlpipe publishing its policies in bfloat16 and in float32, the job's default on CPU
 (`PUBLISH_DTYPES`, `--publish_dtype`); every rlpipe run is compared with every TRL run of its size (`ratios`), the
-first pairing also as `ratio`. rlpipe runs without its evaluator (`evaluator: false`): TRL evaluates nothing, and both
-systems' rewards are read from their training batches.
+first pairing also as `ratio`; and rlpipe once more on-policy (`train.max_lag 0`, bfloat16: `ONPOLICY_DTYPE`,
+`--onpolicy_dtype`), as TRL's synchronous step samples with the policy it trains. rlpipe runs without its evaluator
+(`evaluator: false`): TRL evaluates nothing, and both systems' rewards are read from their training batches.
 
     python -m bench.bench_trl --sizes tiny,50m --steps 50 --steps_50m 10 --json out.json [--work_dir DIR]
-    python -m bench.bench_trl --sizes 50m --publish_dtype bfloat16 --trl_omp_wait_policy PASSIVE   # one pairing
+    python -m bench.bench_trl --sizes 50m --publish_dtype bfloat16 --trl_omp_wait_policy PASSIVE --onpolicy_dtype ''
 TRL runs in the interpreter named by --trl_python (default: this one); without `trl` there, the TRL column is
 skipped with a note.
 """
@@ -78,10 +79,18 @@ on CPU): half the bytes serialised, hashed, written, read and laid out for the s
 learner's float32 ones by 0.007 nats per token on average (max 0.03, random init at ~50M), two orders of magnitude
 below the one-step policy lag of these runs (`mismatch_abs_logp` 1.1-1.7). `--publish_dtype float32` measures
 the job's CPU default."""
+ONPOLICY_TAG = "+onpolicy"
+"""How `compare` names the on-policy run's setting internally (after its publish dtype)."""
 PUBLISH_DTYPES = ("bfloat16", "float32")
 """The publish dtypes rlpipe runs with at the sizes of `--every_setting` (`--publish_dtype`): bfloat16, and the
 job's CPU default float32; the first is the only one at the other sizes and the one `ratio` and the recorded
 figures name first."""
+ONPOLICY_DTYPE = "bfloat16"
+"""At the sizes of `--every_setting` rlpipe also runs once on-policy (`train.max_lag 0`, publishing in this dtype;
+`--onpolicy_dtype ''` leaves it out): TRL's GRPO step samples with the policy it then trains, rlpipe's job by
+default trains on rows one policy old (`max_lag: 1`) while the next ones are sampled. Measured at ~50M (AMD EPYC
+2-core VM, 2026-11-30, three runs each): reward 0.5 reached at learner step 3-4 on-policy against 6-8 with the
+default lag (TRL: 8), for the same CPU (27.7 against 27.2 CPU s over the job) and about 1 s more wall time."""
 ROLLOUT_WORKERS = {"tiny": 2, "50m": 1}
 """rlpipe's rollout workers per size: at ~50M one worker's sampler already uses both cores of the 2-core machine,
 and a second one only races it for them (and for the same rows, which then go stale)."""
@@ -383,6 +392,7 @@ def compare(
     publish_dtypes: list[str] | None = None,
     omp_policies: list[str | None] | None = None,
     every_setting: tuple[str, ...] = ("50m",),
+    onpolicy_dtype: str | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (size, system, setting), with milestones, memory and CPU; each rlpipe row also has rlpipe / TRL
     for every TRL run of its size (`ratios`: TRL's `OMP_WAIT_POLICY`, `pytorch` for PyTorch's default, -> figure ->
@@ -391,10 +401,11 @@ def compare(
 
     Settings: rlpipe runs once per publish dtype of `publish_dtypes` (default `[PUBLISH_DTYPE]`), TRL once per
     `OMP_WAIT_POLICY` of `omp_policies` (None: PyTorch's default; default `[trl_omp_wait_policy]`), at the sizes of
-    `every_setting`; at the other sizes only the first of each. The runs of a size alternate between the systems
-    (TRL first at the first size, rlpipe first at the next, ...). `rlpipe_extra`: overrides appended to rlpipe's
-    job command line after the dtype's. The runs' files (rlpipe's run roots, with their step logs) go to `work_dir`
-    when given (kept), else to a temporary folder (removed)."""
+    `every_setting`; at the other sizes only the first of each; with `onpolicy_dtype`, one more rlpipe run there,
+    on-policy (`train.max_lag 0`) publishing in that dtype (`ONPOLICY_DTYPE`). The runs of a size alternate between
+    the systems (TRL first at the first size, rlpipe first at the next, ...). `rlpipe_extra`: overrides appended to
+    rlpipe's job command line after the dtype's. The runs' files (rlpipe's run roots, with their step logs) go to
+    `work_dir` when given (kept), else to a temporary folder (removed)."""
     dtypes = publish_dtypes or [PUBLISH_DTYPE]
     policies = omp_policies or [trl_omp_wait_policy]
     have_trl = _trl_available(trl_python)
@@ -406,6 +417,8 @@ def compare(
             every = size in every_setting
             trl_runs = [("trl", p) for p in (policies if every else policies[:1])] if have_trl else []
             rl_runs = [("rlpipe", dt) for dt in (dtypes if every else dtypes[:1])]
+            if every and onpolicy_dtype:
+                rl_runs.append(("rlpipe", f"{onpolicy_dtype}{ONPOLICY_TAG}"))
             first, second = (trl_runs, rl_runs) if i % 2 == 0 else (rl_runs, trl_runs)
             order = [r for pair in itertools.zip_longest(first, second) for r in pair if r is not None]
             got: list[dict[str, Any]] = []
@@ -414,9 +427,11 @@ def compare(
                     res = run_trl(trl_python, size, steps[size], tmp, setting)
                     label = {"omp_wait_policy": setting or "pytorch"}
                 else:
-                    extra = ["--model.publish_dtype", str(setting), *(rlpipe_extra or [])]
-                    res = run_rlpipe(size, steps[size], tmp, extra, tag=str(setting))
-                    label = {"publish_dtype": str(setting)}
+                    dtype, onpolicy = str(setting).removesuffix(ONPOLICY_TAG), str(setting).endswith(ONPOLICY_TAG)
+                    lag = ["--train.max_lag", "0"] if onpolicy else []
+                    extra = ["--model.publish_dtype", dtype, *lag, *(rlpipe_extra or [])]
+                    res = run_rlpipe(size, steps[size], tmp, extra, tag=str(setting).replace("+", "-"))
+                    label = {"publish_dtype": dtype, **({"max_lag": 0} if onpolicy else {})}
                 got.append({
                     "size": size, "system": system, **label, "steps": steps[size], **milestones(res["rows"]),
                     "wall_s": res["wall_s"], "peak_rss_mib": res["peak_rss_mib"], "load_avg": res["load_avg"],
@@ -444,10 +459,10 @@ def compare(
 
 def _setting(row: dict[str, Any]) -> str | None:
     """The setting a row was run with, as `compare` lists it (TRL's OMP_WAIT_POLICY, None for PyTorch's; rlpipe's
-    publish dtype)."""
+    publish dtype, `ONPOLICY_TAG` after it for the on-policy run)."""
     if row["system"] == "trl":
         return None if row["omp_wait_policy"] == "pytorch" else str(row["omp_wait_policy"])
-    return str(row["publish_dtype"])
+    return str(row["publish_dtype"]) + (ONPOLICY_TAG if row.get("max_lag") == 0 else "")
 
 
 TRL_RECORDED_CPU_S_PER_STEP: dict[str, tuple[int, float, str]] = {
@@ -467,7 +482,7 @@ def _name(row: dict[str, Any]) -> str:
     """A row's system and setting, as the table prints them."""
     if row["system"] == "trl":
         return f"TRL omp={row.get('omp_wait_policy', '-')}"
-    return f"rlpipe {row.get('publish_dtype', '-')}"
+    return f"rlpipe {row.get('publish_dtype', '-')}" + (" lag 0" if row.get("max_lag") == 0 else "")
 
 
 def print_table(rows: list[dict[str, Any]], machine: str) -> None:
@@ -549,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         "--every_setting only the first",
     )
     ap.add_argument(
+        "--onpolicy_dtype",
+        default=ONPOLICY_DTYPE,
+        help="publish dtype of one more rlpipe run, on-policy (train.max_lag 0), at the --every_setting sizes "
+        "(default %(default)s; '' for none)",
+    )
+    ap.add_argument(
         "--every_setting",
         default="50m",
         help="sizes that run every --publish_dtype and --trl_omp_wait_policy (default %(default)s; '' for none)",
@@ -580,10 +601,16 @@ def main(argv: list[str] | None = None) -> int:
     extra = args.rlpipe_args.split()
     omp: list[str | None] = [None if p == "pytorch" else p for p in policies]
     every = tuple(s for s in args.every_setting.split(",") if s)
-    rows = compare(sizes, steps, args.trl_python, args.work_dir, extra, None, dtypes, omp, every)
+    if args.onpolicy_dtype not in ("", "auto", "float32", "bfloat16"):
+        ap.error(f"--onpolicy_dtype: {args.onpolicy_dtype!r}: choose from auto, float32, bfloat16, ''")
+    onpolicy = args.onpolicy_dtype or None
+    rows = compare(sizes, steps, args.trl_python, args.work_dir, extra, None, dtypes, omp, every, onpolicy)
     print_table(rows, machine)
     if args.json:
-        settings = {"publish_dtypes": dtypes, "trl_omp_wait_policies": policies, "every_setting": list(every)}
+        settings = {
+            "publish_dtypes": dtypes, "trl_omp_wait_policies": policies, "every_setting": list(every),
+            "onpolicy_dtype": onpolicy,
+        }  # fmt: skip
         Path(args.json).write_text(
             json.dumps({"machine": machine, "rlpipe_args": extra, **settings, "rows": rows}, indent=2)
         )

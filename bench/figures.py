@@ -162,15 +162,16 @@ def _rollout_ratio(size: str) -> Callable[[dict[str, Any]], float | None]:
 
 
 def _trl_ratio(
-    size: str, key: str, dtype: str = "bfloat16", omp: str = "PASSIVE"
+    size: str, key: str, dtype: str = "bfloat16", omp: str = "PASSIVE", max_lag: int | None = None
 ) -> Callable[[dict[str, Any]], float | None]:
-    """rlpipe / TRL's `key` at `size` for rlpipe publishing in `dtype` against TRL with OMP_WAIT_POLICY `omp`
-    (`pytorch`: PyTorch's default); a row that names no setting (an older `bench.bench_trl`) is bfloat16 against
-    PASSIVE."""
+    """rlpipe / TRL's `key` at `size` for rlpipe publishing in `dtype` (with `max_lag` 0: its on-policy run; None:
+    the job's own lag) against TRL with OMP_WAIT_POLICY `omp` (`pytorch`: PyTorch's default); a row that names no
+    setting (an older `bench.bench_trl`) is bfloat16 against PASSIVE."""
 
     def get(res: dict[str, Any]) -> float | None:
         rows = [r for r in res.get("trl") or [] if r.get("size") == size and "ratio" in r]
-        row = next((r for r in rows if r.get("publish_dtype", "bfloat16") == dtype), None)
+        mine = (r for r in rows if r.get("publish_dtype", "bfloat16") == dtype and r.get("max_lag") == max_lag)
+        row = next(mine, None)
         if row is None:
             return None
         ratios = row["ratios"].get(omp) if "ratios" in row else row["ratio"] if omp == "PASSIVE" else None
@@ -277,6 +278,9 @@ CPU_EXTRACTORS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "trl_50m_cpu_steady_ratio_f32_pytorch": _trl_ratio("50m", "cpu_s_per_step_steady", "float32", "pytorch"),
     "trl_50m_steps_ratio_bf16": _trl_ratio("50m", "steps_to_3x_start", "bfloat16", "PASSIVE"),
     "trl_50m_steps_ratio_f32": _trl_ratio("50m", "steps_to_3x_start", "float32", "PASSIVE"),
+    "trl_50m_half_steps_ratio_bf16": _trl_ratio("50m", "steps_to_0.5", "bfloat16", "PASSIVE"),
+    "trl_50m_half_steps_ratio_onpolicy": _trl_ratio("50m", "steps_to_0.5", "bfloat16", "PASSIVE", 0),
+    "trl_50m_cpu_ratio_onpolicy": _trl_ratio("50m", "cpu_s_per_step", "bfloat16", "PASSIVE", 0),
     "train_step_cpu_ratio_torch": _train_step_ratio,
     "latency_trl_setting_s": _get("latency", "trl_setting", "steady_s_per_step"),
     "retention_ratio": _get("retention", "ratio_on_to_off"),

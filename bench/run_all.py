@@ -482,7 +482,9 @@ def _rows_trl(results: dict[str, Any]) -> list[Row]:
             continue
         trl = next(t for t in results["trl"] if t["size"] == r["size"] and t["system"] == "trl")
         # `ratio` is against the size's first TRL run; `bench.bench_trl` prints every pairing of settings
-        setting = f" (rlpipe {r['publish_dtype']}, TRL omp={trl['omp_wait_policy']})" if "publish_dtype" in r else ""
+        lag = " max_lag 0" if r.get("max_lag") == 0 else ""
+        mine = f"rlpipe {r['publish_dtype']}{lag}"
+        setting = f" ({mine}, TRL omp={trl['omp_wait_policy']})" if "publish_dtype" in r else ""
         for key, label in (
             ("steps_to_3x_start", "learner steps to 3x start reward"),
             ("steps_to_0.5", "learner steps to reward 0.5"),

@@ -159,15 +159,23 @@ def test_the_trl_figures_name_their_pairing_of_settings(summary: dict[str, Any])
     """`bench.bench_trl` compares every rlpipe publish dtype with every TRL OpenMP setting (`ratios`); each TRL
     figure takes its own pairing, whatever the rows' order."""
 
-    def rlpipe(dtype: str, passive: float, pytorch: float) -> dict[str, Any]:
+    def rlpipe(dtype: str, passive: float, pytorch: float, **lag: int) -> dict[str, Any]:
         ratios = {"PASSIVE": {"cpu_s_per_step": passive}, "pytorch": {"cpu_s_per_step": pytorch}}
-        return {"size": "50m", "system": "rlpipe", "publish_dtype": dtype, "ratios": ratios, "ratio": ratios["PASSIVE"]}
+        ratios["PASSIVE"]["steps_to_0.5"] = passive / 2
+        row = {"size": "50m", "system": "rlpipe", "publish_dtype": dtype, "ratios": ratios, **lag}
+        return {**row, "ratio": ratios["PASSIVE"]}
 
     trl = [{"size": "50m", "system": "trl", "omp_wait_policy": p} for p in ("PASSIVE", "pytorch")]
     results = {
         "when": "2027-01-02 03:04 UTC",
         "machine": "m",
-        "trl": [*trl, rlpipe("float32", 1.4, 1.3), rlpipe("bfloat16", 1.2, 1.1)],
+        # the on-policy run (max_lag 0) first: the default-lag figures must not take it
+        "trl": [
+            *trl,
+            rlpipe("bfloat16", 0.8, 0.7, max_lag=0),
+            rlpipe("float32", 1.4, 1.3),
+            rlpipe("bfloat16", 1.2, 1.1),
+        ],
     }
     mine = copy.deepcopy(summary)
     figures.record_run(mine, results, "x.json")
@@ -176,6 +184,9 @@ def test_the_trl_figures_name_their_pairing_of_settings(summary: dict[str, Any])
     assert by["trl_50m_cpu_ratio_bf16_pytorch"]["value"] == 1.1
     assert by["trl_50m_cpu_ratio_f32_passive"]["value"] == 1.4
     assert by["trl_50m_cpu_ratio_f32_pytorch"]["value"] == 1.3
+    assert by["trl_50m_half_steps_ratio_bf16"]["value"] == 0.6
+    assert by["trl_50m_cpu_ratio_onpolicy"]["value"] == 0.8
+    assert by["trl_50m_half_steps_ratio_onpolicy"]["value"] == 0.4
 
 
 def test_a_gpu_json_sets_the_gpu_figures(summary: dict[str, Any]) -> None:
