@@ -89,8 +89,9 @@ ONPOLICY_DTYPE = "bfloat16"
 """At the sizes of `--every_setting` rlpipe also runs once on-policy (`train.max_lag 0`, publishing in this dtype;
 `--onpolicy_dtype ''` leaves it out): TRL's GRPO step samples with the policy it then trains, rlpipe's job by
 default trains on rows one policy old (`max_lag: 1`) while the next ones are sampled. Measured at ~50M (AMD EPYC
-2-core VM, 2026-11-30, three runs each): reward 0.5 reached at learner step 3-4 on-policy against 6-8 with the
-default lag (TRL: 8), for the same CPU (27.7 against 27.2 CPU s over the job) and about 1 s more wall time."""
+2-core VM, 2026-11-30, three runs each): reward 0.5 reached at learner step 3, 4, 4 on-policy against 6, 8 and
+once not within the 10 steps with the default lag (TRL: 8), for the same CPU (27.7 against 27.2 CPU s over the job)
+and about 1 s more wall time."""
 ROLLOUT_WORKERS = {"tiny": 2, "50m": 1}
 """rlpipe's rollout workers per size: at ~50M one worker's sampler already uses both cores of the 2-core machine,
 and a second one only races it for them (and for the same rows, which then go stale)."""
