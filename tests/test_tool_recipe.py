@@ -8,7 +8,8 @@ The recipe's own configs, its optimizer included (learning rate 0.002 after 5 wa
 that learns nothing keeps policy 0's greedy answers (+0 points); a collapsed RL run scores 0.000 (sampling at
 temperature 0.7, or a learning rate of 0.003 at 8 steps: 0.000 in one of two runs). Measured on the 2-core VM
 (2026-11-29, beside other jobs), ten runs with SFT: 0.168 at policy 0, then +9.8, +9.8, +9.0, +8.2, +8.6, +9.4,
-+9.4, +8.2, +8.2 and +7.8 points at step 12.
++9.4, +8.2, +8.2 and +7.8 points at step 12; on 2026-11-30 one run in a side-by-side pair of suites collapsed at
+policy 7 (0.168 -> 0.000; docs/testing.md, not fixed).
 
 The failure mode: one update near the peak rate (its gradient norm ordinary) makes the policy leave out the
 `{"expression": ...}` object of the call (`"arguments": "155710+55"`: no call, reward 0) or not close it with `>`
