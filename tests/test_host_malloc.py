@@ -45,11 +45,16 @@ print(json.dumps({"tuned": _host_malloc.install(), "faults": faults}))
 """
 
 
-def _run(extra_env: dict[str, str]) -> dict[str, object]:
+def _untuned_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any malloc tuning or opt-out, JAX on the CPU, then `extra`."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", hm.OPT_OUT)
     }
-    env.update(JAX_PLATFORMS="cpu", **extra_env)
+    return {**env, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def _run(extra_env: dict[str, str]) -> dict[str, object]:
+    env = _untuned_env(**extra_env)
     proc = subprocess.run(
         [sys.executable, "-c", PROGRAM], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
@@ -123,10 +128,7 @@ def test_a_step_process_tied_to_its_starter_keeps_one_arena(tmp_path: Path) -> N
     from pipeline.process.parent_watch import starter_env
 
     (tmp_path / "sitecustomize.py").write_text(ARENAS_AT_EXIT)
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", hm.OPT_OUT)
-    }
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]), **starter_env())
+    env = _untuned_env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]), **starter_env())
     proc = subprocess.run(
         [sys.executable, "-m", "steps.gc", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
@@ -135,6 +137,7 @@ def test_a_step_process_tied_to_its_starter_keeps_one_arena(tmp_path: Path) -> N
     assert "allocator arenas existed" not in proc.stderr
 
 
+@pytest.mark.skipif(not hm.wanted({"JAX_PLATFORMS": "cpu"})[0], reason="not glibc: the setting does not apply")
 def test_install_reports_arenas_made_by_threads_that_started_first() -> None:
     """A process whose thread allocated before the setting: `install()` says so (one warning line)."""
     program = (
@@ -149,14 +152,8 @@ def test_install_reports_arenas_made_by_threads_that_started_first() -> None:
         "from policy import _host_malloc\n"
         "print('arenas', _host_malloc.arena_count()); go.set(); t.join()\n"
     )
-    if not hm.wanted({"JAX_PLATFORMS": "cpu"})[0]:
-        pytest.skip("not glibc: the setting does not apply")
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", hm.OPT_OUT)
-    }
-    env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", program], cwd=ROOT, env=_untuned_env(), capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "arenas 2" in proc.stdout, proc.stdout
